@@ -1,0 +1,229 @@
+"""Layouts the transfers convert between, and the validation every path shares.
+
+Host side (page-first), see :mod:`pagekv.connector.host_pool`:
+    MHA ``host[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``
+    MLA ``host[num_pages, num_layers, page_size, head_dim]``
+
+Device side (layer-first), normalised by :class:`DeviceKV` to ``num_kv`` groups (K and V, or
+the latent) of ``num_layers`` 2-D views ``[num_slots, row_elems]`` whose rows are contiguous
+and whose slot stride is the same for every layer. Accepted engine forms:
+    ``DeviceKV.from_caches(geo, k, v)``  k, v ``[num_layers, num_slots, heads, dim]`` or lists of
+                                         ``num_layers`` tensors ``[num_slots, heads, dim]``
+    ``DeviceKV.from_caches(geo, latent)`` MLA ``[num_layers, num_slots, dim]`` or a list of
+                                         ``[num_slots, dim]``
+    ``DeviceKV.from_vllm(geo, layers)``  vLLM-style per-layer ``[2, num_blocks, block_size,
+                                         heads, dim]``; slot = block * block_size + offset
+
+Slot indices are int32/int64 tensors ``[num_pages_moved, page_size]`` (or flat, page-major);
+a negative slot means "skip this token": nothing is read or written for it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagekv.connector.geometry import KVGeometry
+
+__all__ = [
+    "DeviceKV",
+    "Direction",
+    "check_host",
+    "check_layer",
+    "check_page_ids",
+    "check_slots",
+    "check_unique_slots",
+]
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class Direction(enum.Enum):
+    LOAD = "load"  # page-first host -> layer-first device
+    SAVE = "save"  # layer-first device -> page-first host
+
+
+def _as_list(caches: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+    if isinstance(caches, torch.Tensor):
+        return list(caches.unbind(0))
+    if isinstance(caches, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in caches):
+        return list(caches)
+    raise TypeError(f"{name} must be a tensor or a list of per-layer tensors")
+
+
+def _rows(t: torch.Tensor, geo: KVGeometry, name: str) -> torch.Tensor:
+    """View a per-layer cache ``[num_slots, *device_layer_shape]`` as ``[num_slots, row]``."""
+    if t.dtype != geo.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype}, geometry says {geo.dtype}")
+    if tuple(t.shape[1:]) != geo.device_layer_shape:
+        raise ValueError(
+            f"{name} has shape {tuple(t.shape)}, expected [num_slots, "
+            f"{', '.join(map(str, geo.device_layer_shape))}]"
+        )
+    flat = t.reshape(t.shape[0], geo.row_elems) if t.shape[0] else t.view(0, geo.row_elems)
+    if flat.stride(1) != 1 or flat.data_ptr() != t.data_ptr():
+        raise ValueError(f"{name}: each slot's row must be contiguous in memory")
+    return flat
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceKV:
+    """The engine's layer-first cache as ``layers[kv][layer] -> [num_slots, row_elems]`` views.
+
+    Views alias the engine's tensors: transfers that load write into them.
+    """
+
+    geometry: KVGeometry
+    layers: tuple[tuple[torch.Tensor, ...], ...]
+
+    def __post_init__(self) -> None:
+        geo = self.geometry
+        if len(self.layers) != geo.num_kv:
+            raise ValueError(f"expected {geo.num_kv} cache groups (K/V or latent)")
+        first = self.layers[0][0]
+        for kv, group in enumerate(self.layers):
+            if len(group) != geo.num_layers:
+                raise ValueError(
+                    f"cache {'KV'[kv] if geo.num_kv == 2 else 'latent'} has {len(group)} "
+                    f"layers, geometry says {geo.num_layers}"
+                )
+            for i, t in enumerate(group):
+                if t.device != first.device:
+                    raise ValueError(f"layer {i} is on {t.device}, layer 0 on {first.device}")
+                if t.shape[0] != first.shape[0] or t.stride(0) != first.stride(0):
+                    raise ValueError(
+                        f"layer {i} has {t.shape[0]} slots of stride {t.stride(0)}; every layer "
+                        f"needs layer 0's {first.shape[0]} slots of stride {first.stride(0)}"
+                    )
+
+    @classmethod
+    def from_caches(
+        cls,
+        geometry: KVGeometry,
+        k: torch.Tensor | Sequence[torch.Tensor],
+        v: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    ) -> DeviceKV:
+        """From K and V caches (MHA) or the latent cache alone (MLA); see module docstring."""
+        if geometry.is_mla != (v is None):
+            want = "only the latent cache" if geometry.is_mla else "both K and V caches"
+            raise ValueError(f"{geometry.kind.value} geometry needs {want}")
+        names = ("latent",) if v is None else ("k_cache", "v_cache")
+        groups = (k,) if v is None else (k, v)
+        layers = tuple(
+            tuple(_rows(t, geometry, f"{n}[{i}]") for i, t in enumerate(_as_list(g, n)))
+            for n, g in zip(names, groups)
+        )
+        return cls(geometry, layers)
+
+    @classmethod
+    def from_vllm(cls, geometry: KVGeometry, layers: Sequence[torch.Tensor]) -> DeviceKV:
+        """From vLLM-style per-layer tensors ``[2, num_blocks, block_size, heads, dim]``."""
+        if geometry.is_mla:
+            raise ValueError("from_vllm is for MHA caches; pass MLA latents to from_caches")
+        k, v = [], []
+        for i, t in enumerate(layers):
+            if t.dim() != 5 or t.shape[0] != 2:
+                raise ValueError(
+                    f"layers[{i}] has shape {tuple(t.shape)}, expected [2, B, b, H, D]"
+                )
+            k.append(t[0].flatten(0, 1))
+            v.append(t[1].flatten(0, 1))
+        return cls.from_caches(geometry, k, v)
+
+    @property
+    def num_slots(self) -> int:
+        return self.layers[0][0].shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0][0].device
+
+    @property
+    def slot_stride_bytes(self) -> int:
+        t = self.layers[0][0]
+        return t.stride(0) * t.element_size()
+
+
+def check_host(geometry: KVGeometry, host: torch.Tensor) -> None:
+    """``host`` must be a contiguous ``[num_pages, *geometry.host_page_shape]`` pool buffer."""
+    if not isinstance(host, torch.Tensor):
+        raise TypeError(f"host must be a tensor, got {type(host).__name__}")
+    if host.dtype != geometry.dtype:
+        raise TypeError(f"host has dtype {host.dtype}, geometry says {geometry.dtype}")
+    if host.dim() < 1 or tuple(host.shape[1:]) != geometry.host_page_shape:
+        raise ValueError(
+            f"host has shape {tuple(host.shape)}, expected [num_pages, "
+            f"{', '.join(map(str, geometry.host_page_shape))}]"
+        )
+    if not host.is_contiguous():
+        raise ValueError("host pool buffer must be contiguous")
+
+
+def _index_tensor(x: torch.Tensor | Sequence[int], name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        try:
+            x = torch.as_tensor(list(x), dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise TypeError(f"{name} must be a sequence of ints: {e}") from None
+    if x.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {x.dtype}")
+    return x
+
+
+def check_page_ids(
+    page_ids: torch.Tensor | Sequence[int], num_pages: int, *, unique: bool
+) -> torch.Tensor:
+    """1-D int page ids in ``[0, num_pages)`` (no repeats if ``unique``: a save writes each
+    page once), returned as an int64 CPU tensor."""
+    ids = _index_tensor(page_ids, "page_ids")
+    if ids.dim() != 1:
+        raise ValueError(f"page_ids must be 1-D, got shape {tuple(ids.shape)}")
+    ids = ids.to("cpu", torch.int64)
+    if ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= num_pages:
+            bad = lo if lo < 0 else hi
+            raise IndexError(f"page id {bad} is not in [0, {num_pages})")
+        if unique and torch.unique(ids).numel() != ids.numel():
+            raise ValueError("page_ids repeat: each page may appear once per transfer")
+    return ids
+
+
+def check_slots(
+    slots: torch.Tensor | Sequence[int], num_pages: int, page_size: int, num_slots: int
+) -> torch.Tensor:
+    """Slot indices for ``num_pages`` pages, shape ``[num_pages, page_size]`` (flat accepted).
+
+    Each slot is in ``[0, num_slots)`` or negative (skip). Returned as a 2-D view, same dtype
+    and device as given. Raises ``TypeError`` / ``ValueError`` / ``IndexError``.
+    """
+    s = _index_tensor(slots, "slots")
+    if s.dim() == 1 and s.numel() == num_pages * page_size:
+        s = s.view(num_pages, page_size)
+    if tuple(s.shape) != (num_pages, page_size):
+        raise ValueError(
+            f"slots has shape {tuple(s.shape)}, expected [{num_pages}, {page_size}] "
+            f"(or {num_pages * page_size} flat) for {num_pages} pages"
+        )
+    if s.numel() and int(s.max()) >= num_slots:
+        raise IndexError(f"slot {int(s.max())} is not in [0, {num_slots})")
+    return s
+
+
+def check_layer(layer: int | None, num_layers: int) -> None:
+    if layer is None:
+        return
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise TypeError(f"layer must be an int or None, got {layer!r}")
+    if not 0 <= layer < num_layers:
+        raise IndexError(f"layer {layer} is not in [0, {num_layers})")
+
+
+def check_unique_slots(slots: torch.Tensor) -> None:
+    """Loads write device slots: two tokens may not land in one slot."""
+    valid = slots[slots >= 0]
+    if torch.unique(valid).numel() != valid.numel():
+        raise ValueError("slots repeat: a load would write two tokens into one slot")

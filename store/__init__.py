@@ -1,0 +1,1 @@
+"""pagekv.store: ZeroMQ store nodes and clients moving page blocks (see docs/protocol.md)."""

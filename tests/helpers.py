@@ -1,0 +1,32 @@
+"""Test helpers: fresh random bytes of any dtype, poisoning, bitwise comparison."""
+
+import torch
+
+from pagekv.connector import SUPPORTED_DTYPES
+
+ALL_DTYPES = list(SUPPORTED_DTYPES.values())
+_INT_VIEW = {1: (torch.uint8, 0xA5), 2: (torch.int16, -0x5A5B), 4: (torch.int32, -0x5A5A5A5B)}
+
+
+def random_tensor(shape, dtype, device="cpu"):
+    """Fresh random bytes of any dtype (fp8 included): all bit patterns, NaNs too."""
+    size = torch.empty((), dtype=dtype).element_size()
+    n = torch.Size(shape).numel()
+    raw = torch.randint(0, 256, (n * size,), dtype=torch.uint8)
+    return raw.view(dtype).view(shape).to(device)
+
+
+def as_bits(t):
+    """Integer view of the same bytes: compare with torch.equal, NaNs and all."""
+    return t.view(_INT_VIEW[t.element_size()][0])
+
+
+def poison_(t):
+    """Fill every element with the byte 0xA5 (never zeros) so unwritten elements show."""
+    dtype, value = _INT_VIEW[t.element_size()]
+    t.view(dtype).fill_(value)
+    return t
+
+
+def bits_equal(a, b):
+    return a.shape == b.shape and torch.equal(as_bits(a).cpu(), as_bits(b).cpu())
