@@ -1,10 +1,30 @@
 """pagekv.kernels: page-first host <-> layer-first device transfers and the fused KV store.
 
-Each operation has a torch reference (:mod:`.reference`), the oracle for the CUDA kernels and
-the CPU path.
+One function per operation (:func:`load`, :func:`save`, :func:`copy_slots`, :func:`store_kv`),
+each dispatching to the CUDA kernels, the direct memcpy backend or the torch reference
+(:mod:`.reference`, the oracle for the kernels and the CPU path). See :mod:`.layout` for the
+layouts and :mod:`.jit` for how the kernels are built (``PAGEKV_KERNELS``, ``PAGEKV_CACHE_DIR``).
 """
 
+from .jit import KernelsUnavailable, kernels_unavailable_reason
 from .layout import DeviceKV, Direction
+from .ops import DIRECT_MIN_RUN_BYTES, Backend, copy_slots, load, save
 from .reference import copy_slots_ref, load_ref, save_ref, store_kv_ref
+from .store_kv import store_kv
 
-__all__ = ["DeviceKV", "Direction", "copy_slots_ref", "load_ref", "save_ref", "store_kv_ref"]
+__all__ = [
+    "DIRECT_MIN_RUN_BYTES",
+    "Backend",
+    "DeviceKV",
+    "Direction",
+    "KernelsUnavailable",
+    "copy_slots",
+    "copy_slots_ref",
+    "kernels_unavailable_reason",
+    "load",
+    "load_ref",
+    "save",
+    "save_ref",
+    "store_kv",
+    "store_kv_ref",
+]

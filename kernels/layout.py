@@ -21,6 +21,7 @@ a negative slot means "skip this token": nothing is read or written for it.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -146,6 +147,24 @@ class DeviceKV:
         t = self.layers[0][0]
         return t.stride(0) * t.element_size()
 
+    @functools.cached_property
+    def layer_ptrs(self) -> tuple[int, ...]:
+        """Address of slot 0 of each (kv, layer), kv-major: index ``kv * num_layers + layer``."""
+        return tuple(t.data_ptr() for group in self.layers for t in group)
+
+    @functools.cached_property
+    def _tables(self) -> dict[torch.device, torch.Tensor]:
+        return {}
+
+    def pointer_table(self, device: torch.device) -> torch.Tensor:
+        """``layer_ptrs`` as an int64 tensor on ``device`` (made once, then cached: the kernels
+        read it, so it stays valid inside CUDA graphs captured after the first call)."""
+        table = self._tables.get(device)
+        if table is None:
+            table = torch.tensor(self.layer_ptrs, dtype=torch.int64).to(device)
+            self._tables[device] = table
+        return table
+
 
 def check_host(geometry: KVGeometry, host: torch.Tensor) -> None:
     """``host`` must be a contiguous ``[num_pages, *geometry.host_page_shape]`` pool buffer."""
@@ -174,15 +193,21 @@ def _index_tensor(x: torch.Tensor | Sequence[int], name: str) -> torch.Tensor:
 
 
 def check_page_ids(
-    page_ids: torch.Tensor | Sequence[int], num_pages: int, *, unique: bool
+    page_ids: torch.Tensor | Sequence[int],
+    num_pages: int,
+    *,
+    unique: bool,
+    check_values: bool = True,
 ) -> torch.Tensor:
-    """1-D int page ids in ``[0, num_pages)`` (no repeats if ``unique``: a save writes each
-    page once), returned as an int64 CPU tensor."""
+    """1-D int32/int64 page ids, returned as a tensor on the device given (lists: CPU int64).
+
+    With ``check_values`` (a GPU sync for CUDA tensors) each id must be in ``[0, num_pages)``
+    and, if ``unique`` (a save writes each page once), appear once.
+    """
     ids = _index_tensor(page_ids, "page_ids")
     if ids.dim() != 1:
         raise ValueError(f"page_ids must be 1-D, got shape {tuple(ids.shape)}")
-    ids = ids.to("cpu", torch.int64)
-    if ids.numel():
+    if check_values and ids.numel():
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= num_pages:
             bad = lo if lo < 0 else hi
@@ -193,12 +218,18 @@ def check_page_ids(
 
 
 def check_slots(
-    slots: torch.Tensor | Sequence[int], num_pages: int, page_size: int, num_slots: int
+    slots: torch.Tensor | Sequence[int],
+    num_pages: int,
+    page_size: int,
+    num_slots: int,
+    *,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """Slot indices for ``num_pages`` pages, shape ``[num_pages, page_size]`` (flat accepted).
 
-    Each slot is in ``[0, num_slots)`` or negative (skip). Returned as a 2-D view, same dtype
-    and device as given. Raises ``TypeError`` / ``ValueError`` / ``IndexError``.
+    Each slot is in ``[0, num_slots)`` or negative (skip); checked when ``check_values`` (a GPU
+    sync for CUDA tensors). Returned as a 2-D view, same dtype and device as given. Raises
+    ``TypeError`` / ``ValueError`` / ``IndexError``.
     """
     s = _index_tensor(slots, "slots")
     if s.dim() == 1 and s.numel() == num_pages * page_size:
@@ -208,7 +239,7 @@ def check_slots(
             f"slots has shape {tuple(s.shape)}, expected [{num_pages}, {page_size}] "
             f"(or {num_pages * page_size} flat) for {num_pages} pages"
         )
-    if s.numel() and int(s.max()) >= num_slots:
+    if check_values and s.numel() and int(s.max()) >= num_slots:
         raise IndexError(f"slot {int(s.max())} is not in [0, {num_slots})")
     return s
 

@@ -57,6 +57,7 @@ def save_ref(
     ids = check_page_ids(page_ids, host.shape[0], unique=True)
     s = check_slots(slots, ids.numel(), geo.page_size, kv.num_slots)
     check_layer(layer, geo.num_layers)
+    ids = ids.to("cpu", torch.int64)
     s = s.to(kv.device, torch.int64).reshape(-1)
     valid = s >= 0
     if not bool(valid.any()):
@@ -89,6 +90,7 @@ def load_ref(
     s = check_slots(slots, ids.numel(), geo.page_size, kv.num_slots)
     check_layer(layer, geo.num_layers)
     check_unique_slots(s)
+    ids = ids.to("cpu", torch.int64)
     s = s.to(kv.device, torch.int64).reshape(-1)
     valid = s >= 0
     dst_idx = s[valid]

@@ -1,0 +1,184 @@
+"""Build and load the CUDA kernels: nvcc on first use, cached, behind ctypes.
+
+Route: a plain nvcc shared library with C entry points, loaded with ctypes. It needs no torch
+headers, builds with nothing but nvcc (so CI, which has nvcc and no GPU, compiles the real
+sources: ``tests/test_kernels_build.py``), and launches on the stream torch hands it.
+
+* Cache: ``$PAGEKV_CACHE_DIR`` (default ``~/.cache/pagekv``), one library per source hash, GPU
+  architecture and CUDA version; a file lock makes concurrent processes build once.
+* ``PAGEKV_KERNELS``: ``auto`` (default: kernels when possible, else torch with one warning),
+  ``torch`` (always the reference path), ``cuda`` (kernels or an error saying why not).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "KernelsUnavailable",
+    "backend_mode",
+    "build_library",
+    "find_nvcc",
+    "kernels_unavailable_reason",
+    "load_library",
+]
+
+log = logging.getLogger(__name__)
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "pagekv_kernels.cu",)
+NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
+_ABI_VERSION = 1
+
+
+class KernelsUnavailable(RuntimeError):
+    """The CUDA kernels cannot be used here; the message says why and what to do."""
+
+
+def backend_mode() -> str:
+    mode = os.environ.get("PAGEKV_KERNELS", "auto").strip().lower()
+    if mode not in ("auto", "torch", "cuda"):
+        raise ValueError(f"PAGEKV_KERNELS must be auto, torch or cuda, got {mode!r}")
+    return mode
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PAGEKV_CACHE_DIR", Path.home() / ".cache" / "pagekv"))
+
+
+def find_nvcc() -> str | None:
+    """nvcc from $CUDA_HOME / $CUDA_PATH, then PATH, then /usr/local/cuda."""
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and (Path(root) / "bin" / "nvcc").is_file():
+            return str(Path(root) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+@functools.cache
+def nvcc_version(nvcc: str) -> str:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    match = re.search(r"release (\d+\.\d+)", out)
+    return match.group(1) if match else "unknown"
+
+
+def _source_digest(arch: str, cuda: str) -> str:
+    h = hashlib.sha256(f"{arch}|{cuda}|{' '.join(NVCC_FLAGS)}".encode())
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def compile_command(nvcc: str, arch: str, out: Path) -> list[str]:
+    """nvcc command building all sources for ``sm_<arch>`` (e.g. "90") into ``out``."""
+    gencode = f"-gencode=arch=compute_{arch},code=sm_{arch}"
+    return [nvcc, *NVCC_FLAGS, gencode, "-o", str(out), *map(str, SOURCES)]
+
+
+def build_library(arch: str, *, nvcc: str | None = None, directory: Path | None = None) -> Path:
+    """Compile (once; cached and locked) and return the library path for ``sm_<arch>``.
+
+    Raises ``KernelsUnavailable`` if nvcc is missing or the compile fails (with its output).
+    """
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise KernelsUnavailable(
+            "nvcc not found (set CUDA_HOME or put nvcc on PATH; install the CUDA toolkit)"
+        )
+    directory = directory or cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    cuda = nvcc_version(nvcc)
+    lib = directory / f"libpagekv_sm{arch}_cu{cuda}_{_source_digest(arch, cuda)}.so"
+    with open(directory / f"{lib.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent processes: one builds, the others wait
+        if lib.exists():
+            return lib
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            out = Path(tmp) / lib.name
+            log.info("pagekv: building CUDA kernels for sm_%s with %s", arch, nvcc)
+            proc = subprocess.run(compile_command(nvcc, arch, out), capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise KernelsUnavailable(f"nvcc failed for sm_{arch}:\n{proc.stderr[-4000:]}")
+            os.replace(out, lib)
+    return lib
+
+
+_SIGNATURES = {
+    "pagekv_abi_version": ([], ctypes.c_int),
+    "pagekv_can_use_host_pointer": ([ctypes.c_int], ctypes.c_int),
+    "pagekv_host_device_pointer": (
+        [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)],
+        ctypes.c_int,
+    ),
+}
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_SIGNATURES["pagekv_page_transfer"] = (
+    [_I, _I, _P, _P, _P, _I, _P, _I] + [_L] * 5 + [_I] * 9 + [_P],
+    ctypes.c_int,
+)
+_SIGNATURES["pagekv_slot_copy"] = (
+    [_I, _P, _P, _P, _I, _P, _I] + [_L] * 5 + [_I] * 8 + [_P],
+    ctypes.c_int,
+)
+_SIGNATURES["pagekv_store_kv"] = (
+    [_I, _P, _P, _P, _P, _P, _I] + [_L] * 6 + [_I] * 4 + [_P],
+    ctypes.c_int,
+)
+_SIGNATURES["pagekv_direct_page_transfer"] = (
+    [_I, _I, _P, _P, _P, _P] + [_L] * 3 + [_I] * 6 + [_P],
+    ctypes.c_int,
+)
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name, (args, res) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    if lib.pagekv_abi_version() != _ABI_VERSION:
+        raise KernelsUnavailable(f"{path} has ABI {lib.pagekv_abi_version()}, need {_ABI_VERSION}")
+    return lib
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    if backend_mode() == "torch":
+        return None, "PAGEKV_KERNELS=torch forces the torch reference path"
+    if not torch.cuda.is_available():
+        return None, "no CUDA device (torch.cuda.is_available() is False)"
+    major, minor = torch.cuda.get_device_capability()
+    try:
+        return _open(build_library(f"{major}{minor}")), None
+    except (KernelsUnavailable, OSError, subprocess.SubprocessError) as e:
+        return None, str(e)
+
+
+def kernels_unavailable_reason() -> str | None:
+    """None when the kernels are usable, else a one-line reason."""
+    return _load()[1]
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    log.warning("pagekv: CUDA kernels unavailable, using the torch path: %s", reason)
+
+
+def load_library() -> ctypes.CDLL | None:
+    """The kernel library, or None (warned once) when unavailable and PAGEKV_KERNELS allows
+    the torch path. Raises ``KernelsUnavailable`` when PAGEKV_KERNELS=cuda and they are not."""
+    lib, reason = _load()
+    if lib is None and reason is not None:
+        if backend_mode() == "cuda":
+            raise KernelsUnavailable(reason)
+        _warn_once(reason.splitlines()[0])
+    return lib

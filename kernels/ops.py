@@ -1,0 +1,271 @@
+"""Transfers and the fused KV store: one function per operation, each dispatching to
+
+* ``"kernel"``: the CUDA kernels (:mod:`.jit`), host memory read/written in place;
+* ``"direct"``: one ``cudaMemcpyAsync`` per run of consecutive slots (large pages);
+* ``"torch"``: the reference (:mod:`.reference`), used on CPU and when kernels are unavailable.
+
+``backend="auto"`` picks: torch on CPU, direct when slot indices are on the CPU and their runs
+average at least ``DIRECT_MIN_RUN_BYTES`` per copy, else the kernel. Launches go on torch's
+current stream and neither allocate nor synchronise, so they can be captured in a CUDA graph
+(pass device index tensors and ``validate=False`` inside a capture).
+
+``validate=True`` checks index values (range, repeats) before anything is written, which syncs
+when the indices are CUDA tensors. ``validate=False`` keeps the shape/dtype/device checks; the
+kernels then skip (never write) tokens whose index is out of range.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from . import reference
+from .jit import KernelsUnavailable, load_library
+from .layout import (
+    DeviceKV,
+    check_host,
+    check_layer,
+    check_page_ids,
+    check_slots,
+    check_unique_slots,
+)
+
+__all__ = ["DIRECT_MIN_RUN_BYTES", "Backend", "copy_slots", "load", "save"]
+
+Backend = Literal["auto", "kernel", "direct", "torch"]
+_BACKENDS = ("auto", "kernel", "direct", "torch")
+HOST_BLOCKS = 8  # host<->device transfers reach the bus with 8 blocks, leaving SMs to the model
+THREADS = 1024
+UNROLL = 4  # chunks in flight per thread (kernels/csrc: kUnroll)
+# auto chooses the memcpy backend when runs average this many bytes (docs/benchmarks.md)
+DIRECT_MIN_RUN_BYTES = 1 << 20
+Index = torch.Tensor | Sequence[int]
+
+
+def _vector_width(*values: int) -> int:
+    for width in (16, 8, 4):
+        if all(v % width == 0 for v in values):
+            return width
+    raise ValueError(f"addresses/sizes {values} are not 4-byte aligned")
+
+
+@functools.cache
+def _can_use_host_pointer(device: int) -> bool:
+    lib = load_library()
+    return bool(lib and lib.pagekv_can_use_host_pointer(device))
+
+
+def _device_address(t: torch.Tensor, device: torch.device) -> int:
+    """Address at which a kernel on ``device`` reaches ``t`` (device or pinned host memory)."""
+    if t.is_cuda:
+        if t.device != device:
+            raise ValueError(f"tensor on {t.device}, transfer on {device}")
+        return t.data_ptr()
+    if not t.is_pinned():
+        raise ValueError("host memory must be pinned (HostPagePool pins when CUDA is available)")
+    if _can_use_host_pointer(device.index or 0):
+        return t.data_ptr()
+    out = ctypes.c_void_p()
+    lib = load_library()
+    if lib is None or lib.pagekv_host_device_pointer(t.data_ptr(), ctypes.byref(out)) != 0:
+        raise RuntimeError("cudaHostGetDevicePointer failed for a pinned host buffer")
+    return int(out.value or 0)
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+
+
+def _kernel_lib(backend: str, cuda_ok: bool, why_not: str) -> ctypes.CDLL | None:
+    """The library if this call should use it; None for the torch path; raises if the caller
+    asked for a CUDA backend that cannot run."""
+    if backend == "torch":
+        return None
+    if not cuda_ok:
+        if backend in ("kernel", "direct"):
+            raise ValueError(f"backend={backend!r} needs {why_not}")
+        return None
+    lib = load_library()
+    if lib is None and backend in ("kernel", "direct"):
+        raise KernelsUnavailable("CUDA kernels unavailable; see PAGEKV_KERNELS and the log")
+    return lib
+
+
+def _mean_run_bytes(kv: DeviceKV, s: torch.Tensor) -> float:
+    """Average bytes per memcpy the direct backend would issue for slot table ``s`` (CPU)."""
+    item = kv.geometry.item_bytes
+    valid = s >= 0
+    if kv.slot_stride_bytes != item:
+        return float(item)
+    follows = torch.zeros_like(valid)
+    follows[:, 1:] = valid[:, 1:] & valid[:, :-1] & (s[:, 1:] == s[:, :-1] + 1)
+    runs = int((valid & ~follows).sum())
+    return item * int(valid.sum()) / max(runs, 1)
+
+
+def _page_transfer(
+    load: bool,
+    host: torch.Tensor,
+    page_ids: Index,
+    kv: DeviceKV,
+    slots: Index,
+    layer: int | None,
+    backend: str,
+    num_blocks: int,
+    validate: bool,
+) -> str:
+    geo = kv.geometry
+    _check_backend(backend)
+    check_host(geo, host)
+    check_layer(layer, geo.num_layers)
+    ids = check_page_ids(page_ids, host.shape[0], unique=not load, check_values=validate)
+    s = check_slots(slots, ids.numel(), geo.page_size, kv.num_slots, check_values=validate)
+    if load and validate:
+        check_unique_slots(s)
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+        raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    dev = kv.device
+    host_ok = host.device == dev or (host.device.type == "cpu" and host.is_pinned())
+    lib = _kernel_lib(backend, dev.type == "cuda" and host_ok, "CUDA caches and a pinned host")
+    if lib is None:
+        if load:
+            reference.load_ref(host, ids, kv, s, layer=layer)
+        else:
+            reference.save_ref(kv, s, host, ids, layer=layer)
+        return "torch"
+    if backend == "auto":
+        cpu_slots = s.device.type == "cpu"
+        backend = (
+            "direct" if cpu_slots and _mean_run_bytes(kv, s) >= DIRECT_MIN_RUN_BYTES else "kernel"
+        )
+    l0, nl = (0, geo.num_layers) if layer is None else (layer, 1)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    if backend == "direct":
+        ids_h, s_h = ids.to("cpu", torch.int64).contiguous(), s.to("cpu", torch.int64).contiguous()
+        table = (ctypes.c_int64 * len(kv.layer_ptrs))(*kv.layer_ptrs)
+        err = lib.pagekv_direct_page_transfer(
+            dev.index, int(load), host.data_ptr(), table, ids_h.data_ptr(), s_h.data_ptr(),
+            ids_h.numel(), geo.page_bytes, kv.slot_stride_bytes, geo.item_bytes, geo.page_size,
+            geo.num_kv, geo.num_layers, l0, nl, stream,
+        )  # fmt: skip
+    else:
+        ids_d = ids.to(dev, non_blocking=True).contiguous()
+        s_d = s.to(dev, non_blocking=True).contiguous()
+        host_addr = _device_address(host, dev)
+        width = _vector_width(geo.item_bytes, kv.slot_stride_bytes, host_addr, *kv.layer_ptrs)
+        chunks = ids_d.numel() * geo.num_kv * geo.page_size * nl * geo.item_bytes // width
+        blocks = max(1, min(num_blocks, -(-chunks // (THREADS * UNROLL))))
+        err = lib.pagekv_page_transfer(
+            dev.index, int(load), host_addr, kv.pointer_table(dev).data_ptr(), ids_d.data_ptr(),
+            int(ids_d.dtype == torch.int64), s_d.data_ptr(), int(s_d.dtype == torch.int64),
+            ids_d.numel(), host.shape[0], kv.num_slots, geo.page_bytes, kv.slot_stride_bytes,
+            geo.item_bytes, geo.page_size, geo.num_kv, geo.num_layers, l0, nl, width, blocks,
+            THREADS, stream,
+        )  # fmt: skip
+    if err != 0:
+        raise RuntimeError(f"pagekv {backend} {'load' if load else 'save'} failed: cudaError {err}")
+    return backend
+
+
+def load(
+    host: torch.Tensor,
+    page_ids: Index,
+    kv: DeviceKV,
+    slots: Index,
+    *,
+    layer: int | None = None,
+    backend: Backend = "auto",
+    num_blocks: int = HOST_BLOCKS,
+    validate: bool = True,
+) -> str:
+    """Page-first host pages -> layer-first device slots, all layers or only ``layer``.
+
+    ``host``: pool buffer ``[num_pages, *geometry.host_page_shape]`` (pinned, or on the GPU);
+    ``page_ids``: ``[n]``; ``slots``: ``[n, page_size]`` (negative = skip). Writes ``kv`` only,
+    asynchronously on the current stream. Returns the backend used.
+    """
+    return _page_transfer(True, host, page_ids, kv, slots, layer, backend, num_blocks, validate)
+
+
+def save(
+    kv: DeviceKV,
+    slots: Index,
+    host: torch.Tensor,
+    page_ids: Index,
+    *,
+    layer: int | None = None,
+    backend: Backend = "auto",
+    num_blocks: int = HOST_BLOCKS,
+    validate: bool = True,
+) -> str:
+    """Layer-first device slots -> page-first host pages (each page id at most once).
+
+    Writes ``host`` only, asynchronously on the current stream: synchronise (or record an
+    event) before reading or sending the pages. Returns the backend used.
+    """
+    return _page_transfer(False, host, page_ids, kv, slots, layer, backend, num_blocks, validate)
+
+
+def copy_slots(
+    src: DeviceKV,
+    src_slots: torch.Tensor,
+    dst: DeviceKV,
+    dst_slots: torch.Tensor,
+    *,
+    layer: int | None = None,
+    backend: Backend = "auto",
+    num_blocks: int | None = None,
+    validate: bool = True,
+) -> str:
+    """Layer-first -> layer-first: ``dst`` slot ``dst_slots[t]`` gets ``src`` slot
+    ``src_slots[t]`` in every layer (or ``layer``). Device<->device or device<->pinned host;
+    a negative index on either side skips the token. Writes ``dst`` only."""
+    _check_backend(backend)
+    if backend == "direct":
+        raise ValueError("copy_slots has no direct backend; use 'kernel' or 'torch'")
+    if src.geometry != dst.geometry:
+        raise ValueError("src and dst caches have different geometries")
+    geo = src.geometry
+    check_layer(layer, geo.num_layers)
+    n = src_slots.numel() if isinstance(src_slots, torch.Tensor) else len(src_slots)
+    s = check_slots(src_slots, 1, n, src.num_slots, check_values=validate).view(-1)
+    d = check_slots(dst_slots, 1, n, dst.num_slots, check_values=validate).view(-1)
+    if validate:
+        check_unique_slots(d)
+    dev = src.device if src.device.type == "cuda" else dst.device
+    sides_ok = all(t.device == dev or t.is_pinned() for t in (src.layers[0][0], dst.layers[0][0]))
+    lib = _kernel_lib(backend, dev.type == "cuda" and sides_ok, "CUDA or pinned caches")
+    if lib is None:
+        reference.copy_slots_ref(src, s, dst, d, layer=layer)
+        return "torch"
+    src_ptrs = [_device_address(t, dev) for g in src.layers for t in g]
+    dst_ptrs = [_device_address(t, dev) for g in dst.layers for t in g]
+    width = _vector_width(geo.item_bytes, src.slot_stride_bytes, dst.slot_stride_bytes,
+                          *src_ptrs, *dst_ptrs)  # fmt: skip
+    both_on_device = src.device.type == dst.device.type == "cuda"
+    if num_blocks is None:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        num_blocks = 2 * sms if both_on_device else HOST_BLOCKS
+    l0, nl = (0, geo.num_layers) if layer is None else (layer, 1)
+    chunks = n * geo.num_kv * nl * geo.item_bytes // width
+    blocks = max(1, min(num_blocks, -(-chunks // (THREADS * UNROLL))))
+    s_d, d_d = s.to(dev).contiguous(), d.to(dev).contiguous()
+    tables = [
+        kv.pointer_table(dev) if list(kv.layer_ptrs) == ptrs else torch.tensor(ptrs).to(dev)
+        for kv, ptrs in ((src, src_ptrs), (dst, dst_ptrs))
+    ]
+    err = lib.pagekv_slot_copy(
+        dev.index, tables[0].data_ptr(), tables[1].data_ptr(),
+        s_d.data_ptr(), int(s_d.dtype == torch.int64), d_d.data_ptr(),
+        int(d_d.dtype == torch.int64), n, src.num_slots, dst.num_slots, src.slot_stride_bytes,
+        dst.slot_stride_bytes, geo.item_bytes, geo.num_kv, geo.num_layers, l0, nl, width, blocks,
+        THREADS, torch.cuda.current_stream(dev).cuda_stream,
+    )  # fmt: skip
+    if err != 0:
+        raise RuntimeError(f"pagekv copy_slots failed: cudaError {err}")
+    return "kernel"

@@ -1,0 +1,330 @@
+"""Kernel benchmark (GPU): page-first host <-> layer-first device transfers and the fused KV store,
+side by side with the contiguous pinned copy (the ceiling) in the same run.
+
+For each geometry (Llama-3-8B, its TP-8 slice with 256-byte rows, a DeepSeek-style MLA latent)
+and page size 1..128, moving >= 256 MiB: our kernel (load / save, all layers, N blocks), the
+direct memcpy backend, one host->device copy into a staging buffer plus a GPU scatter, and
+per-page-per-layer torch copies. Then the one-layer load by batch size, a thread-block sweep,
+and the fused KV store against two index_put. Medians of CUDA-event timings.
+
+    python scripts/bench_kernels.py [--quick]    # writes benchmarks/results/bench_kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from _bench_util import environment, write_result
+
+from pagekv.connector import KVGeometry
+from pagekv.kernels import DeviceKV, load, save, store_kv
+
+DEV = torch.device("cuda")
+GEOMETRIES = {
+    "llama3-8b": dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bf16"),
+    "llama3-8b-tp8": dict(num_layers=32, num_kv_heads=1, head_dim=128, dtype="bf16"),
+    "mla-576": dict(num_layers=61, num_kv_heads=1, head_dim=576, dtype="bf16", kind="mla"),
+}
+
+
+def median_ms(fn, reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / ms / 1e6
+
+
+class Setup:
+    """Host pages, device caches and slot tables for one geometry and page size."""
+
+    def __init__(self, raw_host: torch.Tensor, geo: KVGeometry, total_bytes: int) -> None:
+        self.geo = geo
+        self.n_pages = max(1, total_bytes // geo.page_bytes)
+        self.nbytes = self.n_pages * geo.page_bytes
+        n_tokens = self.n_pages * geo.page_size
+        self.host = raw_host[: self.nbytes].view(geo.dtype).view(self.n_pages, *geo.host_page_shape)
+        shape = (geo.num_layers, n_tokens, *geo.device_layer_shape)
+        self.caches = [torch.empty(shape, dtype=geo.dtype, device=DEV) for _ in range(geo.num_kv)]
+        for c in self.caches:
+            c.view(torch.uint8).random_()
+        self.kv = DeviceKV.from_caches(geo, *self.caches)
+        # pages land on shuffled page-sized runs of slots (a paged engine's block table)
+        order = torch.randperm(self.n_pages)
+        self.slots_cpu = (order[:, None] * geo.page_size + torch.arange(geo.page_size)).contiguous()
+        self.slots = self.slots_cpu.to(DEV)
+        self.ids_cpu = torch.randperm(self.n_pages)
+        self.ids = self.ids_cpu.to(DEV)
+
+    def staged_load(self, staging: torch.Tensor) -> None:
+        """Baseline: one contiguous H2D copy of the pages into a staging buffer, then scatter."""
+        geo = self.geo
+        buf = staging[: self.nbytes].view(geo.dtype).view(self.n_pages, *geo.host_page_shape)
+        buf.copy_(self.host, non_blocking=True)
+        rows = buf[self.ids].view(self.n_pages, geo.num_layers, geo.num_kv, geo.page_size, -1)
+        flat = self.slots.view(-1)
+        for layer in range(geo.num_layers):
+            for c in range(geo.num_kv):
+                src = rows[:, layer, c].reshape(-1, geo.row_elems)
+                self.kv.layers[c][layer].index_copy_(0, flat, src)
+
+    def per_page_load(self, max_pages: int) -> None:
+        """Baseline: one torch copy per page, layer and K/V (pages are slot-contiguous)."""
+        geo = self.geo
+        hv = self.host.view(self.n_pages, geo.num_layers, geo.num_kv, geo.page_size, -1)
+        for i in range(min(self.n_pages, max_pages)):
+            start = int(self.slots_cpu[i, 0])
+            page = int(self.ids_cpu[i])
+            for layer in range(geo.num_layers):
+                for c in range(geo.num_kv):
+                    dst = self.kv.layers[c][layer][start : start + geo.page_size]
+                    dst.copy_(hv[page, layer, c], non_blocking=True)
+
+
+def transfer_rows(raw_host, staging, args) -> list[dict]:
+    rows = []
+    for name, spec in GEOMETRIES.items():
+        for page in args.page_sizes:
+            geo = KVGeometry(page_size=page, **spec)
+            st = Setup(raw_host, geo, args.bytes)
+            dev_flat = torch.empty(st.nbytes, dtype=torch.uint8, device=DEV)
+            host_flat = raw_host[: st.nbytes]
+            r = dict(
+                geometry=name, page_size=page, item_bytes=geo.item_bytes, mib=st.nbytes / 2**20
+            )
+            ms = {
+                "ceiling_h2d": median_ms(
+                    lambda: dev_flat.copy_(host_flat, non_blocking=True), args.reps
+                ),
+                "ceiling_d2h": median_ms(
+                    lambda: host_flat.copy_(dev_flat, non_blocking=True), args.reps
+                ),
+                "kernel_load": median_ms(
+                    lambda: load(
+                        st.host, st.ids, st.kv, st.slots, backend="kernel", validate=False
+                    ),
+                    args.reps,
+                ),
+                "kernel_save": median_ms(
+                    lambda: save(
+                        st.kv, st.slots, st.host, st.ids, backend="kernel", validate=False
+                    ),
+                    args.reps,
+                ),
+                "staged_load": median_ms(lambda: st.staged_load(staging), args.reps),
+            }
+            # the direct backend issues one memcpy per page-run, layer and K/V: skip where that
+            # is more than 100k copies (seconds per transfer; it is never the right choice there)
+            if st.n_pages * geo.num_layers * geo.num_kv <= 100_000:
+                ms["direct_load"] = median_ms(
+                    lambda: load(
+                        st.host, st.ids_cpu, st.kv, st.slots_cpu, backend="direct", validate=False
+                    ),
+                    3,
+                )
+                ms["direct_save"] = median_ms(
+                    lambda: save(
+                        st.kv, st.slots_cpu, st.host, st.ids_cpu, backend="direct", validate=False
+                    ),
+                    3,
+                )
+            pages = max(1, min(st.n_pages, args.per_page_bytes // geo.page_bytes))
+            per_page_ms = median_ms(lambda: st.per_page_load(pages), 3, warmup=1)
+            for key, value in ms.items():
+                r[f"{key}_gbps"] = round(gbps(st.nbytes, value), 2)
+            r["per_page_load_gbps"] = round(gbps(pages * geo.page_bytes, per_page_ms), 2)
+            for key in ("kernel_load", "direct_load", "staged_load", "per_page_load"):
+                if f"{key}_gbps" in r:
+                    r[f"{key}_ratio"] = round(r[f"{key}_gbps"] / r["ceiling_h2d_gbps"], 3)
+            for key in ("kernel_save", "direct_save"):
+                if f"{key}_gbps" in r:
+                    r[f"{key}_ratio"] = round(r[f"{key}_gbps"] / r["ceiling_d2h_gbps"], 3)
+            rows.append(r)
+            print(
+                f"{name:14s} page {page:4d}: load {r['kernel_load_ratio']:.3f} save "
+                f"{r['kernel_save_ratio']:.3f} direct {r.get('direct_load_ratio', '-')}/"
+                f"{r.get('direct_save_ratio', '-')} staged {r['staged_load_ratio']:.3f} per-page "
+                f"{r['per_page_load_ratio']:.3f} (ceiling {r['ceiling_h2d_gbps']:.1f} GB/s)",
+                flush=True,
+            )
+    return rows
+
+
+def block_sweep(raw_host, args) -> list[dict]:
+    out = []
+    for name in ("llama3-8b", "llama3-8b-tp8"):
+        for page in (1, 16):
+            geo = KVGeometry(page_size=page, **GEOMETRIES[name])
+            st = Setup(raw_host, geo, args.bytes)
+            dev_flat = torch.empty(st.nbytes, dtype=torch.uint8, device=DEV)
+            ceil_h2d = median_ms(
+                lambda: dev_flat.copy_(raw_host[: st.nbytes], non_blocking=True), args.reps
+            )
+            ceil_d2h = median_ms(
+                lambda: raw_host[: st.nbytes].copy_(dev_flat, non_blocking=True), args.reps
+            )
+            for blocks in (1, 2, 4, 8, 16, 32):
+                ld = median_ms(
+                    lambda: load(
+                        st.host,
+                        st.ids,
+                        st.kv,
+                        st.slots,
+                        num_blocks=blocks,
+                        backend="kernel",
+                        validate=False,
+                    ),
+                    args.reps,
+                )
+                sv = median_ms(
+                    lambda: save(
+                        st.kv,
+                        st.slots,
+                        st.host,
+                        st.ids,
+                        num_blocks=blocks,
+                        backend="kernel",
+                        validate=False,
+                    ),
+                    args.reps,
+                )
+                out.append(
+                    dict(
+                        geometry=name,
+                        page_size=page,
+                        blocks=blocks,
+                        load_ratio=round(ceil_h2d / ld, 3),
+                        save_ratio=round(ceil_d2h / sv, 3),
+                    )
+                )
+            print(
+                f"blocks sweep {name} page {page}: "
+                + " ".join(
+                    f"{r['blocks']}:{r['load_ratio']:.2f}/{r['save_ratio']:.2f}" for r in out[-6:]
+                ),
+                flush=True,
+            )
+    return out
+
+
+def layer_rows(raw_host, args) -> list[dict]:
+    """One-layer load: the ratio to the contiguous copy of the same bytes, by batch size."""
+    out = []
+    geo = KVGeometry(page_size=16, **GEOMETRIES["llama3-8b"])
+    st = Setup(raw_host, geo, args.bytes)
+    layer_bytes_per_page = geo.page_bytes // geo.num_layers
+    for mib in (1, 4, 16, 64):
+        n = max(1, min(st.n_pages, mib * 2**20 // layer_bytes_per_page))
+        nbytes = n * layer_bytes_per_page
+        dev_flat = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
+        ceil = median_ms(
+            lambda: dev_flat.copy_(raw_host[:nbytes], non_blocking=True), args.reps * 3
+        )
+        ids, slots = st.ids[:n], st.slots[:n]
+        ms = median_ms(
+            lambda: load(st.host, ids, st.kv, slots, layer=5, backend="kernel", validate=False),
+            args.reps * 3,
+        )
+        out.append(
+            dict(
+                batch_mib=round(nbytes / 2**20, 2),
+                pages=n,
+                ratio=round(ceil / ms, 3),
+                kernel_gbps=round(gbps(nbytes, ms), 2),
+                ceiling_gbps=round(gbps(nbytes, ceil), 2),
+            )
+        )
+        print(f"one-layer load {out[-1]}", flush=True)
+    return out
+
+
+def store_rows(args) -> dict:
+    """Fused KV store vs two index_put (Llama-3-8B rows: 8 heads x 128 bf16 = 2 KiB)."""
+    slots = 1 << 18
+    kc = torch.empty(slots, 8, 128, dtype=torch.bfloat16, device=DEV)
+    vc = torch.empty_like(kc)
+    big = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    big2 = torch.empty_like(big)
+    d2d_gbps = gbps(2 * big.numel(), median_ms(lambda: big2.copy_(big), args.reps))
+    rows = []
+    for tokens in args.store_tokens:
+        k = torch.randn(tokens, 8, 128, device=DEV).to(torch.bfloat16)
+        v = torch.randn_like(k)
+        loc = torch.randperm(slots, device=DEV)[:tokens]
+
+        def index_put():
+            kc[loc] = k
+            vc[loc] = v
+
+        def fused():
+            store_kv(k, v, kc, vc, loc, validate=False)
+
+        r = dict(tokens=tokens)
+        for name, fn in (("index_put", index_put), ("store_kv", fused)):
+            r[f"{name}_gpu_us"] = round(median_ms(fn, args.reps * 3) * 1e3, 2)
+            calls = 200
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            r[f"{name}_call_us"] = round((time.perf_counter() - start) / calls * 1e6, 2)
+        moved = 2 * 2 * tokens * 2048  # K and V rows, read + written
+        r["speedup_call"] = round(r["index_put_call_us"] / r["store_kv_call_us"], 2)
+        r["speedup_gpu"] = round(r["index_put_gpu_us"] / r["store_kv_gpu_us"], 2)
+        r["store_kv_of_d2d"] = round(gbps(moved, r["store_kv_gpu_us"] / 1e3) / d2d_gbps, 3)
+        rows.append(r)
+        print(f"store_kv {r}", flush=True)
+    return dict(d2d_gbps=round(d2d_gbps, 1), rows=rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--bytes", type=int, default=256 << 20)
+    ap.add_argument(
+        "--page-sizes",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 2, 4, 8, 16, 32, 64, 128],
+    )
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--per-page-bytes", type=int, default=16 << 20)
+    ap.add_argument(
+        "--store-tokens",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 16, 64, 256, 1024, 4096, 16384, 65536, 131072],
+    )
+    ap.add_argument("--quick", action="store_true", help="64 MiB, page sizes 1,16,128, 3 reps")
+    args = ap.parse_args()
+    if args.quick:
+        args.bytes, args.page_sizes, args.reps = 64 << 20, [1, 16, 128], 3
+    raw_host = torch.empty(args.bytes + (8 << 20), dtype=torch.uint8).pin_memory()
+    raw_host.random_()
+    staging = torch.empty(args.bytes + (8 << 20), dtype=torch.uint8, device=DEV)
+    env = environment()
+    print(f"# {env['device']} torch {env['torch']} cuda {env.get('cuda')} commit {env['commit']}")
+    result = dict(
+        transfers=transfer_rows(raw_host, staging, args),
+        one_layer=layer_rows(raw_host, args),
+        blocks=block_sweep(raw_host, args),
+        store_kv=store_rows(args),
+    )
+    print(f"wrote {write_result('bench_kernels', result)}")
+
+
+if __name__ == "__main__":
+    main()

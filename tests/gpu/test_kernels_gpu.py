@@ -1,0 +1,234 @@
+"""CUDA kernels against the torch reference, bit for bit, destinations poisoned first.
+
+Run on a GPU machine (scripts/gpu_check.sh); skipped elsewhere.
+"""
+
+import random
+
+import pytest
+import torch
+
+from pagekv.connector import HostPagePool, KVGeometry, host_pool
+from pagekv.kernels import (
+    DeviceKV,
+    copy_slots,
+    copy_slots_ref,
+    load,
+    load_ref,
+    save,
+    save_ref,
+    store_kv,
+    store_kv_ref,
+)
+from tests.helpers import ALL_DTYPES, as_bits, bits_equal, poison_, random_tensor
+
+pytestmark = pytest.mark.cuda
+DEV = torch.device("cuda", 0)
+ITEM_BYTES = [256, 264, 260, 1152, 2048, 4096]  # 264/260: 8- and 4-byte accesses
+
+
+def element_size(dtype):
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def geometry(dtype, mla, item_bytes, page_size, num_layers=3):
+    elems = item_bytes // element_size(dtype)
+    if mla:
+        return KVGeometry.mla(num_layers, page_size, elems, dtype)
+    heads = 2 if elems % 2 == 0 and elems >= 128 else 1
+    return KVGeometry(num_layers, page_size, heads, elems // heads, dtype)
+
+
+def device_caches(geo, num_slots, poisoned=False):
+    shape = (geo.num_layers, num_slots, *geo.device_layer_shape)
+    if poisoned:
+        return [poison_(torch.empty(shape, dtype=geo.dtype, device=DEV)) for _ in range(geo.num_kv)]
+    return [random_tensor(shape, geo.dtype, DEV) for _ in range(geo.num_kv)]
+
+
+def slot_table(n_pages, page_size, num_slots, index_dtype, skip=0.1):
+    s = torch.randperm(num_slots)[: n_pages * page_size]
+    s[torch.rand(s.shape) < skip] = -1
+    return s.view(n_pages, page_size).to(index_dtype)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("page_size", [1, 2, 16, 64, 128])
+@pytest.mark.parametrize("item_bytes", ITEM_BYTES)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_page_transfers_match_reference(dtype, mla, page_size, item_bytes, index_dtype):
+    if item_bytes % element_size(dtype):
+        pytest.skip("row is not a whole number of elements")
+    geo = geometry(dtype, mla, item_bytes, page_size)
+    n_pages = max(1, 384 // page_size)
+    num_slots = n_pages * page_size + 37
+    kv = DeviceKV.from_caches(geo, *device_caches(geo, num_slots))
+    pool = HostPagePool(geo, n_pages + 3)
+    assert pool.is_pinned
+    ids = torch.randperm(n_pages + 3)[:n_pages].to(index_dtype)
+    slots = slot_table(n_pages, page_size, num_slots, index_dtype)
+    layer = random.randrange(geo.num_layers)
+    for backend in ("kernel", "direct"):
+        for lay in (None, layer):
+            idx = (ids.to(DEV), slots.to(DEV)) if backend == "kernel" else (ids, slots)
+            want = poison_(pool.buffer.clone())
+            save_ref(kv, slots, want, ids, layer=lay)
+            poison_(pool.buffer)
+            assert save(kv, idx[1], pool.buffer, idx[0], layer=lay, backend=backend) == backend
+            torch.cuda.synchronize()
+            assert bits_equal(pool.buffer, want), ("save", backend, lay)
+
+            pool.buffer.copy_(random_tensor(pool.buffer.shape, dtype))
+            dst = device_caches(geo, num_slots, poisoned=True)
+            ref = [d.clone() for d in dst]
+            load_ref(pool.buffer, ids, DeviceKV.from_caches(geo, *ref), slots, layer=lay)
+            kv_dst = DeviceKV.from_caches(geo, *dst)
+            assert load(pool.buffer, idx[0], kv_dst, idx[1], layer=lay, backend=backend) == backend
+            torch.cuda.synchronize()
+            assert all(bits_equal(a, b) for a, b in zip(dst, ref)), ("load", backend, lay)
+
+
+def test_auto_picks_direct_for_long_runs_and_kernel_otherwise():
+    geo = KVGeometry(2, 128, 8, 128, "bf16")  # 128-token pages of 2 KiB rows: 256 KiB runs
+    kv = DeviceKV.from_caches(geo, *device_caches(geo, 1024))
+    pool = HostPagePool(geo, 8)
+    contiguous = torch.arange(1024).view(8, 128)
+    from pagekv.kernels import ops
+
+    expect = "direct" if 128 * geo.item_bytes >= ops.DIRECT_MIN_RUN_BYTES else "kernel"
+    assert save(kv, contiguous, pool.buffer, list(range(8))) == expect
+    assert save(kv, contiguous.to(DEV), pool.buffer, torch.arange(8, device=DEV)) == "kernel"
+    scattered = torch.randperm(1024).view(8, 128)
+    assert save(kv, scattered, pool.buffer, list(range(8))) == "kernel"
+
+
+def test_vllm_layout_and_per_layer_lists():
+    geo = KVGeometry(3, 16, 2, 128, "fp16")
+    layers = [random_tensor((2, 20, 16, 2, 128), geo.dtype, DEV) for _ in range(3)]
+    kv = DeviceKV.from_vllm(geo, layers)
+    pool = HostPagePool(geo, 4)
+    slots = torch.randperm(320)[:64].view(4, 16).to(DEV)
+    want = poison_(pool.buffer.clone())
+    save_ref(kv, slots, want, [2, 0, 3, 1])
+    poison_(pool.buffer)
+    save(kv, slots, pool.buffer, torch.tensor([2, 0, 3, 1], device=DEV))
+    torch.cuda.synchronize()
+    assert bits_equal(pool.buffer, want)
+    out = [poison_(torch.empty_like(t)) for t in layers]
+    load(pool.buffer, [2, 0, 3, 1], DeviceKV.from_vllm(geo, out), slots)
+    torch.cuda.synchronize()
+    flat = slots.flatten().long()
+    for src, dst in zip(layers, out):
+        assert bits_equal(dst.flatten(1, 2)[:, flat], src.flatten(1, 2)[:, flat])
+
+
+def test_pool_registered_in_chunks(monkeypatch):
+    geo = KVGeometry(2, 16, 8, 128, "bf16")  # 256 KiB pages
+    monkeypatch.setattr(host_pool, "_REGISTER_CHUNK_BYTES", 3 * geo.page_bytes)
+    pool = HostPagePool(geo, 10)
+    assert pool.is_pinned and len(pool._regions) == 4
+    kv = DeviceKV.from_caches(geo, *device_caches(geo, 160))
+    slots = torch.randperm(160).view(10, 16)
+    save(kv, slots.to(DEV), pool.buffer, torch.arange(10, device=DEV))  # spans chunk borders
+    torch.cuda.synchronize()
+    want = poison_(pool.buffer.clone())
+    save_ref(kv, slots, want, list(range(10)))
+    assert bits_equal(pool.buffer, want)
+    pool.close()
+    assert not pool.is_pinned
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("where", ["d2d", "d2h", "h2d"])
+def test_copy_slots_matches_reference(dtype, mla, where):
+    geo = geometry(dtype, mla, 2048 if not mla else 1152, 16)
+    src_dev = "cpu" if where == "h2d" else DEV
+    dst_dev = "cpu" if where == "d2h" else DEV
+    shape = (geo.num_layers, 500, *geo.device_layer_shape)
+    src = [random_tensor(shape, dtype).to(src_dev) for _ in range(geo.num_kv)]
+    if src_dev == "cpu":
+        src = [t.pin_memory() for t in src]
+    dst = [poison_(torch.empty(shape, dtype=dtype, device=dst_dev, pin_memory=dst_dev == "cpu"))
+           for _ in range(geo.num_kv)]  # fmt: skip
+    ref = [d.clone() for d in dst]
+    s = torch.randperm(500)[:300]
+    d = torch.randperm(500)[:300]
+    s[::7] = -1
+    d[::11] = -1
+    layer = random.choice([None, 1])
+    copy_slots_ref(
+        DeviceKV.from_caches(geo, *src), s, DeviceKV.from_caches(geo, *ref), d, layer=layer
+    )
+    out = copy_slots(DeviceKV.from_caches(geo, *src), s.to(DEV), DeviceKV.from_caches(geo, *dst),
+                     d.to(DEV), layer=layer)  # fmt: skip
+    torch.cuda.synchronize()
+    assert out == "kernel" and all(bits_equal(a, b) for a, b in zip(dst, ref))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("row_bytes", [4, 12, 256, 1152, 2048, 4096])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 3000])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_store_kv_matches_index_put(dtype, row_bytes, tokens, index_dtype):
+    elems = row_bytes // element_size(dtype)
+    if elems == 0 or row_bytes % element_size(dtype):
+        pytest.skip("row is not a whole number of elements")
+    slots = 4096
+    # k and v as strided views of one fused output, as engines produce them
+    fused = random_tensor((tokens, 3, elems), dtype, DEV)
+    k, v = fused[:, 1], fused[:, 2]
+    kc, vc = (poison_(torch.empty(slots, elems, dtype=dtype, device=DEV)) for _ in "kv")
+    want_k, want_v = kc.clone(), vc.clone()
+    loc = torch.randperm(slots, device=DEV)[:tokens].to(index_dtype)
+    loc[::5] = -1
+    keep = loc >= 0
+    store_kv_ref(k[keep], v[keep], want_k, want_v, loc[keep])
+    assert store_kv(k, v, kc, vc, loc) == "kernel"
+    torch.cuda.synchronize()
+    assert bits_equal(kc, want_k) and bits_equal(vc, want_v)
+    latent_cache = poison_(torch.empty(slots, elems, dtype=dtype, device=DEV))
+    want = latent_cache.clone()
+    store_kv_ref(k[keep], None, want, None, loc[keep])
+    store_kv(k, None, latent_cache, None, loc)
+    torch.cuda.synchronize()
+    assert bits_equal(latent_cache, want)
+
+
+def test_cuda_graph_capture_and_replay():
+    geo = KVGeometry(4, 16, 2, 128, "bf16")
+    kv = DeviceKV.from_caches(geo, *device_caches(geo, 512, poisoned=True))
+    pool = HostPagePool(geo, 8)
+    ids = torch.tensor([5, 2, 7], device=DEV)
+    slots = torch.randperm(400, device=DEV)[:48].view(3, 16)  # clear of loc's 400..415
+    k_new = torch.empty(16, 2, 128, dtype=geo.dtype, device=DEV)
+    v_new = torch.empty_like(k_new)
+    loc = torch.arange(400, 416, device=DEV)
+    # Warm up outside capture (builds the kernels, caches the pointer table).
+    load(pool.buffer, ids, kv, slots, validate=False)
+    store_kv(k_new, v_new, kv.layers[0][0].view(512, 2, 128), kv.layers[1][0].view(512, 2, 128),
+             loc, validate=False)  # fmt: skip
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for layer in range(geo.num_layers):
+            load(pool.buffer, ids, kv, slots, layer=layer, validate=False)
+        store_kv(k_new, v_new, kv.layers[0][0].view(512, 2, 128),
+                 kv.layers[1][0].view(512, 2, 128), loc, validate=False)  # fmt: skip
+    for _ in range(2):  # replay with fresh data in the captured buffers
+        pool.buffer.copy_(random_tensor(pool.buffer.shape, geo.dtype))
+        k_new.copy_(random_tensor(k_new.shape, geo.dtype, DEV))
+        v_new.copy_(random_tensor(v_new.shape, geo.dtype, DEV))
+        for group in kv.layers:
+            for t in group:
+                poison_(t)
+        ref = device_caches(geo, 512, poisoned=True)
+        ref_kv = DeviceKV.from_caches(geo, *ref)
+        load_ref(pool.buffer, ids, ref_kv, slots)
+        store_kv_ref(k_new, v_new, ref[0][0], ref[1][0], loc)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [torch.stack(list(g)).view(geo.num_layers, 512, 2, 128) for g in kv.layers]
+        assert all(bits_equal(a, b) for a, b in zip(got, ref))
+        assert (as_bits(got[0][1, 400:416]).view(torch.uint8) == 0xA5).all()  # layer 1 untouched

@@ -1,0 +1,138 @@
+"""The kernels' build route, checked where CI runs (nvcc, no GPU): every .cu compiles, the
+library loads and its entry points reject bad launches; the cache lock builds once."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from pagekv.kernels import jit
+
+NVCC = jit.find_nvcc()
+needs_nvcc = pytest.mark.skipif(
+    NVCC is None and not os.environ.get("CI"),
+    reason="nvcc not installed (CI has it and runs this check)",
+)
+
+
+def test_every_cu_source_is_built():
+    on_disk = sorted(p.name for p in jit.CSRC.glob("*.cu"))
+    assert on_disk and on_disk == sorted(p.name for p in jit.SOURCES)
+
+
+@needs_nvcc
+def test_sources_compile_and_library_loads(tmp_path):
+    if NVCC is None:
+        pytest.fail("CI must have nvcc: the compile check cannot be skipped there")
+    lib_path = jit.build_library("90", directory=tmp_path)
+    assert lib_path.exists() and lib_path.stat().st_size > 10_000
+    assert jit.build_library("90", directory=tmp_path) == lib_path  # cached
+    lib = jit._open(lib_path)
+    assert lib.pagekv_abi_version() == 1
+    # Bad launch parameters are refused before any CUDA call (cudaErrorInvalidValue == 1).
+    err = lib.pagekv_page_transfer(0, 1, None, None, None, 0, None, 0, 1, 1, 1, 1, 1,
+                                   256, 16, 2, 4, 0, 1, 3, 8, 1024, None)  # fmt: skip
+    assert err == 1  # width 3
+    err = lib.pagekv_store_kv(0, None, None, None, None, None, 0, 1, 1, 0, 0, 0, 0,
+                              256, 16, 1, 2000, None)  # fmt: skip
+    assert err == 1  # 2000 threads
+    err = lib.pagekv_slot_copy(0, None, None, None, 0, None, 0, 1, 1, 1, 1, 1,
+                               256, 2, 4, 3, 2, 16, 8, 1024, None)  # fmt: skip
+    assert err == 1  # layers 3..4 of 4
+
+
+def test_compile_failure_is_reported(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.cu"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(jit, "SOURCES", (bad,))
+    fake = _fake_nvcc(tmp_path, fail=True)
+    with pytest.raises(jit.KernelsUnavailable, match="nvcc failed for sm_90"):
+        jit.build_library("90", nvcc=str(fake), directory=tmp_path / "cache")
+
+
+def test_missing_nvcc_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setattr(jit, "find_nvcc", lambda: None)
+    with pytest.raises(jit.KernelsUnavailable, match="nvcc not found"):
+        jit.build_library("90", directory=tmp_path)
+
+
+def _fake_nvcc(tmp_path: Path, fail: bool = False) -> Path:
+    """An nvcc stand-in: logs each build, sleeps (so builds overlap), writes the -o file."""
+    script = tmp_path / "nvcc"
+    script.write_text(
+        textwrap.dedent(f"""\
+        #!{sys.executable}
+        import sys, time
+        if "--version" in sys.argv:
+            print("Cuda compilation tools, release 99.9, V99.9"); sys.exit(0)
+        if {fail}:
+            print("error: bad source", file=sys.stderr); sys.exit(1)
+        open({str(tmp_path / "builds.log")!r}, "a").write("build\\n")
+        time.sleep(0.5)
+        open(sys.argv[sys.argv.index("-o") + 1], "wb").write(b"lib")
+        """)
+    )
+    script.chmod(0o755)
+    return script
+
+
+def test_concurrent_builds_build_once(tmp_path):
+    fake = _fake_nvcc(tmp_path)
+    cache = tmp_path / "cache"
+    code = (
+        "import sys; from pathlib import Path; from pagekv.kernels import jit; "
+        f"print(jit.build_library('90', nvcc={str(fake)!r}, directory=Path({str(cache)!r})))"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)]
+    procs += [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)]
+    results = []
+    thread = threading.Thread(
+        target=lambda: results.append(jit.build_library("90", nvcc=str(fake), directory=cache))
+    )
+    thread.start()
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    thread.join()
+    assert all(p.returncode == 0 for p in procs)
+    assert len({*outs, str(results[0])}) == 1
+    assert (tmp_path / "builds.log").read_text().count("build") == 1
+    assert "cu99.9" in outs[0]
+
+
+def test_torch_mode_env(monkeypatch):
+    monkeypatch.setenv("PAGEKV_KERNELS", "torch")
+    jit._load.cache_clear()
+    try:
+        assert "PAGEKV_KERNELS=torch" in jit.kernels_unavailable_reason()
+        assert jit.load_library() is None
+    finally:
+        jit._load.cache_clear()
+
+
+def test_cuda_mode_without_gpu_raises(monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    monkeypatch.setenv("PAGEKV_KERNELS", "cuda")
+    jit._load.cache_clear()
+    try:
+        with pytest.raises(jit.KernelsUnavailable, match="no CUDA device"):
+            jit.load_library()
+    finally:
+        jit._load.cache_clear()
+
+
+def test_bad_mode_env(monkeypatch):
+    monkeypatch.setenv("PAGEKV_KERNELS", "fast")
+    with pytest.raises(ValueError, match="PAGEKV_KERNELS"):
+        jit.backend_mode()
+
+
+def test_import_without_gpu_does_not_build_or_crash():
+    code = "import pagekv.kernels as k; print(k.kernels_unavailable_reason() or 'ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip()
