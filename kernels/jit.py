@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "pagekv_kernels.cu",)
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 
 
 class KernelsUnavailable(RuntimeError):
@@ -123,7 +123,7 @@ _SIGNATURES = {
 }
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES["pagekv_page_transfer"] = (
-    [_I, _I, _P, _P, _P, _I, _P, _I] + [_L] * 5 + [_I] * 9 + [_P],
+    [_I, _I, _P, _P, _P, _I, _P, _I] + [_L] * 5 + [_I] * 10 + [_P],
     ctypes.c_int,
 )
 _SIGNATURES["pagekv_slot_copy"] = (

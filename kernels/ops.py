@@ -41,6 +41,9 @@ _BACKENDS = ("auto", "kernel", "direct", "torch")
 HOST_BLOCKS = 8  # host<->device transfers reach the bus with 8 blocks, leaving SMs to the model
 THREADS = 1024
 UNROLL = 4  # chunks in flight per thread (kernels/csrc: kUnroll)
+# page kernels: chunks in flight per thread, 4 or 8 (benchmarks/results: the block/unroll sweep)
+UNROLL_LOAD = 8
+UNROLL_SAVE = 4
 # auto chooses the memcpy backend when runs average this many bytes (docs/benchmarks.md)
 DIRECT_MIN_RUN_BYTES = 1 << 20
 Index = torch.Tensor | Sequence[int]
@@ -74,6 +77,15 @@ def _device_address(t: torch.Tensor, device: torch.device) -> int:
     if lib is None or lib.pagekv_host_device_pointer(t.data_ptr(), ctypes.byref(out)) != 0:
         raise RuntimeError("cudaHostGetDevicePointer failed for a pinned host buffer")
     return int(out.value or 0)
+
+
+def current_stream(device: int | None) -> int:
+    """Raw ``cudaStream_t`` of torch's current stream on ``device`` (cheap: no Stream object)."""
+    index = torch.cuda.current_device() if device is None else device
+    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if getter is not None:
+        return getter(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 def _check_backend(backend: str) -> None:
@@ -144,7 +156,7 @@ def _page_transfer(
             "direct" if cpu_slots and _mean_run_bytes(kv, s) >= DIRECT_MIN_RUN_BYTES else "kernel"
         )
     l0, nl = (0, geo.num_layers) if layer is None else (layer, 1)
-    stream = torch.cuda.current_stream(dev).cuda_stream
+    stream = current_stream(dev.index)
     if backend == "direct":
         ids_h, s_h = ids.to("cpu", torch.int64).contiguous(), s.to("cpu", torch.int64).contiguous()
         table = (ctypes.c_int64 * len(kv.layer_ptrs))(*kv.layer_ptrs)
@@ -158,14 +170,15 @@ def _page_transfer(
         s_d = s.to(dev, non_blocking=True).contiguous()
         host_addr = _device_address(host, dev)
         width = _vector_width(geo.item_bytes, kv.slot_stride_bytes, host_addr, *kv.layer_ptrs)
+        unroll = UNROLL_LOAD if load else UNROLL_SAVE
         chunks = ids_d.numel() * geo.num_kv * geo.page_size * nl * geo.item_bytes // width
-        blocks = max(1, min(num_blocks, -(-chunks // (THREADS * UNROLL))))
+        blocks = max(1, min(num_blocks, -(-chunks // (THREADS * unroll))))
         err = lib.pagekv_page_transfer(
             dev.index, int(load), host_addr, kv.pointer_table(dev).data_ptr(), ids_d.data_ptr(),
             int(ids_d.dtype == torch.int64), s_d.data_ptr(), int(s_d.dtype == torch.int64),
             ids_d.numel(), host.shape[0], kv.num_slots, geo.page_bytes, kv.slot_stride_bytes,
             geo.item_bytes, geo.page_size, geo.num_kv, geo.num_layers, l0, nl, width, blocks,
-            THREADS, stream,
+            THREADS, unroll, stream,
         )  # fmt: skip
     if err != 0:
         raise RuntimeError(f"pagekv {backend} {'load' if load else 'save'} failed: cudaError {err}")
@@ -264,7 +277,7 @@ def copy_slots(
         s_d.data_ptr(), int(s_d.dtype == torch.int64), d_d.data_ptr(),
         int(d_d.dtype == torch.int64), n, src.num_slots, dst.num_slots, src.slot_stride_bytes,
         dst.slot_stride_bytes, geo.item_bytes, geo.num_kv, geo.num_layers, l0, nl, width, blocks,
-        THREADS, torch.cuda.current_stream(dev).cuda_stream,
+        THREADS, current_stream(dev.index),
     )  # fmt: skip
     if err != 0:
         raise RuntimeError(f"pagekv copy_slots failed: cudaError {err}")

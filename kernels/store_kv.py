@@ -57,6 +57,62 @@ def _check(k, v, k_cache, v_cache, out_loc) -> None:
         raise ValueError(f"v {tuple(v.shape)} / v_cache must match k {tuple(k.shape)} / k_cache")
 
 
+class _Plan:
+    """Launch parameters fixed by one layout of (k, v, caches, out_loc): computed once after
+    full validation, then reused by every call with the same layout (the per-step hot path)."""
+
+    def __init__(self, lib, k, v, k_cache, v_cache, out_loc) -> None:
+        self.fn = lib.pagekv_store_kv
+        self.device = k.get_device()
+        self.row_bytes, self.k_stride = _rows(k, "k")
+        self.kc_stride = _rows(k_cache, "k_cache")[1]
+        self.v_stride, self.vc_stride = (0, 0)
+        if v is not None:
+            self.v_stride, self.vc_stride = _rows(v, "v")[1], _rows(v_cache, "v_cache")[1]
+        self.kc, self.vc = k_cache.data_ptr(), v_cache.data_ptr() if v_cache is not None else None
+        self.num_slots = k_cache.shape[0]
+        self.loc64 = int(out_loc.dtype == torch.int64)
+        self.has_v = v is not None
+        self.base_width = ops._vector_width(
+            self.row_bytes, self.k_stride, self.v_stride, self.kc_stride, self.vc_stride,
+            self.kc, self.vc or 0,
+        )  # fmt: skip
+        self.max_blocks = 4 * torch.cuda.get_device_properties(self.device).multi_processor_count
+
+    def launch(self, k: torch.Tensor, v: torch.Tensor | None, out_loc: torch.Tensor) -> str:
+        n = out_loc.shape[0]
+        if k.shape[0] != n or (v is not None and v.shape[0] != n):
+            raise ValueError(f"k/v have {k.shape[0]} tokens, out_loc {n}")
+        kp, vp = k.data_ptr(), v.data_ptr() if v is not None else 0
+        width = self.base_width
+        while (kp | vp) % width:
+            width //= 2  # a row view at an odd offset: narrower accesses, still correct
+        chunks = n * (2 if self.has_v else 1) * (self.row_bytes // width)
+        blocks = max(1, min(self.max_blocks, -(-chunks // (_THREADS * ops.UNROLL))))
+        err = self.fn(
+            self.device, kp, vp or None, self.kc, self.vc, out_loc.data_ptr(), self.loc64, n,
+            self.num_slots, self.k_stride, self.v_stride, self.kc_stride, self.vc_stride,
+            self.row_bytes, width, blocks, _THREADS, ops.current_stream(self.device),
+        )  # fmt: skip
+        if err != 0:
+            raise RuntimeError(f"pagekv store_kv failed: cudaError {err}")
+        return "kernel"
+
+
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 256
+
+
+def _plan_key(k, v, k_cache, v_cache, out_loc) -> tuple:
+    key = (
+        k_cache.data_ptr(), k_cache.shape, k_cache.stride(), k.shape[1:], k.stride(), k.dtype,
+        k.get_device(), out_loc.dtype, out_loc.get_device(), out_loc.stride(),
+    )  # fmt: skip
+    if v is None or v_cache is None:
+        return (*key, v is None, v_cache is None)
+    return (*key, v_cache.data_ptr(), v_cache.shape, v_cache.stride(), v.shape[1:], v.stride())
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor | None,
@@ -71,8 +127,13 @@ def store_kv(
 
     Raises ``TypeError``/``ValueError`` for mismatched dtypes, devices or shapes, and (with
     ``validate``, a sync for CUDA indices) ``IndexError`` for a slot outside the cache.
-    Returns the backend used.
+    With ``validate=False`` a layout seen before goes straight to the launch. Returns the
+    backend used.
     """
+    if not validate and backend != "torch" and k.is_cuda:
+        plan = _PLANS.get(_plan_key(k, v, k_cache, v_cache, out_loc))
+        if plan is not None:
+            return plan.launch(k, v, out_loc)
     if not isinstance(out_loc, torch.Tensor) or out_loc.dtype not in (torch.int32, torch.int64):
         raise TypeError("out_loc must be an int32 or int64 tensor")
     if out_loc.dim() != 1:
@@ -80,14 +141,10 @@ def store_kv(
     _check(k, v, k_cache, v_cache, out_loc)
     if validate and out_loc.numel() and int(out_loc.max()) >= k_cache.shape[0]:
         raise IndexError(f"slot {int(out_loc.max())} is not in [0, {k_cache.shape[0]})")
-    row_bytes, k_stride = _rows(k, "k")
-    _, kc_stride = _rows(k_cache, "k_cache")
-    v_stride, vc_stride = (
-        (_rows(v, "v")[1], _rows(v_cache, "v_cache")[1]) if v is not None else (0, 0)
-    )
-    ptrs = [k.data_ptr(), k_cache.data_ptr()]
-    if v is not None:
-        ptrs += [v.data_ptr(), v_cache.data_ptr()]
+    row_bytes = _rows(k, "k")[0]
+    for t, name in ((k_cache, "k_cache"), (v, "v"), (v_cache, "v_cache")):
+        if t is not None:
+            _rows(t, name)
     ops._check_backend(backend)
     if backend == "direct":
         raise ValueError("store_kv has no direct backend; use 'kernel' or 'torch'")
@@ -99,28 +156,10 @@ def store_kv(
             k, v = k[keep], (v[keep] if v is not None else None)
         reference.store_kv_ref(k, v, k_cache, v_cache, loc)
         return "torch"
-    width = ops._vector_width(row_bytes, k_stride, kc_stride, v_stride, vc_stride, *ptrs)
-    n = out_loc.shape[0]
-    chunks = n * (2 if v is not None else 1) * row_bytes // width
-    sms = _num_sms(k.device.index or 0)
-    blocks = max(1, min(4 * sms, -(-chunks // (_THREADS * ops.UNROLL))))
-    loc = out_loc if out_loc.device == k.device else out_loc.to(k.device)
-    err = lib.pagekv_store_kv(
-        k.device.index, k.data_ptr(), v.data_ptr() if v is not None else None,
-        k_cache.data_ptr(), v_cache.data_ptr() if v_cache is not None else None,
-        loc.data_ptr(), int(loc.dtype == torch.int64), n, k_cache.shape[0], k_stride,
-        v_stride, kc_stride, vc_stride, row_bytes, width, blocks, _THREADS,
-        torch.cuda.current_stream(k.device).cuda_stream,
-    )  # fmt: skip
-    if err != 0:
-        raise RuntimeError(f"pagekv store_kv failed: cudaError {err}")
-    return "kernel"
-
-
-_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: int) -> int:
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
+    loc = out_loc.to(k.device).contiguous()
+    plan = _Plan(lib, k, v, k_cache, v_cache, loc)
+    if loc is out_loc:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[_plan_key(k, v, k_cache, v_cache, out_loc)] = plan
+    return plan.launch(k, v, loc)

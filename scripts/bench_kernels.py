@@ -20,7 +20,7 @@ import torch
 from _bench_util import environment, write_result
 
 from pagekv.connector import KVGeometry
-from pagekv.kernels import DeviceKV, load, save, store_kv
+from pagekv.kernels import DeviceKV, load, ops, save, store_kv
 
 DEV = torch.device("cuda")
 GEOMETRIES = {
@@ -30,18 +30,35 @@ GEOMETRIES = {
 }
 
 
-def median_ms(fn, reps: int, warmup: int = 2) -> float:
+def median_ms(fn, reps: int, warmup: int = 2, inner: int = 3) -> float:
+    """Median over ``reps`` of the CUDA-event time of ``inner`` back-to-back calls, per call:
+    the GPU stays busy, so Python launch overhead overlaps the previous call's copy."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
         start.record()
-        fn()
+        for _ in range(inner):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / inner)
     return statistics.median(times)
+
+
+def graph_us(fn, calls: int = 20, reps: int = 15) -> float:
+    """GPU time per call, from replays of a CUDA graph of ``calls`` captured calls."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    return median_ms(graph.replay, reps, inner=1) * 1e3 / calls
 
 
 def gbps(nbytes: int, ms: float) -> float:
@@ -224,9 +241,9 @@ def layer_rows(raw_host, args) -> list[dict]:
     """One-layer load: the ratio to the contiguous copy of the same bytes, by batch size."""
     out = []
     geo = KVGeometry(page_size=16, **GEOMETRIES["llama3-8b"])
-    st = Setup(raw_host, geo, args.bytes)
+    st = Setup(raw_host, geo, raw_host.numel())
     layer_bytes_per_page = geo.page_bytes // geo.num_layers
-    for mib in (1, 4, 16, 64):
+    for mib in (1, 4, 16, 32):
         n = max(1, min(st.n_pages, mib * 2**20 // layer_bytes_per_page))
         nbytes = n * layer_bytes_per_page
         dev_flat = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
@@ -274,7 +291,7 @@ def store_rows(args) -> dict:
 
         r = dict(tokens=tokens)
         for name, fn in (("index_put", index_put), ("store_kv", fused)):
-            r[f"{name}_gpu_us"] = round(median_ms(fn, args.reps * 3) * 1e3, 2)
+            r[f"{name}_gpu_us"] = round(graph_us(fn), 2)
             calls = 200
             for _ in range(10):
                 fn()
@@ -291,6 +308,96 @@ def store_rows(args) -> dict:
         rows.append(r)
         print(f"store_kv {r}", flush=True)
     return dict(d2d_gbps=round(d2d_gbps, 1), rows=rows)
+
+
+def direct_sweep(raw_host, args) -> list[dict]:
+    """Direct memcpy backend against the kernel by run length (bytes per memcpy)."""
+    out = []
+    for page in (128, 512, 2048, 8192):  # 2 KiB rows: runs of 256 KiB .. 16 MiB
+        geo = KVGeometry(num_layers=2, page_size=page, num_kv_heads=8, head_dim=128, dtype="bf16")
+        st = Setup(raw_host, geo, args.bytes)
+        r = dict(run_kib=page * geo.item_bytes // 1024)
+        for direction, fn in (
+            (
+                "load",
+                lambda b, s: load(
+                    st.host,
+                    s.ids_cpu if b == "direct" else s.ids,
+                    s.kv,
+                    s.slots_cpu if b == "direct" else s.slots,
+                    backend=b,
+                    validate=False,
+                ),
+            ),
+            (
+                "save",
+                lambda b, s: save(
+                    s.kv,
+                    s.slots_cpu if b == "direct" else s.slots,
+                    s.host,
+                    s.ids_cpu if b == "direct" else s.ids,
+                    backend=b,
+                    validate=False,
+                ),
+            ),
+        ):
+            for backend in ("kernel", "direct"):
+                ms = median_ms(lambda: fn(backend, st), args.reps)
+                r[f"{direction}_{backend}_gbps"] = round(gbps(st.nbytes, ms), 2)
+        out.append(r)
+        print(f"direct sweep {r}", flush=True)
+    return out
+
+
+def unroll_sweep(raw_host, args) -> list[dict]:
+    """Loads in flight per thread (4 or 8) at 4 and 8 blocks."""
+    out = []
+    saved = ops.UNROLL_LOAD, ops.UNROLL_SAVE
+    for name, page in (("llama3-8b", 1), ("llama3-8b", 16), ("llama3-8b-tp8", 16), ("mla-576", 16)):
+        st = Setup(raw_host, KVGeometry(page_size=page, **GEOMETRIES[name]), args.bytes)
+        dev_flat = torch.empty(st.nbytes, dtype=torch.uint8, device=DEV)
+        h2d = median_ms(lambda: dev_flat.copy_(raw_host[: st.nbytes], non_blocking=True), args.reps)
+        d2h = median_ms(lambda: raw_host[: st.nbytes].copy_(dev_flat, non_blocking=True), args.reps)
+        for unroll in (4, 8):
+            ops.UNROLL_LOAD = ops.UNROLL_SAVE = unroll
+            for blocks in (4, 8):
+                ld = median_ms(
+                    lambda: load(
+                        st.host,
+                        st.ids,
+                        st.kv,
+                        st.slots,
+                        num_blocks=blocks,
+                        backend="kernel",
+                        validate=False,
+                    ),
+                    args.reps,
+                )
+                sv = median_ms(
+                    lambda: save(
+                        st.kv,
+                        st.slots,
+                        st.host,
+                        st.ids,
+                        num_blocks=blocks,
+                        backend="kernel",
+                        validate=False,
+                    ),
+                    args.reps,
+                )
+                out.append(
+                    dict(
+                        geometry=name,
+                        page_size=page,
+                        unroll=unroll,
+                        blocks=blocks,
+                        load_ratio=round(h2d / ld, 3),
+                        save_ratio=round(d2h / sv, 3),
+                    )
+                )
+                print(f"unroll sweep {out[-1]}", flush=True)
+    ops.UNROLL_LOAD, ops.UNROLL_SAVE = saved
+    return out
 
 
 def main() -> None:
@@ -312,17 +419,20 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.bytes, args.page_sizes, args.reps = 64 << 20, [1, 16, 128], 3
-    raw_host = torch.empty(args.bytes + (8 << 20), dtype=torch.uint8).pin_memory()
+    # exactly 1 GiB (the pinned allocator rounds up to powers of two): the one-layer batches
+    # of 32 MiB need 512 pages of 2 MiB
+    raw_host = torch.empty(max(args.bytes, 1 << 30), dtype=torch.uint8).pin_memory()
     raw_host.random_()
-    staging = torch.empty(args.bytes + (8 << 20), dtype=torch.uint8, device=DEV)
+    staging = torch.empty(args.bytes, dtype=torch.uint8, device=DEV)
     env = environment()
     print(f"# {env['device']} torch {env['torch']} cuda {env.get('cuda')} commit {env['commit']}")
-    result = dict(
-        transfers=transfer_rows(raw_host, staging, args),
-        one_layer=layer_rows(raw_host, args),
-        blocks=block_sweep(raw_host, args),
-        store_kv=store_rows(args),
-    )
+    result = dict(unroll_load=ops.UNROLL_LOAD, unroll_save=ops.UNROLL_SAVE)
+    result["store_kv"] = store_rows(args)
+    result["transfers"] = transfer_rows(raw_host, staging, args)
+    result["one_layer"] = layer_rows(raw_host, args)
+    result["blocks"] = block_sweep(raw_host, args)
+    result["unroll"] = unroll_sweep(raw_host, args)
+    result["direct"] = direct_sweep(raw_host, args)
     print(f"wrote {write_result('bench_kernels', result)}")
 
 

@@ -53,7 +53,7 @@ struct PageXfer {
   int32_t slots64;
 };
 
-template <int W, bool kLoad, typename Idx>
+template <int W, bool kLoad, typename Idx, int U>
 __global__ void page_xfer_kernel(const PageXfer p) {
   using V = typename Vec<W>::T;
   const Idx chunks_per_row = p.item_bytes / W;
@@ -65,11 +65,11 @@ __global__ void page_xfer_kernel(const PageXfer p) {
       static_cast<int64_t>(p.layer_begin) * p.num_kv * p.page_size * p.item_bytes;
 
   for (Idx base = static_cast<Idx>(blockIdx.x) * blockDim.x + threadIdx.x; base < total;
-       base += stride * kUnroll) {
-    V buf[kUnroll];
-    char* dst[kUnroll];
+       base += stride * U) {
+    V buf[U];
+    char* dst[U];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       const Idx k = base + static_cast<Idx>(u) * stride;
       dst[u] = nullptr;
       if (k >= total) continue;
@@ -96,7 +96,7 @@ __global__ void page_xfer_kernel(const PageXfer p) {
       }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       if (dst[u]) *reinterpret_cast<V*>(dst[u]) = buf[u];
     }
   }
@@ -229,15 +229,12 @@ cudaError_t dispatch(int width, bool wide, const P& p, int blocks, int threads, 
   return cudaGetLastError();
 }
 
-template <int W, typename Idx> struct LaunchLoad {
-  static void run(const PageXfer& p, int b, int t, cudaStream_t s) {
-    page_xfer_kernel<W, true, Idx><<<b, t, 0, s>>>(p);
-  }
-};
-template <int W, typename Idx> struct LaunchSave {
-  static void run(const PageXfer& p, int b, int t, cudaStream_t s) {
-    page_xfer_kernel<W, false, Idx><<<b, t, 0, s>>>(p);
-  }
+template <bool kLoad, int U> struct LaunchPage {
+  template <int W, typename Idx> struct Of {
+    static void run(const PageXfer& p, int b, int t, cudaStream_t s) {
+      page_xfer_kernel<W, kLoad, Idx, U><<<b, t, 0, s>>>(p);
+    }
+  };
 };
 template <int W, typename Idx> struct LaunchSlotCopy {
   static void run(const SlotCopy& p, int b, int t, cudaStream_t s) {
@@ -273,7 +270,7 @@ bool bad_launch(int width, int blocks, int threads) {
 
 extern "C" {
 
-int pagekv_abi_version() { return 1; }
+int pagekv_abi_version() { return 2; }
 
 // 1 if kernels may use a registered host pointer as its device address (UVA), else 0.
 int pagekv_can_use_host_pointer(int device) {
@@ -293,8 +290,9 @@ int pagekv_page_transfer(int device, int load, void* host, const int64_t* layer_
                          int64_t num_host_pages, int64_t num_slots, int64_t page_bytes,
                          int64_t slot_stride, int item_bytes, int page_size, int num_kv,
                          int num_layers, int layer_begin, int layer_count, int width, int blocks,
-                         int threads, cudaStream_t stream) {
+                         int threads, int unroll, cudaStream_t stream) {
   if (bad_launch(width, blocks, threads) || item_bytes % width != 0 || layer_count <= 0 ||
+      (unroll != 4 && unroll != 8) ||
       layer_begin < 0 || layer_begin + layer_count > num_layers)
     return static_cast<int>(cudaErrorInvalidValue);
   if (n_pages == 0) return 0;
@@ -304,8 +302,13 @@ int pagekv_page_transfer(int device, int load, void* host, const int64_t* layer_
              layer_begin, layer_count, ids64, slots64};
   const int64_t chunks = n_pages * num_kv * page_size * layer_count * (item_bytes / width);
   const bool wide = chunks > kMax32;
-  return static_cast<int>(load ? dispatch<LaunchLoad>(width, wide, p, blocks, threads, stream)
-                               : dispatch<LaunchSave>(width, wide, p, blocks, threads, stream));
+  if (unroll == 8)
+    return static_cast<int>(
+        load ? dispatch<LaunchPage<true, 8>::Of>(width, wide, p, blocks, threads, stream)
+             : dispatch<LaunchPage<false, 8>::Of>(width, wide, p, blocks, threads, stream));
+  return static_cast<int>(
+      load ? dispatch<LaunchPage<true, 4>::Of>(width, wide, p, blocks, threads, stream)
+           : dispatch<LaunchPage<false, 4>::Of>(width, wide, p, blocks, threads, stream));
 }
 
 int pagekv_slot_copy(int device, const int64_t* src_ptrs, const int64_t* dst_ptrs, const void* src_slots,

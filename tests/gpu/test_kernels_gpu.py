@@ -188,12 +188,32 @@ def test_store_kv_matches_index_put(dtype, row_bytes, tokens, index_dtype):
     assert store_kv(k, v, kc, vc, loc) == "kernel"
     torch.cuda.synchronize()
     assert bits_equal(kc, want_k) and bits_equal(vc, want_v)
+    # the cached-plan hot path (validate=False): first call makes the plan, then reuses it
+    for _ in range(2):
+        fused.copy_(random_tensor(fused.shape, dtype, DEV))
+        store_kv_ref(k[keep], v[keep], want_k, want_v, loc[keep])
+        store_kv(k, v, kc, vc, loc, validate=False)
+        torch.cuda.synchronize()
+        assert bits_equal(kc, want_k) and bits_equal(vc, want_v)
     latent_cache = poison_(torch.empty(slots, elems, dtype=dtype, device=DEV))
     want = latent_cache.clone()
     store_kv_ref(k[keep], None, want, None, loc[keep])
     store_kv(k, None, latent_cache, None, loc)
     torch.cuda.synchronize()
     assert bits_equal(latent_cache, want)
+
+
+def test_store_kv_plan_with_misaligned_and_new_views():
+    rows = random_tensor((65, 8, 128), torch.bfloat16, DEV)
+    kc, vc = (poison_(torch.empty(256, 8, 128, dtype=torch.bfloat16, device=DEV)) for _ in "kv")
+    loc = torch.randperm(256, device=DEV)[:64]
+    store_kv(rows[:64], rows[1:], kc, vc, loc, validate=False)  # aligned: 16-byte plan
+    odd = rows.view(-1)[2:].view(-1)[: 64 * 1024].view(64, 8, 128)  # 4-byte aligned view
+    with pytest.raises(ValueError):
+        store_kv(odd, odd, kc, vc, loc[:10], validate=False)  # token counts differ
+    store_kv(odd, odd, kc, vc, loc, validate=False)
+    torch.cuda.synchronize()
+    assert bits_equal(kc[loc], odd) and bits_equal(vc[loc], odd)
 
 
 def test_cuda_graph_capture_and_replay():
