@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "pagekv_kernels.cu",)
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 
 
 class KernelsUnavailable(RuntimeError):
@@ -134,10 +134,23 @@ _SIGNATURES["pagekv_store_kv"] = (
     [_I, _P, _P, _P, _P, _P, _I] + [_L] * 6 + [_I] * 4 + [_P],
     ctypes.c_int,
 )
+_SIGNATURES["pagekv_store_kv_plan"] = ([_P, _P, _P, _P, _L, _I, _I, _P], ctypes.c_int)
 _SIGNATURES["pagekv_direct_page_transfer"] = (
     [_I, _I, _P, _P, _P, _P] + [_L] * 3 + [_I] * 6 + [_P],
     ctypes.c_int,
 )
+
+
+class StoreKVPlan(ctypes.Structure):
+    """Mirror of ``StoreKVPlan`` in csrc/pagekv_kernels.cu (all int64: no padding to match)."""
+
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in (
+            "device", "k_cache", "v_cache", "num_slots", "k_stride", "v_stride",
+            "k_cache_stride", "v_cache_stride", "row_bytes", "loc64", "threads",
+        )
+    ]  # fmt: skip
 
 
 def _open(path: Path) -> ctypes.CDLL:

@@ -42,7 +42,7 @@ HOST_BLOCKS = 8  # host<->device transfers reach the bus with 8 blocks, leaving 
 THREADS = 1024
 UNROLL = 4  # chunks in flight per thread (kernels/csrc: kUnroll)
 # page kernels: chunks in flight per thread, 4 or 8 (benchmarks/results: the block/unroll sweep)
-UNROLL_LOAD = 8
+UNROLL_LOAD = 4
 UNROLL_SAVE = 4
 # auto chooses the memcpy backend when runs average this many bytes (docs/benchmarks.md)
 DIRECT_MIN_RUN_BYTES = 1 << 20
@@ -171,14 +171,15 @@ def _page_transfer(
         host_addr = _device_address(host, dev)
         width = _vector_width(geo.item_bytes, kv.slot_stride_bytes, host_addr, *kv.layer_ptrs)
         unroll = UNROLL_LOAD if load else UNROLL_SAVE
+        threads = THREADS if unroll == 4 else THREADS // 2  # unroll 8: 512-thread blocks
         chunks = ids_d.numel() * geo.num_kv * geo.page_size * nl * geo.item_bytes // width
-        blocks = max(1, min(num_blocks, -(-chunks // (THREADS * unroll))))
+        blocks = max(1, min(num_blocks, -(-chunks // (threads * unroll))))
         err = lib.pagekv_page_transfer(
             dev.index, int(load), host_addr, kv.pointer_table(dev).data_ptr(), ids_d.data_ptr(),
             int(ids_d.dtype == torch.int64), s_d.data_ptr(), int(s_d.dtype == torch.int64),
             ids_d.numel(), host.shape[0], kv.num_slots, geo.page_bytes, kv.slot_stride_bytes,
             geo.item_bytes, geo.page_size, geo.num_kv, geo.num_layers, l0, nl, width, blocks,
-            THREADS, unroll, stream,
+            threads, unroll, stream,
         )  # fmt: skip
     if err != 0:
         raise RuntimeError(f"pagekv {backend} {'load' if load else 'save'} failed: cudaError {err}")

@@ -14,9 +14,12 @@ kernel (16/8/4-byte accesses as alignment allows); otherwise, on CPU, or with
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from . import ops, reference
+from .jit import StoreKVPlan
 
 __all__ = ["store_kv"]
 
@@ -62,21 +65,27 @@ class _Plan:
     full validation, then reused by every call with the same layout (the per-step hot path)."""
 
     def __init__(self, lib, k, v, k_cache, v_cache, out_loc) -> None:
-        self.fn = lib.pagekv_store_kv
+        self.fn = lib.pagekv_store_kv_plan
         self.device = k.get_device()
-        self.row_bytes, self.k_stride = _rows(k, "k")
-        self.kc_stride = _rows(k_cache, "k_cache")[1]
-        self.v_stride, self.vc_stride = (0, 0)
-        if v is not None:
-            self.v_stride, self.vc_stride = _rows(v, "v")[1], _rows(v_cache, "v_cache")[1]
-        self.kc, self.vc = k_cache.data_ptr(), v_cache.data_ptr() if v_cache is not None else None
-        self.num_slots = k_cache.shape[0]
-        self.loc64 = int(out_loc.dtype == torch.int64)
-        self.has_v = v is not None
-        self.base_width = ops._vector_width(
-            self.row_bytes, self.k_stride, self.v_stride, self.kc_stride, self.vc_stride,
-            self.kc, self.vc or 0,
+        row_bytes, k_stride = _rows(k, "k")
+        v_stride, vc_stride = (
+            (0, 0) if v is None else (_rows(v, "v")[1], _rows(v_cache, "v_cache")[1])
+        )
+        self.args = StoreKVPlan(
+            device=self.device, k_cache=k_cache.data_ptr(),
+            v_cache=v_cache.data_ptr() if v_cache is not None else 0,
+            num_slots=k_cache.shape[0], k_stride=k_stride, v_stride=v_stride,
+            k_cache_stride=_rows(k_cache, "k_cache")[1], v_cache_stride=vc_stride,
+            row_bytes=row_bytes, loc64=int(out_loc.dtype == torch.int64), threads=_THREADS,
         )  # fmt: skip
+        self.args_addr = ctypes.addressof(self.args)  # self.args keeps the memory alive
+        self.has_v = v is not None
+        a = self.args
+        self.base_width = ops._vector_width(
+            row_bytes, a.k_stride, a.v_stride, a.k_cache_stride, a.v_cache_stride, a.k_cache,
+            a.v_cache,
+        )  # fmt: skip
+        self.row_bytes = row_bytes
         self.max_blocks = 4 * torch.cuda.get_device_properties(self.device).multi_processor_count
 
     def launch(self, k: torch.Tensor, v: torch.Tensor | None, out_loc: torch.Tensor) -> str:
@@ -89,11 +98,8 @@ class _Plan:
             width //= 2  # a row view at an odd offset: narrower accesses, still correct
         chunks = n * (2 if self.has_v else 1) * (self.row_bytes // width)
         blocks = max(1, min(self.max_blocks, -(-chunks // (_THREADS * ops.UNROLL))))
-        err = self.fn(
-            self.device, kp, vp or None, self.kc, self.vc, out_loc.data_ptr(), self.loc64, n,
-            self.num_slots, self.k_stride, self.v_stride, self.kc_stride, self.vc_stride,
-            self.row_bytes, width, blocks, _THREADS, ops.current_stream(self.device),
-        )  # fmt: skip
+        stream = ops.current_stream(self.device)
+        err = self.fn(self.args_addr, kp, vp or None, out_loc.data_ptr(), n, width, blocks, stream)
         if err != 0:
             raise RuntimeError(f"pagekv store_kv failed: cudaError {err}")
         return "kernel"

@@ -307,7 +307,40 @@ def store_rows(args) -> dict:
         r["store_kv_of_d2d"] = round(gbps(moved, r["store_kv_gpu_us"] / 1e3) / d2d_gbps, 3)
         rows.append(r)
         print(f"store_kv {r}", flush=True)
-    return dict(d2d_gbps=round(d2d_gbps, 1), rows=rows)
+    return dict(d2d_gbps=round(d2d_gbps, 1), rows=rows, overhead_us=store_overheads(kc, vc))
+
+
+def store_overheads(kc: torch.Tensor, vc: torch.Tensor) -> dict:
+    """Where a small store_kv call's host time goes (16 tokens), per call in microseconds."""
+    from pagekv.kernels import jit
+    from pagekv.kernels import store_kv as sk
+
+    k = torch.randn(16, 8, 128, device=DEV).to(torch.bfloat16)
+    v, loc = torch.randn_like(k), torch.arange(16, device=DEV)
+    store_kv(k, v, kc, vc, loc, validate=False)
+    plan = sk._PLANS[sk._plan_key(k, v, kc, vc, loc)]
+    lib = jit.load_library()
+    cases = {
+        "plan_key": lambda: sk._plan_key(k, v, kc, vc, loc),
+        "current_stream": lambda: ops.current_stream(0),
+        "ctypes_noop": lambda: lib.pagekv_abi_version(),
+        "plan_launch": lambda: plan.launch(k, v, loc),
+        "store_kv": lambda: store_kv(k, v, kc, vc, loc, validate=False),
+        "one_index_put": lambda: kc.__setitem__(loc, k),
+        "empty_like": lambda: torch.empty_like(k),
+    }
+    out = {}
+    for name, fn in cases.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(2000):
+            fn()
+        out[name] = round((time.perf_counter() - start) / 2000 * 1e6, 2)
+        torch.cuda.synchronize()
+    print(f"store_kv host overheads (us): {out}", flush=True)
+    return out
 
 
 def direct_sweep(raw_host, args) -> list[dict]:

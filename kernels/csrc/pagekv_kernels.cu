@@ -54,7 +54,8 @@ struct PageXfer {
 };
 
 template <int W, bool kLoad, typename Idx, int U>
-__global__ void page_xfer_kernel(const PageXfer p) {
+// U = 8 keeps twice the loads in flight per thread and needs the registers of 512 threads.
+__global__ void __launch_bounds__(U == 8 ? 512 : 1024) page_xfer_kernel(const PageXfer p) {
   using V = typename Vec<W>::T;
   const Idx chunks_per_row = p.item_bytes / W;
   const Idx rows_per_page = static_cast<Idx>(p.num_kv) * p.page_size * p.layer_count;
@@ -123,7 +124,7 @@ struct SlotCopy {
 };
 
 template <int W, typename Idx>
-__global__ void slot_copy_kernel(const SlotCopy p) {
+__global__ void __launch_bounds__(1024) slot_copy_kernel(const SlotCopy p) {
   using V = typename Vec<W>::T;
   const Idx chunks_per_row = p.item_bytes / W;
   const Idx rows = static_cast<Idx>(p.n_tokens) * p.num_kv * p.layer_count;
@@ -178,7 +179,7 @@ struct StoreKV {
 };
 
 template <int W, typename Idx>
-__global__ void store_kv_kernel(const StoreKV p) {
+__global__ void __launch_bounds__(1024) store_kv_kernel(const StoreKV p) {
   using V = typename Vec<W>::T;
   const Idx chunks_per_row = p.row_bytes / W;
   const Idx total = static_cast<Idx>(p.n_tokens) * p.num_kv * chunks_per_row;
@@ -270,7 +271,7 @@ bool bad_launch(int width, int blocks, int threads) {
 
 extern "C" {
 
-int pagekv_abi_version() { return 2; }
+int pagekv_abi_version() { return 3; }
 
 // 1 if kernels may use a registered host pointer as its device address (UVA), else 0.
 int pagekv_can_use_host_pointer(int device) {
@@ -292,7 +293,7 @@ int pagekv_page_transfer(int device, int load, void* host, const int64_t* layer_
                          int num_layers, int layer_begin, int layer_count, int width, int blocks,
                          int threads, int unroll, cudaStream_t stream) {
   if (bad_launch(width, blocks, threads) || item_bytes % width != 0 || layer_count <= 0 ||
-      (unroll != 4 && unroll != 8) ||
+      (unroll != 4 && unroll != 8) || (unroll == 8 && threads > 512) ||
       layer_begin < 0 || layer_begin + layer_count > num_layers)
     return static_cast<int>(cudaErrorInvalidValue);
   if (n_pages == 0) return 0;
@@ -343,6 +344,22 @@ int pagekv_store_kv(int device, const void* k, const void* v, void* k_cache, voi
             k_stride, v_stride, k_cache_stride, v_cache_stride, row_bytes, num_kv, loc64};
   const bool wide = n_tokens * num_kv * (row_bytes / width) > kMax32;
   return static_cast<int>(dispatch<LaunchStore>(width, wide, p, blocks, threads, stream));
+}
+
+// The same with the launch's fixed parameters in one struct, made once per cache layout by the
+// Python side: fewer arguments to convert on the per-step hot path.
+struct StoreKVPlan {
+  int64_t device, k_cache, v_cache, num_slots, k_stride, v_stride, k_cache_stride,
+      v_cache_stride, row_bytes, loc64, threads;
+};
+
+int pagekv_store_kv_plan(const StoreKVPlan* p, const void* k, const void* v, const void* loc,
+                         int64_t n_tokens, int width, int blocks, cudaStream_t stream) {
+  return pagekv_store_kv(static_cast<int>(p->device), k, v, reinterpret_cast<void*>(p->k_cache),
+                         reinterpret_cast<void*>(p->v_cache), loc, static_cast<int>(p->loc64),
+                         n_tokens, p->num_slots, p->k_stride, p->v_stride, p->k_cache_stride,
+                         p->v_cache_stride, static_cast<int>(p->row_bytes), width, blocks,
+                         static_cast<int>(p->threads), stream);
 }
 
 // Direct backend: one cudaMemcpyAsync per run of consecutive slots, per (kv, layer).
