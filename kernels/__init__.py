@@ -10,7 +10,7 @@ from .jit import KernelsUnavailable, kernels_unavailable_reason
 from .layout import DeviceKV, Direction
 from .ops import DIRECT_MIN_RUN_BYTES, Backend, copy_slots, load, save
 from .reference import copy_slots_ref, load_ref, save_ref, store_kv_ref
-from .store_kv import store_kv
+from .fused_store import store_kv
 
 __all__ = [
     "DIRECT_MIN_RUN_BYTES",

@@ -312,8 +312,8 @@ def store_rows(args) -> dict:
 
 def store_overheads(kc: torch.Tensor, vc: torch.Tensor) -> dict:
     """Where a small store_kv call's host time goes (16 tokens), per call in microseconds."""
+    from pagekv.kernels import fused_store as sk
     from pagekv.kernels import jit
-    from pagekv.kernels import store_kv as sk
 
     k = torch.randn(16, 8, 128, device=DEV).to(torch.bfloat16)
     v, loc = torch.randn_like(k), torch.arange(16, device=DEV)
