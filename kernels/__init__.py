@@ -6,11 +6,11 @@ each dispatching to the CUDA kernels, the direct memcpy backend or the torch ref
 layouts and :mod:`.jit` for how the kernels are built (``PAGEKV_KERNELS``, ``PAGEKV_CACHE_DIR``).
 """
 
+from .fused_store import store_kv
 from .jit import KernelsUnavailable, kernels_unavailable_reason
 from .layout import DeviceKV, Direction
 from .ops import DIRECT_MIN_RUN_BYTES, Backend, copy_slots, load, save
 from .reference import copy_slots_ref, load_ref, save_ref, store_kv_ref
-from .fused_store import store_kv
 
 __all__ = [
     "DIRECT_MIN_RUN_BYTES",
