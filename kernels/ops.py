@@ -44,8 +44,9 @@ UNROLL = 4  # chunks in flight per thread (kernels/csrc: kUnroll)
 # page kernels: chunks in flight per thread, 4 or 8 (benchmarks/results: the block/unroll sweep)
 UNROLL_LOAD = 4
 UNROLL_SAVE = 4
-# auto chooses the memcpy backend when runs average this many bytes (docs/benchmarks.md)
-DIRECT_MIN_RUN_BYTES = 1 << 20
+# auto chooses the memcpy backend when runs average this many bytes: on the H100 it beat the
+# kernel from 4 MiB runs on, lost at 1 MiB (docs/benchmarks.md, "direct backend")
+DIRECT_MIN_RUN_BYTES = 4 << 20
 Index = torch.Tensor | Sequence[int]
 
 

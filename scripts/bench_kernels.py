@@ -111,70 +111,103 @@ class Setup:
                     dst.copy_(hv[page, layer, c], non_blocking=True)
 
 
+def interleaved(fns: dict, reps: int, inner: int = 3) -> dict[str, list[float]]:
+    """Per-call ms of each function, ``reps`` rounds taken in turn (ceiling, ours, ceiling, ...)
+    so that drift of the bus speed during the run hits every candidate alike."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            times[name].append(median_ms(fn, 1, warmup=0, inner=inner))
+    return times
+
+
+def ratio(times: dict[str, list[float]], ceiling: str, ours: str) -> float:
+    """Median over rounds of ceiling time / our time (>= 1 would mean faster than the copy)."""
+    return round(statistics.median(c / o for c, o in zip(times[ceiling], times[ours])), 3)
+
+
+def kernel_fns(st: Setup, blocks: int = ops.HOST_BLOCKS) -> dict:
+    return {
+        "kernel_load": lambda: load(
+            st.host, st.ids, st.kv, st.slots, num_blocks=blocks, backend="kernel", validate=False
+        ),
+        "kernel_save": lambda: save(
+            st.kv, st.slots, st.host, st.ids, num_blocks=blocks, backend="kernel", validate=False
+        ),
+    }
+
+
+def ceiling_fns(raw_host: torch.Tensor, nbytes: int) -> dict:
+    dev_flat = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
+    host_flat = raw_host[:nbytes]
+    return {
+        "ceiling_h2d": lambda: dev_flat.copy_(host_flat, non_blocking=True),
+        "ceiling_d2h": lambda: host_flat.copy_(dev_flat, non_blocking=True),
+    }
+
+
 def transfer_rows(raw_host, staging, args) -> list[dict]:
     rows = []
     for name, spec in GEOMETRIES.items():
         for page in args.page_sizes:
             geo = KVGeometry(page_size=page, **spec)
             st = Setup(raw_host, geo, args.bytes)
-            dev_flat = torch.empty(st.nbytes, dtype=torch.uint8, device=DEV)
-            host_flat = raw_host[: st.nbytes]
-            r = dict(
-                geometry=name, page_size=page, item_bytes=geo.item_bytes, mib=st.nbytes / 2**20
-            )
-            ms = {
-                "ceiling_h2d": median_ms(
-                    lambda: dev_flat.copy_(host_flat, non_blocking=True), args.reps
-                ),
-                "ceiling_d2h": median_ms(
-                    lambda: host_flat.copy_(dev_flat, non_blocking=True), args.reps
-                ),
-                "kernel_load": median_ms(
-                    lambda: load(
-                        st.host, st.ids, st.kv, st.slots, backend="kernel", validate=False
-                    ),
-                    args.reps,
-                ),
-                "kernel_save": median_ms(
-                    lambda: save(
-                        st.kv, st.slots, st.host, st.ids, backend="kernel", validate=False
-                    ),
-                    args.reps,
-                ),
-                "staged_load": median_ms(lambda: st.staged_load(staging), args.reps),
-            }
+            fns = {**ceiling_fns(raw_host, st.nbytes), **kernel_fns(st)}
+            fns["staged_load"] = lambda: st.staged_load(staging)
+            t = interleaved(fns, args.reps)
             # the direct backend issues one memcpy per page-run, layer and K/V: skip where that
             # is more than 100k copies (seconds per transfer; it is never the right choice there)
             if st.n_pages * geo.num_layers * geo.num_kv <= 100_000:
-                ms["direct_load"] = median_ms(
-                    lambda: load(
+                direct = {
+                    "ceiling_h2d": fns["ceiling_h2d"],
+                    "direct_load": lambda: load(
                         st.host, st.ids_cpu, st.kv, st.slots_cpu, backend="direct", validate=False
                     ),
-                    3,
-                )
-                ms["direct_save"] = median_ms(
-                    lambda: save(
+                    "ceiling_d2h": fns["ceiling_d2h"],
+                    "direct_save": lambda: save(
                         st.kv, st.slots_cpu, st.host, st.ids_cpu, backend="direct", validate=False
                     ),
-                    3,
-                )
+                }
+                td = interleaved(direct, 3, inner=1)
+                t["direct_load"], t["direct_save"] = td["direct_load"], td["direct_save"]
+                t["_h2d_d"], t["_d2h_d"] = td["ceiling_h2d"], td["ceiling_d2h"]
             pages = max(1, min(st.n_pages, args.per_page_bytes // geo.page_bytes))
-            per_page_ms = median_ms(lambda: st.per_page_load(pages), 3, warmup=1)
-            for key, value in ms.items():
-                r[f"{key}_gbps"] = round(gbps(st.nbytes, value), 2)
-            r["per_page_load_gbps"] = round(gbps(pages * geo.page_bytes, per_page_ms), 2)
-            for key in ("kernel_load", "direct_load", "staged_load", "per_page_load"):
-                if f"{key}_gbps" in r:
-                    r[f"{key}_ratio"] = round(r[f"{key}_gbps"] / r["ceiling_h2d_gbps"], 3)
-            for key in ("kernel_save", "direct_save"):
-                if f"{key}_gbps" in r:
-                    r[f"{key}_ratio"] = round(r[f"{key}_gbps"] / r["ceiling_d2h_gbps"], 3)
+            pp = {"ceiling_h2d": fns["ceiling_h2d"], "per_page": lambda: st.per_page_load(pages)}
+            tp = interleaved(pp, 3, inner=1)
+            r = dict(
+                geometry=name, page_size=page, item_bytes=geo.item_bytes, mib=st.nbytes / 2**20
+            )
+            for key in (
+                "ceiling_h2d",
+                "ceiling_d2h",
+                "kernel_load",
+                "kernel_save",
+                "staged_load",
+                "direct_load",
+                "direct_save",
+            ):
+                if key in t:
+                    r[f"{key}_gbps"] = round(gbps(st.nbytes, statistics.median(t[key])), 2)
+            r["per_page_load_gbps"] = round(
+                gbps(pages * geo.page_bytes, statistics.median(tp["per_page"])), 2
+            )
+            r["kernel_load_ratio"] = ratio(t, "ceiling_h2d", "kernel_load")
+            r["kernel_save_ratio"] = ratio(t, "ceiling_d2h", "kernel_save")
+            r["staged_load_ratio"] = ratio(t, "ceiling_h2d", "staged_load")
+            r["per_page_load_ratio"] = round(
+                r["per_page_load_gbps"] / gbps(st.nbytes, statistics.median(tp["ceiling_h2d"])), 4
+            )
+            if "direct_load" in t:
+                r["direct_load_ratio"] = ratio({**t, "c": t["_h2d_d"]}, "c", "direct_load")
+                r["direct_save_ratio"] = ratio({**t, "c": t["_d2h_d"]}, "c", "direct_save")
             rows.append(r)
             print(
                 f"{name:14s} page {page:4d}: load {r['kernel_load_ratio']:.3f} save "
                 f"{r['kernel_save_ratio']:.3f} direct {r.get('direct_load_ratio', '-')}/"
                 f"{r.get('direct_save_ratio', '-')} staged {r['staged_load_ratio']:.3f} per-page "
-                f"{r['per_page_load_ratio']:.3f} (ceiling {r['ceiling_h2d_gbps']:.1f} GB/s)",
+                f"{r['per_page_load_ratio']:.4f} (ceiling {r['ceiling_h2d_gbps']:.1f} GB/s)",
                 flush=True,
             )
     return rows
@@ -182,55 +215,25 @@ def transfer_rows(raw_host, staging, args) -> list[dict]:
 
 def block_sweep(raw_host, args) -> list[dict]:
     out = []
-    for name in ("llama3-8b", "llama3-8b-tp8"):
+    for name in ("llama3-8b", "llama3-8b-tp8", "mla-576"):
         for page in (1, 16):
-            geo = KVGeometry(page_size=page, **GEOMETRIES[name])
-            st = Setup(raw_host, geo, args.bytes)
-            dev_flat = torch.empty(st.nbytes, dtype=torch.uint8, device=DEV)
-            ceil_h2d = median_ms(
-                lambda: dev_flat.copy_(raw_host[: st.nbytes], non_blocking=True), args.reps
-            )
-            ceil_d2h = median_ms(
-                lambda: raw_host[: st.nbytes].copy_(dev_flat, non_blocking=True), args.reps
-            )
-            for blocks in (1, 2, 4, 8, 16, 32):
-                ld = median_ms(
-                    lambda: load(
-                        st.host,
-                        st.ids,
-                        st.kv,
-                        st.slots,
-                        num_blocks=blocks,
-                        backend="kernel",
-                        validate=False,
-                    ),
-                    args.reps,
-                )
-                sv = median_ms(
-                    lambda: save(
-                        st.kv,
-                        st.slots,
-                        st.host,
-                        st.ids,
-                        num_blocks=blocks,
-                        backend="kernel",
-                        validate=False,
-                    ),
-                    args.reps,
-                )
+            st = Setup(raw_host, KVGeometry(page_size=page, **GEOMETRIES[name]), args.bytes)
+            ceil = ceiling_fns(raw_host, st.nbytes)
+            for blocks in (2, 4, 8, 16, 32):
+                t = interleaved({**ceil, **kernel_fns(st, blocks)}, args.reps)
                 out.append(
                     dict(
                         geometry=name,
                         page_size=page,
                         blocks=blocks,
-                        load_ratio=round(ceil_h2d / ld, 3),
-                        save_ratio=round(ceil_d2h / sv, 3),
+                        load_ratio=ratio(t, "ceiling_h2d", "kernel_load"),
+                        save_ratio=ratio(t, "ceiling_d2h", "kernel_save"),
                     )
                 )
             print(
                 f"blocks sweep {name} page {page}: "
                 + " ".join(
-                    f"{r['blocks']}:{r['load_ratio']:.2f}/{r['save_ratio']:.2f}" for r in out[-6:]
+                    f"{r['blocks']}:{r['load_ratio']:.2f}/{r['save_ratio']:.2f}" for r in out[-5:]
                 ),
                 flush=True,
             )
@@ -246,22 +249,19 @@ def layer_rows(raw_host, args) -> list[dict]:
     for mib in (1, 4, 16, 32):
         n = max(1, min(st.n_pages, mib * 2**20 // layer_bytes_per_page))
         nbytes = n * layer_bytes_per_page
-        dev_flat = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
-        ceil = median_ms(
-            lambda: dev_flat.copy_(raw_host[:nbytes], non_blocking=True), args.reps * 3
-        )
         ids, slots = st.ids[:n], st.slots[:n]
-        ms = median_ms(
-            lambda: load(st.host, ids, st.kv, slots, layer=5, backend="kernel", validate=False),
-            args.reps * 3,
+        fns = ceiling_fns(raw_host, nbytes)
+        fns["layer_load"] = lambda: load(
+            st.host, ids, st.kv, slots, layer=5, backend="kernel", validate=False
         )
+        t = interleaved(fns, args.reps * 3)
         out.append(
             dict(
                 batch_mib=round(nbytes / 2**20, 2),
                 pages=n,
-                ratio=round(ceil / ms, 3),
-                kernel_gbps=round(gbps(nbytes, ms), 2),
-                ceiling_gbps=round(gbps(nbytes, ceil), 2),
+                ratio=ratio(t, "ceiling_h2d", "layer_load"),
+                kernel_gbps=round(gbps(nbytes, statistics.median(t["layer_load"])), 2),
+                ceiling_gbps=round(gbps(nbytes, statistics.median(t["ceiling_h2d"])), 2),
             )
         )
         print(f"one-layer load {out[-1]}", flush=True)
@@ -448,6 +448,7 @@ def main() -> None:
         type=lambda s: [int(x) for x in s.split(",")],
         default=[1, 16, 64, 256, 1024, 4096, 16384, 65536, 131072],
     )
+    ap.add_argument("--unroll-sweep", action="store_true", help="also compare unroll 4 and 8")
     ap.add_argument("--quick", action="store_true", help="64 MiB, page sizes 1,16,128, 3 reps")
     args = ap.parse_args()
     if args.quick:
@@ -464,7 +465,8 @@ def main() -> None:
     result["transfers"] = transfer_rows(raw_host, staging, args)
     result["one_layer"] = layer_rows(raw_host, args)
     result["blocks"] = block_sweep(raw_host, args)
-    result["unroll"] = unroll_sweep(raw_host, args)
+    if args.unroll_sweep:
+        result["unroll"] = unroll_sweep(raw_host, args)
     result["direct"] = direct_sweep(raw_host, args)
     print(f"wrote {write_result('bench_kernels', result)}")
 
