@@ -38,7 +38,13 @@ __all__ = ["DIRECT_MIN_RUN_BYTES", "Backend", "copy_slots", "load", "save"]
 
 Backend = Literal["auto", "kernel", "direct", "torch"]
 _BACKENDS = ("auto", "kernel", "direct", "torch")
-HOST_BLOCKS = 8  # host<->device transfers reach the bus with 8 blocks, leaving SMs to the model
+# Thread blocks for host<->device transfers: enough to reach the bus, leaving the SMs to the
+# model. Loads use 4: with 16 KiB page blocks at random host addresses, 8-16 blocks reading
+# over PCIe lost ~8% (address-translation misses, benchmarks/results/bench_kernels_tp8_*.json)
+# while 4 held 0.92 of the copy everywhere; saves (posted writes) are best at 8.
+HOST_BLOCKS = 8
+LOAD_BLOCKS = 4
+SAVE_BLOCKS = 8
 THREADS = 1024
 UNROLL = 4  # chunks in flight per thread (kernels/csrc: kUnroll)
 # page kernels: chunks in flight per thread, 4 or 8 (benchmarks/results: the block/unroll sweep)
@@ -129,7 +135,7 @@ def _page_transfer(
     slots: Index,
     layer: int | None,
     backend: str,
-    num_blocks: int,
+    num_blocks: int | None,
     validate: bool,
 ) -> str:
     geo = kv.geometry
@@ -140,6 +146,8 @@ def _page_transfer(
     s = check_slots(slots, ids.numel(), geo.page_size, kv.num_slots, check_values=validate)
     if load and validate:
         check_unique_slots(s)
+    if num_blocks is None:
+        num_blocks = LOAD_BLOCKS if load else SAVE_BLOCKS
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
         raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
     dev = kv.device
@@ -195,7 +203,7 @@ def load(
     *,
     layer: int | None = None,
     backend: Backend = "auto",
-    num_blocks: int = HOST_BLOCKS,
+    num_blocks: int | None = None,
     validate: bool = True,
 ) -> str:
     """Page-first host pages -> layer-first device slots, all layers or only ``layer``.
@@ -215,7 +223,7 @@ def save(
     *,
     layer: int | None = None,
     backend: Backend = "auto",
-    num_blocks: int = HOST_BLOCKS,
+    num_blocks: int | None = None,
     validate: bool = True,
 ) -> str:
     """Layer-first device slots -> page-first host pages (each page id at most once).

@@ -128,7 +128,7 @@ def ratio(times: dict[str, list[float]], ceiling: str, ours: str) -> float:
     return round(statistics.median(c / o for c, o in zip(times[ceiling], times[ours])), 3)
 
 
-def kernel_fns(st: Setup, blocks: int = ops.HOST_BLOCKS) -> dict:
+def kernel_fns(st: Setup, blocks: int | None = None) -> dict:
     return {
         "kernel_load": lambda: load(
             st.host, st.ids, st.kv, st.slots, num_blocks=blocks, backend="kernel", validate=False
@@ -251,6 +251,10 @@ def layer_rows(raw_host, args) -> list[dict]:
         nbytes = n * layer_bytes_per_page
         ids, slots = st.ids[:n], st.slots[:n]
         fns = ceiling_fns(raw_host, nbytes)
+        for blocks in (4, 8):
+            fns[f"layer_load_{blocks}"] = lambda b=blocks: load(
+                st.host, ids, st.kv, slots, layer=5, num_blocks=b, backend="kernel", validate=False
+            )
         fns["layer_load"] = lambda: load(
             st.host, ids, st.kv, slots, layer=5, backend="kernel", validate=False
         )
@@ -260,6 +264,8 @@ def layer_rows(raw_host, args) -> list[dict]:
                 batch_mib=round(nbytes / 2**20, 2),
                 pages=n,
                 ratio=ratio(t, "ceiling_h2d", "layer_load"),
+                ratio_4_blocks=ratio(t, "ceiling_h2d", "layer_load_4"),
+                ratio_8_blocks=ratio(t, "ceiling_h2d", "layer_load_8"),
                 kernel_gbps=round(gbps(nbytes, statistics.median(t["layer_load"])), 2),
                 ceiling_gbps=round(gbps(nbytes, statistics.median(t["ceiling_h2d"])), 2),
             )
@@ -433,6 +439,40 @@ def unroll_sweep(raw_host, args) -> list[dict]:
     return out
 
 
+def tp8_sweep(raw_host, args) -> list[dict]:
+    """256-byte rows with 1-token pages (16 KiB blocks): load by block count, unroll and host
+    page order (random page ids vs the pool's consecutive allocation)."""
+    out = []
+    saved = ops.UNROLL_LOAD
+    for page in (1, 2):
+        st = Setup(raw_host, KVGeometry(page_size=page, **GEOMETRIES["llama3-8b-tp8"]), args.bytes)
+        ceil = ceiling_fns(raw_host, st.nbytes)
+        random_ids, seq_ids = st.ids, torch.arange(st.n_pages, device=DEV)
+        for order, ids in (("random", random_ids), ("sequential", seq_ids)):
+            st.ids = ids
+            for unroll in (4, 8):
+                ops.UNROLL_LOAD = unroll
+                for blocks in (4, 6, 8, 12, 16):
+                    t = interleaved({**ceil, **kernel_fns(st, blocks)}, args.reps)
+                    out.append(
+                        dict(
+                            page_size=page,
+                            order=order,
+                            unroll=unroll,
+                            blocks=blocks,
+                            load_ratio=ratio(t, "ceiling_h2d", "kernel_load"),
+                        )
+                    )
+                print(
+                    f"tp8 page {page} {order} unroll {unroll}: "
+                    + " ".join(f"{r['blocks']}:{r['load_ratio']:.2f}" for r in out[-5:]),
+                    flush=True,
+                )
+        st.ids = random_ids
+    ops.UNROLL_LOAD = saved
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--bytes", type=int, default=256 << 20)
@@ -448,7 +488,7 @@ def main() -> None:
         type=lambda s: [int(x) for x in s.split(",")],
         default=[1, 16, 64, 256, 1024, 4096, 16384, 65536, 131072],
     )
-    ap.add_argument("--unroll-sweep", action="store_true", help="also compare unroll 4 and 8")
+    ap.add_argument("--only", default="", help="comma list of sections to run (default: all)")
     ap.add_argument("--quick", action="store_true", help="64 MiB, page sizes 1,16,128, 3 reps")
     args = ap.parse_args()
     if args.quick:
@@ -461,14 +501,22 @@ def main() -> None:
     env = environment()
     print(f"# {env['device']} torch {env['torch']} cuda {env.get('cuda')} commit {env['commit']}")
     result = dict(unroll_load=ops.UNROLL_LOAD, unroll_save=ops.UNROLL_SAVE)
-    result["store_kv"] = store_rows(args)
-    result["transfers"] = transfer_rows(raw_host, staging, args)
-    result["one_layer"] = layer_rows(raw_host, args)
-    result["blocks"] = block_sweep(raw_host, args)
-    if args.unroll_sweep:
-        result["unroll"] = unroll_sweep(raw_host, args)
-    result["direct"] = direct_sweep(raw_host, args)
-    print(f"wrote {write_result('bench_kernels', result)}")
+    sections = {
+        "store_kv": lambda: store_rows(args),
+        "transfers": lambda: transfer_rows(raw_host, staging, args),
+        "one_layer": lambda: layer_rows(raw_host, args),
+        "blocks": lambda: block_sweep(raw_host, args),
+        "unroll": lambda: unroll_sweep(raw_host, args),
+        "tp8": lambda: tp8_sweep(raw_host, args),
+        "direct": lambda: direct_sweep(raw_host, args),
+    }
+    chosen = (
+        args.only.split(",") if args.only else [k for k in sections if k not in ("unroll", "tp8")]
+    )
+    for name in chosen:
+        result[name] = sections[name]()
+    name = "bench_kernels" + ("_" + "_".join(chosen) if args.only else "")
+    print(f"wrote {write_result(name, result)}")
 
 
 if __name__ == "__main__":
