@@ -39,11 +39,13 @@ __all__ = ["DIRECT_MIN_RUN_BYTES", "Backend", "copy_slots", "load", "save"]
 Backend = Literal["auto", "kernel", "direct", "torch"]
 _BACKENDS = ("auto", "kernel", "direct", "torch")
 # Thread blocks for host<->device transfers: enough to reach the bus, leaving the SMs to the
-# model. Loads use 4: with 16 KiB page blocks at random host addresses, 8-16 blocks reading
-# over PCIe lost ~8% (address-translation misses, benchmarks/results/bench_kernels_tp8_*.json)
-# while 4 held 0.92 of the copy everywhere; saves (posted writes) are best at 8.
+# model (H100 measurements, docs/benchmarks.md). All-layer loads use 4: with 16 KiB page blocks
+# at random host addresses 8-16 blocks reading over PCIe lost ~15% (address-translation
+# misses, benchmarks/results/bench_kernels_tp8_unroll.json) while 4 held >= 0.90 everywhere.
+# One-layer loads (smaller, latency-bound batches) and saves (posted writes) are best at 8.
 HOST_BLOCKS = 8
 LOAD_BLOCKS = 4
+LAYER_LOAD_BLOCKS = 8
 SAVE_BLOCKS = 8
 THREADS = 1024
 UNROLL = 4  # chunks in flight per thread (kernels/csrc: kUnroll)
@@ -147,7 +149,9 @@ def _page_transfer(
     if load and validate:
         check_unique_slots(s)
     if num_blocks is None:
-        num_blocks = LOAD_BLOCKS if load else SAVE_BLOCKS
+        num_blocks = (
+            SAVE_BLOCKS if not load else LOAD_BLOCKS if layer is None else LAYER_LOAD_BLOCKS
+        )
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
         raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
     dev = kv.device
