@@ -1,0 +1,270 @@
+"""Store clients: :class:`StoreClient` (blocking) and :class:`AsyncStoreClient` (asyncio).
+
+Both take one endpoint or several (sharded by rendezvous hashing, ``replicas`` copies each; see
+:mod:`.routing`) and offer the same batch API. Puts send the caller's buffers (host pool page
+views) as zero-copy frames: do not change them until the call returns. Gets verify each
+block's xxh3-64 checksum (a mismatch is a miss, counted) and either copy it once into the
+caller's buffers (``into=``) or return read-only views of the received frames.
+
+One DEALER socket per node; a request that times out resets that socket (stale replies are
+never read as answers) and backs the node off; ZeroMQ reconnects to restarted nodes.
+Neither client is thread-safe: use one per thread (or per event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from .config import ClientConfig, CurveClientKeys
+from .protocol import MAX_KEY_BYTES, Op, ProtocolError, Status, decode_reply, encode_request
+from .routing import Batch, ExistsResult, OpGen, Results, Router, StoreUnavailable
+
+__all__ = ["AsyncStoreClient", "StoreClient"]
+
+
+def _check_keys(keys: Sequence[bytes], buffers: Sequence[Any] | None, what: str) -> None:
+    for k in keys:
+        if not isinstance(k, bytes) or not 0 < len(k) <= MAX_KEY_BYTES:
+            raise ValueError(f"keys must be non-empty bytes of <= {MAX_KEY_BYTES}, got {k!r:.40}")
+    if buffers is not None and len(buffers) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(buffers)} {what}")
+
+
+class _Base:
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        replicas: int = 1,
+        timeout_s: float = 5.0,
+        curve: CurveClientKeys | None = None,
+        config: ClientConfig | None = None,
+    ) -> None:
+        self.config = config or ClientConfig(
+            tuple([endpoints] if isinstance(endpoints, str) else endpoints),
+            replicas=replicas,
+            timeout_s=timeout_s,
+            curve=curve,
+        )
+        cfg = self.config
+        self.router = Router(cfg.endpoints, cfg.replicas, (cfg.backoff_min_s, cfg.backoff_max_s))
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.router.counters
+
+    def _new_socket(self, ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a node not connected
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.SNDBUF, self.config.socket_buffer)
+        sock.setsockopt(zmq.RCVBUF, self.config.socket_buffer)
+        if self.config.curve is not None:
+            sock.curve_serverkey = self.config.curve.server_public
+            sock.curve_publickey = self.config.curve.public
+            sock.curve_secretkey = self.config.curve.secret
+        sock.connect(endpoint)
+        return sock
+
+    def _plan_put(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> OpGen:
+        _check_keys(keys, buffers, "buffers")
+        return self.router.put(keys, buffers)
+
+    def _plan_get(self, keys: Sequence[bytes], into: Sequence[Any] | None) -> OpGen:
+        _check_keys(keys, into, "into buffers")
+        return self.router.get(keys, into)
+
+    def _plan_exists(self, keys: Sequence[bytes]) -> OpGen:
+        _check_keys(keys, None, "")
+        return self.router.exists(keys)
+
+    def _plan_delete(self, keys: Sequence[bytes]) -> OpGen:
+        _check_keys(keys, None, "")
+        return self.router.delete(keys)
+
+    @staticmethod
+    def _stats_or_raise(stats: list[dict | None]) -> list[dict | None]:
+        if all(s is None for s in stats):
+            raise StoreUnavailable("no store node answered")
+        return stats
+
+
+class StoreClient(_Base):
+    """Blocking client. Methods raise ``ValueError`` for bad arguments; node failures become
+    per-key misses / ``Status.UNAVAILABLE``, never exceptions (except ``stats`` and ``ping``
+    with every node down: ``StoreUnavailable``)."""
+
+    def __init__(self, endpoints: str | Sequence[str], **kwargs: Any) -> None:
+        super().__init__(endpoints, **kwargs)
+        self.ctx = zmq.Context.instance()
+        self._socks: dict[int, zmq.Socket] = {}
+
+    def _sock(self, node: int) -> zmq.Socket:
+        if node not in self._socks:
+            self._socks[node] = self._new_socket(self.ctx, self.config.endpoints[node])
+        return self._socks[node]
+
+    def _reset(self, node: int) -> None:
+        sock = self._socks.pop(node, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def _exchange(self, batch: Batch) -> Results:
+        deadline = time.monotonic() + self.config.timeout_s
+        results: Results = {}
+        waiting: dict[zmq.Socket, tuple[int, int]] = {}
+        for node, (req, payloads) in batch.items():
+            sock = self._sock(node)
+            frames = [encode_request(req), *payloads]
+            while True:
+                try:
+                    sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    waiting[sock] = (node, req.id)
+                    break
+                except zmq.Again:  # not connected yet (IMMEDIATE): wait for it, or give up
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        results[node] = None
+                        self._reset(node)
+                        break
+                    sock.poll(min(left, 0.05) * 1000, zmq.POLLOUT)
+        poller = zmq.Poller()
+        for sock in waiting:
+            poller.register(sock, zmq.POLLIN)
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            for sock, _ in poller.poll(left * 1000):
+                node, rid = waiting[sock]
+                frames = sock.recv_multipart(copy=False)
+                try:
+                    reply = decode_reply(frames[0].buffer)
+                except ProtocolError:
+                    reply = None
+                if reply is not None and reply.id != rid:
+                    continue  # a late answer to a request that timed out earlier
+                results[node] = None if reply is None else (reply, frames[1:])
+                poller.unregister(sock)
+                del waiting[sock]
+        for node, _ in waiting.values():
+            results[node] = None
+            self._reset(node)
+        return results
+
+    def _run(self, gen: OpGen) -> Any:
+        try:
+            batch = next(gen)
+            while True:
+                batch = gen.send(self._exchange(batch))
+        except StopIteration as done:
+            return done.value
+
+    def put_many(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[Status]:
+        """Store each buffer under its key on ``replicas`` nodes; a status per key."""
+        return self._run(self._plan_put(keys, buffers))
+
+    def get_many(self, keys: Sequence[bytes], into: Sequence[Any] | None = None) -> list[Any]:
+        """With ``into``: copy each found block into ``into[i]`` (same size) and return a bool
+        per key. Without: a read-only memoryview per found key, None per miss."""
+        return self._run(self._plan_get(keys, into))
+
+    def exists_many(self, keys: Sequence[bytes]) -> ExistsResult:
+        """Which keys some node holds; ``.leading`` is the count of leading hits."""
+        return self._run(self._plan_exists(keys))
+
+    def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return self._run(self._plan_delete(keys))
+
+    def stats(self) -> list[dict | None]:
+        """Each node's stats (None for a node that did not answer)."""
+        return self._stats_or_raise(self._run(self.router.each_node(Op.STATS)))
+
+    def ping(self) -> list[bool]:
+        return [s is not None for s in self._run(self.router.each_node(Op.PING))]
+
+    def close(self) -> None:
+        for node in list(self._socks):
+            self._reset(node)
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncStoreClient(_Base):
+    """asyncio client with the same API (coroutines). Requests to different nodes run
+    concurrently; requests to one node are serialised on its socket. Cancelling a call is
+    safe: a reply that arrives later is discarded by its request id."""
+
+    def __init__(self, endpoints: str | Sequence[str], **kwargs: Any) -> None:
+        super().__init__(endpoints, **kwargs)
+        self.ctx = zmq.asyncio.Context.instance()
+        self._socks: dict[int, zmq.asyncio.Socket] = {}
+        self._locks: dict[int, asyncio.Lock] = {}
+
+    def _reset(self, node: int) -> None:
+        sock = self._socks.pop(node, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    async def _one(self, node: int, req, payloads) -> tuple[Any, list[Any]] | None:
+        lock = self._locks.setdefault(node, asyncio.Lock())
+        async with lock:
+            if node not in self._socks:
+                self._socks[node] = self._new_socket(self.ctx, self.config.endpoints[node])
+            sock = self._socks[node]
+            try:
+                exchange = self._roundtrip(sock, req, payloads)
+                return await asyncio.wait_for(exchange, self.config.timeout_s)
+            except (asyncio.TimeoutError, ProtocolError, zmq.ZMQError):
+                self._reset(node)
+                return None
+
+    @staticmethod
+    async def _roundtrip(sock: zmq.asyncio.Socket, req, payloads) -> tuple[Any, list[Any]]:
+        await sock.send_multipart([encode_request(req), *payloads], copy=False)
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            reply = decode_reply(frames[0].buffer)
+            if reply.id == req.id:  # else: a late answer to a request that timed out
+                return reply, frames[1:]
+
+    async def _run(self, gen: OpGen) -> Any:
+        try:
+            batch = next(gen)
+            while True:
+                nodes = list(batch)
+                answers = await asyncio.gather(*(self._one(n, *batch[n]) for n in nodes))
+                batch = gen.send(dict(zip(nodes, answers)))
+        except StopIteration as done:
+            return done.value
+
+    async def put_many(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[Status]:
+        return await self._run(self._plan_put(keys, buffers))
+
+    async def get_many(self, keys: Sequence[bytes], into: Sequence[Any] | None = None) -> list[Any]:
+        return await self._run(self._plan_get(keys, into))
+
+    async def exists_many(self, keys: Sequence[bytes]) -> ExistsResult:
+        return await self._run(self._plan_exists(keys))
+
+    async def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return await self._run(self._plan_delete(keys))
+
+    async def stats(self) -> list[dict | None]:
+        return self._stats_or_raise(await self._run(self.router.each_node(Op.STATS)))
+
+    async def ping(self) -> list[bool]:
+        return [s is not None for s in await self._run(self.router.each_node(Op.PING))]
+
+    def close(self) -> None:
+        for node in list(self._socks):
+            self._reset(node)

@@ -1,0 +1,115 @@
+"""Frozen, validated configs for store nodes and clients (the CLI takes its defaults from here)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["ClientConfig", "CurveClientKeys", "NodeConfig", "parse_size"]
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6}
+_UNITS.update({"mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40})
+_UNITS.update({"tb": 10**12, "tib": 1 << 40})
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from "4GiB", "512M", "1.5gb" or an int. Raises ``ValueError`` naming the input."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 1000000)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{owner}.{name} must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """One store node. ``endpoint`` (tcp:// or ipc://) overrides ``host``/``port``."""
+
+    host: str = "127.0.0.1"
+    port: int = 7400
+    endpoint: str | None = None
+    capacity: int = 4 << 30
+    max_block_size: int = 64 << 20
+    max_message_size: int = 1 << 30
+    max_keys: int = 1 << 16
+    verify_puts: bool = True
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    curve_secret_key: str | None = None  # path to a zmq certificate with a secret key
+    curve_allow: str | None = None  # directory of allowed client public certificates
+    io_threads: int = 1
+    socket_buffer: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("capacity", "max_block_size", "max_message_size"):
+            object.__setattr__(self, name, parse_size(getattr(self, name)))
+        _positive("NodeConfig", capacity=self.capacity, max_block_size=self.max_block_size,
+                  max_message_size=self.max_message_size, max_keys=self.max_keys,
+                  io_threads=self.io_threads, socket_buffer=self.socket_buffer)  # fmt: skip
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"NodeConfig.port must be in [0, 65536), got {self.port}")
+        if self.endpoint is not None and not self.endpoint.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"NodeConfig.endpoint must be tcp:// or ipc://, got {self.endpoint}")
+        if (self.curve_secret_key is None) != (self.curve_allow is None):
+            raise ValueError("NodeConfig: curve_secret_key and curve_allow go together")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ValueError("NodeConfig: need 0 < low_watermark <= high_watermark <= 1")
+
+    @property
+    def bind_address(self) -> str:
+        return self.endpoint or f"tcp://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class CurveClientKeys:
+    """Z85 keys for a client of CURVE-secured nodes."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def from_files(cls, server_cert: str, client_cert: str) -> CurveClientKeys:
+        import zmq.auth
+
+        server_public, _ = zmq.auth.load_certificate(server_cert)
+        public, secret = zmq.auth.load_certificate(client_cert)
+        if secret is None:
+            raise ValueError(f"{client_cert} has no secret key")
+        return cls(server_public, public, secret)
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Which nodes, how many replicas, and how long to wait."""
+
+    endpoints: tuple[str, ...]
+    replicas: int = 1
+    timeout_s: float = 5.0
+    backoff_min_s: float = 0.25
+    backoff_max_s: float = 8.0
+    curve: CurveClientKeys | None = None
+    socket_buffer: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        if isinstance(self.endpoints, str):
+            object.__setattr__(self, "endpoints", (self.endpoints,))
+        object.__setattr__(self, "endpoints", tuple(self.endpoints))
+        if not self.endpoints or len(set(self.endpoints)) != len(self.endpoints):
+            raise ValueError("ClientConfig.endpoints must be distinct and non-empty")
+        for ep in self.endpoints:
+            if not isinstance(ep, str) or not ep.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"ClientConfig.endpoints: {ep!r} is not tcp:// or ipc://")
+        if not 1 <= self.replicas <= len(self.endpoints):
+            raise ValueError(
+                f"ClientConfig.replicas must be in [1, {len(self.endpoints)}], got {self.replicas}"
+            )
+        _positive("ClientConfig", timeout_s=self.timeout_s, backoff_min_s=self.backoff_min_s,
+                  backoff_max_s=self.backoff_max_s)  # fmt: skip

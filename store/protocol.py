@@ -1,0 +1,199 @@
+"""Wire protocol between store clients (DEALER) and store nodes (ROUTER). See docs/protocol.md.
+
+A message is one msgpack header frame followed by raw payload frames (one per block, sent and
+received with ``copy=False``). Request header::
+
+    {"v": 1, "id": <uint>, "op": "PUT"|"GET"|"EXISTS"|"DELETE"|"STATS"|"PING",
+     "keys": [bytes...], "sizes": [int...], "sums": [int...]}   # sizes/sums: PUT only
+
+Reply header::
+
+    {"v": 1, "id": <same>, "code": <Code>, "error": str, "status": [Status per key],
+     "sums": [int...], "hits": <leading hits, EXISTS>, "stats": {...}}  # + one frame per found
+                                                                        # block for GET
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import xxhash
+
+__all__ = [
+    "MAX_KEY_BYTES",
+    "PROTOCOL_VERSION",
+    "Code",
+    "Op",
+    "ProtocolError",
+    "Reply",
+    "Request",
+    "Status",
+    "checksum",
+    "decode_reply",
+    "decode_request",
+    "encode_reply",
+    "encode_request",
+]
+
+PROTOCOL_VERSION = 1
+MAX_KEY_BYTES = 256
+MAX_HEADER_BYTES = 1 << 20
+
+
+class Op(str, enum.Enum):
+    PUT = "PUT"
+    GET = "GET"
+    EXISTS = "EXISTS"
+    DELETE = "DELETE"
+    STATS = "STATS"
+    PING = "PING"
+
+
+class Code(enum.IntEnum):
+    """Request-level outcome."""
+
+    OK = 0
+    BAD_HEADER = 1  # not msgpack, not a map, or a field of the wrong type
+    BAD_VERSION = 2
+    BAD_OP = 3
+    BAD_FRAMES = 4  # payload frame count or sizes do not match the header
+    TOO_LARGE = 5  # message over the node's limits
+    INTERNAL = 6
+
+
+class Status(enum.IntEnum):
+    """Per-key outcome."""
+
+    OK = 0
+    NOT_FOUND = 1
+    EXISTS = 2  # PUT of a present key: acknowledged, not rewritten (blocks are immutable)
+    TOO_LARGE = 3  # block over --max-block-size
+    NO_SPACE = 4  # cannot fit even after evicting every unpinned block
+    BAD_CHECKSUM = 5  # payload does not match the checksum sent with it
+    BAD_KEY = 6  # empty or over MAX_KEY_BYTES
+    UNAVAILABLE = 7  # client side: no replica could be reached
+
+
+class ProtocolError(ValueError):
+    """A malformed message; ``code`` says which kind."""
+
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def checksum(data: Any) -> int:
+    """xxh3-64 of a block (bytes-like)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+@dataclass
+class Request:
+    op: Op
+    id: int
+    keys: list[bytes] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    sums: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Reply:
+    id: int
+    code: Code = Code.OK
+    error: str = ""
+    status: list[int] = field(default_factory=list)
+    sums: list[int] = field(default_factory=list)
+    hits: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def encode_request(req: Request) -> bytes:
+    head: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": req.id, "op": req.op.value}
+    if req.keys:
+        head["keys"] = req.keys
+    if req.op is Op.PUT:
+        head["sizes"], head["sums"] = req.sizes, req.sums
+    return msgpack.packb(head, use_bin_type=True)
+
+
+def _field(head: dict, name: str, kind: type, default: Any = None) -> Any:
+    value = head.get(name, default)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise ProtocolError(Code.BAD_HEADER, f"field {name!r} must be {kind.__name__}")
+    return value
+
+
+def _int_list(head: dict, name: str, n: int) -> list[int]:
+    values = _field(head, name, list, [])
+    if len(values) != n or not all(type(x) is int and x >= 0 for x in values):
+        raise ProtocolError(Code.BAD_HEADER, f"field {name!r} must be {n} non-negative ints")
+    return values
+
+
+def decode_request(frame: bytes | memoryview) -> Request:
+    """Parse and validate a request header. Raises ``ProtocolError``."""
+    if len(frame) > MAX_HEADER_BYTES:
+        raise ProtocolError(Code.TOO_LARGE, f"header of {len(frame)} bytes")
+    try:
+        head = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise ProtocolError(Code.BAD_HEADER, f"header is not msgpack: {e}") from None
+    if not isinstance(head, dict):
+        raise ProtocolError(Code.BAD_HEADER, "header must be a msgpack map")
+    if head.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(Code.BAD_VERSION, f"protocol version {head.get('v')!r} unsupported")
+    rid = _field(head, "id", int)
+    if rid < 0:
+        raise ProtocolError(Code.BAD_HEADER, "field 'id' must be >= 0")
+    try:
+        op = Op(head.get("op"))
+    except ValueError:
+        raise ProtocolError(Code.BAD_OP, f"unknown op {head.get('op')!r}") from None
+    keys = _field(head, "keys", list, [])
+    if not all(isinstance(k, bytes) for k in keys):
+        raise ProtocolError(Code.BAD_HEADER, "field 'keys' must be a list of bytes")
+    req = Request(op, rid, keys)
+    if op is Op.PUT:
+        req.sizes = _int_list(head, "sizes", len(keys))
+        req.sums = _int_list(head, "sums", len(keys))
+    return req
+
+
+def encode_reply(rep: Reply) -> bytes:
+    head: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": rep.id, "code": int(rep.code)}
+    if rep.error:
+        head["error"] = rep.error
+    if rep.status:
+        head["status"] = rep.status
+    if rep.sums:
+        head["sums"] = rep.sums
+    if rep.hits:
+        head["hits"] = rep.hits
+    if rep.stats:
+        head["stats"] = rep.stats
+    return msgpack.packb(head, use_bin_type=True)
+
+
+def decode_reply(frame: bytes | memoryview) -> Reply:
+    """Parse a reply header. Raises ``ProtocolError`` for a malformed one."""
+    try:
+        head = msgpack.unpackb(frame, raw=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise ProtocolError(Code.BAD_HEADER, f"reply is not msgpack: {e}") from None
+    if not isinstance(head, dict) or head.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(Code.BAD_VERSION, "reply has no supported protocol version")
+    try:
+        return Reply(
+            id=int(head["id"]),
+            code=Code(head.get("code", 0)),
+            error=str(head.get("error", "")),
+            status=list(head.get("status", [])),
+            sums=list(head.get("sums", [])),
+            hits=int(head.get("hits", 0)),
+            stats=dict(head.get("stats", {})),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProtocolError(Code.BAD_HEADER, f"reply header fields: {e}") from None

@@ -1,0 +1,228 @@
+"""Cluster logic shared by the blocking and the asyncio client, free of I/O.
+
+Keys are sharded by rendezvous hashing: each key ranks every node by ``xxh3_64(node || key)``;
+writes go to the first ``replicas`` healthy nodes of that ranking, reads and lookups try nodes
+in ranking order (down nodes skipped) up to ``replicas + 1`` of them. A node that fails or times
+out is marked down with exponential back-off; a reply marks it up again.
+
+Each operation is a generator: it yields ``{node index: (Request, payloads)}`` batches, receives
+``{node index: (Reply, frames) | None}`` (None: the node failed), and returns its result. The
+clients only move the batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from .protocol import Code, Op, Reply, Request, Status, checksum
+
+__all__ = ["ExistsResult", "NodeHealth", "Router", "StoreError", "StoreUnavailable"]
+
+Batch = dict[int, tuple[Request, list[Any]]]
+Results = dict[int, "tuple[Reply, list[Any]] | None"]
+OpGen = Generator[Batch, Results, Any]
+
+
+class StoreError(RuntimeError):
+    """A node answered a request with an error code (a bug or a protocol mismatch)."""
+
+
+class StoreUnavailable(StoreError):
+    """No node could be reached for a request that needs one (stats, ping)."""
+
+
+@dataclass(frozen=True)
+class ExistsResult:
+    found: list[bool]
+
+    @property
+    def leading(self) -> int:
+        """Number of leading keys found (the prefix that can be loaded)."""
+        return next((i for i, f in enumerate(self.found) if not f), len(self.found))
+
+
+class NodeHealth:
+    def __init__(self, backoff_min: float, backoff_max: float) -> None:
+        self.backoff_min, self.backoff_max = backoff_min, backoff_max
+        self.down_until = 0.0
+        self.backoff = 0.0
+        self.failures = 0
+
+    def is_up(self, now: float) -> bool:
+        return now >= self.down_until
+
+    def failed(self, now: float) -> None:
+        self.failures += 1
+        self.backoff = min(self.backoff_max, max(self.backoff_min, self.backoff * 2))
+        self.down_until = now + self.backoff
+
+    def succeeded(self) -> None:
+        self.down_until, self.backoff = 0.0, 0.0
+
+
+class Router:
+    def __init__(self, endpoints: Sequence[str], replicas: int, backoff: tuple[float, float]):
+        self.endpoints = list(endpoints)
+        self.replicas = replicas
+        self.health = [NodeHealth(*backoff) for _ in self.endpoints]
+        self._salt = [ep.encode() for ep in self.endpoints]
+        self._ids = itertools.count(1)
+        self.counters = {"checksum_mismatch": 0, "node_failures": 0, "size_mismatch": 0}
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def ranking(self, key: bytes) -> list[int]:
+        """All node indices, best first, for ``key`` (rendezvous hashing)."""
+        if len(self.endpoints) == 1:
+            return [0]
+        scores = [xxhash.xxh3_64_intdigest(salt + key) for salt in self._salt]
+        return sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
+
+    def _live(self, key: bytes, limit: int) -> list[int]:
+        now = time.monotonic()
+        ranked = self.ranking(key)
+        live = [n for n in ranked if self.health[n].is_up(now)]
+        return live[:limit] if live else ranked[:limit]  # all down: try anyway
+
+    def record(self, results: Results) -> None:
+        now = time.monotonic()
+        for node, result in results.items():
+            if result is None:
+                self.health[node].failed(now)
+                self.counters["node_failures"] += 1
+            else:
+                self.health[node].succeeded()
+                if result[0].code is not Code.OK:
+                    raise StoreError(
+                        f"{self.endpoints[node]}: {result[0].code.name} {result[0].error}"
+                    )
+
+    # ---- operations ------------------------------------------------------------------------
+    def _group(
+        self, op: Op, pairs: dict[int, list[int]], keys: Sequence[bytes], extra=None
+    ) -> Batch:
+        batch: Batch = {}
+        for node, idxs in pairs.items():
+            req = Request(op, self.next_id(), [keys[i] for i in idxs])
+            payloads: list[Any] = []
+            if extra is not None:
+                req.sizes, req.sums, payloads = extra(idxs)
+            batch[node] = (req, payloads)
+        return batch
+
+    def put(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> OpGen:
+        views = [memoryview(b).cast("B") for b in buffers]
+        sums = [checksum(v) for v in views]
+        targets: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            for node in self._live(key, self.replicas):
+                targets.setdefault(node, []).append(i)
+
+        def extra(idxs):
+            return (
+                [views[i].nbytes for i in idxs],
+                [sums[i] for i in idxs],
+                [views[i] for i in idxs],
+            )
+
+        results = yield self._group(Op.PUT, targets, keys, extra)
+        self.record(results)
+        seen: list[list[int]] = [[] for _ in keys]
+        for node, idxs in targets.items():
+            if results.get(node) is not None:
+                for i, st in zip(idxs, results[node][0].status):
+                    seen[i].append(st)
+        return [_merge_put(sts) for sts in seen]
+
+    def _lookup(self, op: Op, keys: Sequence[bytes], on_hit) -> OpGen:
+        """Ask each key's candidates in turn until ``on_hit`` accepts an answer."""
+        pending = {i: self._live(k, self.replicas + 1) for i, k in enumerate(keys)}
+        while pending:
+            wave: dict[int, list[int]] = {}
+            for i, cands in pending.items():
+                wave.setdefault(cands.pop(0), []).append(i)
+            results = yield self._group(op, wave, keys)
+            self.record(results)
+            for node, idxs in wave.items():
+                result = results.get(node)
+                if result is None:
+                    continue
+                reply, frames = result
+                n_ok = sum(1 for st in reply.status if st == Status.OK)
+                if len(reply.status) != len(idxs) or len(frames) != (n_ok if op is Op.GET else 0):
+                    self.counters["node_failures"] += 1  # malformed reply: treat as a miss
+                    continue
+                frame_iter = iter(zip(reply.sums, frames))
+                for i, st in zip(idxs, reply.status):
+                    if st == Status.OK and on_hit(i, frame_iter):
+                        pending.pop(i, None)
+            pending = {i: c for i, c in pending.items() if c}
+
+    def get(self, keys: Sequence[bytes], into: Sequence[Any] | None) -> OpGen:
+        out: list[Any] = [None] * len(keys)
+        targets = [memoryview(b).cast("B") for b in into] if into is not None else None
+
+        def on_hit(i: int, frames) -> bool:
+            cs, frame = next(frames)
+            data = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+            if checksum(data) != cs:
+                self.counters["checksum_mismatch"] += 1
+                return False
+            if targets is None:
+                out[i] = data
+                return True
+            if targets[i].nbytes != data.nbytes:
+                self.counters["size_mismatch"] += 1
+                return False
+            targets[i][:] = data
+            out[i] = True
+            return True
+
+        yield from self._lookup(Op.GET, keys, on_hit)
+        return out if targets is None else [bool(x) for x in out]
+
+    def exists(self, keys: Sequence[bytes]) -> OpGen:
+        found = [False] * len(keys)
+
+        def on_hit(i: int, _frames) -> bool:
+            found[i] = True
+            return True
+
+        yield from self._lookup(Op.EXISTS, keys, on_hit)
+        return ExistsResult(found)
+
+    def delete(self, keys: Sequence[bytes]) -> OpGen:
+        targets: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            for node in self.ranking(key)[: self.replicas + 1]:
+                targets.setdefault(node, []).append(i)
+        results = yield self._group(Op.DELETE, targets, keys)
+        self.record(results)
+        out = [False] * len(keys)
+        for node, idxs in targets.items():
+            if results.get(node) is not None:
+                for i, st in zip(idxs, results[node][0].status):
+                    out[i] = out[i] or st == Status.OK
+        return out
+
+    def each_node(self, op: Op) -> OpGen:
+        results = yield {n: (Request(op, self.next_id()), []) for n in range(len(self.endpoints))}
+        self.record(results)
+        return [None if results.get(n) is None else results[n][0].stats for n in sorted(results)]
+
+
+def _merge_put(statuses: list[int]) -> Status:
+    """A key's outcome over its replicas: stored somewhere wins, then the first error."""
+    if not statuses:
+        return Status.UNAVAILABLE
+    for good in (Status.OK, Status.EXISTS):
+        if good in statuses:
+            return good
+    return Status(statuses[0])

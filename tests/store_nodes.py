@@ -1,0 +1,78 @@
+"""Real `pagekv serve` processes on free loopback ports, for integration tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+READY = re.compile(r"pagekv node ready (tcp://\S+)")
+
+
+class NodeProcess:
+    def __init__(self, *args: str, port: int = 0) -> None:
+        self.args = list(args)
+        self.port = port
+        self.address = ""
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 20.0) -> NodeProcess:
+        cmd = [
+            sys.executable,
+            "-m",
+            "pagekv.store.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError(f"node exited with {self.proc.returncode}")
+            match = READY.search(line)
+            if match:
+                self.address = match.group(1)
+                self.port = int(self.address.rsplit(":", 1)[1])
+                return self
+        raise RuntimeError("node did not report ready")
+
+    def kill(self, sig: int = signal.SIGKILL) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+        if self.proc is not None and self.proc.stderr:
+            self.proc.stderr.close()
+
+    def rss_bytes(self) -> int:
+        assert self.proc is not None
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+
+def start_nodes(n: int, *args: str) -> list[NodeProcess]:
+    nodes = []
+    try:
+        for _ in range(n):
+            nodes.append(NodeProcess(*args).start())
+    except Exception:
+        for node in nodes:
+            node.stop()
+        raise
+    return nodes
+
+
+def env_with_repo() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -1,0 +1,139 @@
+"""Store pieces without sockets: protocol encoding/validation, block store, configs, routing."""
+
+import msgpack
+import pytest
+
+from pagekv.store import ClientConfig, Code, NodeConfig, Op, ProtocolError, Status, parse_size
+from pagekv.store.block_store import BlockStore
+from pagekv.store.protocol import (
+    Reply,
+    Request,
+    decode_reply,
+    decode_request,
+    encode_reply,
+    encode_request,
+)
+from pagekv.store.routing import Router
+
+
+def test_request_round_trip():
+    req = Request(Op.PUT, 7, [b"a" * 16, b"b" * 16], [10, 20], [1, 2])
+    assert decode_request(encode_request(req)) == req
+    for op in (Op.GET, Op.EXISTS, Op.DELETE):
+        r = Request(op, 3, [b"k"])
+        assert decode_request(encode_request(r)) == r
+    assert decode_request(encode_request(Request(Op.PING, 1))).op is Op.PING
+
+
+def test_reply_round_trip():
+    rep = Reply(5, Code.OK, "", [0, 1], [99], 1, {"blocks": 3})
+    assert decode_reply(encode_reply(rep)) == rep
+
+
+def pack(**head):
+    return msgpack.packb(head, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    "frame, code",
+    [
+        (b"\xc1not msgpack", Code.BAD_HEADER),
+        (msgpack.packb([1, 2]), Code.BAD_HEADER),
+        (pack(v=2, id=1, op="GET"), Code.BAD_VERSION),
+        (pack(id=1, op="GET"), Code.BAD_VERSION),
+        (pack(v=1, id=1, op="FROB"), Code.BAD_OP),
+        (pack(v=1, id="x", op="GET"), Code.BAD_HEADER),
+        (pack(v=1, id=True, op="GET"), Code.BAD_HEADER),
+        (pack(v=1, id=-4, op="GET"), Code.BAD_HEADER),
+        (pack(v=1, id=1, op="GET", keys="abc"), Code.BAD_HEADER),
+        (pack(v=1, id=1, op="GET", keys=["str"]), Code.BAD_HEADER),
+        (pack(v=1, id=1, op="PUT", keys=[b"k"], sizes=[1, 2], sums=[1]), Code.BAD_HEADER),
+        (pack(v=1, id=1, op="PUT", keys=[b"k"], sizes=[-1], sums=[1]), Code.BAD_HEADER),
+        (pack(v=1, id=1, op="PUT", keys=[b"k"], sizes=[1]), Code.BAD_HEADER),
+        (b"\x00" * (2 << 20), Code.TOO_LARGE),
+    ],
+)
+def test_bad_requests_name_the_problem(frame, code):
+    with pytest.raises(ProtocolError) as info:
+        decode_request(frame)
+    assert info.value.code is code and str(info.value)
+
+
+def test_block_store_lru_capacity_and_immutability():
+    store = BlockStore(1000, max_block_bytes=400, high_watermark=0.8, low_watermark=0.5)
+    assert store.put(b"a", b"x" * 300, 300, 1) is Status.OK
+    assert store.put(b"b", b"y" * 300, 300, 2) is Status.OK
+    assert store.put(b"a", b"z" * 300, 300, 9) is Status.EXISTS  # not rewritten
+    assert store.get(b"a").data == b"x" * 300 and store.get(b"a").checksum == 1
+    assert store.used == 602
+    # "a" was touched: "b" is the oldest; the third block evicts down to the low watermark
+    assert store.put(b"c", b"w" * 300, 300, 3) is Status.OK
+    assert b"b" not in store and b"a" in store and b"c" in store
+    assert store.evictions == 1 and store.used == 602
+    assert store.put(b"d", b"q" * 500, 500, 4) is Status.TOO_LARGE
+    assert store.put(b"", b"q", 1, 4) is Status.BAD_KEY
+    assert store.put(b"k" * 300, b"q", 1, 4) is Status.BAD_KEY
+    assert store.delete(b"a") and not store.delete(b"a")
+    assert store.used == 301
+    assert store.get(b"zz") is None and store.misses == 1
+    assert store.stats()["blocks"] == 1
+
+
+def test_block_store_rejects_what_never_fits():
+    store = BlockStore(100, max_block_bytes=1000)
+    assert store.put(b"k", b"x" * 200, 200, 0) is Status.NO_SPACE
+    with pytest.raises(ValueError):
+        BlockStore(0, max_block_bytes=1)
+
+
+def test_parse_size():
+    assert parse_size("4GiB") == 4 << 30
+    assert parse_size("512 MiB") == 512 << 20
+    assert parse_size("1.5k") == 1536
+    assert parse_size(123) == 123
+    for bad in ("", "GiB", "4 parsecs", "-1"):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_size(bad)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(capacity=0), "capacity"),
+        (dict(port=70000), "port"),
+        (dict(endpoint="udp://x"), "endpoint"),
+        (dict(curve_secret_key="x"), "curve"),
+        (dict(high_watermark=0.5, low_watermark=0.9), "watermark"),
+        (dict(max_keys=0), "max_keys"),
+    ],
+)
+def test_node_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        NodeConfig(**kwargs)
+    assert NodeConfig(capacity="1GiB").capacity == 1 << 30
+
+
+def test_client_config_validation():
+    with pytest.raises(ValueError, match="replicas"):
+        ClientConfig(("tcp://127.0.0.1:1",), replicas=2)
+    with pytest.raises(ValueError, match="distinct"):
+        ClientConfig(("tcp://127.0.0.1:1", "tcp://127.0.0.1:1"))
+    with pytest.raises(ValueError, match="tcp://"):
+        ClientConfig(("127.0.0.1:1",))
+    with pytest.raises(ValueError, match="timeout_s"):
+        ClientConfig(("tcp://127.0.0.1:1",), timeout_s=0)
+    assert ClientConfig("tcp://127.0.0.1:1").endpoints == ("tcp://127.0.0.1:1",)
+
+
+def test_rendezvous_is_stable_and_balanced():
+    eps = [f"tcp://127.0.0.1:{7400 + i}" for i in range(4)]
+    a, b = Router(eps, 2, (0.1, 1)), Router(eps, 2, (0.1, 1))
+    keys = [i.to_bytes(16, "little") for i in range(4000)]
+    firsts = [a.ranking(k)[0] for k in keys]
+    assert firsts == [b.ranking(k)[0] for k in keys]
+    counts = [firsts.count(n) for n in range(4)]
+    assert min(counts) > 800  # ~1000 each
+    # Removing a node only moves the keys that ranked it first.
+    c = Router(eps[:3], 2, (0.1, 1))
+    moved = sum(1 for k, f in zip(keys, firsts) if f != 3 and c.ranking(k)[0] != f)
+    assert moved == 0
