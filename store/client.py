@@ -118,41 +118,41 @@ class StoreClient(_Base):
             sock.close(linger=0)
 
     def _exchange(self, batch: Batch) -> Results:
+        """Send every node its request and collect the replies until the deadline; a node
+        that cannot be written to (not connected) or does not answer in time gets None."""
         deadline = time.monotonic() + self.config.timeout_s
         results: Results = {}
+        unsent: dict[zmq.Socket, tuple[int, int, list[Any]]] = {}
         waiting: dict[zmq.Socket, tuple[int, int]] = {}
+        poller = zmq.Poller()
         for node, (req, payloads) in batch.items():
             sock = self._sock(node)
-            frames = [encode_request(req), *payloads]
-            while True:
-                try:
-                    sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                    waiting[sock] = (node, req.id)
-                    break
-                except zmq.Again:  # not connected yet (IMMEDIATE): wait for it, or give up
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        results[node] = None
-                        self._reset(node)
-                        break
-                    sock.poll(min(left, 0.05) * 1000, zmq.POLLOUT)
-        poller = zmq.Poller()
-        for sock in waiting:
-            poller.register(sock, zmq.POLLIN)
-        while waiting and (left := deadline - time.monotonic()) > 0:
-            for sock, _ in poller.poll(left * 1000):
-                node, rid = waiting[sock]
-                frames = sock.recv_multipart(copy=False)
-                try:
-                    reply = decode_reply(frames[0].buffer)
-                except ProtocolError:
-                    reply = None
-                if reply is not None and reply.id != rid:
-                    continue  # a late answer to a request that timed out earlier
-                results[node] = None if reply is None else (reply, frames[1:])
-                poller.unregister(sock)
-                del waiting[sock]
-        for node, _ in waiting.values():
+            unsent[sock] = (node, req.id, [encode_request(req), *payloads])
+            poller.register(sock, zmq.POLLOUT)
+        while (unsent or waiting) and (left := deadline - time.monotonic()) > 0:
+            for sock, event in poller.poll(left * 1000):
+                if sock in unsent and event & zmq.POLLOUT:
+                    node, rid, frames = unsent[sock]
+                    try:
+                        sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        continue
+                    del unsent[sock]
+                    waiting[sock] = (node, rid)
+                    poller.modify(sock, zmq.POLLIN)
+                elif sock in waiting and event & zmq.POLLIN:
+                    node, rid = waiting[sock]
+                    frames = sock.recv_multipart(copy=False)
+                    try:
+                        reply = decode_reply(frames[0].buffer)
+                    except ProtocolError:
+                        reply = None
+                    if reply is not None and reply.id != rid:
+                        continue  # a late answer to a request that timed out earlier
+                    results[node] = None if reply is None else (reply, frames[1:])
+                    poller.unregister(sock)
+                    del waiting[sock]
+        for node, *_ in [*unsent.values(), *waiting.values()]:
             results[node] = None
             self._reset(node)
         return results

@@ -1,0 +1,180 @@
+"""Multi-process integration: real `pagekv serve` processes on free loopback ports."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pagekv.store import Status, StoreClient
+from tests.store_nodes import NodeProcess, start_nodes
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def three_nodes():
+    nodes = start_nodes(3, "--capacity", "256MiB")
+    yield nodes
+    for node in nodes:
+        node.stop()
+
+
+def blocks(n, size=64 << 10, seed=b""):
+    keys = [seed + i.to_bytes(8, "little") + os.urandom(8) for i in range(n)]
+    return keys, [os.urandom(size) for _ in range(n)]
+
+
+def test_sharding_spreads_keys_and_reads_back(three_nodes):
+    eps = [n.address for n in three_nodes]
+    keys, data = blocks(90)
+    with StoreClient(eps, timeout_s=5) as client:
+        assert client.put_many(keys, data) == [Status.OK] * 90
+        got = client.get_many(keys)
+        assert [bytes(g) for g in got] == data
+        per_node = [s["blocks"] for s in client.stats()]
+        assert sum(per_node) == 90 and min(per_node) >= 15
+        assert client.exists_many(keys).leading == 90
+
+
+_WORKER = r"""
+import os, sys
+from pagekv.store import StoreClient, Status
+eps, name = sys.argv[1].split(","), sys.argv[2].encode()
+keys = [name + i.to_bytes(4, "little") for i in range(40)]
+data = [os.urandom(32 << 10) + name for _ in keys]
+with StoreClient(eps, replicas=2, timeout_s=10) as c:
+    assert set(c.put_many(keys, data)) == {Status.OK}, "put"
+    for _ in range(5):
+        got = c.get_many(keys)
+        assert [bytes(g) for g in got] == data, "get"
+    shared = c.get_many([b"shared-block-key"])[0]
+    assert shared is not None and bytes(shared) == b"S" * 1000, "shared"
+print("ok")
+"""
+
+
+def test_several_client_processes_at_once(three_nodes):
+    eps = [n.address for n in three_nodes]
+    with StoreClient(eps, replicas=2) as client:
+        assert client.put_many([b"shared-block-key"], [b"S" * 1000]) == [Status.OK]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _WORKER, ",".join(eps), f"w{i}"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(4)
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 and out.strip() == "ok" for p, (out, _) in zip(procs, outs)), outs
+
+
+def test_kill_9_with_two_replicas_loses_no_reads(three_nodes):
+    eps = [n.address for n in three_nodes]
+    keys, data = blocks(60)
+    with StoreClient(eps, replicas=2, timeout_s=1) as client:
+        assert client.put_many(keys, data) == [Status.OK] * 60
+        assert three_nodes[1].kill(signal.SIGKILL) == -signal.SIGKILL
+        start = time.monotonic()
+        got = client.get_many(keys)
+        assert [bytes(g) if g is not None else None for g in got] == data
+        assert client.exists_many(keys).leading == 60
+        # the dead node is backed off: the next reads do not wait for its timeout again
+        t0 = time.monotonic()
+        assert all(g is not None for g in client.get_many(keys))
+        assert time.monotonic() - t0 < 1.0 and time.monotonic() - start < 10
+        assert client.counters["node_failures"] >= 1
+        # writes keep 2 copies on the live nodes
+        more_keys, more = blocks(10, seed=b"after")
+        assert client.put_many(more_keys, more) == [Status.OK] * 10
+
+
+def test_node_restart_and_client_recovery():
+    node = NodeProcess("--capacity", "64MiB").start()
+    restarted = None
+    try:
+        with StoreClient(node.address, timeout_s=0.5) as client:
+            client.router.health[0].backoff_min = 0.05
+            client.router.health[0].backoff_max = 0.05
+            assert client.put_many([b"before-restart!!"], [b"x" * 100]) == [Status.OK]
+            node.kill(signal.SIGKILL)
+            assert client.get_many([b"before-restart!!"]) == [None]  # down: a miss
+            assert client.put_many([b"k" * 16], [b"y"]) == [Status.UNAVAILABLE]
+            restarted = NodeProcess("--capacity", "64MiB", port=node.port).start()
+            deadline = time.monotonic() + 10
+            while client.put_many([b"after-restart!!!"], [b"z" * 10]) != [Status.OK]:
+                assert time.monotonic() < deadline, "client never recovered"
+                time.sleep(0.1)
+            assert bytes(client.get_many([b"after-restart!!!"])[0]) == b"z" * 10
+            assert client.get_many([b"before-restart!!"]) == [None]  # memory store: gone
+    finally:
+        node.stop()
+        if restarted is not None:
+            restarted.stop()
+
+
+def test_eviction_under_capacity():
+    node = NodeProcess("--capacity", "8MiB").start()
+    try:
+        keys, data = blocks(32, size=1 << 20)
+        with StoreClient(node.address, timeout_s=5) as client:
+            for k, d in zip(keys, data):
+                assert client.put_many([k], [d]) == [Status.OK]
+            stats = client.stats()[0]
+            assert stats["evictions"] >= 24 and stats["bytes"] <= stats["capacity"] == 8 << 20
+            got = client.get_many(keys)
+            present = [i for i, g in enumerate(got) if g is not None]
+            assert present and present == list(range(32 - len(present), 32))  # the newest stay
+            assert all(bytes(got[i]) == data[i] for i in present)
+    finally:
+        node.stop()
+
+
+def test_corrupted_block_is_a_miss_never_data():
+    node = NodeProcess("--capacity", "8MiB", "--no-verify-puts").start()
+    try:
+        import msgpack
+        import zmq
+
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(node.address)
+        block = os.urandom(4096)
+        head = {"v": 1, "id": 1, "op": "PUT", "keys": [b"corrupt-block-01"], "sizes": [4096],
+                "sums": [12345]}  # fmt: skip
+        sock.send_multipart([msgpack.packb(head, use_bin_type=True), block])
+        assert sock.poll(5000)
+        sock.recv_multipart()
+        sock.close()
+        with StoreClient(node.address, timeout_s=5) as client:
+            assert client.get_many([b"corrupt-block-01"]) == [None]
+            into = bytearray(4096)
+            assert client.get_many([b"corrupt-block-01"], into=[into]) == [False]
+            assert into == bytearray(4096)
+            assert client.counters["checksum_mismatch"] == 2
+    finally:
+        node.stop()
+
+
+def test_cli_cluster_and_stats():
+    base = 47000 + os.getpid() % 1000 * 2
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagekv.store.cli", "cluster", "--nodes", "2", "--base-port",
+         str(base), "--capacity", "32MiB"], stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        eps = [f"tcp://127.0.0.1:{base + i}" for i in range(2)]
+        with StoreClient(eps, timeout_s=10) as client:
+            assert client.ping() == [True, True]
+            client.put_many([b"cli-key-00000001"], [b"v" * 10])
+        cmd = [sys.executable, "-m", "pagekv.store.cli", "stats", *eps, "tcp://127.0.0.1:1"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 1  # one address unreachable
+        lines = out.stdout.strip().splitlines()
+        assert lines[0].split()[:3] == ["node", "blocks", "bytes"]
+        assert "unreachable" in lines[3]
+        assert sum(int(line.split()[1]) for line in lines[1:3]) == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        proc.stderr.close()
