@@ -53,7 +53,10 @@ class _Base:
             curve=curve,
         )
         cfg = self.config
-        self.router = Router(cfg.endpoints, cfg.replicas, (cfg.backoff_min_s, cfg.backoff_max_s))
+        self.router = Router(
+            cfg.endpoints, cfg.replicas, (cfg.backoff_min_s, cfg.backoff_max_s),
+            cfg.max_message_bytes,
+        )  # fmt: skip
 
     @property
     def counters(self) -> dict[str, int]:
@@ -118,44 +121,62 @@ class StoreClient(_Base):
             sock.close(linger=0)
 
     def _exchange(self, batch: Batch) -> Results:
-        """Send every node its request and collect the replies until the deadline; a node
-        that cannot be written to (not connected) or does not answer in time gets None."""
+        """Send each node its requests (pipelined on its socket) and collect the replies
+        until the deadline; a request whose node cannot be written to (not connected) or
+        does not answer in time gets None."""
         deadline = time.monotonic() + self.config.timeout_s
         results: Results = {}
-        unsent: dict[zmq.Socket, tuple[int, int, list[Any]]] = {}
-        waiting: dict[zmq.Socket, tuple[int, int]] = {}
+        unsent: dict[zmq.Socket, list[tuple[int, list[Any]]]] = {}
+        waiting: dict[zmq.Socket, set[int]] = {}
+        node_of: dict[zmq.Socket, int] = {}
+        for call in batch:
+            sock = self._sock(call.node)
+            node_of[sock] = call.node
+            frames = [encode_request(call.request), *call.payloads]
+            unsent.setdefault(sock, []).append((call.request.id, frames))
+            waiting.setdefault(sock, set()).add(call.request.id)
         poller = zmq.Poller()
-        for node, (req, payloads) in batch.items():
-            sock = self._sock(node)
-            unsent[sock] = (node, req.id, [encode_request(req), *payloads])
-            poller.register(sock, zmq.POLLOUT)
-        while (unsent or waiting) and (left := deadline - time.monotonic()) > 0:
+        for sock in unsent:
+            poller.register(sock, zmq.POLLIN | zmq.POLLOUT)
+        while waiting and (left := deadline - time.monotonic()) > 0:
             for sock, event in poller.poll(left * 1000):
-                if sock in unsent and event & zmq.POLLOUT:
-                    node, rid, frames = unsent[sock]
-                    try:
-                        sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        continue
-                    del unsent[sock]
-                    waiting[sock] = (node, rid)
-                    poller.modify(sock, zmq.POLLIN)
-                elif sock in waiting and event & zmq.POLLIN:
-                    node, rid = waiting[sock]
+                if event & zmq.POLLOUT and unsent.get(sock):
+                    self._send_some(sock, unsent[sock])
+                    if not unsent[sock]:
+                        poller.modify(sock, zmq.POLLIN)
+                if event & zmq.POLLIN:
                     frames = sock.recv_multipart(copy=False)
                     try:
                         reply = decode_reply(frames[0].buffer)
                     except ProtocolError:
-                        reply = None
-                    if reply is not None and reply.id != rid:
+                        self._reset_waiting(sock, node_of, waiting, poller, results)
+                        continue
+                    if reply.id not in waiting[sock]:
                         continue  # a late answer to a request that timed out earlier
-                    results[node] = None if reply is None else (reply, frames[1:])
-                    poller.unregister(sock)
-                    del waiting[sock]
-        for node, *_ in [*unsent.values(), *waiting.values()]:
-            results[node] = None
-            self._reset(node)
+                    results[reply.id] = (reply, frames[1:])
+                    waiting[sock].discard(reply.id)
+                    if not waiting[sock]:
+                        poller.unregister(sock)
+                        del waiting[sock]
+        for sock in list(waiting):
+            self._reset_waiting(sock, node_of, waiting, poller, results)
         return results
+
+    @staticmethod
+    def _send_some(sock: zmq.Socket, queue: list[tuple[int, list[Any]]]) -> None:
+        while queue:
+            try:
+                sock.send_multipart(queue[0][1], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            queue.pop(0)
+
+    def _reset_waiting(self, sock, node_of, waiting, poller, results: Results) -> None:
+        """Give up on a node's outstanding requests: None for each, and a fresh socket."""
+        for rid in waiting.pop(sock, ()):
+            results[rid] = None
+        poller.unregister(sock)
+        self._reset(node_of[sock])
 
     def _run(self, gen: OpGen) -> Any:
         try:
@@ -215,35 +236,42 @@ class AsyncStoreClient(_Base):
         if sock is not None:
             sock.close(linger=0)
 
-    async def _one(self, node: int, req, payloads) -> tuple[Any, list[Any]] | None:
+    async def _node_calls(self, node: int, calls: Batch) -> Results:
         lock = self._locks.setdefault(node, asyncio.Lock())
         async with lock:
             if node not in self._socks:
                 self._socks[node] = self._new_socket(self.ctx, self.config.endpoints[node])
             sock = self._socks[node]
             try:
-                exchange = self._roundtrip(sock, req, payloads)
+                exchange = self._roundtrips(sock, calls)
                 return await asyncio.wait_for(exchange, self.config.timeout_s)
             except (asyncio.TimeoutError, ProtocolError, zmq.ZMQError):
                 self._reset(node)
-                return None
+                return {c.request.id: None for c in calls}
 
     @staticmethod
-    async def _roundtrip(sock: zmq.asyncio.Socket, req, payloads) -> tuple[Any, list[Any]]:
-        await sock.send_multipart([encode_request(req), *payloads], copy=False)
-        while True:
+    async def _roundtrips(sock: zmq.asyncio.Socket, calls: Batch) -> Results:
+        for call in calls:  # pipelined: all requests out, then the replies
+            await sock.send_multipart([encode_request(call.request), *call.payloads], copy=False)
+        waiting = {c.request.id for c in calls}
+        results: Results = {}
+        while waiting:
             frames = await sock.recv_multipart(copy=False)
             reply = decode_reply(frames[0].buffer)
-            if reply.id == req.id:  # else: a late answer to a request that timed out
-                return reply, frames[1:]
+            if reply.id in waiting:  # else: a late answer to a request that timed out
+                waiting.discard(reply.id)
+                results[reply.id] = (reply, frames[1:])
+        return results
 
     async def _run(self, gen: OpGen) -> Any:
         try:
             batch = next(gen)
             while True:
-                nodes = list(batch)
-                answers = await asyncio.gather(*(self._one(n, *batch[n]) for n in nodes))
-                batch = gen.send(dict(zip(nodes, answers)))
+                per_node: dict[int, Batch] = {}
+                for call in batch:
+                    per_node.setdefault(call.node, []).append(call)
+                parts = await asyncio.gather(*(self._node_calls(n, c) for n, c in per_node.items()))
+                batch = gen.send({rid: r for part in parts for rid, r in part.items()})
         except StopIteration as done:
             return done.value
 

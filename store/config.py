@@ -97,6 +97,7 @@ class ClientConfig:
     backoff_max_s: float = 8.0
     curve: CurveClientKeys | None = None
     socket_buffer: int = 4 << 20
+    max_message_bytes: int = 16 << 20  # big puts go out as several pipelined requests
 
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str):
@@ -111,5 +112,7 @@ class ClientConfig:
             raise ValueError(
                 f"ClientConfig.replicas must be in [1, {len(self.endpoints)}], got {self.replicas}"
             )
-        _positive("ClientConfig", timeout_s=self.timeout_s, backoff_min_s=self.backoff_min_s,
-                  backoff_max_s=self.backoff_max_s)  # fmt: skip
+        _positive(
+            "ClientConfig", timeout_s=self.timeout_s, backoff_min_s=self.backoff_min_s,
+            backoff_max_s=self.backoff_max_s, max_message_bytes=self.max_message_bytes,
+        )  # fmt: skip

@@ -5,8 +5,9 @@ writes go to the first ``replicas`` healthy nodes of that ranking, reads and loo
 in ranking order (down nodes skipped) up to ``replicas + 1`` of them. A node that fails or times
 out is marked down with exponential back-off; a reply marks it up again.
 
-Each operation is a generator: it yields ``{node index: (Request, payloads)}`` batches, receives
-``{node index: (Reply, frames) | None}`` (None: the node failed), and returns its result. The
+Each operation is a generator: it yields batches of :class:`Call` (a request for one node, big
+puts cut into several requests of at most ``max_message_bytes``), receives ``{request id:
+(Reply, frames) | None}`` (None: the node failed or timed out), and returns its result. The
 clients only move the batches.
 """
 
@@ -22,10 +23,20 @@ import xxhash
 
 from .protocol import Code, Op, Reply, Request, Status, checksum
 
-__all__ = ["ExistsResult", "NodeHealth", "Router", "StoreError", "StoreUnavailable"]
+__all__ = ["Call", "ExistsResult", "NodeHealth", "Router", "StoreError", "StoreUnavailable"]
 
-Batch = dict[int, tuple[Request, list[Any]]]
 Results = dict[int, "tuple[Reply, list[Any]] | None"]
+
+
+@dataclass
+class Call:
+    node: int
+    request: Request
+    payloads: list[Any]
+    idxs: list[int]  # positions of the request's keys in the caller's key list
+
+
+Batch = list[Call]
 OpGen = Generator[Batch, Results, Any]
 
 
@@ -67,8 +78,15 @@ class NodeHealth:
 
 
 class Router:
-    def __init__(self, endpoints: Sequence[str], replicas: int, backoff: tuple[float, float]):
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        replicas: int,
+        backoff: tuple[float, float],
+        max_message_bytes: int = 16 << 20,
+    ) -> None:
         self.endpoints = list(endpoints)
+        self.max_message_bytes = max_message_bytes
         self.replicas = replicas
         self.health = [NodeHealth(*backoff) for _ in self.endpoints]
         self._salt = [ep.encode() for ep in self.endpoints]
@@ -91,31 +109,27 @@ class Router:
         live = [n for n in ranked if self.health[n].is_up(now)]
         return live[:limit] if live else ranked[:limit]  # all down: try anyway
 
-    def record(self, results: Results) -> None:
+    def record(self, batch: Batch, results: Results) -> None:
         now = time.monotonic()
-        for node, result in results.items():
+        for call in batch:
+            result = results.get(call.request.id)
+            health = self.health[call.node]
             if result is None:
-                self.health[node].failed(now)
-                self.counters["node_failures"] += 1
-            else:
-                self.health[node].succeeded()
-                if result[0].code is not Code.OK:
-                    raise StoreError(
-                        f"{self.endpoints[node]}: {result[0].code.name} {result[0].error}"
-                    )
+                if health.is_up(now):
+                    self.counters["node_failures"] += 1
+                health.failed(now)
+                continue
+            health.succeeded()
+            if result[0].code is not Code.OK:
+                ep = self.endpoints[call.node]
+                raise StoreError(f"{ep}: {result[0].code.name} {result[0].error}")
 
     # ---- operations ------------------------------------------------------------------------
-    def _group(
-        self, op: Op, pairs: dict[int, list[int]], keys: Sequence[bytes], extra=None
-    ) -> Batch:
-        batch: Batch = {}
-        for node, idxs in pairs.items():
-            req = Request(op, self.next_id(), [keys[i] for i in idxs])
-            payloads: list[Any] = []
-            if extra is not None:
-                req.sizes, req.sums, payloads = extra(idxs)
-            batch[node] = (req, payloads)
-        return batch
+    def _calls(self, op: Op, targets: dict[int, list[int]], keys: Sequence[bytes]) -> Batch:
+        return [
+            Call(node, Request(op, self.next_id(), [keys[i] for i in idxs]), [], idxs)
+            for node, idxs in targets.items()
+        ]
 
     def put(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> OpGen:
         views = [memoryview(b).cast("B") for b in buffers]
@@ -124,20 +138,19 @@ class Router:
         for i, key in enumerate(keys):
             for node in self._live(key, self.replicas):
                 targets.setdefault(node, []).append(i)
-
-        def extra(idxs):
-            return (
-                [views[i].nbytes for i in idxs],
-                [sums[i] for i in idxs],
-                [views[i] for i in idxs],
-            )
-
-        results = yield self._group(Op.PUT, targets, keys, extra)
-        self.record(results)
-        seen: list[list[int]] = [[] for _ in keys]
+        batch: Batch = []
         for node, idxs in targets.items():
-            if results.get(node) is not None:
-                for i, st in zip(idxs, results[node][0].status):
+            for part in _cut(idxs, [views[i].nbytes for i in idxs], self.max_message_bytes):
+                req = Request(Op.PUT, self.next_id(), [keys[i] for i in part],
+                              [views[i].nbytes for i in part], [sums[i] for i in part])  # fmt: skip
+                batch.append(Call(node, req, [views[i] for i in part], part))
+        results = yield batch
+        self.record(batch, results)
+        seen: list[list[int]] = [[] for _ in keys]
+        for call in batch:
+            result = results.get(call.request.id)
+            if result is not None:
+                for i, st in zip(call.idxs, result[0].status):
                     seen[i].append(st)
         return [_merge_put(sts) for sts in seen]
 
@@ -148,19 +161,22 @@ class Router:
             wave: dict[int, list[int]] = {}
             for i, cands in pending.items():
                 wave.setdefault(cands.pop(0), []).append(i)
-            results = yield self._group(op, wave, keys)
-            self.record(results)
-            for node, idxs in wave.items():
-                result = results.get(node)
+            batch = self._calls(op, wave, keys)
+            results = yield batch
+            self.record(batch, results)
+            for call in batch:
+                result = results.get(call.request.id)
                 if result is None:
                     continue
                 reply, frames = result
                 n_ok = sum(1 for st in reply.status if st == Status.OK)
-                if len(reply.status) != len(idxs) or len(frames) != (n_ok if op is Op.GET else 0):
+                if len(reply.status) != len(call.idxs) or len(frames) != (
+                    n_ok if op is Op.GET else 0
+                ):
                     self.counters["node_failures"] += 1  # malformed reply: treat as a miss
                     continue
                 frame_iter = iter(zip(reply.sums, frames))
-                for i, st in zip(idxs, reply.status):
+                for i, st in zip(call.idxs, reply.status):
                     if st == Status.OK and on_hit(i, frame_iter):
                         pending.pop(i, None)
             pending = {i: c for i, c in pending.items() if c}
@@ -203,19 +219,39 @@ class Router:
         for i, key in enumerate(keys):
             for node in self.ranking(key)[: self.replicas + 1]:
                 targets.setdefault(node, []).append(i)
-        results = yield self._group(Op.DELETE, targets, keys)
-        self.record(results)
+        batch = self._calls(Op.DELETE, targets, keys)
+        results = yield batch
+        self.record(batch, results)
         out = [False] * len(keys)
-        for node, idxs in targets.items():
-            if results.get(node) is not None:
-                for i, st in zip(idxs, results[node][0].status):
+        for call in batch:
+            result = results.get(call.request.id)
+            if result is not None:
+                for i, st in zip(call.idxs, result[0].status):
                     out[i] = out[i] or st == Status.OK
         return out
 
     def each_node(self, op: Op) -> OpGen:
-        results = yield {n: (Request(op, self.next_id()), []) for n in range(len(self.endpoints))}
-        self.record(results)
-        return [None if results.get(n) is None else results[n][0].stats for n in sorted(results)]
+        batch = [Call(n, Request(op, self.next_id()), [], []) for n in range(len(self.endpoints))]
+        results = yield batch
+        self.record(batch, results)
+        return [
+            None if results.get(c.request.id) is None else results[c.request.id][0].stats
+            for c in batch
+        ]
+
+
+def _cut(idxs: list[int], sizes: list[int], limit: int) -> list[list[int]]:
+    """Split ``idxs`` into runs of at most ``limit`` bytes (a bigger block goes alone)."""
+    parts, part, total = [], [], 0
+    for i, size in zip(idxs, sizes):
+        if part and total + size > limit:
+            parts.append(part)
+            part, total = [], 0
+        part.append(i)
+        total += size
+    if part:
+        parts.append(part)
+    return parts
 
 
 def _merge_put(statuses: list[int]) -> Status:

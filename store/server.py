@@ -7,8 +7,6 @@ thread moves the bytes, this loop only indexes frames.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 import signal
@@ -20,6 +18,7 @@ import zmq
 
 from .block_store import BlockStore
 from .config import NodeConfig
+from .memory import tune_malloc_for_blocks
 from .protocol import (
     Code,
     Op,
@@ -35,16 +34,6 @@ from .protocol import (
 __all__ = ["StoreNode"]
 
 log = logging.getLogger("pagekv.store")
-
-
-def _pin_malloc_mmap_threshold() -> None:
-    """Blocks are large and freed in LRU order: keep each in its own mmap so eviction returns
-    memory to the OS (glibc's dynamic threshold would move them into the heap and fragment)."""
-    libc_name = ctypes.util.find_library("c")
-    if libc_name:
-        libc = ctypes.CDLL(libc_name)
-        if hasattr(libc, "mallopt"):
-            libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
 
 
 class StoreNode:
@@ -100,7 +89,8 @@ class StoreNode:
             signal.signal(sig, lambda *_: self.stop())
 
     def serve_forever(self) -> None:
-        _pin_malloc_mmap_threshold()
+        if os.environ.get("PAGEKV_TUNE_MALLOC", "1") == "1":
+            tune_malloc_for_blocks()
         log.info(
             "pagekv node serving on %s (capacity %d bytes, pid %d)",
             self.address, self.config.capacity, os.getpid(),

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pagekv.store import Status, StoreClient
-from tests.store_nodes import NodeProcess, start_nodes
+from pagekv.store.launch import NodeProcess, start_nodes
 
 pytestmark = pytest.mark.slow
 

@@ -1,12 +1,16 @@
-"""Real `pagekv serve` processes on free loopback ports, for integration tests."""
+"""Start real `pagekv serve` processes (free loopback ports by default) from Python: for the
+demo, benchmarks and integration tests. Each node reports its bound address on stderr."""
 
 from __future__ import annotations
 
-import os
+__all__ = ["NodeProcess", "start_nodes"]
+
+import collections
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 READY = re.compile(r"pagekv node ready (tcp://\S+)")
@@ -18,6 +22,7 @@ class NodeProcess:
         self.port = port
         self.address = ""
         self.proc: subprocess.Popen | None = None
+        self.log: collections.deque[str] = collections.deque(maxlen=200)
 
     def start(self, timeout: float = 20.0) -> NodeProcess:
         cmd = [
@@ -39,22 +44,28 @@ class NodeProcess:
             if match:
                 self.address = match.group(1)
                 self.port = int(self.address.rsplit(":", 1)[1])
+                threading.Thread(target=self._drain, daemon=True).start()
                 return self
         raise RuntimeError("node did not report ready")
 
+    def _drain(self) -> None:
+        """Keep reading the node's log so a full pipe never blocks it; keep the last lines."""
+        for line in self.proc.stderr:
+            self.log.append(line)
+
     def kill(self, sig: int = signal.SIGKILL) -> int:
-        assert self.proc is not None
+        if self.proc is None:
+            raise RuntimeError("node not started")
         self.proc.send_signal(sig)
         return self.proc.wait(timeout=10)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.kill(signal.SIGTERM)
-        if self.proc is not None and self.proc.stderr:
-            self.proc.stderr.close()
 
     def rss_bytes(self) -> int:
-        assert self.proc is not None
+        if self.proc is None:
+            raise RuntimeError("node not started")
         with open(f"/proc/{self.proc.pid}/status") as f:
             for line in f:
                 if line.startswith("VmRSS:"):
@@ -67,12 +78,8 @@ def start_nodes(n: int, *args: str) -> list[NodeProcess]:
     try:
         for _ in range(n):
             nodes.append(NodeProcess(*args).start())
-    except Exception:
+    except BaseException:
         for node in nodes:
             node.stop()
         raise
     return nodes
-
-
-def env_with_repo() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -1,0 +1,202 @@
+"""Store benchmark on loopback: pagekv against the raw TCP ceiling and peer stores, one run.
+
+* headline: 64 blocks of 2 MiB, put then get into preallocated buffers, fresh keys per round;
+  each round also times the raw TCP socket ceiling (../shared/peers/store_peers.py), and the
+  ratio is the median of per-round ratios;
+* peers (Redis, Mooncake Store TCP, a naive ZeroMQ store) on the same workload, in the same run,
+  when ../shared/peers/setup.sh has installed them;
+* put/get GB/s over block sizes 256 KiB-8 MiB and batches 1-128;
+* EXISTS latency for 1,024 keys; node RSS against capacity under a put stream of 3x capacity.
+
+    python scripts/bench_store.py [--quick]        # JSON + PNG in benchmarks/results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from _bench_util import environment, write_result
+
+from pagekv.store import Status, StoreClient
+from pagekv.store.launch import NodeProcess
+from pagekv.store.memory import tune_malloc_for_blocks
+
+PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
+MIB = 1 << 20
+
+
+def load_peers():
+    path = PEERS / "store_peers.py"
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("store_peers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def put_get_round(client: StoreClient, blocks: list, into: list, tag: str) -> tuple[float, float]:
+    keys = [f"{tag}-{i}".encode().ljust(16, b".") for i in range(len(blocks))]
+    t = time.perf_counter()
+    status = client.put_many(keys, blocks)
+    put = time.perf_counter() - t
+    if set(status) - {Status.OK}:
+        raise RuntimeError(f"put failed: {set(status)}")
+    t = time.perf_counter()
+    ok = client.get_many(keys, into=into)
+    get = time.perf_counter() - t
+    if not all(ok) or into[0][:64] != blocks[0][:64]:
+        raise RuntimeError("get failed")
+    client.delete_many(keys)
+    return put, get
+
+
+def headline(args, peers) -> dict:
+    size, n = 2 * MIB, 64
+    node = NodeProcess("--capacity", "2GiB").start()
+    blocks = [os.urandom(size) for _ in range(n)]
+    into = [bytearray(size) for _ in range(n)]
+    rows = []
+    with StoreClient(node.address, timeout_s=30) as client:
+        put_get_round(client, blocks, into, "warm")
+        for r in range(args.rounds):
+            put, get = put_get_round(client, blocks, into, f"r{r}")
+            tcp_put, tcp_get = peers.bench_tcp(size, n, 1) if peers else (float("nan"),) * 2
+            gb = size * n / 1e9
+            rows.append(dict(put_gbps=gb / put, get_gbps=gb / get, tcp_put_gbps=tcp_put,
+                             tcp_get_gbps=tcp_get))  # fmt: skip
+    node.stop()
+    med = {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
+    med["put_ratio"] = round(statistics.median(r["put_gbps"] / r["tcp_put_gbps"] for r in rows), 3)
+    med["get_ratio"] = round(statistics.median(r["get_gbps"] / r["tcp_get_gbps"] for r in rows), 3)
+    print(f"headline 2 MiB x 64: {med}", flush=True)
+    return dict(median=med, rounds=rows)
+
+
+def peer_rows(args) -> dict:
+    env_sh = Path(os.environ.get("PAGEKV_PEERS_DIR", "/tmp/pagekv-peers")) / "env.sh"
+    if not env_sh.exists():
+        print("peers: not installed (bash ../shared/peers/setup.sh)", flush=True)
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = (
+            f"source {env_sh} && $MC_PY {PEERS / 'store_peers.py'} --block-mib 2 --blocks 64 "
+            f"--rounds {args.rounds} --peers tcp,zmq,redis,mooncake --json {out.name}"
+        )
+        proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=900)
+        print(proc.stdout, flush=True)
+        if proc.returncode != 0:
+            print(proc.stderr[-2000:])
+            return {}
+        return json.loads(Path(out.name).read_text())["peers"]
+
+
+def grid(args) -> list[dict]:
+    node = NodeProcess("--capacity", "2GiB").start()
+    rows = []
+    with StoreClient(node.address, timeout_s=60) as client:
+        for size in args.block_sizes:
+            for batch in args.batches:
+                if size * batch > args.max_batch_bytes:
+                    continue
+                blocks = [os.urandom(size) for _ in range(batch)]
+                into = [bytearray(size) for _ in range(batch)]
+                rounds = max(3, min(20, (64 * MIB) // (size * batch)))
+                times = [put_get_round(client, blocks, into, f"g{size}-{batch}-{r}")
+                         for r in range(rounds)]  # fmt: skip
+                gb = size * batch / 1e9
+                put = gb / statistics.median(t[0] for t in times)
+                get = gb / statistics.median(t[1] for t in times)
+                rows.append(dict(block_kib=size // 1024, batch=batch, put_gbps=round(put, 3),
+                                 get_gbps=round(get, 3)))  # fmt: skip
+                print(f"grid {rows[-1]}", flush=True)
+    node.stop()
+    return rows
+
+
+def exists_latency(args) -> dict:
+    node = NodeProcess("--capacity", "1GiB").start()
+    with StoreClient(node.address, timeout_s=10) as client:
+        keys = [i.to_bytes(16, "little") for i in range(1024)]
+        client.put_many(keys[:512], [b"x" * 64] * 512)
+        lat = []
+        for _ in range(args.exists_iters):
+            t = time.perf_counter()
+            res = client.exists_many(keys)
+            lat.append((time.perf_counter() - t) * 1e3)
+            if res.leading != 512:
+                raise RuntimeError("exists wrong")
+    node.stop()
+    lat.sort()
+    out = dict(
+        keys=1024, p50_ms=round(lat[len(lat) // 2], 3), p99_ms=round(lat[int(len(lat) * 0.99)], 3)
+    )
+    print(f"exists {out}", flush=True)
+    return out
+
+
+def rss_under_stream(args) -> dict:
+    capacity = args.rss_capacity
+    node = NodeProcess("--capacity", str(capacity)).start()
+    baseline = node.rss_bytes()
+    block, batch = 2 * MIB, 16
+    data = [os.urandom(block) for _ in range(batch)]
+    samples, sent, i = [], 0, 0
+    with StoreClient(node.address, timeout_s=30) as client:
+        while sent < 3 * capacity:
+            keys = [f"rss-{i}-{j}".encode() for j in range(batch)]
+            client.put_many(keys, data)
+            sent += block * batch
+            i += 1
+            samples.append(node.rss_bytes())
+        stats = client.stats()[0]
+    node.stop()
+    peak = max(samples)
+    out = dict(capacity=capacity, streamed=sent, baseline_rss=baseline, peak_rss=peak,
+               final_rss=samples[-1], evictions=stats["evictions"], stored_bytes=stats["bytes"],
+               peak_over_capacity=round((peak - baseline) / capacity, 3))  # fmt: skip
+    print(f"rss {out}", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--block-sizes", type=lambda s: [int(x) * 1024 for x in s.split(",")],
+                    default=[256, 1024, 2048, 8192])  # fmt: skip
+    ap.add_argument(
+        "--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128]
+    )
+    ap.add_argument("--max-batch-bytes", type=int, default=512 * MIB)
+    ap.add_argument("--exists-iters", type=int, default=300)
+    ap.add_argument("--rss-capacity", type=int, default=256 * MIB)
+    ap.add_argument("--skip-peers", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--default-malloc", action="store_true", help="client: glibc defaults")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.batches, args.block_sizes = 3, [1, 32], [256 * 1024, 2 * MIB]
+        args.exists_iters, args.rss_capacity = 50, 64 * MIB
+    if not args.default_malloc:
+        tune_malloc_for_blocks()
+    env = environment()
+    print(f"# {env['device']}, {env['cpu_count']} cpus, commit {env['commit']}", flush=True)
+    peers = load_peers()
+    result = dict(headline=headline(args, peers))
+    result["peers"] = {} if args.skip_peers else peer_rows(args)
+    result["exists"] = exists_latency(args)
+    result["rss"] = rss_under_stream(args)
+    result["grid"] = grid(args)
+    print(f"wrote {write_result('bench_store', result)}")
+
+
+if __name__ == "__main__":
+    main()
