@@ -68,8 +68,9 @@ class _Base:
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a node not connected
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.SNDBUF, self.config.socket_buffer)
-        sock.setsockopt(zmq.RCVBUF, self.config.socket_buffer)
+        if self.config.socket_buffer:  # 0: leave it to the kernel's TCP autotuning
+            sock.setsockopt(zmq.SNDBUF, self.config.socket_buffer)
+            sock.setsockopt(zmq.RCVBUF, self.config.socket_buffer)
         if self.config.curve is not None:
             sock.curve_serverkey = self.config.curve.server_public
             sock.curve_publickey = self.config.curve.public
@@ -129,6 +130,7 @@ class StoreClient(_Base):
         unsent: dict[zmq.Socket, list[tuple[int, list[Any]]]] = {}
         waiting: dict[zmq.Socket, set[int]] = {}
         node_of: dict[zmq.Socket, int] = {}
+        calls = {call.request.id: call for call in batch}
         for call in batch:
             sock = self._sock(call.node)
             node_of[sock] = call.node
@@ -155,6 +157,8 @@ class StoreClient(_Base):
                         continue  # a late answer to a request that timed out earlier
                     results[reply.id] = (reply, frames[1:])
                     waiting[sock].discard(reply.id)
+                    if calls[reply.id].on_reply is not None:
+                        calls[reply.id].on_reply(reply, frames[1:])
                     if not waiting[sock]:
                         poller.unregister(sock)
                         del waiting[sock]
@@ -253,14 +257,17 @@ class AsyncStoreClient(_Base):
     async def _roundtrips(sock: zmq.asyncio.Socket, calls: Batch) -> Results:
         for call in calls:  # pipelined: all requests out, then the replies
             await sock.send_multipart([encode_request(call.request), *call.payloads], copy=False)
-        waiting = {c.request.id for c in calls}
+        waiting = {c.request.id: c for c in calls}
         results: Results = {}
         while waiting:
             frames = await sock.recv_multipart(copy=False)
             reply = decode_reply(frames[0].buffer)
-            if reply.id in waiting:  # else: a late answer to a request that timed out
-                waiting.discard(reply.id)
-                results[reply.id] = (reply, frames[1:])
+            call = waiting.pop(reply.id, None)
+            if call is None:
+                continue  # a late answer to a request that timed out
+            results[reply.id] = (reply, frames[1:])
+            if call.on_reply is not None:
+                call.on_reply(reply, frames[1:])
         return results
 
     async def _run(self, gen: OpGen) -> Any:

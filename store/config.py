@@ -45,14 +45,16 @@ class NodeConfig:
     curve_secret_key: str | None = None  # path to a zmq certificate with a secret key
     curve_allow: str | None = None  # directory of allowed client public certificates
     io_threads: int = 1
-    socket_buffer: int = 4 << 20
+    socket_buffer: int = 0  # bytes for SO_SNDBUF/SO_RCVBUF; 0 keeps the kernel's autotuning
 
     def __post_init__(self) -> None:
         for name in ("capacity", "max_block_size", "max_message_size"):
             object.__setattr__(self, name, parse_size(getattr(self, name)))
         _positive("NodeConfig", capacity=self.capacity, max_block_size=self.max_block_size,
                   max_message_size=self.max_message_size, max_keys=self.max_keys,
-                  io_threads=self.io_threads, socket_buffer=self.socket_buffer)  # fmt: skip
+                  io_threads=self.io_threads)  # fmt: skip
+        if self.socket_buffer < 0:
+            raise ValueError(f"NodeConfig.socket_buffer must be >= 0, got {self.socket_buffer}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"NodeConfig.port must be in [0, 65536), got {self.port}")
         if self.endpoint is not None and not self.endpoint.startswith(("tcp://", "ipc://")):
@@ -96,7 +98,7 @@ class ClientConfig:
     backoff_min_s: float = 0.25
     backoff_max_s: float = 8.0
     curve: CurveClientKeys | None = None
-    socket_buffer: int = 4 << 20
+    socket_buffer: int = 0  # 0 keeps the kernel's TCP autotuning
     max_message_bytes: int = 16 << 20  # big puts go out as several pipelined requests
 
     def __post_init__(self) -> None:

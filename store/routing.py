@@ -13,9 +13,10 @@ clients only move the batches.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,10 @@ class Call:
     request: Request
     payloads: list[Any]
     idxs: list[int]  # positions of the request's keys in the caller's key list
+    # Clients call this as soon as the reply arrives (a GET's blocks are checked and copied
+    # out while later replies are still on the wire); else it runs when the batch returns.
+    on_reply: Callable[[Reply, list[Any]], None] | None = None
+    handled: bool = False
 
 
 Batch = list[Call]
@@ -84,9 +89,11 @@ class Router:
         replicas: int,
         backoff: tuple[float, float],
         max_message_bytes: int = 16 << 20,
+        get_keys_per_request: int = 8,
     ) -> None:
         self.endpoints = list(endpoints)
         self.max_message_bytes = max_message_bytes
+        self.get_keys_per_request = get_keys_per_request
         self.replicas = replicas
         self.health = [NodeHealth(*backoff) for _ in self.endpoints]
         self._salt = [ep.encode() for ep in self.endpoints]
@@ -157,28 +164,38 @@ class Router:
     def _lookup(self, op: Op, keys: Sequence[bytes], on_hit) -> OpGen:
         """Ask each key's candidates in turn until ``on_hit`` accepts an answer."""
         pending = {i: self._live(k, self.replicas + 1) for i, k in enumerate(keys)}
+        per_request = self.get_keys_per_request if op is Op.GET else len(keys)
+
+        def handle(call: Call, reply: Reply, frames: list[Any]) -> None:
+            call.handled = True
+            n_ok = sum(1 for st in reply.status if st == Status.OK)
+            expect_frames = n_ok if op is Op.GET else 0
+            if len(reply.status) != len(call.idxs) or len(frames) != expect_frames:
+                self.counters["node_failures"] += 1  # malformed reply: treat as a miss
+                return
+            frame_iter = iter(zip(reply.sums, frames))
+            for i, st in zip(call.idxs, reply.status):
+                if st == Status.OK and on_hit(i, frame_iter):
+                    pending.pop(i, None)
+
         while pending:
             wave: dict[int, list[int]] = {}
             for i, cands in pending.items():
                 wave.setdefault(cands.pop(0), []).append(i)
-            batch = self._calls(op, wave, keys)
+            batch: Batch = []
+            for node, idxs in wave.items():
+                for start in range(0, len(idxs), per_request):
+                    part = idxs[start : start + per_request]
+                    req = Request(op, self.next_id(), [keys[i] for i in part])
+                    batch.append(Call(node, req, [], part))
+            for call in batch:
+                call.on_reply = functools.partial(handle, call)
             results = yield batch
             self.record(batch, results)
             for call in batch:
                 result = results.get(call.request.id)
-                if result is None:
-                    continue
-                reply, frames = result
-                n_ok = sum(1 for st in reply.status if st == Status.OK)
-                if len(reply.status) != len(call.idxs) or len(frames) != (
-                    n_ok if op is Op.GET else 0
-                ):
-                    self.counters["node_failures"] += 1  # malformed reply: treat as a miss
-                    continue
-                frame_iter = iter(zip(reply.sums, frames))
-                for i, st in zip(call.idxs, reply.status):
-                    if st == Status.OK and on_hit(i, frame_iter):
-                        pending.pop(i, None)
+                if result is not None and not call.handled:
+                    handle(call, *result)
             pending = {i: c for i, c in pending.items() if c}
 
     def get(self, keys: Sequence[bytes], into: Sequence[Any] | None) -> OpGen:

@@ -52,8 +52,9 @@ class StoreNode:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # unknown peer: drop, never raise
         self.sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_size)
-        self.sock.setsockopt(zmq.SNDBUF, config.socket_buffer)
-        self.sock.setsockopt(zmq.RCVBUF, config.socket_buffer)
+        if config.socket_buffer:  # 0: leave it to the kernel's TCP autotuning
+            self.sock.setsockopt(zmq.SNDBUF, config.socket_buffer)
+            self.sock.setsockopt(zmq.RCVBUF, config.socket_buffer)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self._auth = None
