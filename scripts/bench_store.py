@@ -171,7 +171,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--block-sizes", type=lambda s: [int(x) * 1024 for x in s.split(",")],
-                    default=[256, 1024, 2048, 8192])  # fmt: skip
+                    default=[256 << 10, 1 << 20, 2 << 20, 8 << 20])  # fmt: skip
     ap.add_argument(
         "--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128]
     )

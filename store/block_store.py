@@ -54,6 +54,11 @@ class BlockStore:
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
 
+    def statuses(self, keys: list[bytes]) -> list[int]:
+        """``Status.OK`` / ``Status.NOT_FOUND`` per key, without touching LRU order."""
+        blocks, ok, missing = self._blocks, int(Status.OK), int(Status.NOT_FOUND)
+        return [ok if k in blocks else missing for k in keys]
+
     def put(self, key: bytes, data: Any, size: int, checksum: int) -> Status:
         """Store ``data`` (kept by reference) under ``key``. A present key is acknowledged
         with ``Status.EXISTS`` and not rewritten."""

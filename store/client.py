@@ -29,9 +29,10 @@ __all__ = ["AsyncStoreClient", "StoreClient"]
 
 
 def _check_keys(keys: Sequence[bytes], buffers: Sequence[Any] | None, what: str) -> None:
-    for k in keys:
-        if not isinstance(k, bytes) or not 0 < len(k) <= MAX_KEY_BYTES:
-            raise ValueError(f"keys must be non-empty bytes of <= {MAX_KEY_BYTES}, got {k!r:.40}")
+    lengths = list(map(len, keys)) if set(map(type, keys)) <= {bytes} else None
+    if lengths is None or (lengths and not 0 < min(lengths) <= max(lengths) <= MAX_KEY_BYTES):
+        bad = next(k for k in keys if type(k) is not bytes or not 0 < len(k) <= MAX_KEY_BYTES)
+        raise ValueError(f"keys must be non-empty bytes of <= {MAX_KEY_BYTES}, got {bad!r:.40}")
     if buffers is not None and len(buffers) != len(keys):
         raise ValueError(f"{len(keys)} keys but {len(buffers)} {what}")
 

@@ -110,11 +110,18 @@ class Router:
         scores = [xxhash.xxh3_64_intdigest(salt + key) for salt in self._salt]
         return sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
 
-    def _live(self, key: bytes, limit: int) -> list[int]:
+    def _candidates(self, keys: Sequence[bytes], limit: int) -> list[list[int]]:
+        """Per key, the first ``limit`` live nodes of its ranking (all down: try anyway)."""
+        if len(self.endpoints) == 1:
+            return [[0] for _ in keys]
         now = time.monotonic()
-        ranked = self.ranking(key)
-        live = [n for n in ranked if self.health[n].is_up(now)]
-        return live[:limit] if live else ranked[:limit]  # all down: try anyway
+        up = [h.is_up(now) for h in self.health]
+        out = []
+        for key in keys:
+            ranked = self.ranking(key)
+            live = [n for n in ranked if up[n]]
+            out.append(live[:limit] if live else ranked[:limit])
+        return out
 
     def record(self, batch: Batch, results: Results) -> None:
         now = time.monotonic()
@@ -142,8 +149,8 @@ class Router:
         views = [memoryview(b).cast("B") for b in buffers]
         sums = [checksum(v) for v in views]
         targets: dict[int, list[int]] = {}
-        for i, key in enumerate(keys):
-            for node in self._live(key, self.replicas):
+        for i, nodes in enumerate(self._candidates(keys, self.replicas)):
+            for node in nodes:
                 targets.setdefault(node, []).append(i)
         batch: Batch = []
         for node, idxs in targets.items():
@@ -163,13 +170,12 @@ class Router:
 
     def _lookup(self, op: Op, keys: Sequence[bytes], on_hit) -> OpGen:
         """Ask each key's candidates in turn until ``on_hit`` accepts an answer."""
-        pending = {i: self._live(k, self.replicas + 1) for i, k in enumerate(keys)}
+        pending = dict(enumerate(self._candidates(keys, self.replicas + 1)))
         per_request = self.get_keys_per_request if op is Op.GET else len(keys)
 
         def handle(call: Call, reply: Reply, frames: list[Any]) -> None:
             call.handled = True
-            n_ok = sum(1 for st in reply.status if st == Status.OK)
-            expect_frames = n_ok if op is Op.GET else 0
+            expect_frames = reply.status.count(Status.OK) if op is Op.GET else 0
             if len(reply.status) != len(call.idxs) or len(frames) != expect_frames:
                 self.counters["node_failures"] += 1  # malformed reply: treat as a miss
                 return

@@ -156,7 +156,7 @@ class StoreNode:
         if req.op is Op.GET:
             return self._get(req)
         if req.op is Op.EXISTS:
-            status = [int(Status.OK if k in self.store else Status.NOT_FOUND) for k in req.keys]
+            status = self.store.statuses(req.keys)
             hits = next((i for i, s in enumerate(status) if s), len(status))
             return Reply(req.id, status=status, hits=hits), []
         if req.op is Op.DELETE:
