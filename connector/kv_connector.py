@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from pagekv.kernels import DeviceKV, load, save
-from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreError
+from pagekv.store import AsyncStoreClient, ClientConfig, StoreError
 
 from .geometry import KVGeometry
 from .hashing import KeyNamespace, page_keys
@@ -91,6 +91,7 @@ class KVConnector:
              "store_errors", "pages_saved"), 0,
         )  # fmt: skip
         self._inflight: dict[bytes, asyncio.Future] = {}
+        self._tasks: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
@@ -148,20 +149,32 @@ class KVConnector:
         releases the pages this call held.
         """
         keys = self.keys(token_ids)
-        return await self._on_loop(self._prefetch(keys, deadline, min_tokens))
+        done = asyncio.run_coroutine_threadsafe(
+            self._prefetch(keys, deadline, min_tokens), self._loop
+        )
+        try:  # shielded: the fetch finishes on the connector loop whatever happens here
+            return await asyncio.shield(asyncio.wrap_future(done))
+        except asyncio.CancelledError:
+            done.add_done_callback(self._release_orphan)  # its holds go when it is done
+            raise
 
-    async def _prefetch(self, keys: list[bytes], deadline: float | None, min_tokens: int) -> Prefetch:
+    def _release_orphan(self, done: Any) -> None:
+        if not done.cancelled() and done.exception() is None:
+            self.release(done.result())
+
+    async def _prefetch(
+        self, keys: list[bytes], deadline: float | None, min_tokens: int
+    ) -> Prefetch:
         start = time.monotonic()
         handle = Prefetch(keys, self.cache.acquire(keys), self.geometry.page_size)
         local = len(handle.page_ids)
         try:
             waits = [self._fetch_shared(k, keys[local:]) for k in keys[local:]]
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            tasks = [asyncio.ensure_future(w) for w in waits]
-            if tasks:
-                await asyncio.wait(tasks, timeout=timeout)
-            for key, task in zip(keys[local:], tasks):
-                if not task.done() or task.result() is None:
+            if waits:
+                await asyncio.wait(waits, timeout=timeout)
+            for key, fut in zip(keys[local:], waits):
+                if not fut.done() or fut.cancelled() or fut.result() is None:
                     break
                 held = self.cache.acquire([key])  # the fetch published it: take our hold
                 if not held:
@@ -177,40 +190,50 @@ class KVConnector:
             handle.page_ids = []
         self.stats_counters["prefetches"] += 1
         self.stats_counters["prefetch_seconds"] += time.monotonic() - start
-        self.stats_counters["hit_tokens_host"] += min(local, len(handle.page_ids)) * handle.page_size
+        self.stats_counters["hit_tokens_host"] += (
+            min(local, len(handle.page_ids)) * handle.page_size
+        )
         self.stats_counters["hit_tokens_store"] += handle.fetched * handle.page_size
         return handle
 
     def _fetch_shared(self, key: bytes, batch: list[bytes]) -> asyncio.Future:
-        """The in-flight fetch of ``key`` (started with the rest of ``batch`` if none is)."""
+        """A future for ``key``'s page (True when cached, None when missing or corrupt): the
+        fetch in flight, or a new one started together with the rest of ``batch``."""
         if key not in self._inflight:
             todo = [k for k in batch if k not in self._inflight and k not in self.cache]
-            fut_of = {k: self._loop.create_future() for k in todo}
-            self._inflight.update(fut_of)
-            task = asyncio.ensure_future(asyncio.shield(self._fetch(todo, fut_of)))
-            task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
-            if key not in fut_of:  # cached meanwhile
+            futures = {k: self._loop.create_future() for k in todo}
+            self._inflight.update(futures)
+            task = self._loop.create_task(self._fetch(todo, futures))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            if key not in futures:  # became cached meanwhile
                 done = self._loop.create_future()
                 done.set_result(True)
                 return done
-        return asyncio.shield(self._inflight[key])
+        return asyncio.shield(self._inflight[key])  # a cancelled waiter leaves the fetch be
 
-    async def _fetch(self, keys: list[bytes], fut_of: dict[bytes, asyncio.Future]) -> None:
-        """Fetch ``keys`` into newly allocated pages, publish the good ones."""
+    async def _fetch(self, keys: list[bytes], futures: dict[bytes, asyncio.Future]) -> None:
+        """Fetch ``keys`` into newly allocated pages and publish the good ones. Every future
+        is resolved whatever happens, so no waiter can hang."""
         pages: list[int] = []
+        ok = [False] * len(keys)
         try:
             pages = self.cache.allocate(len(keys))
-            ok = await self.store.get_many(keys, into=[self.pool.page_view(p) for p in pages])
+            views = [self.pool.page_view(p) for p in pages]
+            ok = await self.store.get_many(keys, into=views)
         except (PoolExhausted, StoreError) as e:
             self.stats_counters["store_errors"] += isinstance(e, StoreError)
-            ok = [False] * len(keys)
-        for key, page, good in zip(keys, pages or [None] * len(keys), ok):
-            if good and self.cache.publish(key, page):
-                self.stats_counters["bytes_in"] += self.pool.page_bytes
-            if page is not None:
-                self.cache.release([page])  # cached pages stay; failed ones go back
-            self._inflight.pop(key, None)
-            fut_of[key].set_result(True if good else None)
+            log.debug("pagekv: fetch of %d pages failed: %s", len(keys), e)
+        finally:
+            for i, key in enumerate(keys):
+                good = bool(ok[i]) and bool(pages)
+                if good and self.cache.publish(key, pages[i]):
+                    self.stats_counters["bytes_in"] += self.pool.page_bytes
+                self._inflight.pop(key, None)
+                if not futures[key].done():
+                    futures[key].set_result(True if good else None)
+            if pages:
+                self.cache.release(pages)  # published pages stay cached, the rest go back
 
     def release(self, prefetch: Prefetch) -> None:
         """Drop the prefetch's holds (its pages stay cached until evicted). Idempotent."""

@@ -1,0 +1,230 @@
+"""KVConnector on CPU against a real store node (in this process, its own thread)."""
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from pagekv.connector import KeyNamespace, KVConnector, KVGeometry
+from pagekv.store import ClientConfig, NodeConfig, StoreClient, StoreNode
+from tests.helpers import as_bits, bits_equal, poison_, random_tensor
+
+GEO = KVGeometry(3, 4, 2, 16, "bf16")
+NUM_SLOTS = 256
+
+
+@pytest.fixture
+def node():
+    n = StoreNode(NodeConfig(port=0, capacity="256MiB"))
+    t = threading.Thread(target=n.serve_forever, daemon=True)
+    t.start()
+    yield n
+    n.stop()
+    t.join(timeout=5)
+
+
+def caches(poisoned=False):
+    shape = (GEO.num_layers, NUM_SLOTS, *GEO.device_layer_shape)
+    if poisoned:
+        return [poison_(torch.empty(shape, dtype=GEO.dtype)) for _ in range(2)]
+    return [random_tensor(shape, GEO.dtype) for _ in range(2)]
+
+
+def connector(node, kv, host_pages=64, **kw):
+    ns = KeyNamespace("test-model", GEO)
+    return KVConnector(GEO, kv, node.address, host_pages=host_pages, namespace=ns, **kw)
+
+
+def prompt(n):
+    return [random.randrange(32000) for _ in range(n)]
+
+
+def test_save_lookup_prefetch_load_round_trip(node):
+    src, dst = caches(), caches(poisoned=True)
+    a, b = connector(node, src), connector(node, dst)
+    try:
+        tokens = prompt(4 * 10 + 3)  # 10 full pages and a partial one
+        slots_a = torch.randperm(NUM_SLOTS)[: len(tokens)]
+        assert b.lookup(tokens) == 0
+        assert a.save(tokens, slots_a) == 10
+        assert a.lookup(tokens) == 40  # host tier
+        a.flush_sync(timeout=10)
+        assert a.stats()["writeback_written"] == 10
+        assert b.lookup(tokens) == 40  # store
+        assert b.lookup(tokens[:21]) == 20 and b.lookup(tokens[:3]) == 0
+        handle = asyncio.run(b.prefetch(tokens))
+        assert handle.num_tokens == 40 and handle.fetched == 10
+        slots_b = torch.randperm(NUM_SLOTS)[:40]
+        b.load(handle, slots_b)
+        for s, d in zip(src, dst):
+            assert bits_equal(d[:, slots_b], s[:, slots_a[:40]])
+        untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
+        untouched[slots_b] = False
+        assert (as_bits(dst[0][:, untouched]).view(torch.uint8) == 0xA5).all()
+        b.release(handle)
+        stats = b.stats()
+        assert stats["hit_tokens_store"] == 40 and stats["host_held"] == 0
+        # a second prefetch is served by the host tier
+        again = asyncio.run(b.prefetch(tokens))
+        assert again.num_tokens == 40 and again.fetched == 0
+        b.release(again)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_save_skips_pages_present_and_partial(node):
+    a = connector(node, caches())
+    try:
+        tokens = prompt(12)
+        slots = torch.arange(12)
+        assert a.save(tokens, slots) == 3
+        assert a.save(tokens, slots) == 0  # already in the host tier
+        a.flush_sync(timeout=10)
+        a.cache.evict(10)  # forget locally; the store still has them
+        assert a.save(tokens + prompt(4), torch.arange(16)) == 4
+        a.flush_sync(timeout=10)
+        st = a.stats()
+        assert st["writeback_skipped_present"] == 3 and st["writeback_written"] == 4
+        with pytest.raises(ValueError, match="slots"):
+            a.save(tokens, torch.arange(5))
+    finally:
+        a.close()
+
+
+def test_prefetch_stops_at_first_missing_page(node):
+    a, b = connector(node, caches()), connector(node, caches(poisoned=True))
+    try:
+        tokens = prompt(20)
+        a.save(tokens, torch.arange(20))
+        a.flush_sync(timeout=10)
+        keys = a.keys(tokens)
+        with StoreClient(node.address) as c:
+            assert c.delete_many([keys[2]]) == [True]
+        h = asyncio.run(b.prefetch(tokens))
+        assert h.num_tokens == 8  # pages 0, 1; page 2 missing stops it
+        b.release(h)
+        none = asyncio.run(b.prefetch(tokens, min_tokens=12))
+        assert none.num_tokens == 0 and b.cache.num_held == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_overlapping_prefetches_share_fetches(node):
+    a, b = connector(node, caches()), connector(node, caches(poisoned=True))
+    try:
+        tokens = prompt(40)
+        a.save(tokens, torch.arange(40))
+        a.flush_sync(timeout=10)
+        before = node.stats()["op_get"]
+
+        async def both():
+            return await asyncio.gather(b.prefetch(tokens), b.prefetch(tokens[:24]))
+
+        h1, h2 = asyncio.run(both())
+        assert h1.num_tokens == 40 and h2.num_tokens == 24
+        assert h1.page_ids[:6] == h2.page_ids  # the same host pages
+        gets = node.stats()["op_get"] - before
+        assert gets <= 2  # 10 keys fetched once: ceil(10 / 8 keys per request)
+        assert b.cache.refcount(h2.page_ids[0]) == 2
+        b.release(h1)
+        b.release(h2)
+        b.release(h2)  # idempotent
+        assert b.cache.num_held == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_deadline_and_cancellation(node):
+    a, b = connector(node, caches()), connector(node, caches(poisoned=True))
+    try:
+        tokens = prompt(40)
+        a.save(tokens, torch.arange(40))
+        a.flush_sync(timeout=10)
+        past = asyncio.run(b.prefetch(tokens, deadline=time.monotonic() - 1))
+        assert past.num_tokens <= 40  # best effort: whatever had arrived
+        b.release(past)
+
+        async def cancel_one():
+            task = asyncio.ensure_future(b.prefetch(tokens))
+            await asyncio.sleep(0)
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+        asyncio.run(cancel_one())
+        time.sleep(0.5)
+        assert b.cache.num_held == 0  # nothing held by the cancelled call
+        h = asyncio.run(b.prefetch(tokens))
+        assert h.num_tokens == 40
+        b.release(h)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_store_down_is_a_miss_not_an_error():
+    ns = KeyNamespace("m", GEO)
+    dead = ClientConfig(("tcp://127.0.0.1:9",), timeout_s=0.2)
+    conn = KVConnector(GEO, caches(), dead, host_pages=16, namespace=ns)
+    try:
+        tokens = prompt(8)
+        assert conn.lookup(tokens) == 0
+        assert conn.save(tokens, torch.arange(8)) == 2
+        conn.flush_sync(timeout=10)
+        assert conn.stats()["writeback_failed"] == 2
+        assert conn.lookup(tokens) == 8  # still in the host tier
+    finally:
+        conn.close()
+
+
+def test_layerwise_load_cpu(node):
+    a = connector(node, caches())
+    try:
+        tokens = prompt(16)
+        a.save(tokens, torch.arange(16))
+        h = asyncio.run(a.prefetch(tokens))
+        layers = a.load_async(h, torch.arange(100, 116))
+        for i in range(GEO.num_layers):
+            layers.wait_layer(i)
+        with pytest.raises(IndexError):
+            layers.wait_layer(GEO.num_layers)
+        for c in range(2):
+            for i in range(GEO.num_layers):
+                assert bits_equal(a.kv.layers[c][i][100:116], a.kv.layers[c][i][:16])
+        a.release(h)
+        with pytest.raises(ValueError, match="released"):
+            a.load(h, torch.arange(16))
+    finally:
+        a.close()
+
+
+def test_mla_only_rank_zero_writes(node):
+    mla = KVGeometry.mla(2, 4, 64, "fp16")
+    lat = random_tensor((2, 64, 64), mla.dtype)
+    r0 = KVConnector(
+        mla, (lat,), node.address, host_pages=8, namespace=KeyNamespace("ds", mla, 0, 2)
+    )
+    r1 = KVConnector(
+        mla, (lat,), node.address, host_pages=8, namespace=KeyNamespace("ds", mla, 1, 2)
+    )
+    try:
+        tokens = prompt(8)
+        r1.save(tokens, torch.arange(8))
+        r1.flush_sync(timeout=10)
+        assert r1.stats()["writeback_written"] == 0
+        r0.save(tokens, torch.arange(8))
+        r0.flush_sync(timeout=10)
+        assert r0.stats()["writeback_written"] == 2
+        r1.cache.evict(10)
+        assert r1.lookup(tokens) == 8  # rank 1 reads what rank 0 wrote
+    finally:
+        r0.close()
+        r1.close()
