@@ -25,9 +25,7 @@ bench-hash: $(STAMP)
 	$(PY) scripts/bench_hash.py
 
 demo: $(STAMP)
-	@echo "make demo arrives with the connector issue (engine -> host pool -> store nodes)."
-	@echo "Today: the hashing benchmark and the test suite run; see README.md."
-	$(PY) scripts/bench_hash.py
+	$(PY) scripts/demo.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
