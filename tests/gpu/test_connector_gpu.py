@@ -54,7 +54,9 @@ def test_round_trip_on_cuda_kernels(node):
 
 
 def test_layerwise_load_overlaps_compute(node):
-    src, dst = caches(), caches(poisoned=True)
+    shape = (GEO.num_layers, SLOTS, *GEO.device_layer_shape)
+    src = [torch.randn(shape, device="cuda").to(GEO.dtype) for _ in range(2)]  # finite values
+    dst = caches(poisoned=True)
     ns = KeyNamespace("gpu-model-2", GEO)
     a = KVConnector(GEO, src, node.address, host_pages=512, namespace=ns)
     b = KVConnector(GEO, dst, node.address, host_pages=512, namespace=ns)

@@ -1,0 +1,117 @@
+"""Connector benchmark: a long prompt (32k tokens, Llama-3-8B geometry by default) saved by one
+engine and brought back by another, against the raw store and kernel figures of the same run.
+
+Measures: save (device -> host pool + write-back to the store), lookup latency, prefetch from
+one node and from three (store -> pinned host pages), load (host -> device, all layers), and
+in the same run a raw ``StoreClient.get_many`` of the same bytes and a contiguous host->device
+copy of the same bytes.
+
+    python scripts/bench_connector.py [--tokens 32768] [--layers 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import torch
+from _bench_util import environment, write_result
+
+from pagekv.connector import KeyNamespace, KVConnector, KVGeometry
+from pagekv.store import ClientConfig, StoreClient
+from pagekv.store.launch import start_nodes
+from pagekv.store.memory import tune_malloc_for_blocks
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps: int = 1) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        out = fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def run(args, num_nodes: int) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    geo = KVGeometry(args.layers, args.page_size, 8, 128, "bf16")
+    n_pages = args.tokens // geo.page_size
+    slots = args.tokens + 64
+    cap = f"{int(n_pages * geo.page_bytes * 1.2 / num_nodes) + (256 << 20)}"
+    nodes = start_nodes(num_nodes, "--capacity", cap)
+    try:
+        cfg = ClientConfig(tuple(n.address for n in nodes), timeout_s=60)
+        shape = (geo.num_layers, slots, *geo.device_layer_shape)
+        src = [torch.randn(shape, device=device).to(geo.dtype) for _ in range(2)]
+        dst = [torch.zeros(shape, device=device, dtype=geo.dtype) for _ in range(2)]
+        ns = KeyNamespace(f"bench-{num_nodes}", geo)
+        a = KVConnector(geo, src, cfg, host_pages=n_pages + 8, namespace=ns)
+        b = KVConnector(geo, dst, cfg, host_pages=n_pages + 8, namespace=ns)
+        tokens = torch.randint(0, 128_000, (args.tokens,)).tolist()
+        slot_ids = torch.randperm(slots, device=device)[: args.tokens]
+        r: dict = dict(nodes=num_nodes, tokens=args.tokens, bytes=n_pages * geo.page_bytes)
+        r["save_to_host_s"], _ = timed(lambda: a.save(tokens, slot_ids))
+        r["writeback_s"], _ = timed(lambda: a.flush_sync(timeout=600))
+        r["lookup_ms"] = timed(lambda: b.lookup(tokens), reps=20)[0] * 1e3
+        cold = []
+        for _ in range(5):  # from the store each time: the host tier is emptied between rounds
+            # (the first two warm the processes' heaps: see docs/benchmarks.md)
+            b.cache.evict(n_pages + 8)
+            seconds, handle = timed(lambda: asyncio.run(b.prefetch(tokens)))
+            if handle.num_tokens != n_pages * geo.page_size or handle.fetched != n_pages:
+                raise RuntimeError(f"prefetched only {handle.num_tokens} tokens")
+            cold.append(seconds)
+            if len(cold) < 5:
+                b.release(handle)
+        r["prefetch_first_s"] = cold[0]
+        r["prefetch_s"] = statistics.median(cold[2:])
+        r["load_s"] = timed(lambda: b.load(handle, slot_ids), reps=5)[0]
+        b.release(handle)
+        r["prefetch_host_hit_s"], again = timed(lambda: asyncio.run(b.prefetch(tokens)))
+        b.release(again)
+        # same run: the raw store and a contiguous copy of the same bytes
+        keys = b.keys(tokens)
+        with StoreClient(cfg.endpoints, timeout_s=60) as raw:
+            views = [b.pool.page_view(p) for p in range(n_pages)]
+            r["raw_store_get_s"] = timed(lambda: raw.get_many(keys, into=views), reps=3)[0]
+        flat_host = b.pool.buffer.view(-1)[: n_pages * geo.page_bytes // 2]
+        flat_dev = torch.empty_like(flat_host, device=device)
+        r["contiguous_copy_s"] = timed(lambda: flat_dev.copy_(flat_host, non_blocking=True), 5)[0]
+        for key in ("prefetch_s", "raw_store_get_s", "load_s", "contiguous_copy_s"):
+            r[key.removesuffix("_s") + "_gbps"] = round(r["bytes"] / r[key] / 1e9, 3)
+        r["prefetch_vs_raw_get"] = round(r["raw_store_get_s"] / r["prefetch_s"], 3)
+        r["load_vs_copy"] = round(r["contiguous_copy_s"] / r["load_s"], 3)
+        a.close()
+        b.close()
+        print(f"connector {num_nodes} node(s): {r}", flush=True)
+        return r
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--nodes", default="1,3")
+    args = ap.parse_args()
+    tune_malloc_for_blocks()
+    env = environment()
+    print(f"# {env['device']}, {env['cpu_count']} cpus, commit {env['commit']}", flush=True)
+    rows = [run(args, int(n)) for n in args.nodes.split(",")]
+    print(f"wrote {write_result('bench_connector', dict(args=vars(args), rows=rows))}")
+
+
+if __name__ == "__main__":
+    main()
