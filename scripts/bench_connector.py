@@ -83,7 +83,11 @@ def run(args, num_nodes: int) -> dict:
         with StoreClient(cfg.endpoints, timeout_s=60) as raw:
             views = [b.pool.page_view(p) for p in range(n_pages)]
             r["raw_store_get_s"] = timed(lambda: raw.get_many(keys, into=views), reps=3)[0]
-        flat_host = b.pool.buffer.view(-1)[: n_pages * geo.page_bytes // 2]
+        # a separate pinned buffer: one cudaMemcpyAsync may not span the pool's registered
+        # 1 GiB chunks (the kernels, which address pages, are not affected)
+        flat_host = torch.empty(n_pages * geo.page_bytes, dtype=torch.uint8)
+        if device == "cuda":
+            flat_host = flat_host.pin_memory()
         flat_dev = torch.empty_like(flat_host, device=device)
         r["contiguous_copy_s"] = timed(lambda: flat_dev.copy_(flat_host, non_blocking=True), 5)[0]
         for key in ("prefetch_s", "raw_store_get_s", "load_s", "contiguous_copy_s"):
