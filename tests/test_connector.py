@@ -228,3 +228,30 @@ def test_mla_only_rank_zero_writes(node):
     finally:
         r0.close()
         r1.close()
+
+
+def test_writeback_queue_is_bounded_and_drops_oldest():
+    ns = KeyNamespace("m", GEO)
+    dead = ClientConfig(("tcp://127.0.0.1:9",), timeout_s=0.5)
+    conn = KVConnector(GEO, caches(), dead, host_pages=64, namespace=ns, max_pending_writes=4)
+    try:
+        for _ in range(6):  # 6 saves of 2 pages while the first write-back waits on a dead node
+            assert conn.save(prompt(8), torch.randperm(NUM_SLOTS)[:8]) == 2
+        conn.flush_sync(timeout=30)
+        st = conn.stats()
+        assert st["writeback_dropped"] >= 4  # oldest queued pages dropped, not the engine blocked
+        assert st["writeback_dropped"] + st["writeback_failed"] == 12
+        assert st["host_held"] == 0 and st["host_cached"] == 12  # pages stay in the host tier
+    finally:
+        conn.close()
+
+
+def test_periodic_stats_log(node, caplog):
+    conn = connector(node, caches())
+    try:
+        with caplog.at_level("INFO", logger="pagekv.connector"):
+            conn.log_stats_every(0.05)
+            time.sleep(0.3)
+        assert any("pagekv connector:" in r.getMessage() for r in caplog.records)
+    finally:
+        conn.close()
