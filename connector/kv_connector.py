@@ -332,7 +332,16 @@ class KVConnector:
         if self._loop.is_closed():
             return
         self._call(self.writeback.drain(), timeout=30)
+        self._call(self._cancel_tasks(), timeout=10)  # the stats logger, stray fetches
         self.store.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        self._loop.close()
         self.pool.close()
+
+    @staticmethod
+    async def _cancel_tasks() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

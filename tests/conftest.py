@@ -1,5 +1,9 @@
+import threading
+
 import pytest
 import torch
+
+from pagekv.store import NodeConfig, StoreNode
 
 
 def pytest_collection_modifyitems(config, items):
@@ -9,3 +13,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def node():
+    """A store node serving from a thread of this process on a free loopback port."""
+    n = StoreNode(NodeConfig(port=0, capacity="256MiB"))
+    t = threading.Thread(target=n.serve_forever, daemon=True)
+    t.start()
+    yield n
+    n.stop()
+    t.join(timeout=5)

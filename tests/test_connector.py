@@ -2,28 +2,17 @@
 
 import asyncio
 import random
-import threading
 import time
 
 import pytest
 import torch
 
 from pagekv.connector import KeyNamespace, KVConnector, KVGeometry
-from pagekv.store import ClientConfig, NodeConfig, StoreClient, StoreNode
+from pagekv.store import ClientConfig, StoreClient
 from tests.helpers import as_bits, bits_equal, poison_, random_tensor
 
 GEO = KVGeometry(3, 4, 2, 16, "bf16")
 NUM_SLOTS = 256
-
-
-@pytest.fixture
-def node():
-    n = StoreNode(NodeConfig(port=0, capacity="256MiB"))
-    t = threading.Thread(target=n.serve_forever, daemon=True)
-    t.start()
-    yield n
-    n.stop()
-    t.join(timeout=5)
 
 
 def caches(poisoned=False):

@@ -3,21 +3,10 @@
 import asyncio
 import os
 import socket
-import threading
 
 import pytest
 
-from pagekv.store import AsyncStoreClient, NodeConfig, Status, StoreNode, StoreUnavailable
-
-
-@pytest.fixture
-def node():
-    n = StoreNode(NodeConfig(port=0, capacity="64MiB"))
-    t = threading.Thread(target=n.serve_forever, daemon=True)
-    t.start()
-    yield n
-    n.stop()
-    t.join(timeout=5)
+from pagekv.store import AsyncStoreClient, Status, StoreUnavailable
 
 
 def free_port():
