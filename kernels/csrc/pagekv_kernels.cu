@@ -32,6 +32,35 @@ __device__ __forceinline__ int64_t read_index(const void* p, int64_t i, int is64
               : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
 
+// The loop every operation shares: thread t takes chunks t, t + stride, ... (stride = all
+// threads), U at a time, issuing the U loads before any store. ``map(k, src, dst)`` gives
+// chunk k's addresses, or false to skip it.
+template <int W, int U, typename Idx, typename Map>
+__device__ __forceinline__ void copy_chunks(const Idx total, const Map& map) {
+  using V = typename Vec<W>::T;
+  const Idx stride = static_cast<Idx>(gridDim.x) * blockDim.x;
+  for (Idx base = static_cast<Idx>(blockIdx.x) * blockDim.x + threadIdx.x; base < total;
+       base += stride * U) {
+    V buf[U];
+    char* dst[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const Idx k = base + static_cast<Idx>(u) * stride;
+      const char* src = nullptr;
+      dst[u] = nullptr;
+      if (k < total && map(k, src, dst[u])) {
+        buf[u] = *reinterpret_cast<const V*>(src);
+      } else {
+        dst[u] = nullptr;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (dst[u]) *reinterpret_cast<V*>(dst[u]) = buf[u];
+    }
+  }
+}
+
 // Page-first host <-> layer-first device, layers [layer_begin, layer_begin + layer_count).
 struct PageXfer {
   char* host;                 // device-visible address of host page 0
@@ -56,51 +85,31 @@ struct PageXfer {
 template <int W, bool kLoad, typename Idx, int U>
 // U = 8 keeps twice the loads in flight per thread and needs the registers of 512 threads.
 __global__ void __launch_bounds__(U == 8 ? 512 : 1024) page_xfer_kernel(const PageXfer p) {
-  using V = typename Vec<W>::T;
   const Idx chunks_per_row = p.item_bytes / W;
   const Idx rows_per_page = static_cast<Idx>(p.num_kv) * p.page_size * p.layer_count;
   const Idx chunks_per_page = rows_per_page * chunks_per_row;
-  const Idx total = chunks_per_page * static_cast<Idx>(p.n_pages);
-  const Idx stride = static_cast<Idx>(gridDim.x) * blockDim.x;
   const int64_t layer_offset =
       static_cast<int64_t>(p.layer_begin) * p.num_kv * p.page_size * p.item_bytes;
-
-  for (Idx base = static_cast<Idx>(blockIdx.x) * blockDim.x + threadIdx.x; base < total;
-       base += stride * U) {
-    V buf[U];
-    char* dst[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const Idx k = base + static_cast<Idx>(u) * stride;
-      dst[u] = nullptr;
-      if (k >= total) continue;
-      const Idx i = k / chunks_per_page;
-      const Idx w = k - i * chunks_per_page;  // chunk within this page's layer range
-      const Idx row = w / chunks_per_row;
-      const Idx b = w - row * chunks_per_row;
-      const Idx j = row % p.page_size;
-      const Idx lc = row / p.page_size;
-      const int c = static_cast<int>(lc % p.num_kv);
-      const int l = p.layer_begin + static_cast<int>(lc / p.num_kv);
-      const int64_t page = read_index(p.page_ids, i, p.ids64);
-      const int64_t slot = read_index(p.slots, static_cast<int64_t>(i) * p.page_size + j, p.slots64);
-      if (page < 0 || page >= p.num_host_pages || slot < 0 || slot >= p.num_slots) continue;
-      char* host = p.host + page * p.page_bytes + layer_offset + static_cast<int64_t>(w) * W;
-      char* dev = reinterpret_cast<char*>(p.layer_ptrs[c * p.num_layers + l]) +
-                  slot * p.slot_stride + static_cast<int64_t>(b) * W;
-      if (kLoad) {
-        buf[u] = *reinterpret_cast<const V*>(host);
-        dst[u] = dev;
-      } else {
-        buf[u] = *reinterpret_cast<const V*>(dev);
-        dst[u] = host;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (dst[u]) *reinterpret_cast<V*>(dst[u]) = buf[u];
-    }
-  }
+  copy_chunks<W, U>(chunks_per_page * static_cast<Idx>(p.n_pages),
+                    [&](const Idx k, const char*& src, char*& dst) {
+    const Idx i = k / chunks_per_page;
+    const Idx w = k - i * chunks_per_page;  // chunk within this page's layer range
+    const Idx row = w / chunks_per_row;
+    const Idx b = w - row * chunks_per_row;
+    const Idx j = row % p.page_size;
+    const Idx lc = row / p.page_size;
+    const int c = static_cast<int>(lc % p.num_kv);
+    const int l = p.layer_begin + static_cast<int>(lc / p.num_kv);
+    const int64_t page = read_index(p.page_ids, i, p.ids64);
+    const int64_t slot = read_index(p.slots, static_cast<int64_t>(i) * p.page_size + j, p.slots64);
+    if (page < 0 || page >= p.num_host_pages || slot < 0 || slot >= p.num_slots) return false;
+    char* host = p.host + page * p.page_bytes + layer_offset + static_cast<int64_t>(w) * W;
+    char* dev = reinterpret_cast<char*>(p.layer_ptrs[c * p.num_layers + l]) +
+                slot * p.slot_stride + static_cast<int64_t>(b) * W;
+    src = kLoad ? host : dev;
+    dst = kLoad ? dev : host;
+    return true;
+  });
 }
 
 // Layer-first -> layer-first: dst slot dst_slots[t] of each layer gets src slot src_slots[t].
@@ -125,39 +134,23 @@ struct SlotCopy {
 
 template <int W, typename Idx>
 __global__ void __launch_bounds__(1024) slot_copy_kernel(const SlotCopy p) {
-  using V = typename Vec<W>::T;
   const Idx chunks_per_row = p.item_bytes / W;
   const Idx rows = static_cast<Idx>(p.n_tokens) * p.num_kv * p.layer_count;
-  const Idx total = rows * chunks_per_row;
-  const Idx stride = static_cast<Idx>(gridDim.x) * blockDim.x;
-  for (Idx base = static_cast<Idx>(blockIdx.x) * blockDim.x + threadIdx.x; base < total;
-       base += stride * kUnroll) {
-    V buf[kUnroll];
-    char* dst[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const Idx k = base + static_cast<Idx>(u) * stride;
-      dst[u] = nullptr;
-      if (k >= total) continue;
-      const Idx row = k / chunks_per_row;
-      const Idx b = k - row * chunks_per_row;
-      const Idx t = row % static_cast<Idx>(p.n_tokens);
-      const Idx lc = row / static_cast<Idx>(p.n_tokens);
-      const int c = static_cast<int>(lc % p.num_kv);
-      const int l = p.layer_begin + static_cast<int>(lc / p.num_kv);
-      const int64_t s = read_index(p.src_slots, t, p.src64);
-      const int64_t d = read_index(p.dst_slots, t, p.dst64);
-      if (s < 0 || s >= p.src_num_slots || d < 0 || d >= p.dst_num_slots) continue;
-      const int64_t off = static_cast<int64_t>(b) * W;
-      const char* src = reinterpret_cast<const char*>(p.src_ptrs[c * p.num_layers + l]);
-      buf[u] = *reinterpret_cast<const V*>(src + s * p.src_stride + off);
-      dst[u] = reinterpret_cast<char*>(p.dst_ptrs[c * p.num_layers + l]) + d * p.dst_stride + off;
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (dst[u]) *reinterpret_cast<V*>(dst[u]) = buf[u];
-    }
-  }
+  copy_chunks<W, kUnroll>(rows * chunks_per_row, [&](const Idx k, const char*& src, char*& dst) {
+    const Idx row = k / chunks_per_row;
+    const Idx b = k - row * chunks_per_row;
+    const Idx t = row % static_cast<Idx>(p.n_tokens);
+    const Idx lc = row / static_cast<Idx>(p.n_tokens);
+    const int c = static_cast<int>(lc % p.num_kv);
+    const int l = p.layer_begin + static_cast<int>(lc / p.num_kv);
+    const int64_t s = read_index(p.src_slots, t, p.src64);
+    const int64_t d = read_index(p.dst_slots, t, p.dst64);
+    if (s < 0 || s >= p.src_num_slots || d < 0 || d >= p.dst_num_slots) return false;
+    const int64_t off = static_cast<int64_t>(b) * W;
+    src = reinterpret_cast<const char*>(p.src_ptrs[c * p.num_layers + l]) + s * p.src_stride + off;
+    dst = reinterpret_cast<char*>(p.dst_ptrs[c * p.num_layers + l]) + d * p.dst_stride + off;
+    return true;
+  });
 }
 
 // Fused KV store: k_cache[loc[t]] = k[t] and v_cache[loc[t]] = v[t] in one launch.
@@ -180,37 +173,21 @@ struct StoreKV {
 
 template <int W, typename Idx>
 __global__ void __launch_bounds__(1024) store_kv_kernel(const StoreKV p) {
-  using V = typename Vec<W>::T;
   const Idx chunks_per_row = p.row_bytes / W;
   const Idx total = static_cast<Idx>(p.n_tokens) * p.num_kv * chunks_per_row;
-  const Idx stride = static_cast<Idx>(gridDim.x) * blockDim.x;
-  for (Idx base = static_cast<Idx>(blockIdx.x) * blockDim.x + threadIdx.x; base < total;
-       base += stride * kUnroll) {
-    V buf[kUnroll];
-    char* dst[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const Idx k = base + static_cast<Idx>(u) * stride;
-      dst[u] = nullptr;
-      if (k >= total) continue;
-      const Idx row = k / chunks_per_row;
-      const Idx b = k - row * chunks_per_row;
-      const int c = static_cast<int>(row / static_cast<Idx>(p.n_tokens));
-      const Idx t = row - static_cast<Idx>(c) * static_cast<Idx>(p.n_tokens);
-      const int64_t slot = read_index(p.loc, t, p.loc64);
-      if (slot < 0 || slot >= p.num_slots) continue;
-      const int64_t off = static_cast<int64_t>(b) * W;
-      // Selects, not arrays indexed by c: a run-time index would spill the params to local memory.
-      const char* src = c ? p.v + static_cast<int64_t>(t) * p.v_stride
-                          : p.k + static_cast<int64_t>(t) * p.k_stride;
-      buf[u] = *reinterpret_cast<const V*>(src + off);
-      dst[u] = (c ? p.v_cache + slot * p.v_cache_stride : p.k_cache + slot * p.k_cache_stride) + off;
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (dst[u]) *reinterpret_cast<V*>(dst[u]) = buf[u];
-    }
-  }
+  copy_chunks<W, kUnroll>(total, [&](const Idx k, const char*& src, char*& dst) {
+    const Idx row = k / chunks_per_row;
+    const Idx b = k - row * chunks_per_row;
+    const int c = static_cast<int>(row / static_cast<Idx>(p.n_tokens));
+    const Idx t = row - static_cast<Idx>(c) * static_cast<Idx>(p.n_tokens);
+    const int64_t slot = read_index(p.loc, t, p.loc64);
+    if (slot < 0 || slot >= p.num_slots) return false;
+    const int64_t off = static_cast<int64_t>(b) * W;
+    // Selects, not arrays indexed by c: a run-time index would spill the params to local memory.
+    src = (c ? p.v + static_cast<int64_t>(t) * p.v_stride : p.k + static_cast<int64_t>(t) * p.k_stride) + off;
+    dst = (c ? p.v_cache + slot * p.v_cache_stride : p.k_cache + slot * p.k_cache_stride) + off;
+    return true;
+  });
 }
 
 // ---- launch helpers ------------------------------------------------------------------------
