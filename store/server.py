@@ -65,7 +65,7 @@ class StoreNode:
         self._stop = threading.Event()
         self.started = time.time()
         self.counters: dict[str, int] = {f"op_{op.value.lower()}": 0 for op in Op}
-        self.counters.update(bytes_in=0, bytes_out=0, bad_requests=0, dropped=0)
+        self.counters.update(bytes_in=0, bytes_out=0, bad_requests=0, dropped=0, internal_errors=0)
 
     def _setup_curve(self) -> None:
         import zmq.auth
@@ -137,6 +137,11 @@ class StoreNode:
         except ProtocolError as e:
             self.counters["bad_requests"] += 1
             rep, out = Reply(id=_best_effort_id(header), code=e.code, error=str(e)), []
+        except Exception as e:  # a bug, not bad input: log it, answer, keep serving
+            log.exception("pagekv node: internal error on a request")
+            self.counters["internal_errors"] += 1
+            rep = Reply(id=_best_effort_id(header), code=Code.INTERNAL, error=repr(e))
+            out = []
         self._send(ident, rep, out)
 
     def _send(self, ident: zmq.Frame, rep: Reply, payloads: list[Any]) -> None:

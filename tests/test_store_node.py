@@ -221,3 +221,18 @@ def test_curve_allowed_client_served_others_not(certs):
         assert b"x" not in running.node.store
     finally:
         running.stop()
+
+
+def test_internal_error_is_answered_and_node_serves_on(node, monkeypatch):
+    def broken(req, payloads):
+        raise RuntimeError("simulated bug")
+
+    with StoreClient(node.address, timeout_s=3) as client:
+        assert client.put_many([b"kept"], [b"data"]) == [Status.OK]
+        monkeypatch.setattr(node.node, "_dispatch", broken)
+        sock = raw_socket(node.address)
+        reply, _ = ask(sock, [head(op="PING")])
+        assert reply["code"] == Code.INTERNAL and "simulated bug" in reply["error"]
+        monkeypatch.undo()
+        assert bytes(client.get_many([b"kept"])[0]) == b"data"
+        assert client.stats()[0]["internal_errors"] == 1
