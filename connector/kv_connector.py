@@ -75,6 +75,8 @@ class KVConnector:
         namespace: KeyNamespace,
         max_pending_writes: int = 1024,
     ) -> None:
+        if not isinstance(namespace, KeyNamespace):
+            raise TypeError(f"namespace must be a KeyNamespace, got {type(namespace).__name__}")
         if namespace.geometry != geometry:
             raise ValueError("namespace.geometry differs from geometry")
         self.geometry, self.namespace = geometry, namespace
@@ -90,14 +92,14 @@ class KVConnector:
              "prefetch_seconds", "bytes_in", "bytes_out", "saves", "save_pool_full",
              "store_errors", "pages_saved"), 0,
         )  # fmt: skip
+        cfg = store if isinstance(store, ClientConfig) else ClientConfig(
+            tuple([store] if isinstance(store, str) else store)
+        )  # fmt: skip
         self._inflight: dict[bytes, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        cfg = store if isinstance(store, ClientConfig) else ClientConfig(
-            tuple([store] if isinstance(store, str) else store)
-        )  # fmt: skip
         self.store = self._call(self._make_client(cfg))
         self.writeback = WriteBack(self, max_pending_writes)
         self._stream = torch.cuda.Stream(self.kv.device) if self.kv.device.type == "cuda" else None

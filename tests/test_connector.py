@@ -244,3 +244,13 @@ def test_periodic_stats_log(node, caplog):
         assert any("pagekv connector:" in r.getMessage() for r in caplog.records)
     finally:
         conn.close()
+
+
+def test_constructor_validation(node):
+    with pytest.raises(TypeError, match="KeyNamespace"):
+        KVConnector(GEO, caches(), node.address, host_pages=4, namespace="m")
+    other = KeyNamespace("m", KVGeometry(3, 8, 2, 16, "bf16"))
+    with pytest.raises(ValueError, match="geometry"):
+        KVConnector(GEO, caches(), node.address, host_pages=4, namespace=other)
+    with pytest.raises(ValueError, match="tcp://"):
+        KVConnector(GEO, caches(), "127.0.0.1:1", host_pages=4, namespace=KeyNamespace("m", GEO))
