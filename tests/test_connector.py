@@ -84,79 +84,84 @@ def test_save_skips_pages_present_and_partial(node):
         a.close()
 
 
-def test_prefetch_stops_at_first_missing_page(node):
+@pytest.fixture
+def pair(node):
+    """Engine A (a random cache) and engine B (a poisoned cache) on the same store node."""
     a, b = connector(node, caches()), connector(node, caches(poisoned=True))
-    try:
-        tokens = prompt(20)
-        a.save(tokens, torch.arange(20))
-        a.flush_sync(timeout=10)
-        keys = a.keys(tokens)
-        with StoreClient(node.address) as c:
-            assert c.delete_many([keys[2]]) == [True]
-        h = asyncio.run(b.prefetch(tokens))
-        assert h.num_tokens == 8  # pages 0, 1; page 2 missing stops it
-        b.release(h)
-        none = asyncio.run(b.prefetch(tokens, min_tokens=12))
-        assert none.num_tokens == 0 and b.cache.num_held == 0
-    finally:
-        a.close()
-        b.close()
+    yield a, b
+    a.close()
+    b.close()
 
 
-def test_overlapping_prefetches_share_fetches(node):
-    a, b = connector(node, caches()), connector(node, caches(poisoned=True))
-    try:
-        tokens = prompt(40)
-        a.save(tokens, torch.arange(40))
-        a.flush_sync(timeout=10)
-        before = node.stats()["op_get"]
-
-        async def both():
-            return await asyncio.gather(b.prefetch(tokens), b.prefetch(tokens[:24]))
-
-        h1, h2 = asyncio.run(both())
-        assert h1.num_tokens == 40 and h2.num_tokens == 24
-        assert h1.page_ids[:6] == h2.page_ids  # the same host pages
-        gets = node.stats()["op_get"] - before
-        assert gets <= 2  # 10 keys fetched once: ceil(10 / 8 keys per request)
-        assert b.cache.refcount(h2.page_ids[0]) == 2
-        b.release(h1)
-        b.release(h2)
-        b.release(h2)  # idempotent
-        assert b.cache.num_held == 0
-    finally:
-        a.close()
-        b.close()
+def stored(conn, num_tokens):
+    """A prompt that ``conn`` saved and wrote back to the store."""
+    tokens = prompt(num_tokens)
+    conn.save(tokens, torch.arange(num_tokens))
+    conn.flush_sync(timeout=10)
+    return tokens
 
 
-def test_deadline_and_cancellation(node):
-    a, b = connector(node, caches()), connector(node, caches(poisoned=True))
-    try:
-        tokens = prompt(40)
-        a.save(tokens, torch.arange(40))
-        a.flush_sync(timeout=10)
-        past = asyncio.run(b.prefetch(tokens, deadline=time.monotonic() - 1))
-        assert past.num_tokens <= 40  # best effort: whatever had arrived
-        b.release(past)
+def test_prefetch_stops_at_first_missing_page(node, pair):
+    a, b = pair
+    tokens = stored(a, 20)
+    with StoreClient(node.address) as c:
+        assert c.delete_many([a.keys(tokens)[2]]) == [True]
+    h = asyncio.run(b.prefetch(tokens))
+    assert h.num_tokens == 8  # pages 0, 1; page 2 missing stops it
+    b.release(h)
+    none = asyncio.run(b.prefetch(tokens, min_tokens=12))
+    assert none.num_tokens == 0 and b.cache.num_held == 0
 
-        async def cancel_one():
-            task = asyncio.ensure_future(b.prefetch(tokens))
-            await asyncio.sleep(0)
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
 
-        asyncio.run(cancel_one())
-        time.sleep(0.5)
-        assert b.cache.num_held == 0  # nothing held by the cancelled call
-        h = asyncio.run(b.prefetch(tokens))
-        assert h.num_tokens == 40
-        b.release(h)
-    finally:
-        a.close()
-        b.close()
+def test_overlapping_prefetches_share_fetches(node, pair):
+    a, b = pair
+    tokens = stored(a, 40)
+    before = node.stats()["op_get"]
+
+    async def both():
+        return await asyncio.gather(b.prefetch(tokens), b.prefetch(tokens[:24]))
+
+    h1, h2 = asyncio.run(both())
+    assert h1.num_tokens == 40 and h2.num_tokens == 24
+    assert h1.page_ids[:6] == h2.page_ids  # the same host pages
+    gets = node.stats()["op_get"] - before
+    assert gets <= 2  # 10 keys fetched once: ceil(10 / 8 keys per request)
+    assert b.cache.refcount(h2.page_ids[0]) == 2
+    b.release(h1)
+    b.release(h2)
+    b.release(h2)  # idempotent
+    assert b.cache.num_held == 0
+
+
+def test_deadline_is_best_effort_and_fetches_finish(pair):
+    a, b = pair
+    tokens = stored(a, 40)
+    past = asyncio.run(b.prefetch(tokens, deadline=time.monotonic() - 1))
+    assert past.num_tokens == 0  # nothing had arrived by the deadline
+    b.release(past)
+    time.sleep(0.5)  # the fetch it started goes on and lands in the host tier
+    later = asyncio.run(b.prefetch(tokens, deadline=time.monotonic() + 5))
+    assert later.num_tokens == 40 and later.fetched == 0
+    b.release(later)
+
+
+def test_cancelled_prefetch_holds_nothing(pair):
+    a, b = pair
+    tokens = stored(a, 40)
+
+    async def cancel_one():
+        task = asyncio.ensure_future(b.prefetch(tokens))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_one())
+    time.sleep(0.5)
+    assert b.cache.num_held == 0  # nothing held by the cancelled call
+    h = asyncio.run(b.prefetch(tokens))
+    assert h.num_tokens == 40
+    b.release(h)
 
 
 def test_store_down_is_a_miss_not_an_error():
