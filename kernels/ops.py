@@ -158,8 +158,14 @@ def _page_transfer(
     host_ok = host.device == dev or (host.device.type == "cpu" and host.is_pinned())
     lib = _kernel_lib(backend, dev.type == "cuda" and host_ok, "CUDA caches and a pinned host")
     if lib is None:
-        if load:
+        # Checked above when validate; else the reference checks (the torch path cannot skip
+        # out-of-range indices the way the kernels do).
+        if load and validate:
+            reference.load_rows(host, ids, kv, s, layer)
+        elif load:
             reference.load_ref(host, ids, kv, s, layer=layer)
+        elif validate:
+            reference.save_rows(kv, s, host, ids, layer)
         else:
             reference.save_ref(kv, s, host, ids, layer=layer)
         return "torch"

@@ -57,6 +57,14 @@ def save_ref(
     ids = check_page_ids(page_ids, host.shape[0], unique=True)
     s = check_slots(slots, ids.numel(), geo.page_size, kv.num_slots)
     check_layer(layer, geo.num_layers)
+    save_rows(kv, s, host, ids, layer)
+
+
+def save_rows(
+    kv: DeviceKV, s: torch.Tensor, host: torch.Tensor, ids: torch.Tensor, layer: int | None
+) -> None:
+    """:func:`save_ref` on arguments its caller has already validated."""
+    geo = kv.geometry
     ids = ids.to("cpu", torch.int64)
     s = s.to(kv.device, torch.int64).reshape(-1)
     valid = s >= 0
@@ -90,6 +98,14 @@ def load_ref(
     s = check_slots(slots, ids.numel(), geo.page_size, kv.num_slots)
     check_layer(layer, geo.num_layers)
     check_unique_slots(s)
+    load_rows(host, ids, kv, s, layer)
+
+
+def load_rows(
+    host: torch.Tensor, ids: torch.Tensor, kv: DeviceKV, s: torch.Tensor, layer: int | None
+) -> None:
+    """:func:`load_ref` on arguments its caller has already validated."""
+    geo = kv.geometry
     ids = ids.to("cpu", torch.int64)
     s = s.to(kv.device, torch.int64).reshape(-1)
     valid = s >= 0
