@@ -8,7 +8,7 @@ layouts and :mod:`.jit` for how the kernels are built (``PAGEKV_KERNELS``, ``PAG
 
 from .fused_store import store_kv
 from .jit import KernelsUnavailable, kernels_unavailable_reason
-from .layout import DeviceKV, Direction
+from .layout import DeviceKV
 from .ops import DIRECT_MIN_RUN_BYTES, Backend, copy_slots, load, save
 from .reference import copy_slots_ref, load_ref, save_ref, store_kv_ref
 
@@ -16,7 +16,6 @@ __all__ = [
     "DIRECT_MIN_RUN_BYTES",
     "Backend",
     "DeviceKV",
-    "Direction",
     "KernelsUnavailable",
     "copy_slots",
     "copy_slots_ref",

@@ -20,7 +20,6 @@ a negative slot means "skip this token": nothing is read or written for it.
 
 from __future__ import annotations
 
-import enum
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ from pagekv.connector.geometry import KVGeometry
 
 __all__ = [
     "DeviceKV",
-    "Direction",
     "check_host",
     "check_layer",
     "check_page_ids",
@@ -40,11 +38,6 @@ __all__ = [
 ]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-class Direction(enum.Enum):
-    LOAD = "load"  # page-first host -> layer-first device
-    SAVE = "save"  # layer-first device -> page-first host
 
 
 def _as_list(caches: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:

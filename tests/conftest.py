@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from pagekv.store import NodeConfig, StoreNode
+from pagekv.store.launch import start_nodes
 
 
 def pytest_collection_modifyitems(config, items):
@@ -24,3 +25,12 @@ def node():
     yield n
     n.stop()
     t.join(timeout=5)
+
+
+@pytest.fixture
+def three_nodes():
+    """Three real `pagekv serve` processes on free loopback ports."""
+    nodes = start_nodes(3, "--capacity", "256MiB")
+    yield nodes
+    for n in nodes:
+        n.stop()

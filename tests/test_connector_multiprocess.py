@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pagekv.store.launch import NodeProcess, start_nodes
+from pagekv.store.launch import NodeProcess
 
 pytestmark = pytest.mark.slow
 ENGINE = str(Path(__file__).with_name("engine_proc.py"))
@@ -34,32 +34,24 @@ def result(proc):
     return json.loads(out.strip().splitlines()[-1])
 
 
-@pytest.fixture
-def nodes():
-    started = start_nodes(3, "--capacity", "256MiB")
-    yield started
-    for n in started:
-        n.stop()
-
-
-def test_engine_b_loads_what_engine_a_saved(nodes):
-    eps = [n.address for n in nodes]
+def test_engine_b_loads_what_engine_a_saved(three_nodes):
+    eps = [n.address for n in three_nodes]
     saved = result(engine("save", eps))
     assert saved["saved"] == 128 and saved["writeback_written"] == 128
     loaded = result(engine("load", eps))
     assert loaded == dict(lookup=2048, prefetched=2048, equal=True, fetched=128)
 
 
-def test_replicas_survive_kill_9(nodes):
-    eps = [n.address for n in nodes]
+def test_replicas_survive_kill_9(three_nodes):
+    eps = [n.address for n in three_nodes]
     assert result(engine("save", eps, replicas=2))["writeback_written"] == 128
-    nodes[0].kill(signal.SIGKILL)
+    three_nodes[0].kill(signal.SIGKILL)
     loaded = result(engine("load", eps, replicas=2))
     assert loaded["prefetched"] == 2048 and loaded["equal"]
 
 
-def test_two_engines_prefetch_the_same_prefix_at_once(nodes):
-    eps = [n.address for n in nodes]
+def test_two_engines_prefetch_the_same_prefix_at_once(three_nodes):
+    eps = [n.address for n in three_nodes]
     result(engine("save", eps, seed=11))
     procs = [engine("load", eps, seed=11) for _ in range(2)]
     for p in procs:

@@ -9,17 +9,9 @@ import time
 import pytest
 
 from pagekv.store import Status, StoreClient
-from pagekv.store.launch import NodeProcess, start_nodes
+from pagekv.store.launch import NodeProcess
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def three_nodes():
-    nodes = start_nodes(3, "--capacity", "256MiB")
-    yield nodes
-    for node in nodes:
-        node.stop()
 
 
 def blocks(n, size=64 << 10, seed=b""):
