@@ -22,6 +22,8 @@ from typing import Any
 import msgpack
 import xxhash
 
+from pagekv.errors import ProtocolError
+
 __all__ = [
     "MAX_KEY_BYTES",
     "PROTOCOL_VERSION",
@@ -75,14 +77,6 @@ class Status(enum.IntEnum):
     BAD_CHECKSUM = 5  # payload does not match the checksum sent with it
     BAD_KEY = 6  # empty or over MAX_KEY_BYTES
     UNAVAILABLE = 7  # client side: no replica could be reached
-
-
-class ProtocolError(ValueError):
-    """A malformed message; ``code`` says which kind."""
-
-    def __init__(self, code: Code, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def checksum(data: Any) -> int:

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
+from pagekv.geometry import KVGeometry
 from pagekv.kernels import DeviceKV, load, save
 from pagekv.store import AsyncStoreClient, ClientConfig, StoreError
 
-from .geometry import KVGeometry
 from .hashing import KeyNamespace, page_keys
 from .host_pool import HostPagePool, PoolExhausted
 from .layerwise import LayerLoad

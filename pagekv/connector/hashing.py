@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .geometry import KVGeometry
+from pagekv.geometry import KVGeometry
 
 __all__ = ["KEY_BYTES", "KeyNamespace", "page_keys", "tokens_to_bytes"]
 

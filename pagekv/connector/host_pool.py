@@ -24,21 +24,14 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from .geometry import KVGeometry
+from pagekv.errors import InvalidPageError, PoolExhausted
+from pagekv.geometry import KVGeometry
 
 __all__ = ["HostPagePool", "InvalidPageError", "PoolExhausted"]
 
 log = logging.getLogger(__name__)
 _REGISTER_CHUNK_BYTES = 1 << 30
 _CUDA_HOST_REGISTER_PORTABLE = 1
-
-
-class PoolExhausted(RuntimeError):
-    """Fewer free pages than requested; nothing was allocated."""
-
-
-class InvalidPageError(ValueError):
-    """A page id outside the pool, not allocated (double free), or repeated in one call."""
 
 
 def _register_pinned(tensor: torch.Tensor, chunk_bytes: int) -> list[tuple[int, int]]:

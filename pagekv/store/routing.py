@@ -22,6 +22,8 @@ from typing import Any
 
 import xxhash
 
+from pagekv.errors import StoreError, StoreUnavailable
+
 from .protocol import Code, Op, Reply, Request, Status, checksum
 
 __all__ = ["Call", "ExistsResult", "NodeHealth", "Router", "StoreError", "StoreUnavailable"]
@@ -43,14 +45,6 @@ class Call:
 
 Batch = list[Call]
 OpGen = Generator[Batch, Results, Any]
-
-
-class StoreError(RuntimeError):
-    """A node answered a request with an error code (a bug or a protocol mismatch)."""
-
-
-class StoreUnavailable(StoreError):
-    """No node could be reached for a request that needs one (stats, ping)."""
 
 
 @dataclass(frozen=True)

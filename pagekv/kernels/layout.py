@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagekv.connector.geometry import KVGeometry
+from pagekv.geometry import KVGeometry
 
 __all__ = [
     "DeviceKV",

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from pagekv.errors import KernelsUnavailable
+
 __all__ = [
     "KernelsUnavailable",
     "backend_mode",
@@ -40,10 +42,6 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "pagekv_kernels.cu",)
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 _ABI_VERSION = 3
-
-
-class KernelsUnavailable(RuntimeError):
-    """The CUDA kernels cannot be used here; the message says why and what to do."""
 
 
 def backend_mode() -> str:

@@ -1,7 +1,8 @@
 """pagekv.connector: KV geometry, prefix page keys, the page-first host pool and its cache tier,
 and the KVConnector that engines plug in."""
 
-from .geometry import SUPPORTED_DTYPES, KVGeometry, KVKind, dtype_from_name
+from pagekv.geometry import SUPPORTED_DTYPES, KVGeometry, KVKind, dtype_from_name
+
 from .hashing import KEY_BYTES, KeyNamespace, page_keys, tokens_to_bytes
 from .host_pool import HostPagePool, InvalidPageError, PoolExhausted
 from .page_cache import PageCache
