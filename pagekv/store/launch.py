@@ -6,7 +6,9 @@ from __future__ import annotations
 __all__ = ["NodeProcess", "start_nodes"]
 
 import collections
+import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -17,9 +19,12 @@ READY = re.compile(r"pagekv node ready (tcp://\S+)")
 
 
 class NodeProcess:
-    def __init__(self, *args: str, port: int = 0) -> None:
+    """One ``pagekv serve`` child. ``nofile`` caps its descriptors (soft and hard limit)."""
+
+    def __init__(self, *args: str, port: int = 0, nofile: int | None = None) -> None:
         self.args = list(args)
         self.port = port
+        self.nofile = nofile
         self.address = ""
         self.proc: subprocess.Popen | None = None
         self.log: collections.deque[str] = collections.deque(maxlen=200)
@@ -34,7 +39,13 @@ class NodeProcess:
             str(self.port),
             *self.args,
         ]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        limit = self.nofile
+
+        def cap_descriptors() -> None:  # runs in the child, before exec
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+        preexec = cap_descriptors if limit is not None else None
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = self.proc.stderr.readline()
@@ -71,6 +82,14 @@ class NodeProcess:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) * 1024
         raise RuntimeError("no VmRSS")
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time the node has used so far (all its threads)."""
+        if self.proc is None:
+            raise RuntimeError("node not started")
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_nodes(n: int, *args: str) -> list[NodeProcess]:
