@@ -10,8 +10,8 @@ import zmq
 
 from pagekv.store import AsyncStoreClient, Code, Status, StoreClient
 from pagekv.store.block_store import block_cost
+from pagekv.store.handlers import SHARED_BUFFER_BYTES
 from pagekv.store.protocol import checksum_frames
-from pagekv.store.server import SHARED_BUFFER_BYTES
 from tests.test_store_node import Running, ask, raw_socket
 
 

@@ -251,3 +251,25 @@ def test_internal_error_is_answered_and_node_serves_on(node, monkeypatch):
         monkeypatch.undo()
         assert bytes(client.get_many([b"kept"])[0]) == b"data"
         assert client.stats()[0]["internal_errors"] == 1
+
+
+@pytest.mark.parametrize("curve", [False, True])
+def test_guard_accounts_for_every_wire_byte(certs, curve):
+    """What the guard counts as read matches what TCP delivered, byte for byte (after the
+    handshake): otherwise it would drift and one day close a well-behaved client."""
+    cfg = dict(curve_secret_key=certs["server_sec"], curve_allow=certs["allow"]) if curve else {}
+    running = Running(capacity="64MiB", **cfg)
+    keys = CurveClientKeys.from_files(certs["server_pub"], certs["client"]) if curve else None
+    try:
+        with StoreClient(running.address, timeout_s=3, curve=keys) as client:
+            for i in range(200):
+                ks = [os.urandom(16) for _ in range(3)]
+                sizes = (i % 300, 222 + i % 3, 70_000 + i)  # short and long frames, both sides
+                values = [os.urandom(sizes[0]), [os.urandom(sizes[1]), b"x"], os.urandom(sizes[2])]
+                assert client.put_many(ks, values) == [Status.OK] * 3
+                assert None not in client.get_many(ks) and client.exists_many(ks).leading == 3
+            guard = running.node.guard
+            unexplained = [guard.unexplained(fd) for fd in guard.conns]
+        assert unexplained and all(0 <= u < 1024 for u in unexplained), unexplained
+    finally:
+        running.stop()

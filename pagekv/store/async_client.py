@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from .client import _Base
+from .client_base import _Base
 from .protocol import Op, ProtocolError, Status, decode_reply, encode_request
 from .routing import Batch, Call, ExistsResult, OpGen, Results
 
@@ -159,8 +159,9 @@ class AsyncStoreClient(_Base):
                     deadline = cap
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._reset(node, link)  # fails this socket's requests, ours included
-                    break
+                    if clock["bytes"]:  # a request went out: fail the socket's requests
+                        self._reset(node, link)
+                    break  # (none did: the socket is kept, its age tells the node is down)
                 # short slices: a send that completes moves the deadline (bytes in flight)
                 await asyncio.wait(tasks, timeout=min(left, 0.02), return_when=FIRST_COMPLETED)
         finally:

@@ -28,125 +28,12 @@ from typing import Any
 
 import zmq
 
-from . import operations
-from .config import ClientConfig, CurveClientKeys
-from .protocol import MAX_KEY_BYTES, Op, ProtocolError, Status, decode_reply, encode_request
-from .routing import Batch, Call, ExistsResult, Link, OpGen, Results, Router, StoreUnavailable
+from .client_base import _Base
+from .config import ClientConfig
+from .protocol import Op, ProtocolError, Status, decode_reply, encode_request
+from .routing import Batch, Call, ExistsResult, OpGen, Results
 
 __all__ = ["StoreClient"]
-
-
-def _byte_views(value: Any, writable: bool, what: str) -> list[memoryview]:
-    """A value's frames as flat byte views: one bytes-like, or a sequence of them."""
-    if type(value) is bytes and not writable:
-        return [memoryview(value)]
-    try:
-        views = [memoryview(value)]
-    except TypeError:
-        if not isinstance(value, Sequence) or isinstance(value, str):
-            msg = f"{what}: not a bytes-like or a sequence of them: {value!r:.60}"
-            raise TypeError(msg) from None
-        views = [memoryview(frame) for frame in value]
-        if not views:
-            raise ValueError(f"{what}: a value needs at least one frame") from None
-    if writable and any(v.readonly for v in views):
-        raise ValueError(f"{what}: a read-only buffer cannot be read into")
-    return [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
-
-
-def _check_keys(keys: Sequence[bytes], buffers: Sequence[Any] | None, what: str) -> None:
-    lengths = list(map(len, keys)) if set(map(type, keys)) <= {bytes} else None
-    if lengths is None or (lengths and not 0 < min(lengths) <= max(lengths) <= MAX_KEY_BYTES):
-        bad = next(k for k in keys if type(k) is not bytes or not 0 < len(k) <= MAX_KEY_BYTES)
-        raise ValueError(f"keys must be non-empty bytes of <= {MAX_KEY_BYTES}, got {bad!r:.40}")
-    if buffers is not None and len(buffers) != len(keys):
-        raise ValueError(f"{len(keys)} keys but {len(buffers)} {what}")
-
-
-class _Base:
-    """Configuration, router and link bookkeeping shared by both clients."""
-
-    def __init__(
-        self,
-        endpoints: str | Sequence[str],
-        *,
-        replicas: int = 1,
-        timeout_s: float = 5.0,
-        curve: CurveClientKeys | None = None,
-        config: ClientConfig | None = None,
-    ) -> None:
-        self.config = config or ClientConfig(
-            tuple([endpoints] if isinstance(endpoints, str) else endpoints),
-            replicas=replicas,
-            timeout_s=timeout_s,
-            curve=curve,
-        )
-        cfg = self.config
-        self.router = Router(
-            cfg.endpoints, cfg.replicas, (cfg.backoff_min_s, cfg.backoff_max_s),
-            cfg.max_message_bytes, link=self._link_state,
-        )  # fmt: skip
-        self._links: dict[int, Any] = {}
-
-    @property
-    def counters(self) -> dict[str, int]:
-        return self.router.counters
-
-    def _open(self, node: int) -> Any:  # a fresh link (socket) to ``node``; per client kind
-        raise NotImplementedError
-
-    def _link_state(self, node: int) -> Link:
-        link = self._links.get(node) or self._open(node)
-        if link.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
-            return Link.UP
-        if time.monotonic() - link.created < min(self.config.connect_timeout_s,
-                                                 self.config.timeout_s):  # fmt: skip
-            return Link.CONNECTING
-        return Link.DOWN
-
-    def _window(self, node: int) -> int:
-        limits = self.router.limits[node]
-        return limits.window if limits is not None else 1
-
-    def _new_socket(self, ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a node not connected
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        if self.config.socket_buffer:  # 0: leave it to the kernel's TCP autotuning
-            sock.setsockopt(zmq.SNDBUF, self.config.socket_buffer)
-            sock.setsockopt(zmq.RCVBUF, self.config.socket_buffer)
-        if self.config.curve is not None:
-            sock.curve_serverkey = self.config.curve.server_public
-            sock.curve_publickey = self.config.curve.public
-            sock.curve_secretkey = self.config.curve.secret
-        sock.connect(endpoint)
-        return sock
-
-    def _plan_put(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> OpGen:
-        _check_keys(keys, buffers, "buffers")
-        views = [_byte_views(b, False, "put_many") for b in buffers]
-        return operations.put(self.router, keys, views)
-
-    def _plan_get(self, keys: Sequence[bytes], into: Sequence[Any] | None) -> OpGen:
-        _check_keys(keys, into, "into buffers")
-        targets = None if into is None else [_byte_views(b, True, "get_many") for b in into]
-        return operations.get(self.router, keys, targets)
-
-    def _plan_exists(self, keys: Sequence[bytes]) -> OpGen:
-        _check_keys(keys, None, "")
-        return operations.exists(self.router, keys)
-
-    def _plan_delete(self, keys: Sequence[bytes]) -> OpGen:
-        _check_keys(keys, None, "")
-        return operations.delete(self.router, keys)
-
-    @staticmethod
-    def _stats_or_raise(stats: list[dict | None]) -> list[dict | None]:
-        if all(s is None for s in stats):
-            raise StoreUnavailable("no store node answered")
-        return stats
 
 
 _MORE, _MORE_NOW, _NOW = int(zmq.SNDMORE), int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)
@@ -184,6 +71,7 @@ class _Flow:
     unsent: list[Call] = field(default_factory=list)
     outstanding: dict[int, Call] = field(default_factory=dict)
     out_bytes: int = 0
+    sent: bool = False  # a request went out on this socket during the batch
 
     def deadline(self, config: ClientConfig) -> float:
         if self.outstanding:
@@ -249,6 +137,7 @@ class StoreClient(_Base):
             if not flow.outstanding:
                 flow.progress = now
             flow.unsent.pop(0)
+            flow.sent = True
             flow.outstanding[call.request.id] = call
             flow.out_bytes += call.nbytes
 
@@ -276,11 +165,14 @@ class StoreClient(_Base):
             del flows[flow.node]
 
     def _fail(self, flow: _Flow, flows: dict[int, _Flow], results: Results) -> None:
-        """Give up on a node for this batch: None for each of its requests, a fresh socket."""
+        """Give up on a node for this batch: None for each of its requests. Its socket is
+        replaced if a request went out (a late reply must never be read as an answer to a
+        later one); one that never connected is kept, so its age tells the node is down."""
         for call in [*flow.outstanding.values(), *flow.unsent]:
             results[call.request.id] = None
         flows.pop(flow.node, None)
-        self._reset(flow.node)
+        if flow.sent:
+            self._reset(flow.node)
 
     def _run(self, gen: OpGen) -> Any:
         try:

@@ -139,10 +139,11 @@ class ClientConfig:
 
     A request to a node is given up after ``timeout_s + timeout_per_mib_s * MiB`` without an
     answer, where MiB counts the bytes in flight to and from that node (so a large healthy
-    transfer is not mistaken for a dead node). A node that cannot be connected to within
-    ``connect_timeout_s`` (capped by ``timeout_s``) counts as failed for that call. Failed
-    nodes are backed off (``backoff_min_s`` doubling to ``backoff_max_s``) and tried only as a
-    last resort while their connection is up again.
+    transfer is not mistaken for a dead node). A node whose connection is not up within
+    ``connect_timeout_s`` (default and cap: ``timeout_s``) of its socket's creation is down:
+    calls fail for it at once until it connects. Failed nodes are backed off (``backoff_min_s``
+    doubling to ``backoff_max_s``) and tried only as a last resort while their connection is
+    up again.
     """
 
     endpoints: tuple[str, ...]
@@ -154,7 +155,7 @@ class ClientConfig:
     socket_buffer: int = 0  # 0 keeps the kernel's TCP autotuning
     max_message_bytes: int = 16 << 20  # requests are also cut to each node's advertised limits
     timeout_per_mib_s: float = 0.02  # 50 MiB/s: the slowest transfer still taken as healthy
-    connect_timeout_s: float = 1.0
+    connect_timeout_s: float | None = None  # None: timeout_s
 
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str):
@@ -169,6 +170,8 @@ class ClientConfig:
             raise ValueError(
                 f"ClientConfig.replicas must be in [1, {len(self.endpoints)}], got {self.replicas}"
             )
+        if self.connect_timeout_s is None:
+            object.__setattr__(self, "connect_timeout_s", self.timeout_s)
         _positive(
             "ClientConfig", timeout_s=self.timeout_s, backoff_min_s=self.backoff_min_s,
             backoff_max_s=self.backoff_max_s, max_message_bytes=self.max_message_bytes,

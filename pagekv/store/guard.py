@@ -95,7 +95,7 @@ class ConnectionGuard:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            fd = event["value"]
+            fd = int(event["value"])
             if event["event"] == zmq.EVENT_ACCEPTED:
                 if len(self.conns) >= self.max_connections:
                     self.counters["refused_connections"] += 1
@@ -148,7 +148,18 @@ class ConnectionGuard:
         self._check_rss(now)
 
     def held(self, fd: int, now: float | None = None) -> int | None:
-        """Bytes libzmq holds for connection ``fd`` that the node has not read (None: unknown)."""
+        """Bytes libzmq holds for connection ``fd`` that the node has not read, beyond what
+        the handshake and heartbeats explain (None: unknown)."""
+        conn, raw = self.conns.get(fd), self.unexplained(fd)
+        if conn is None or raw is None:
+            return None
+        if now is not None and now - conn.absorbed_at >= ABSORB_EVERY_S:
+            conn.absorbed_at, conn.forgiven = now, conn.forgiven + ABSORB_BYTES
+        return max(0, raw - conn.forgiven)
+
+    def unexplained(self, fd: int) -> int | None:
+        """Bytes the kernel received on ``fd`` and passed on, minus the wire size of what the
+        node has read from it (None: not a tracked TCP connection)."""
         conn = self.conns.get(fd)
         if conn is None:
             return None
@@ -164,9 +175,7 @@ class ConnectionGuard:
         if len(info) < _TCPI_BYTES_RECEIVED + 8:
             return None
         (received,) = struct.unpack_from("Q", info, _TCPI_BYTES_RECEIVED)
-        if now is not None and now - conn.absorbed_at >= ABSORB_EVERY_S:
-            conn.absorbed_at, conn.forgiven = now, conn.forgiven + ABSORB_BYTES
-        return max(0, received - queued - conn.seen - conn.forgiven)
+        return received - queued - conn.seen
 
     def allowed_rss(self) -> int:
         per_conn = self.config.connection_bound * max(1, len(self.conns))

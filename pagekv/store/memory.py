@@ -22,6 +22,8 @@ __all__ = ["raise_fd_limit", "rss_bytes", "tune_malloc_for_blocks", "trim_heap"]
 log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 _TRIM_THRESHOLD = (1 << 31) - 1
+_DEFAULT_TRIM_THRESHOLD = 128 << 10  # glibc's
+_tuned_trim_threshold = 0  # set by tune_malloc_for_blocks
 
 
 def tune_malloc_for_blocks(
@@ -41,6 +43,8 @@ def tune_malloc_for_blocks(
     )
     if not ok:
         log.warning("pagekv: mallopt refused the block-friendly malloc settings")
+    global _tuned_trim_threshold
+    _tuned_trim_threshold = trim_threshold if ok else 0
     return ok
 
 
@@ -60,7 +64,8 @@ def trim_heap(keep_trimming: bool | None = None) -> bool:
     if libc is None or not hasattr(libc, "malloc_trim"):
         return False
     if keep_trimming is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(_M_TRIM_THRESHOLD, (128 << 10) if keep_trimming else _TRIM_THRESHOLD)
+        restore = _tuned_trim_threshold or _DEFAULT_TRIM_THRESHOLD
+        libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD if keep_trimming else restore)
     libc.malloc_trim.argtypes = [ctypes.c_size_t]
     libc.malloc_trim(0)
     return True

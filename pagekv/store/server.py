@@ -20,8 +20,8 @@ import time
 from typing import Any
 
 import zmq
-from xxhash import xxh3_64_intdigest
 
+from . import handlers
 from .block_store import BlockStore
 from .config import NodeConfig
 from .guard import ConnectionGuard, wire_bytes
@@ -35,7 +35,6 @@ from .protocol import (
     Reply,
     Request,
     Status,
-    checksum_frames,
     decode_request,
     encode_reply,
 )
@@ -182,7 +181,7 @@ class StoreNode:
             parts, extra, wire = [], 0, wire_bytes([len(header)], curve)
             while more:
                 i = len(parts) + extra
-                if i < len(sizes) and sizes[i] <= SHARED_BUFFER_BYTES:
+                if i < len(sizes) and sizes[i] <= handlers.SHARED_BUFFER_BYTES:
                     data = recv()
                     more = option(rcvmore)
                 else:
@@ -238,13 +237,18 @@ class StoreNode:
             rep, out = self._dispatch(parsed, payloads)
         except ProtocolError as e:
             self.counters["bad_requests"] += 1
-            rep, out = Reply(id=_best_effort_id(header), code=e.code, error=str(e)), []
+            rep, out = Reply(id=handlers.best_effort_id(header), code=e.code, error=str(e)), []
         except Exception as e:  # a bug, not bad input: log it, answer, keep serving
             log.exception("pagekv node: internal error on a request")
             self.counters["internal_errors"] += 1
-            rep = Reply(id=_best_effort_id(header), code=Code.INTERNAL, error=repr(e))
+            rep = Reply(id=handlers.best_effort_id(header), code=Code.INTERNAL, error=repr(e))
             out = []
         self._send(ident, rep, out)
+
+    def _get(self, req: Request) -> tuple[Reply, list[Any]]:
+        rep, out, deferred = handlers.get(self.store, self.config.max_message_size, req)
+        self.counters["deferred"] += deferred
+        return rep, out
 
     def _serve_parked(self) -> None:
         for ident, req in self.outbox.ready():
@@ -260,7 +264,7 @@ class StoreNode:
         if req.op is not Op.PUT and payloads:
             raise ProtocolError(Code.BAD_FRAMES, f"{req.op.value} takes no payload frames")
         if req.op is Op.PUT:
-            return self._put(req, payloads), []
+            return handlers.put(self.store, self.config, req, payloads), []
         if req.op is Op.GET:
             return self._get(req)
         if req.op is Op.EXISTS:
@@ -276,57 +280,6 @@ class StoreNode:
             return Reply(req.id, stats=self.stats()), []
         return Reply(req.id, limits=self.config.limits()), []  # PING
 
-    def _put(self, req: Request, payloads: list[zmq.Frame]) -> Reply:
-        if len(payloads) != len(req.sizes):
-            raise ProtocolError(
-                Code.BAD_FRAMES, f"header declares {len(req.sizes)} frames, got {len(payloads)}"
-            )
-        for i, (frame, size) in enumerate(zip(payloads, req.sizes)):
-            if len(frame) != size:
-                msg = f"frame {i} has {len(frame)} bytes, not {size}"
-                raise ProtocolError(Code.BAD_FRAMES, msg)
-        verify, most, put = self.config.verify_puts, self.config.max_block_size, self.store.put
-        status = []
-        if len(payloads) == len(req.keys):  # one frame per value: the common case, made lean
-            bad = int(Status.BAD_CHECKSUM)
-            for key, frame, size, cs in zip(req.keys, payloads, req.sizes, req.sums):
-                data = _own(frame)
-                if verify and size <= most and xxh3_64_intdigest(data) != cs:
-                    status.append(bad)
-                else:
-                    status.append(put(key, (data,), size, cs))
-            return Reply(req.id, status=status)
-        start = 0
-        for key, count, cs in zip(req.keys, req.counts, req.sums):
-            frames = [_own(f) for f in payloads[start : start + count]]
-            size = sum(req.sizes[start : start + count])
-            start += count
-            if verify and size <= most and checksum_frames(frames) != cs:
-                status.append(int(Status.BAD_CHECKSUM))
-                continue
-            status.append(put(key, tuple(frames), size, cs))
-        return Reply(req.id, status=status)
-
-    def _get(self, req: Request) -> tuple[Reply, list[Any]]:
-        """Found values in key order while the reply stays within ``max_message_size``; the
-        found ones after that are ``DEFERRED`` (the client asks for them again)."""
-        status, sums, counts, out = [], [], [], []
-        room = self.config.max_message_size
-        for key in req.keys:
-            block = self.store.get(key)
-            if block is None:
-                status.append(int(Status.NOT_FOUND))
-            elif block.size > room:
-                status.append(int(Status.DEFERRED))
-                self.counters["deferred"] += 1
-            else:
-                room -= block.size
-                status.append(int(Status.OK))
-                sums.append(block.checksum)
-                counts.append(len(block.frames))
-                out.extend(block.frames)
-        return Reply(req.id, status=status, sums=sums, counts=counts), out
-
     def stats(self) -> dict[str, Any]:
         guard = self.guard
         return {**self.store.stats(), **self.counters, "address": self.address,
@@ -334,26 +287,3 @@ class StoreNode:
                 "connections": len(guard.conns) if guard else -1,
                 "reply_bytes_in_flight": self.outbox.inflight_bytes(),
                 "parked": self.outbox.parked}  # fmt: skip
-
-
-SHARED_BUFFER_BYTES = 8192  # libzmq's receive batch: smaller frames may live inside one
-
-
-def _own(frame: Any) -> Any:
-    """A stored frame: small ones as bytes, never a view into libzmq's shared receive buffer
-    (a 512-byte frame kept by reference would pin the whole ~18 KiB buffer it arrived in)."""
-    if isinstance(frame, bytes) or len(frame) > SHARED_BUFFER_BYTES:
-        return frame
-    return frame.bytes
-
-
-def _best_effort_id(header: zmq.Frame) -> int:
-    """The request id of a header we could not fully parse, when it can be read; else 0."""
-    try:
-        import msgpack
-
-        head = msgpack.unpackb(header.buffer, raw=False)
-        rid = head.get("id") if isinstance(head, dict) else None
-        return rid if type(rid) is int and rid >= 0 else 0
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError):
-        return 0
