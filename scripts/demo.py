@@ -45,7 +45,7 @@ def main() -> None:
         tokens = torch.randint(0, 128_000, (args.tokens,)).tolist()
         slots_a = torch.randperm(num_slots)[: args.tokens]
         t = time.perf_counter()
-        saved = a.save(tokens, slots_a)
+        saved = a.save(tokens, slots_a).pages
         a.flush_sync(timeout=120)
         print(
             f"engine A: saved {saved} pages and wrote them back in {time.perf_counter() - t:.2f} s"
