@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from pagekv.kernels import store_kv
 
@@ -39,8 +38,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
         if t == s:
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
         else:
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, s))
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=_lower_right(t, s, q))
     return out.squeeze(0).transpose(0, 1)
+
+
+def _lower_right(t: int, s: int, like: torch.Tensor) -> torch.Tensor | object:
+    """Causal mask of ``t`` queries at the end of ``s`` keys. On CUDA torch's ``CausalBias``
+    (runs the flash kernel, no mask in memory; imported here because its module pulls in
+    torch._dynamo, ~2 s); elsewhere a boolean ``[t, s]`` mask."""
+    if like.is_cuda:
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(t, s)
+    keys = torch.arange(s, device=like.device)
+    return keys[None, :] <= torch.arange(s - t, s, device=like.device)[:, None]
 
 
 class PagedAttention:

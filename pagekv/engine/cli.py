@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.poison_cache:
             engine.cache.k.fill_(float("nan"))
             engine.cache.v.fill_(float("nan"))
+        engine.warmup()
         _emit({"event": "ready", "config": engine.config.describe()})
         for request in requests:
             result = engine.generate(request)
