@@ -20,7 +20,7 @@ def run_engine(tmp_path, name, store, requests, *extra):
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(requests))
     cmd = [sys.executable, "-m", "pagekv.engine", "--store", store, "--requests", str(path),
-           "--preset", "tiny", "--device", "cpu", "--num-slots", "4096",
+           "--preset", "tiny", "--device", "cpu", "--num-slots", "4096", "--threads", "1",
            "--dump", str(tmp_path), *extra]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]

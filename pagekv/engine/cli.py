@@ -48,6 +48,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--policy", choices=MODES, default="auto")
     ap.add_argument("--threshold", type=float, default=1.0)
     ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: default)")
     ap.add_argument("--dump", help="directory for <name>.pt files (logits and tokens)")
     poison = "fill the KV cache with NaN first: a slot read before written shows"
     ap.add_argument("--poison-cache", action="store_true", help=poison)
@@ -74,6 +75,8 @@ def _emit(payload: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     requests = [Request(**r) for r in json.loads(Path(args.requests).read_text())]
     store = ClientConfig(tuple(args.store.split(",")), replicas=args.replicas, timeout_s=10.0)
     engine = Engine(engine_config(args), store,
