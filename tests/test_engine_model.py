@@ -30,6 +30,16 @@ TINY = ModelConfig(
 )  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny model's matmuls are too small to split: one thread is faster, and spares a
+    shared machine's other cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def hf_config(m: ModelConfig, **extra):
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
     if m.rope_scaling is not None:

@@ -15,6 +15,16 @@ MODEL = PRESETS["tiny"]
 PAGE = 16
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny model's matmuls are too small to split: one thread is faster, and spares a
+    shared machine's other cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def config(**kw):
     base = dict(page_size=PAGE, num_slots=2048, host_pages=512)
     return EngineConfig(MODEL, **{**base, **kw})
