@@ -71,10 +71,12 @@ def test_slots_overwritten_right_after_save_do_not_reach_the_store(node):
         tokens, slots = prompt(n), torch.randperm(n, device="cuda")
         expected = snapshot(kv, slots)
         junk = [random_tensor(e.shape, e.dtype, "cuda") for e in expected]
+        for c, e in zip(kv, expected):  # warm-up: an allocation would sync the device
+            c.index_copy_(1, slots, e)
         torch.cuda.synchronize()
         assert a.save(tokens, slots).pages == n // 16
         for c, j in zip(kv, junk):  # the next request's KV, on the engine's stream, at once
-            c[:, slots] = j
+            c.index_copy_(1, slots, j)
         torch.cuda.synchronize()
         h = asyncio.run(a.prefetch(tokens))
         assert h.num_pages == n // 16 and h.fetched == 0  # from the host tier
