@@ -100,6 +100,18 @@ def test_host_tier_reuse_is_bit_exact_and_slots_are_reused_at_once(store):
         engine.close()
 
 
+def test_fragmented_slot_table_reads_through_a_gather():
+    engine = poisoned(Engine(config(num_slots=2048)))
+    prompt = tokens(torch.Generator().manual_seed(6), 900)
+    contiguous = engine.generate(Request(prompt, 8))
+    hole = engine.cache.allocate(PAGE)  # page 0 taken: the next table starts at page 1
+    other = engine.cache.allocate(1000)
+    engine.cache.free(hole)  # the request gets page 0, then pages after `other`
+    fragmented = engine.generate(Request(prompt, 8))
+    engine.cache.free(other)
+    assert same_output(contiguous, fragmented)
+
+
 def test_fast_path_matches_within_rounding(store):
     """Without batch-invariant chunks the suffix is one forward: same result up to fp32
     rounding (the batch-invariant default is what makes it bit-exact)."""

@@ -123,9 +123,12 @@ class Engine:
         try:
             table = self.cache.allocate(n + request.max_new_tokens)
             t = time.perf_counter()
+            # uploads before the load: a pageable host -> device copy may wait for the GPU
+            ids = torch.tensor([*request.prompt, *[0] * self.config.prefill_chunk]).to(self.device)
             reused, waits, load_s = self._load(handle, table)
-            logits = self._prefill(request.prompt, table, reused, waits)
-            first = int(logits.argmax())  # the host sync that ends time to first token
+            logits = self._prefill(ids, n, table, reused, waits)
+            first_token = logits.argmax(-1)
+            first = int(first_token)  # the host sync that ends time to first token
             done = time.perf_counter()
             ttft, prefill_s = done - start, done - t  # prefill_s includes the load
             stall = load_s  # on CPU the load is a synchronous copy
@@ -133,7 +136,7 @@ class Engine:
                 load_s, stall = waits.times()
             save = self._save(request, keys, table)
             t = time.perf_counter()
-            tokens = [first, *self._decode(first, n, table, request.max_new_tokens - 1)]
+            tokens = [first, *self._decode(first_token, n, table, request.max_new_tokens - 1)]
             decode_s = time.perf_counter() - t
         finally:
             if handle is not None:
@@ -202,28 +205,30 @@ class Engine:
         return handle.num_tokens, _LayerWaits(layers, self.cuda, start), time.perf_counter() - t
 
     def _prefill(
-        self, prompt: tuple[int, ...], table: SlotTable, start: int, waits: _LayerWaits | None
+        self, ids: torch.Tensor, n: int, table: SlotTable, start: int, waits: _LayerWaits | None
     ) -> torch.Tensor:
-        """Compute positions ``[start, n)`` (see EngineConfig for the two chunkings) and return
-        the logits ``[1, vocab]`` of the last one."""
-        n, chunk = len(prompt), self.config.prefill_chunk
-        ids = torch.tensor([*prompt, *[0] * chunk], device=self.device)
+        """Compute positions ``[start, n)`` of ``ids`` (the prompt, then ``prefill_chunk`` zeros;
+        see EngineConfig for the two chunkings) and return the logits ``[1, vocab]`` of the
+        last one. No host -> device copy: the slots come from ``table.device``."""
+        chunk = self.config.prefill_chunk
         if self.config.batch_invariant:
             spans = [(lo, lo + chunk) for lo in range(start - start % chunk, n, chunk)]
         else:
             spans = [(lo, min(lo + chunk, n)) for lo in range(start, n, chunk)]
         for i, (lo, hi) in enumerate(spans):
             first, last = max(lo, start), min(hi, n)  # the rows whose K/V are stored
-            out_loc = torch.full((hi - lo,), -1, dtype=torch.int64)
-            out_loc[first - lo : last - lo] = table.cpu[first:last]
-            attend = PagedAttention(self.cache, table, out_loc.to(self.device), key_len=hi,
-                                    written=last, wait=waits if i == 0 else None)  # fmt: skip
+            out_loc = table.device[first:last]
+            if (first, last) != (lo, hi):  # padding rows: -1, their K/V are not stored
+                out_loc = torch.cat((out_loc.new_full((first - lo,), -1), out_loc,
+                                     out_loc.new_full((hi - last,), -1)))  # fmt: skip
+            attend = PagedAttention(self.cache, table, out_loc, key_len=hi, written=last,
+                                    wait=waits if i == 0 else None)  # fmt: skip
             hidden = self.model(ids[lo:hi], self.positions[lo:hi], attend)
         return self.model.logits(hidden[n - 1 - lo : n - lo])
 
-    def _decode(self, first: int, n: int, table: SlotTable, steps: int) -> list[int]:
-        """``steps`` greedy tokens after ``first`` (at position ``n``); one host sync at the end."""
-        token = torch.tensor([first], device=self.device)
+    def _decode(self, token: torch.Tensor, n: int, table: SlotTable, steps: int) -> list[int]:
+        """``steps`` greedy tokens after ``token`` (``[1]`` on the device, at position ``n``);
+        one host sync at the end."""
         out = []
         for pos in range(n, n + steps):
             attend = PagedAttention(self.cache, table, table.device[pos : pos + 1],
