@@ -101,8 +101,10 @@ class Engine:
         self.policy: FetchPolicy | None = None
         if store is not None:
             ns = KeyNamespace(config.model_id, self.geometry)
-            self.connector = KVConnector(self.geometry, self.cache.device_kv, store,
-                                         host_pages=config.host_pages, namespace=ns)  # fmt: skip
+            self.connector = KVConnector(
+                self.geometry, self.cache.device_kv, store, host_pages=config.host_pages,
+                namespace=ns, max_pending_writes=max(1024, config.host_pages),
+            )  # fmt: skip
             self.policy = FetchPolicy(policy, bytes_per_token=self.geometry.bytes_per_token,
                                       attention_context=config.model.attention_context)  # fmt: skip
         self.counters = dict.fromkeys(
