@@ -22,9 +22,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
-from pagekv.connector import KeyNamespace, KVConnector, LayerLoad, Prefetch, SaveHandle
+from pagekv.connector import KeyNamespace, KVConnector, Prefetch, SaveHandle
 from pagekv.connector.policy import FetchDecision, FetchPolicy, PolicyConfig
 from pagekv.errors import ConfigError
 from pagekv.store import ClientConfig
@@ -32,45 +33,12 @@ from pagekv.store import ClientConfig
 from .attention import PagedAttention
 from .config import EngineConfig
 from .kv_cache import PagedKVCache, SlotTable
+from .layer_waits import LayerWaits, cuda_event
 from .model import Llama
 from .request import Request, Result
 from .weights import build_model
 
 __all__ = ["Engine"]
-
-
-class _LayerWaits:
-    """The compute stream's side of a layer-wise load: ``wait_layer`` before each layer reads
-    the cache, and (CUDA) timing events around each wait to measure the stall."""
-
-    def __init__(self, layers: LayerLoad, cuda: bool, start: Any) -> None:
-        self.layers, self.cuda, self.start = layers, cuda, start
-        self.spans: list[tuple[Any, Any]] = []
-        self.waited: set[int] = set()
-
-    def __call__(self, layer: int) -> None:
-        if layer in self.waited:
-            return
-        self.waited.add(layer)
-        before = _event(self.cuda)
-        self.layers.wait_layer(layer)
-        if self.cuda:
-            self.spans.append((before, _event(True)))
-
-    def times(self) -> tuple[float, float]:
-        """(until the last layer was there, total stall) in seconds; call after a sync."""
-        if not self.spans:
-            return 0.0, 0.0
-        stall = sum(b.elapsed_time(a) for b, a in self.spans) / 1e3
-        return self.start.elapsed_time(self.spans[-1][1]) / 1e3, stall
-
-
-def _event(cuda: bool) -> Any:
-    if not cuda:
-        return None
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
 
 
 class Engine:
@@ -125,8 +93,7 @@ class Engine:
         try:
             table = self.cache.allocate(n + request.max_new_tokens)
             t = time.perf_counter()
-            # uploads before the load: a pageable host -> device copy may wait for the GPU
-            ids = torch.tensor([*request.prompt, *[0] * self.config.prefill_chunk]).to(self.device)
+            ids = self._token_ids(request.prompt)  # uploaded before the load starts
             reused, waits, load_s = self._load(handle, table)
             logits = self._prefill(ids, n, table, reused, waits)
             first_token = logits.argmax(-1)
@@ -144,7 +111,7 @@ class Engine:
             if handle is not None:
                 self.connector.release(handle)  # idempotent; early on a failure
             if save is not None and save.event is not None:
-                torch.cuda.current_stream(self.device).wait_event(save.event)
+                torch.cuda.current_stream(self.device).waitcuda_event(save.event)
             if table is not None:
                 self.cache.free(table)
         fetched = handle.fetched * self.geometry.page_size if handle is not None else 0
@@ -195,23 +162,32 @@ class Engine:
 
     def _load(
         self, handle: Prefetch | None, table: SlotTable
-    ) -> tuple[int, _LayerWaits | None, float]:
+    ) -> tuple[int, LayerWaits | None, float]:
         """Start the layer-wise load of ``handle`` into ``table``; (tokens, waits, seconds
         the call took: on CPU the whole copy)."""
         if handle is None or not handle.num_tokens:
             return 0, None, 0.0
         t = time.perf_counter()
-        start = _event(self.cuda)
+        start = cuda_event(self.cuda)
         layers = self.connector.load_async(handle, table.cpu[: handle.num_tokens])
         self.connector.release(handle)  # safe: the pages stay held until the copies are done
-        return handle.num_tokens, _LayerWaits(layers, self.cuda, start), time.perf_counter() - t
+        return handle.num_tokens, LayerWaits(layers, self.cuda, start), time.perf_counter() - t
+
+    def _token_ids(self, prompt: tuple[int, ...]) -> torch.Tensor:
+        """The prompt on the device (then ``prefill_chunk`` zeros for batch-invariant padding).
+        Uploaded before the layer-wise load starts: a pageable host -> device copy may wait
+        for the GPU. numpy: 10x faster than ``torch.tensor`` on a 32k-token tuple."""
+        ids = torch.from_numpy(np.fromiter(prompt, dtype=np.int64, count=len(prompt)))
+        if self.config.batch_invariant:
+            ids = torch.cat((ids, ids.new_zeros(self.config.prefill_chunk)))
+        return ids.to(self.device)
 
     def _prefill(
-        self, ids: torch.Tensor, n: int, table: SlotTable, start: int, waits: _LayerWaits | None
+        self, ids: torch.Tensor, n: int, table: SlotTable, start: int, waits: LayerWaits | None
     ) -> torch.Tensor:
-        """Compute positions ``[start, n)`` of ``ids`` (the prompt, then ``prefill_chunk`` zeros;
-        see EngineConfig for the two chunkings) and return the logits ``[1, vocab]`` of the
-        last one. No host -> device copy: the slots come from ``table.device``."""
+        """Compute positions ``[start, n)`` of ``ids`` (see EngineConfig for the two chunkings)
+        and return the logits ``[1, vocab]`` of the last one. No host -> device copy: the
+        slots come from ``table.device``."""
         chunk = self.config.prefill_chunk
         if self.config.batch_invariant:
             spans = [(lo, lo + chunk) for lo in range(start - start % chunk, n, chunk)]
