@@ -76,9 +76,11 @@ class PagedKVCache:
         pages, self._free = self._free[:need], self._free[need:]
         offsets = torch.arange(self.page_size, dtype=torch.int64)
         cpu = (torch.tensor(pages, dtype=torch.int64)[:, None] * self.page_size + offsets).view(-1)
-        contiguous = pages[-1] - pages[0] == need - 1
-        base = pages[0] * self.page_size if contiguous else -1
-        return SlotTable(pages, cpu, cpu.to(self.k.device), base)
+        if pages[-1] - pages[0] == need - 1:  # one run: made on the device, no upload (a
+            base = pages[0] * self.page_size  # pageable upload can wait for the whole GPU)
+            device = torch.arange(base, base + cpu.numel(), device=self.k.device)
+            return SlotTable(pages, cpu, device, base)
+        return SlotTable(pages, cpu, cpu.to(self.k.device), -1)
 
     def free(self, table: SlotTable) -> None:
         """Give a request's pages back; they may be handed out by the next :meth:`allocate`.
