@@ -171,7 +171,7 @@ def run_model(model: str, args: argparse.Namespace) -> dict:
         print(f"{cfg.describe()}; {args.nodes} store node(s)", flush=True)
         rand = Prompts(cfg.model.vocab_size, 1234)
         for e in engines.values():
-            e.warmup(min(args.tokens))
+            e.warmup(max(1024, min(args.tokens)))  # 1024: the policy's least sample
         warm = rand(min(args.tokens))  # measures the auto engine's store bandwidth (a probe)
         writer.generate(Request(warm, 1, reuse=False))
         writer.flush(timeout_s=300)

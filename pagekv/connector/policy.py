@@ -39,7 +39,8 @@ class PolicyConfig:
     only). ``threshold``: how many times faster than recompute the fetch must be predicted to
     be (1.0: any gain). ``ema_alpha``: weight of a new measurement. Priors (None: unknown):
     ``store_gbps``, ``load_gbps``, ``prefill_tokens_per_s``. ``min_sample_tokens``: prefills
-    shorter than this do not update the prefill speed (fixed costs would dominate).
+    shorter than this do not update the prefill speed (fixed costs and an under-filled GPU
+    would make recompute look slower than it is, and so fetches look better).
     ``reprobe_after``: refusals in a row before one fetch is allowed to re-measure (0: never).
     ``min_deadline_s``: the least time a fetch is given before its prefill starts anyway."""
 
@@ -49,7 +50,7 @@ class PolicyConfig:
     store_gbps: float | None = None
     load_gbps: float | None = None
     prefill_tokens_per_s: float | None = None
-    min_sample_tokens: int = 64
+    min_sample_tokens: int = 1024
     reprobe_after: int = 16
     min_deadline_s: float = 0.02
 

@@ -245,9 +245,10 @@ class Engine:
         c["saved_pages"] += r.saved_pages
 
     # ---- lifetime and stats ----------------------------------------------------------------
-    def warmup(self, num_tokens: int = 256) -> None:
+    def warmup(self, num_tokens: int = 1024) -> None:
         """Two prefills of ``num_tokens`` random tokens, nothing reused or saved: kernels and
         allocators warm up on the first, the second gives the policy a prefill speed."""
+        num_tokens = max(1, min(num_tokens, self.cache.num_slots - 1))
         gen = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, self.config.model.vocab_size, (num_tokens,), generator=gen)
         policy, self.policy, counters = self.policy, None, dict(self.counters)
