@@ -54,6 +54,8 @@ def parse_args() -> argparse.Namespace:
     args.device = args.device if args.device != "auto" else (
         "cpu" if quick or not torch.cuda.is_available() else "cuda"
     )  # fmt: skip
+    if args.device == "cpu" and not (quick or args.models):
+        ap.error("no GPU here: --quick runs a tiny model on CPU (or name --models)")
     args.models = (args.models or ("tiny" if quick else "llama-3.2-1b,llama-3-8b")).split(",")
     lengths = args.tokens or ("512,1024" if quick else "4096,16384,32768")
     args.tokens = [int(t) for t in lengths.split(",")]

@@ -171,7 +171,8 @@ class EngineConfig:
     has the same shapes whether its prefix was recomputed or loaded, so reuse is bit-exact.
     Otherwise one chunk per ``prefill_chunk`` tokens of the suffix (fast; reuse matches
     recompute within rounding). ``seed`` makes random weights; ``weights`` loads a
-    transformers-format directory instead.
+    transformers-format directory instead. ``model_id`` names the weights in page keys
+    (default: preset name and seed, or the weights directory's full path).
     """
 
     model: ModelConfig
@@ -204,7 +205,11 @@ class EngineConfig:
         pages = math.ceil(self.num_slots / self.page_size)
         object.__setattr__(self, "num_slots", pages * self.page_size)
         if not self.model_id:
-            source = f"seed{self.seed}" if self.weights is None else Path(self.weights).name
+            # loaded weights: the directory's full path (two checkpoints of one shape must never
+            # share pages; engines that keep the model elsewhere set model_id to share)
+            source = (
+                f"seed{self.seed}" if self.weights is None else str(Path(self.weights).resolve())
+            )
             object.__setattr__(self, "model_id", f"{self.model.name}-{source}")
         if not self.prefetch_timeout_s > 0:
             raise ConfigError("EngineConfig.prefetch_timeout_s must be > 0")
@@ -222,7 +227,7 @@ class EngineConfig:
         m = self.model
         return (
             f"{m.name}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads}/"
-            f"{m.num_kv_heads} heads x {m.head_dim}, {m.num_params / 1e9:.2f}B params, "
+            f"{m.num_kv_heads} heads x {m.head_dim}, {m.num_params / 1e6:,.1f}M params, "
             f"{str(self.dtype).removeprefix('torch.')} on {self.device}; "
             f"{self.num_slots} KV slots in pages of {self.page_size}"
         )
