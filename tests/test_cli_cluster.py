@@ -1,11 +1,13 @@
 """`pagekv cluster` lifecycles: announced once ready, exit 0 on SIGINT/SIGTERM (also during
 start-up), a dead node restarted (or left down) while the others keep serving, and no node left
-behind when the supervisor is SIGKILLed. Installed `pagekv` script, loopback, free ports
-(--base-port 0)."""
+behind when the supervisor is SIGKILLed. Nodes started by pagekv.store.launch die with their
+parent too. Installed `pagekv` script, loopback, free ports (--base-port 0)."""
 
 import os
 import re
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -86,5 +88,28 @@ def test_sigkilled_cluster_leaves_no_node_behind():
     assert all(map(pid_alive, pids)) and not any(map(port_free, ports))
     cluster.proc.kill()
     cluster.proc.wait(timeout=10)
+    wait_for(lambda: not any(map(pid_alive, pids)), 10, f"nodes {pids} to exit")
+    wait_for(lambda: all(map(port_free, ports)), 10, f"ports {ports} to be free")
+
+
+_LAUNCHER = r"""
+import sys
+from pagekv.store.launch import start_nodes
+nodes = start_nodes(2, "--capacity", "8MiB")
+print(" ".join(f"{n.proc.pid}:{n.port}" for n in nodes), flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_nodes_started_by_launch_die_with_their_parent():
+    parent = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        pairs = [p.split(":") for p in parent.stdout.readline().split()]
+        pids, ports = [int(a) for a, _ in pairs], [int(b) for _, b in pairs]
+        assert len(pids) == 2 and all(map(pid_alive, pids))
+    finally:
+        parent.kill()
+        parent.wait(timeout=10)
     wait_for(lambda: not any(map(pid_alive, pids)), 10, f"nodes {pids} to exit")
     wait_for(lambda: all(map(port_free, ports)), 10, f"ports {ports} to be free")
