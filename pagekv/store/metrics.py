@@ -119,7 +119,7 @@ def _untyped(name: str, text: str, value: float) -> Metric:
 
 class RequestMetrics:
     """The node's per-request hook (``node.observe = RequestMetrics(registry)``): thread-safe,
-    about 2 us per request."""
+    about 3 us per request on the node's loop."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.latency = Histogram(
@@ -138,8 +138,7 @@ class RequestMetrics:
         ops = [op.value for op in Op] + ["INVALID"]
         self._latency = {op: self.latency.labels(op) for op in ops}
         self._ok = {op: self.replies.labels(op, Code.OK.name) for op in ops}
-        for status in Status:  # every status present from the first scrape
-            self.put_blocks.labels(status.name)
+        self._put = {int(s): self.put_blocks.labels(s.name) for s in Status}  # all from the start
 
     def __call__(self, op: Op | None, reply: Any, seconds: float) -> None:
         name = op.value if op is not None else "INVALID"
@@ -149,8 +148,14 @@ class RequestMetrics:
         else:
             self.replies.labels(name, Code(reply.code).name).inc()
         if op is Op.PUT and reply.status:
+            stored = reply.status.count(Status.OK)  # the usual case, counted in C
+            if stored:
+                self._put[Status.OK].inc(stored)
+            if stored == len(reply.status):
+                return
             for status, count in _Tally(reply.status).items():
-                self.put_blocks.labels(Status(status).name).inc(count)
+                if status != Status.OK:
+                    self._put[status].inc(count)
                 if status == Status.BAD_CHECKSUM:
                     self.checksum_failures.inc(count)
 
