@@ -15,11 +15,11 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-__all__ = ["ConnectionMonitor"]
+__all__ = ["EVENTS", "ConnectionMonitor"]
 
 log = logging.getLogger("pagekv.store.monitor")
 _LOG_EVERY_S = 60.0
-_WATCHED = (
+EVENTS = (
     zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -49,9 +49,13 @@ _EXPLAIN = {
 
 class ConnectionMonitor:
     """Watches ``sock`` (a node's ROUTER) from its own thread. Create it before the node's loop
-    starts; :meth:`stop` (or closing the socket) ends it. Counters are read from any thread."""
+    starts; :meth:`stop` (or closing the socket) ends it. Counters are read from any thread.
 
-    def __init__(self, sock: zmq.Socket) -> None:
+    libzmq gives a socket one monitor: when something else owns it already, pass ``sock=None``
+    and have the owner call :meth:`on_event` for each event (with the handshake events in its
+    mask, :data:`EVENTS`)."""
+
+    def __init__(self, sock: zmq.Socket | None) -> None:
         self.open_connections = 0
         self.accepted = 0
         self.handshake_failures: dict[str, int] = dict.fromkeys(
@@ -59,14 +63,16 @@ class ConnectionMonitor:
         )
         self._logged: dict[str, tuple[float, int]] = {}
         self._stop = threading.Event()
-        self._sock = sock
-        self._monitor = sock.get_monitor_socket(_WATCHED)
-        self._thread = threading.Thread(target=self._run, name="pagekv-monitor", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if sock is not None:
+            self._monitor = sock.get_monitor_socket(EVENTS)
+            self._thread = threading.Thread(target=self._run, name="pagekv-monitor", daemon=True)
+            self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
     def _run(self) -> None:
         try:
@@ -77,13 +83,14 @@ class ConnectionMonitor:
                 kind = int(event["event"])
                 if kind == zmq.EVENT_MONITOR_STOPPED:
                     return
-                self._count(kind, int(event["value"]))
+                self.on_event(kind, int(event["value"]))
         except zmq.ZMQError as e:  # the node's socket closed under us: nothing left to watch
             log.debug("connection monitor stopped: %s", e)
         finally:
             self._monitor.close(linger=0)
 
-    def _count(self, kind: int, value: int) -> None:
+    def on_event(self, kind: int, value: int) -> None:
+        """Count one monitor event (``kind``: ``zmq.EVENT_*``, ``value``: its fd or error)."""
         if kind == zmq.EVENT_ACCEPTED:
             self.accepted += 1
             self.open_connections += 1
