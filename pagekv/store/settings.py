@@ -63,6 +63,16 @@ _NODE_HELP: dict[str, tuple[str, str]] = {
     ),
     "io_threads": ("ZeroMQ I/O threads", "int"),
     "socket_buffer": ("SO_SNDBUF/SO_RCVBUF bytes; 0 keeps the kernel's TCP autotuning", "size"),
+    "max_frames": ("most payload frames in one request", "int"),
+    "window": ("requests a client may have outstanding on one connection", "int"),
+    "recv_hwm": ("complete requests queued per connection before TCP pushes back", "int"),
+    "max_connections": ("most client connections (kept below the descriptor limit)", "int"),
+    "handshake_s": ("seconds a new connection has to complete its handshake", "float"),
+    "heartbeat_s": (
+        "seconds between ZMTP heartbeats, 0: off (a peer silent 3x as long is dropped)",
+        "float",
+    ),
+    "guard_interval_s": ("seconds between connection and memory checks; 0: no guard", "float"),
 }
 
 
