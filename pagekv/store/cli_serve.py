@@ -67,7 +67,8 @@ def node_config(values: dict[str, Any]) -> NodeConfig:
 def _header_bytes() -> int:
     """The largest header a one-block PUT can carry."""
     big = (1 << 64) - 1
-    return len(encode_request(Request(Op.PUT, big, [b"\xff" * MAX_KEY_BYTES], [big], [big])))
+    req = Request(Op.PUT, big, keys=[b"\xff" * MAX_KEY_BYTES], sizes=[big], sums=[big])
+    return len(encode_request(req))
 
 
 def _is_loopback(bind_address: str) -> bool:
