@@ -10,7 +10,6 @@ import threading
 import urllib.error
 import urllib.request
 
-import msgpack
 import pytest
 import torch
 import zmq
@@ -22,6 +21,7 @@ from pagekv.connector.metrics import StatsCollector, register_stats, serve_stats
 from pagekv.store import ClientConfig, NodeConfig, StoreClient, StoreNode
 from pagekv.store.metrics import node_metrics, ping_health
 from pagekv.store.probe import probe
+from pagekv.store.protocol import Code, Op, Request, Status, decode_reply, encode_request
 from tests.cli_helpers import Node, wait_for
 
 GEO = KVGeometry(2, 4, 2, 8, "bf16")
@@ -52,7 +52,7 @@ def raw_request(address, frames):
     sock.connect(address)
     sock.send_multipart(frames)
     assert sock.poll(5000), "no reply"
-    reply = msgpack.unpackb(sock.recv_multipart()[0])
+    reply = decode_reply(sock.recv_multipart()[0])
     sock.close()
     return reply
 
@@ -66,11 +66,10 @@ def test_node_metrics_endpoint_scraped_and_parsed():
             client.put_many(keys, blocks)
             assert all(client.get_many([*keys, os.urandom(16), os.urandom(16)])[:5])
             client.exists_many(keys)
-            bad = {"v": 1, "id": 7, "op": "PUT", "keys": [b"bad-checksum-key"], "sizes": [4096],
-                   "sums": [12345]}  # fmt: skip
-            reply = raw_request(node.address, [msgpack.packb(bad), os.urandom(4096)])
-            assert reply["status"] == [5]  # BAD_CHECKSUM
-            assert raw_request(node.address, [b"\xc1 not msgpack"])["code"] == 1  # BAD_HEADER
+            bad = Request(Op.PUT, 7, keys=[b"bad-checksum-key"], sizes=[4096], sums=[12345])
+            reply = raw_request(node.address, [encode_request(bad), os.urandom(4096)])
+            assert reply.status == [Status.BAD_CHECKSUM]
+            assert raw_request(node.address, [b"\xc1 not msgpack"]).code == Code.BAD_HEADER
             types, m = scrape(node.metrics_url + "/metrics")
             assert m[("pagekv_node_connections", ())] >= 1  # this client is still connected
         assert m[("pagekv_node_blocks", ())] == 5
