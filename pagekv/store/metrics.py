@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 from collections import Counter as _Tally
@@ -164,6 +165,10 @@ class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
 
+class _ThreadingWSGIServer6(_ThreadingWSGIServer):
+    address_family = socket.AF_INET6
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("metrics http: " + format, *args)
@@ -177,7 +182,8 @@ class MetricsServer:
                  health: HealthCheck | None = None) -> None:  # fmt: skip
         self._metrics_app = make_wsgi_app(registry)
         self._health = health or (lambda: (True, {}))
-        self._server = make_server(host, port, self._app, _ThreadingWSGIServer, _QuietHandler)
+        server_class = _ThreadingWSGIServer6 if ":" in host else _ThreadingWSGIServer
+        self._server = make_server(host, port, self._app, server_class, _QuietHandler)
         self.host, self.port = host, self._server.server_port
         self._thread = threading.Thread(target=self._server.serve_forever, name="pagekv-metrics",
                                         daemon=True)  # fmt: skip
