@@ -133,10 +133,14 @@ class Supervisor:
         threading.Thread(target=self._forward, args=(node, node.proc), daemon=True).start()
 
     def _forward(self, node: _Node, proc: subprocess.Popen) -> None:
-        """Copy a node's log to our stderr; report its ready line."""
+        """Copy a node's log to our stderr; report its ready line. Keeps reading even when our
+        stderr is gone, so a node never blocks on a full pipe."""
         for line in proc.stderr:
             node.tail.append(line.rstrip())
-            sys.stderr.write(f"[node{node.index}] {line}")
+            try:
+                sys.stderr.write(f"[node{node.index}] {line}")
+            except (OSError, ValueError) as e:  # closed or broken: the lines are dropped
+                node.tail.append(f"(log forwarding failed: {e})")
             match = READY.search(line)
             if match:
                 self.events.put((node, proc, line))
