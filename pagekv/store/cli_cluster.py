@@ -135,12 +135,14 @@ class Supervisor:
     def _forward(self, node: _Node, proc: subprocess.Popen) -> None:
         """Copy a node's log to our stderr; report its ready line. Keeps reading even when our
         stderr is gone, so a node never blocks on a full pipe."""
+        forwarding = True
         for line in proc.stderr:
             node.tail.append(line.rstrip())
-            try:
-                sys.stderr.write(f"[node{node.index}] {line}")
-            except (OSError, ValueError) as e:  # closed or broken: the lines are dropped
-                node.tail.append(f"(log forwarding failed: {e})")
+            if forwarding:
+                try:
+                    sys.stderr.write(f"[node{node.index}] {line}")
+                except (OSError, ValueError):  # our stderr is closed or broken: stop copying
+                    forwarding = False
             match = READY.search(line)
             if match:
                 self.events.put((node, proc, line))
