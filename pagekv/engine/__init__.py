@@ -2,6 +2,8 @@
 prefix KV through :class:`pagekv.connector.KVConnector`, for end-to-end tests, the demo and
 the time-to-first-token benchmark. See :mod:`.engine` for the per-request flow."""
 
+import pagekv._torch  # noqa: F401  (first: a clear ImportError when torch is missing)
+
 from .config import PRESETS, EngineConfig, ModelConfig, RopeScaling
 from .engine import Engine
 from .kv_cache import CacheFull, PagedKVCache
