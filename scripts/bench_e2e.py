@@ -15,20 +15,21 @@ fresh random prefix (a cold store and host tier for it). Times are medians over 
     python scripts/bench_e2e.py                # GPU: Llama-3.2-1B and Llama-3-8B shapes, bf16,
                                                # 4k/16k/32k tokens (~2-4 min on an H100)
     python scripts/bench_e2e.py --quick        # CPU, tiny model, seconds
-    python scripts/bench_e2e.py --out r.json   # else $RESULTS_DIR/bench_e2e.json
+    python scripts/bench_e2e.py --out r.json   # also $RESULTS_DIR/bench_e2e.json (gpu_check.sh),
+                                               # or benchmarks/results/ with --save
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
+import shutil
 import statistics
 import time
 from pathlib import Path
 
+import _bench_util
 import torch
-from _bench_util import RESULTS_DIR, environment
 
 from pagekv.connector.policy import PolicyConfig
 from pagekv.engine import PRESETS, Engine, EngineConfig, Request, Result
@@ -48,8 +49,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--nodes", type=int, default=1, help="store nodes (this machine, TCP)")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", help="JSON result file (default $RESULTS_DIR/bench_e2e.json)")
-    args = ap.parse_args()
+    ap.add_argument("--out", help="also write the JSON result to this file")
+    args = _bench_util.parse_args(ap)  # adds --save
     quick = args.quick
     args.device = args.device if args.device != "auto" else (
         "cpu" if quick or not torch.cuda.is_available() else "cuda"
@@ -213,12 +214,13 @@ def main() -> None:
     args = parse_args()
     started = time.perf_counter()
     models = [run_model(m, args) for m in args.models]
-    payload = {"env": environment(), "args": {k: v for k, v in vars(args).items()},
+    payload = {"args": {k: v for k, v in vars(args).items()},
                "wall_s": round(time.perf_counter() - started, 1), "models": models}  # fmt: skip
-    out = Path(args.out) if args.out else RESULTS_DIR / "bench_e2e.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {out} ({payload['wall_s']} s)")
+    path = _bench_util.write_result("bench_e2e", payload)  # $RESULTS_DIR, --save or a temp dir
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, args.out)
+    print(f"wrote {args.out or path} ({payload['wall_s']} s)")
 
 
 if __name__ == "__main__":
