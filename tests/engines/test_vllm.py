@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 TOL = 1e-4
 MODEL_ID = "pagekv-test/tiny-llama"
 # short bounds so failure paths finish fast; the lookup bound is generous for a loaded CI box
-EXTRA = dict(load_timeout_s=2.0, store_timeout_s=1.0, lookup_timeout_s=1.0)
+EXTRA = dict(load_timeout_s=2.0, store_timeout_s=1.0, lookup_timeout_s=1.0, flush_timeout_s=5.0)
 REPORT: dict[str, object] = {}
 
 

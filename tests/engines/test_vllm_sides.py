@@ -12,16 +12,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagekv.connector import KVConnector, KVIndex
-from pagekv.connector.vllm.blocks import block_geometry, block_views
+from pagekv.connector import KVIndex
+from pagekv.connector.vllm.blocks import block_geometry
 from pagekv.connector.vllm.metadata import BlockTransfer, PagekvMetadata
 from pagekv.connector.vllm.namespace import EngineLayout
 from pagekv.connector.vllm.scheduler import SchedulerSide
-from pagekv.connector.vllm.worker import WorkerSide
-from pagekv.kernels import DeviceKV
-from pagekv.store import ClientConfig, Status, StoreClient
+from pagekv.store import Status, StoreClient
 
-from .vllm_layouts import vllm_layer_views
+from .vllm_layouts import vllm_layer_views, worker_over
 
 BLOCK, LAYERS, HEADS, CELL, NUM_BLOCKS = 16, 2, 2, 8, 32
 GEO = block_geometry(LAYERS, HEADS * BLOCK * CELL * 4, torch.float32)
@@ -47,13 +45,7 @@ def engine_worker(node, seed: int, poison: bool = False):
                                   torch.float32, seed=seed)  # fmt: skip
     if poison:
         raw.fill_(-7.0)
-    lay = layout()
-    conn = KVConnector(GEO, DeviceKV.from_caches(GEO, block_views(views, NUM_BLOCKS, GEO)),
-                       ClientConfig((node.address,), timeout_s=1.0), host_pages=64,
-                       namespace=lay.namespace(0, 0))  # fmt: skip
-    worker = WorkerSide(conn, lambda e: lay.namespace(0, 0, e), {"l0": 0, "l1": 1},
-                        load_timeout_s=1.0, save=True)  # fmt: skip
-    return worker, raw, views
+    return worker_over(views, NUM_BLOCKS, GEO, node.address, load_timeout_s=1.0), raw, views
 
 
 def block_bytes(views, block: int) -> list[torch.Tensor]:

@@ -62,3 +62,23 @@ def fake_kv_cache_config(layer_lists: list[list[str]], *, groups: int = 1, num_b
         kv_cache_tensors=[SimpleNamespace(layers=list(ls), host_resident=False)
                           for ls in layer_lists],
     )  # fmt: skip
+
+
+def worker_over(views, num_blocks: int, geometry, endpoint: str, *, model: str = "test-model",
+                load_timeout_s: float = 2.0, host_pages: int = 64):  # fmt: skip
+    """A vLLM-connector worker half (TP rank 0 of 1) over vLLM-shaped cache views."""
+    from pagekv.connector import KVConnector
+    from pagekv.connector.vllm.blocks import block_views
+    from pagekv.connector.vllm.namespace import EngineLayout
+    from pagekv.connector.vllm.worker import WorkerSide
+    from pagekv.kernels import DeviceKV
+    from pagekv.store import ClientConfig
+
+    block = views[0].shape[2] * (views[0].shape[0] // num_blocks)
+    layout = EngineLayout(model, "vllm-v1|test", (geometry,), block, 1, 1, False)
+    kv = DeviceKV.from_caches(geometry, block_views(views, num_blocks, geometry))
+    conn = KVConnector(geometry, kv, ClientConfig((endpoint,), timeout_s=1.0),
+                       host_pages=host_pages, namespace=layout.namespace(0, 0))  # fmt: skip
+    names = {f"model.layers.{i}.self_attn.attn": i for i in range(geometry.num_layers)}
+    return WorkerSide(conn, lambda epoch: layout.namespace(0, 0, epoch), names,
+                      load_timeout_s=load_timeout_s, save=True)  # fmt: skip

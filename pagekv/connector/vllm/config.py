@@ -8,6 +8,8 @@
      "save": true, "load": true,           # turn either direction off
      "model_id": null,                     # key namespace; default: vLLM's model name
      "kv_layout": "auto",                  # GPU: ask vLLM for BLHNC; "none" leaves it to vLLM
+     "layerwise": true,                    # GPU sync loads: wait per layer (PIECEWISE graphs)
+     "flush_timeout_s": 10.0,              # shutdown: bound on writing back what is queued
      "replicas": 1, "store_timeout_s": 2.0,
      "max_pending_writes": 1024, "stats_log_s": 0}
 
@@ -42,6 +44,8 @@ class VllmConnectorConfig:
     load: bool = True
     model_id: str | None = None
     kv_layout: str = "auto"
+    layerwise: bool = True
+    flush_timeout_s: float = 10.0
     replicas: int = 1
     store_timeout_s: float = 2.0
     max_pending_writes: int = 1024
@@ -59,10 +63,11 @@ class VllmConnectorConfig:
             self.client_config()
         except ValueError as e:
             raise ConfigError(f"extra_config: {e}") from None
-        for name in ("load_async", "save", "load"):
+        for name in ("load_async", "save", "load", "layerwise"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"extra_config '{name}' must be true or false")
-        for name in ("load_timeout_s", "lookup_timeout_s", "store_timeout_s", "host_bytes"):
+        for name in ("load_timeout_s", "lookup_timeout_s", "store_timeout_s", "host_bytes",
+                     "flush_timeout_s"):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"extra_config '{name}' must be > 0, got {value!r}")

@@ -70,6 +70,11 @@ class PagekvConnector(KVConnectorBase_V1):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         return required_layout(vllm_config, VllmConnectorConfig.from_extra(extra))
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # layer-wise waits run in Python at each attention layer: not inside a full CUDA graph
+        return VllmConnectorConfig.from_extra(extra_config).layerwise
+
     # ==== worker side ===========================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
@@ -89,14 +94,14 @@ class PagekvConnector(KVConnectorBase_V1):
             geo, DeviceKV.from_caches(geo, views), self.cfg.client_config(),
             host_pages=max(1, self.cfg.host_bytes // geo.page_bytes), namespace=namespace,
             max_pending_writes=self.cfg.max_pending_writes,
-            lookup_timeout_s=self.cfg.lookup_timeout_s,
+            lookup_timeout_s=self.cfg.lookup_timeout_s, close_timeout_s=self.cfg.flush_timeout_s,
         )  # fmt: skip
         if self.cfg.stats_log_s:
             conn.log_stats_every(self.cfg.stats_log_s)
         self.worker = WorkerSide(
             conn, lambda epoch: self.layout.namespace(tp_rank, pp_rank, epoch),
             {n: i for i, n in enumerate(names)}, load_timeout_s=self.cfg.load_timeout_s,
-            save=self.cfg.save,
+            save=self.cfg.save, layerwise=self.cfg.layerwise,
         )  # fmt: skip
         log.info("pagekv: worker tp=%d pp=%d: %d layers, %d-byte blocks, %d host pages, %s",
                  tp_rank, pp_rank, geo.num_layers, geo.item_bytes, conn.pool.num_pages,

@@ -78,8 +78,8 @@ class SchedulerSide:
         st = self._state(request)
         block = self.layout.block_size
         st.local_blocks = num_computed_tokens // block
-        if self.index is None or st.no_external:
-            return 0, False
+        if self.index is None or st.no_external or getattr(request, "skip_reading_prefix_cache", 0):
+            return 0, False  # (vLLM drops external hits of prompt-logprob requests anyway)
         hashes = self.layout.page_hashes(request.block_hashes)
         last = min(len(hashes), (request.num_tokens - 1) // block)  # one token left to compute
         if st.local_blocks >= last:

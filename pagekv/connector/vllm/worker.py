@@ -5,7 +5,8 @@ Loads
   *sync*  ``start_load_kv`` runs before the forward: every request's prefetch starts at once and
           all share one deadline (``load_timeout_s``); what arrived is copied in. On GPU the
           copy is layer by layer on pagekv's load stream and ``wait_for_layer_load`` makes the
-          engine's stream wait for that layer only; on CPU it is done on return.
+          engine's stream wait for that layer only (``layerwise``; else the copy is enqueued on
+          the engine's stream before the forward); on CPU it is done on return.
   *async* the prefetch starts when the metadata arrives (``bind``); each later step copies
           the finished ones in and reports them in ``get_finished``.
   A page the worker cannot get (node died, evicted, corrupt, deadline) is never guessed: its
@@ -59,13 +60,14 @@ class WorkerSide:
         *,
         load_timeout_s: float,
         save: bool,
+        layerwise: bool = True,
     ) -> None:
         self.conn, self.layer_index = conn, layer_index
         self._namespace_of = namespace_of
         self._namespaces: dict[int, KeyNamespace] = {}
         self.load_timeout_s = load_timeout_s
         self.save_enabled = save and conn.namespace.is_writer  # MLA: rank 0 writes for all
-        self.on_gpu = conn.kv.device.type == "cuda"
+        self.layerwise = layerwise and conn.kv.device.type == "cuda"
         self._aio = LoopThread("pagekv-vllm-prefetch")
         self._async: dict[str, _AsyncLoad] = {}
         self._layer_loads: list[Any] = []
@@ -109,7 +111,7 @@ class WorkerSide:
             futures = [self._start_prefetch(s, meta.epoch, deadline) for s in sync]
             for spec, future in zip(sync, futures):
                 wait_s = max(0.0, deadline - time.monotonic()) + 1.0
-                self._load(spec, self._collect(future, wait_s), layerwise=self.on_gpu)
+                self._load(spec, self._collect(future, wait_s), layerwise=self.layerwise)
             self.counters["load_seconds"] += time.monotonic() - start
         now = time.monotonic()
         for req_id, pending in list(self._async.items()):
