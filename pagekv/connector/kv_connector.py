@@ -19,8 +19,10 @@ The contract with the engine (tested in tests/gpu/test_engine_contract_gpu.py):
    :meth:`load`/:meth:`load_async`); held pages are never evicted or refilled.
 4. **Layer-wise load lifetimes.** Index tensors of :meth:`load_async` live on the load stream
    until its kernels finish (see :mod:`.layerwise`).
-5. **No hidden host syncs.** :meth:`save` and :meth:`load_async` validate CPU indices on the
-   CPU and copy them from pinned memory; saves and loads run on separate streams.
+5. **No hidden host syncs.** :meth:`save`, :meth:`load` and :meth:`load_async` validate CPU
+   indices on the CPU and upload them from a pinned ring allocated once (a page-locked
+   allocation or a pageable upload would synchronise the device); saves and loads run on
+   separate streams.
 6. **Bounded waits.** :meth:`lookup` returns within ``lookup_timeout_s``; store failures are
    misses and counters (``stats()['store_errors']``), never exceptions in the engine's step.
 7. **Pool pressure.** A prefetch takes the longest prefix that fits; fetched pages are handed
@@ -57,6 +59,7 @@ from .layerwise import LayerLoad
 from .lifecycle import close_connector, register_exit_flush
 from .loop import LoopThread
 from .page_cache import PageCache
+from .staging import IndexStaging
 from .writeback import WriteBack
 
 __all__ = ["KVConnector", "Prefetch", "SaveHandle"]
@@ -121,6 +124,7 @@ class KVConnector:
         cuda = self.kv.device.type == "cuda"
         self._save_stream = torch.cuda.Stream(self.kv.device) if cuda else None
         self._load_stream = torch.cuda.Stream(self.kv.device) if cuda else None
+        self._staging = IndexStaging() if cuda else None  # the only page-locked allocation
         self._closed = False
         register_exit_flush(self)
 
@@ -275,10 +279,13 @@ class KVConnector:
         if self._load_stream is None:
             load(self.pool.buffer, prefetch.page_ids, self.kv, slots)
             return
-        stream = torch.cuda.current_stream(self.kv.device)
+        stream, dev = torch.cuda.current_stream(self.kv.device), self.kv.device
         for event in self.cache.ready_events(prefetch.page_ids):
             stream.wait_event(event)
-        load(self.pool.buffer, prefetch.page_ids, self.kv, slots, validate=False)
+        ids = self._staging.upload(torch.tensor(prefetch.page_ids, dtype=torch.int64), dev)
+        if not slots.is_cuda:
+            slots = self._staging.upload(slots, dev)
+        load(self.pool.buffer, ids, self.kv, slots, validate=False)
         done = torch.cuda.Event()
         done.record(stream)
         prefetch.loads.append(done)
@@ -291,7 +298,7 @@ class KVConnector:
         slots = self._load_slots(prefetch, device_slots)
         ready = self.cache.ready_events(prefetch.page_ids) if self._load_stream else []
         layers = LayerLoad(self.kv, self.pool.buffer, prefetch.page_ids, slots,
-                           self._load_stream, ready)  # fmt: skip
+                           self._load_stream, ready, self._staging)  # fmt: skip
         if layers.done_event is not None:
             prefetch.loads.append(layers.done_event)
         return layers
@@ -350,14 +357,11 @@ class KVConnector:
         engine = torch.cuda.current_stream(self.kv.device)
         stream = self._save_stream
         stream.wait_stream(engine)  # the step that wrote the slots comes first
+        upload, dev = self._staging.upload, self.kv.device
         with torch.cuda.stream(stream):  # index tensors allocated (and freed) on this stream
-            if table.is_cuda:
-                slots = table[torch.tensor(rows, dtype=torch.int64).pin_memory().to(
-                    table.device, non_blocking=True)]  # fmt: skip
-            else:
-                slots = table[rows].pin_memory().to(self.kv.device, non_blocking=True)
-            ids = torch.tensor(pages, dtype=torch.int64).pin_memory()
-            ids = ids.to(self.kv.device, non_blocking=True)
+            rows_t = torch.tensor(rows, dtype=torch.int64)
+            slots = table[upload(rows_t, dev)] if table.is_cuda else upload(table[rows], dev)
+            ids = upload(torch.tensor(pages, dtype=torch.int64), dev)
             save(self.kv, slots, self.pool.buffer, ids, validate=False)
             event = torch.cuda.Event()
             event.record(stream)

@@ -2,7 +2,8 @@
 so the engine computes layer ``i`` while layer ``i + 1`` is being copied.
 
 Ownership: the page ids and slot indices the kernels read are copied to the device *on the
-load stream* (pinned source, ``non_blocking``) and kept referenced by the :class:`LayerLoad`,
+load stream* (from the connector's pinned staging ring, ``non_blocking``: no host sync) and
+kept referenced by the :class:`LayerLoad`,
 so the engine's allocator can never hand their memory to the engine's stream while later
 layers still read them. The host pages stay held by the prefetch handle, whose release waits
 for :attr:`LayerLoad.done_event`.
@@ -10,11 +11,14 @@ for :attr:`LayerLoad.done_event`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from pagekv.kernels import DeviceKV, load
+
+from .staging import IndexStaging
 
 __all__ = ["LayerLoad"]
 
@@ -34,7 +38,8 @@ class LayerLoad:
         page_ids: list[int],
         slots: torch.Tensor | None,
         stream: torch.cuda.Stream | None,
-        wait_for: list[Any] = (),  # type: ignore[assignment]
+        wait_for: Sequence[Any] = (),
+        staging: IndexStaging | None = None,
     ) -> None:
         self.num_layers = kv.geometry.num_layers
         self.events: list[torch.cuda.Event] = []
@@ -48,11 +53,12 @@ class LayerLoad:
         stream.wait_stream(torch.cuda.current_stream(device))  # slots written, prior writes
         for event in wait_for:  # device -> host copies still filling these pages
             stream.wait_event(event)
+        if staging is None:
+            staging = IndexStaging(capacity=len(page_ids) * (1 + slots.shape[1]) + 1)
         with torch.cuda.stream(stream):
-            ids = torch.tensor(page_ids, dtype=torch.int64).pin_memory()
-            ids = ids.to(device, non_blocking=True)
+            ids = staging.upload(torch.tensor(page_ids, dtype=torch.int64), device)
             if slots.device.type == "cpu":
-                slots = slots.pin_memory().to(device, non_blocking=True)
+                slots = staging.upload(slots, device)
             else:
                 slots.record_stream(stream)  # the engine's tensor: keep its memory until done
             self._keep = (ids, slots)

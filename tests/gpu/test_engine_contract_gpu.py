@@ -58,26 +58,34 @@ def same(kv, slots, expected):
 
 
 def test_slots_overwritten_right_after_save_do_not_reach_the_store(node):
-    """Item 1: before, ~all K/V rows that reached the store were the overwritten values."""
-    src, dst = caches(), caches(poisoned=True)
-    a, b = connector(node, src), connector(node, dst)
+    """Item 1, as the issue found it: a 1 GiB save (Llama-3-8B rows) whose slots the next
+    request overwrites on the engine's stream at once. Before: most saved rows were the new
+    values, since the device -> host copy was still running."""
+    big = KVGeometry(32, 16, 8, 128, "bf16")
+    n = 8192
+    kv = [random_tensor((32, 2 * n, 8, 128), big.dtype, "cuda") for _ in range(2)]
+    ns = KeyNamespace("gpu-contract-big", big)
+    a = KVConnector(big, kv, node.address, host_pages=n // 16 + 8, namespace=ns)
+    a.writes_to_store = False  # the host pages are what the store would get
     try:
-        tokens, slots = prompt(), torch.randperm(SLOTS, device="cuda")[: PAGES * 16]
-        expected = snapshot(src, slots)
-        hold_back(a._save_stream)
-        assert a.save(tokens, slots).pages == PAGES
-        for c in src:  # the next request's KV, on the engine's stream, at once
-            c[:, slots] = random_tensor(c[:, slots].shape, c.dtype, "cuda")
-        a.flush_sync(timeout=60)
-        h = asyncio.run(b.prefetch(tokens))
-        assert h.fetched == PAGES
-        b_slots = torch.randperm(SLOTS, device="cuda")[: PAGES * 16]
-        b.load(h, b_slots)
-        assert same(dst, b_slots, expected)
-        b.release(h)
+        tokens, slots = prompt(n), torch.randperm(n, device="cuda")
+        expected = snapshot(kv, slots)
+        junk = [random_tensor(e.shape, e.dtype, "cuda") for e in expected]
+        for c, e in zip(kv, expected):  # warm-up: an allocation would sync the device
+            c.index_copy_(1, slots, e)
+        torch.cuda.synchronize()
+        assert a.save(tokens, slots).pages == n // 16
+        for c, j in zip(kv, junk):  # the next request's KV, on the engine's stream, at once
+            c.index_copy_(1, slots, j)
+        torch.cuda.synchronize()
+        h = asyncio.run(a.prefetch(tokens))
+        assert h.num_pages == n // 16 and h.fetched == 0  # from the host tier
+        out = torch.arange(n, 2 * n, device="cuda")
+        a.load(h, out)
+        assert same(kv, out, expected)
+        a.release(h)
     finally:
         a.close()
-        b.close()
 
 
 @pytest.mark.parametrize("engine_waits", [True, False])
@@ -130,8 +138,10 @@ def test_release_right_after_load_then_eviction_and_refill(node, layerwise):
     try:
         h = asyncio.run(b.prefetch(tok_a))
         assert h.num_pages == PAGES
-        hold_back(b._load_stream)
         out = torch.arange(PAGES * 16, device="cuda")
+        b.load_async(h, out) if layerwise else b.load(h, out)  # warm-up: allocator segments
+        torch.cuda.synchronize()
+        hold_back(b._load_stream)
         if layerwise:
             b.load_async(h, out)
         else:
@@ -235,3 +245,41 @@ def test_direct_backend_skips_out_of_range_indices():
     assert bits_equal(kv_t[0][:, :256], host[0, :, 0].cuda())
     assert bits_equal(kv_t[0][:, 256:512], before[0][:, 256:512])  # page 99 skipped
     assert bits_equal(kv_t[0][:, 512 + 6 : 768], host[2, :, 0, 6:].cuda())
+
+
+def busy(stream):
+    """Hold ``stream`` back; the returned event completes only when the hold is over."""
+    hold_back(stream)
+    marker = torch.cuda.Event()
+    marker.record(stream)
+    return marker
+
+
+def test_engine_calls_return_while_every_stream_is_busy(node):
+    """Item 5, implicit syncs too (a page-locked allocation, a pageable upload): with any one
+    stream held back, save / prefetch / load / load_async / release return at once."""
+    kv = caches()
+    a = connector(node, kv, host_pages=8 * PAGES)
+    try:
+        tokens, slots = prompt(), torch.randperm(SLOTS // 2)[: PAGES * 16]
+        dst = torch.arange(SLOTS // 2, SLOTS // 2 + PAGES * 16)
+        a.save(tokens, slots)  # warm-up: allocator segments and staging on every stream
+        h = asyncio.run(a.prefetch(tokens))
+        a.load(h, dst)
+        a.load_async(h, dst)
+        a.release(h)
+        torch.cuda.synchronize()
+        engine = torch.cuda.current_stream()
+        for name, stream in (("save", a._save_stream), ("load", a._load_stream),
+                             ("engine", engine)):  # fmt: skip
+            marker = busy(stream)
+            a.save(prompt(), slots)
+            h = asyncio.run(a.prefetch(tokens))
+            a.load(h, dst)
+            layers = a.load_async(h, dst)
+            a.release(h)
+            layers.wait_layer(GEO.num_layers - 1)
+            assert not marker.query(), f"a call waited for the {name} stream"
+            torch.cuda.synchronize()
+    finally:
+        a.close()
