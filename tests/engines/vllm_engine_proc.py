@@ -71,10 +71,23 @@ def scheduler_connector(llm: Any) -> Any:
     return llm.llm_engine.engine_core.engine_core.scheduler.connector
 
 
-def worker_connector() -> Any:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+def _pagekv_worker() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return get_kv_transfer_group() if has_kv_transfer_group() else None
+    return get_kv_transfer_group().worker
+
+
+def flush_worker(_worker: Any) -> bool:
+    """Runs in every worker process (collective_rpc): write back what is queued."""
+    _pagekv_worker().conn.flush_sync(timeout=60)
+    return True
+
+
+def worker_stats(_worker: Any) -> dict:
+    """Runs in every worker process (collective_rpc): that rank's pagekv counters."""
+    side = _pagekv_worker()
+    conn = {k: v for k, v in side.conn.stats().items() if k != "store"}
+    return dict(side.counters, connector=conn)
 
 
 def generate(llm: Any, cmd: dict) -> dict:
@@ -125,12 +138,8 @@ def _alive(pid: int) -> bool:
 
 
 def stats(llm: Any) -> dict:
-    sched, worker = scheduler_connector(llm), worker_connector()
-    out = {"scheduler": sched.scheduler.stats() if sched and sched.scheduler else None}
-    if worker is not None and worker.worker is not None:
-        out["worker"] = {k: v for k, v in worker.worker.stats().items() if k != "connector"}
-        out["connector"] = {k: v for k, v in worker.worker.conn.stats().items() if k != "store"}
-    return out
+    sched = scheduler_connector(llm).scheduler
+    return dict(scheduler=sched.stats(), workers=llm.collective_rpc(worker_stats))
 
 
 def main() -> None:
@@ -147,8 +156,7 @@ def main() -> None:
             elif cmd["cmd"] == "reset_prefix_cache":
                 answer(dict(ok=llm.reset_prefix_cache(reset_connector=cmd.get("connector", False))))
             elif cmd["cmd"] == "flush":
-                worker_connector().worker.conn.flush_sync(timeout=60)
-                answer(dict(ok=True))
+                answer(dict(ok=all(llm.collective_rpc(flush_worker))))
             elif cmd["cmd"] == "stats":
                 answer(stats(llm))
             elif cmd["cmd"] == "arm_kill":

@@ -66,9 +66,9 @@ def load(worker, spec: BlockTransfer) -> None:
     worker.bind(meta)
     worker.start_load(meta)
     deadline = time.monotonic() + 20
-    while spec.load_async and not worker._recved and time.monotonic() < deadline:
-        worker.start_load(None)  # later steps poll the prefetch
-        time.sleep(0.01)
+    while worker.pending_async and time.monotonic() < deadline:
+        time.sleep(0.01)  # the engine runs other steps meanwhile
+        worker.start_load(None)  # each step copies in the prefetches that finished
     for name in worker.layer_index:  # what vLLM's attention layers call, in order
         worker.wait_for_layer(name)
     if torch.cuda.is_available():

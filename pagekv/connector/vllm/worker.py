@@ -167,6 +167,11 @@ class WorkerSide:
             else:
                 layers.wait_layer(index)
 
+    @property
+    def pending_async(self) -> int:
+        """Asynchronous loads whose pages are still being fetched."""
+        return len(self._async)
+
     def fail_loads(self, meta: PagekvMetadata | None) -> None:
         """Report every block of the step's synchronous loads as a load error (vLLM recomputes
         them); used when a load raised something unexpected."""
