@@ -226,6 +226,7 @@ def test_tensor_parallel_2(models, reference):
         tp_node.stop()
     assert [w["save_blocks"] for w in written] == [4, 4]  # each rank its own pages
     assert got["metrics"]["external_prefix_cache_hits"] == 4 * BLOCK
-    assert stats["scheduler"]["load_blocks"] == 4 and stats["scheduler"]["failed_loads"] == 0
+    sched = stats["scheduler"]
+    assert sched["planned_load_blocks"] == 4 and sched["failed_loads"] == 0
     assert [(w["load_blocks"], w["load_error_blocks"]) for w in stats["workers"]] == [(4, 0)] * 2
     _check("tp2_async", got, reference["tp_b"])

@@ -48,6 +48,19 @@ def engine_worker(node, seed: int, poison: bool = False):
     return worker_over(views, NUM_BLOCKS, GEO, node.address, load_timeout_s=1.0), raw, views
 
 
+def step(new=None, cached=None, scheduled=None) -> SimpleNamespace:
+    """The parts of vLLM's SchedulerOutput the scheduler half reads: req_id -> computed tokens
+    of new and of running requests, req_id -> tokens scheduled in this step."""
+    new, cached = new or {}, cached or {}
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=n)
+                            for r, n in new.items()],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached),
+                                              num_computed_tokens=list(cached.values())),
+        num_scheduled_tokens=scheduled or {}, preempted_req_ids=set(),
+    )  # fmt: skip
+
+
 def block_bytes(views, block: int) -> list[torch.Tensor]:
     return [v[block].clone() for v in views]
 
@@ -102,16 +115,11 @@ def test_loads_saves_and_failures_are_planned_per_block(endpoint):
     store_pages(endpoint, lay.namespace(0, 0), pages[:3])
     assert sched.num_new_matched_tokens(req, BLOCK) == (2 * BLOCK, False)
     sched.update_state_after_alloc(req, blocks["r"], 2 * BLOCK)
-    new = SimpleNamespace(req_id="r", num_computed_tokens=3 * BLOCK)
-    so = SimpleNamespace(scheduled_new_reqs=[new], num_scheduled_tokens={"r": 2 * BLOCK + 1},
-                         scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-                         preempted_req_ids=set())  # fmt: skip
+    so = step(new={"r": 3 * BLOCK}, scheduled={"r": 2 * BLOCK + 1})
     meta = pickle.loads(pickle.dumps(sched.build_meta(so)))  # crosses a process boundary
     assert meta.loads == [BlockTransfer("r", (101, 102), tuple(pages[1:3]))]
     assert meta.saves == [BlockTransfer("r", (103, 104), tuple(pages[3:5]))]  # computed here
-    so.scheduled_new_reqs = []
-    so.scheduled_cached_reqs = SimpleNamespace(req_ids=["r"], num_computed_tokens=[5 * BLOCK + 1])
-    so.num_scheduled_tokens = {"r": BLOCK}
+    so = step(cached={"r": 5 * BLOCK + 1}, scheduled={"r": BLOCK})
     assert sched.build_meta(so).saves == [BlockTransfer("r", (105,), (pages[5],))]
     assert sched.build_meta(so).saves == []  # each block once
     sched.on_output({102}, set())  # a worker could not load block 102
@@ -128,9 +136,7 @@ def test_reset_moves_to_a_new_epoch(endpoint):
     assert sched.num_new_matched_tokens(req, 0)[0] == 2 * BLOCK
     sched.reset()
     assert sched.num_new_matched_tokens(req, 0)[0] == 0
-    assert sched.build_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
-                            scheduled_cached_reqs=SimpleNamespace(req_ids=[],
-                            num_computed_tokens=[]))).epoch == 1  # fmt: skip
+    assert sched.build_meta(step()).epoch == 1
 
 
 def test_lookup_of_a_dead_node_is_a_bounded_miss(node):
@@ -188,3 +194,21 @@ def test_pages_that_cannot_be_fetched_become_load_errors(node):
     assert time.monotonic() - start < reader.load_timeout_s + 2.0
     writer.close()
     reader.close()
+
+
+def test_a_load_that_cannot_be_planned_is_recomputed(node):
+    """vLLM counts accepted external tokens as computed: if the scheduler cannot plan their load
+    (here: fewer blocks than tokens), the workers must report the blocks, never skip them."""
+    lay = layout()
+    sched = SchedulerSide(lay, KVIndex(lay.all_namespaces(), node.address), save=False,
+                          load_async=False)  # fmt: skip
+    req = request("r", list(range(4 * BLOCK)))
+    store_pages(node.address, lay.namespace(0, 0), req.block_hashes)
+    assert sched.num_new_matched_tokens(req, 0) == (3 * BLOCK, False)
+    sched.update_state_after_alloc(req, [7, 8], 3 * BLOCK)
+    meta = sched.build_meta(step())
+    assert [(s.block_ids, s.failed) for s in meta.loads] == [((7, 8), True)]
+    worker, _, _ = engine_worker(node, seed=3)
+    worker.start_load(meta)
+    assert worker.take_errors() == {7, 8}
+    worker.close()

@@ -18,15 +18,17 @@ __all__ = ["BlockTransfer", "PagekvMetadata"]
 class BlockTransfer:
     """Blocks of one request to load or save: ``block_ids[i]`` holds the block whose vLLM
     hash is ``block_hashes[i]``. ``load_async``: loaded between steps, reported through
-    ``get_finished`` (loads only)."""
+    ``get_finished`` (loads only). ``failed``: a load the scheduler could not plan; the
+    workers report every block as a load error (no hashes needed)."""
 
     req_id: str
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
     load_async: bool = False
+    failed: bool = False
 
     def __post_init__(self) -> None:
-        if len(self.block_ids) != len(self.block_hashes):
+        if not self.failed and len(self.block_ids) != len(self.block_hashes):
             raise ValueError(
                 f"request {self.req_id}: {len(self.block_ids)} block ids but "
                 f"{len(self.block_hashes)} block hashes"

@@ -62,7 +62,8 @@ class SchedulerSide:
         self.requests: dict[str, _Request] = {}
         self.pending_loads: list[BlockTransfer] = []
         self.counters = dict.fromkeys(
-            ("lookups", "hit_tokens", "load_blocks", "save_blocks", "failed_loads"), 0
+            ("lookups", "hit_tokens", "planned_load_blocks", "planned_save_blocks", "failed_loads"),
+            0,
         )
 
     def _state(self, request: Any) -> _Request:
@@ -105,15 +106,17 @@ class SchedulerSide:
         hashes = self.layout.page_hashes(request.block_hashes)[first : first + n]
         ids = list(block_ids[first : first + n])
         if len(ids) != n or len(hashes) != n or num_external_tokens % block:
+            # vLLM now counts these tokens as computed: the workers must report the blocks as
+            # load errors (vLLM recomputes them), never leave them unwritten
             log.error("pagekv: request %s: cannot place %d external tokens in %d blocks; "
-                      "not loading", request.request_id, num_external_tokens, len(ids))  # fmt: skip
-            return
-        self.pending_loads.append(
-            BlockTransfer(request.request_id, tuple(ids), tuple(hashes), st.load_async)
-        )
+                      "recomputing", request.request_id, num_external_tokens, len(ids))  # fmt: skip
+            spec = BlockTransfer(request.request_id, tuple(ids), (), st.load_async, failed=True)
+        else:
+            spec = BlockTransfer(request.request_id, tuple(ids), tuple(hashes), st.load_async)
+        self.pending_loads.append(spec)
         st.loading.update(ids)
         st.saved_blocks = max(st.saved_blocks or 0, first + n)  # already in the store
-        self.counters["load_blocks"] += n
+        self.counters["planned_load_blocks"] += n
 
     # ---- per step --------------------------------------------------------------------------
     def build_meta(self, scheduler_output: Any) -> PagekvMetadata:
@@ -155,7 +158,7 @@ class SchedulerSide:
         start, st.saved_blocks = st.saved_blocks, max(st.saved_blocks, full)
         if full <= start:
             return None
-        self.counters["save_blocks"] += full - start
+        self.counters["planned_save_blocks"] += full - start
         return BlockTransfer(req_id, tuple(ids[start:full]), tuple(hashes[start:full]))
 
     def on_output(

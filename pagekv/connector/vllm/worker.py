@@ -95,7 +95,7 @@ class WorkerSide:
     def bind(self, meta: PagekvMetadata) -> None:
         """Start the prefetches of this step's asynchronous loads."""
         for spec in meta.loads:
-            if spec.load_async and spec.req_id not in self._async:
+            if spec.load_async and not spec.failed and spec.req_id not in self._async:
                 deadline = time.monotonic() + self.load_timeout_s
                 future = self._start_prefetch(spec, meta.epoch, deadline)
                 self._async[spec.req_id] = _AsyncLoad(spec, future, deadline)
@@ -104,7 +104,13 @@ class WorkerSide:
         """Synchronous loads of this step (before the forward), then the asynchronous loads
         whose pages have arrived."""
         self._layer_loads = []
-        sync = [s for s in (meta.loads if meta else ()) if not s.load_async]
+        loads = meta.loads if meta else []
+        for spec in loads:
+            if spec.failed:  # nothing to fetch: every block is recomputed
+                self._load(spec, None)
+                if spec.load_async:
+                    self._recved.add(spec.req_id)
+        sync = [s for s in loads if not s.load_async and not s.failed]
         if sync:
             start = time.monotonic()
             deadline = start + self.load_timeout_s
@@ -189,7 +195,9 @@ class WorkerSide:
 
     # ---- saves -----------------------------------------------------------------------------
     def save(self, meta: PagekvMetadata | None) -> None:
-        """Save the step's completed blocks (device -> host pool now, to the store later)."""
+        """Save the step's completed blocks (device -> host pool now, to the store later).
+        Called at the end of every step: the step's layer-wise loads are done with."""
+        self._layer_loads = []
         if meta is None or not self.save_enabled:
             return
         for spec in meta.saves:
