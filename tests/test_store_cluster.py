@@ -132,8 +132,8 @@ def test_corrupted_block_is_a_miss_never_data():
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(node.address)
         block = os.urandom(4096)
-        head = {"v": 1, "id": 1, "op": "PUT", "keys": [b"corrupt-block-01"], "sizes": [4096],
-                "sums": [12345]}  # fmt: skip
+        head = {"v": 2, "id": 1, "op": "PUT", "keys": [b"corrupt-block-01"], "counts": [1],
+                "sizes": [4096], "sums": [12345]}  # fmt: skip
         sock.send_multipart([msgpack.packb(head, use_bin_type=True), block])
         assert sock.poll(5000)
         sock.recv_multipart()

@@ -59,7 +59,10 @@ def ask(sock, frames, timeout_ms=3000):
 
 
 def head(**fields):
-    return msgpack.packb({"v": 1, "id": 1, **fields}, use_bin_type=True)
+    keys = fields.get("keys")
+    if fields.get("op") == "PUT" and "counts" not in fields and isinstance(keys, list):
+        fields["counts"] = [1] * len(keys)  # one frame per key unless said otherwise
+    return msgpack.packb({"v": 2, "id": 1, **fields}, use_bin_type=True)
 
 
 def test_operations_with_pool_pages(node):

@@ -17,8 +17,12 @@ from pagekv.store.routing import Router
 
 
 def test_request_round_trip():
-    req = Request(Op.PUT, 7, [b"a" * 16, b"b" * 16], [10, 20], [1, 2])
+    req = Request(Op.PUT, 7, [b"a" * 16, b"b" * 16], [10, 20], [1, 2], [1, 1])
     assert decode_request(encode_request(req)) == req
+    multi = Request(Op.PUT, 8, [b"a", b"b"], [3, 4, 5, 6], [1, 2], [3, 1])
+    assert decode_request(encode_request(multi)) == multi
+    # counts left empty: one frame per key on the wire
+    assert decode_request(encode_request(Request(Op.PUT, 9, [b"a"], [3], [1]))).counts == [1]
     for op in (Op.GET, Op.EXISTS, Op.DELETE):
         r = Request(op, 3, [b"k"])
         assert decode_request(encode_request(r)) == r
@@ -26,7 +30,7 @@ def test_request_round_trip():
 
 
 def test_reply_round_trip():
-    rep = Reply(5, Code.OK, "", [0, 1], [99], 1, {"blocks": 3})
+    rep = Reply(5, Code.OK, "", [0, 1], [99], 1, {"blocks": 3}, [2])
     assert decode_reply(encode_reply(rep)) == rep
 
 
@@ -34,22 +38,32 @@ def pack(**head):
     return msgpack.packb(head, use_bin_type=True)
 
 
+def put_head(**fields):
+    return pack(v=2, id=1, op="PUT", **fields)
+
+
 @pytest.mark.parametrize(
     "frame, code",
     [
         (b"\xc1not msgpack", Code.BAD_HEADER),
         (msgpack.packb([1, 2]), Code.BAD_HEADER),
-        (pack(v=2, id=1, op="GET"), Code.BAD_VERSION),
+        (pack(v=1, id=1, op="GET"), Code.BAD_VERSION),
         (pack(id=1, op="GET"), Code.BAD_VERSION),
-        (pack(v=1, id=1, op="FROB"), Code.BAD_OP),
-        (pack(v=1, id="x", op="GET"), Code.BAD_HEADER),
-        (pack(v=1, id=True, op="GET"), Code.BAD_HEADER),
-        (pack(v=1, id=-4, op="GET"), Code.BAD_HEADER),
-        (pack(v=1, id=1, op="GET", keys="abc"), Code.BAD_HEADER),
-        (pack(v=1, id=1, op="GET", keys=["str"]), Code.BAD_HEADER),
-        (pack(v=1, id=1, op="PUT", keys=[b"k"], sizes=[1, 2], sums=[1]), Code.BAD_HEADER),
-        (pack(v=1, id=1, op="PUT", keys=[b"k"], sizes=[-1], sums=[1]), Code.BAD_HEADER),
-        (pack(v=1, id=1, op="PUT", keys=[b"k"], sizes=[1]), Code.BAD_HEADER),
+        (pack(v=2, id=1, op="FROB"), Code.BAD_OP),
+        (pack(v=2, id="x", op="GET"), Code.BAD_HEADER),
+        (pack(v=2, id=True, op="GET"), Code.BAD_HEADER),
+        (pack(v=2, id=-4, op="GET"), Code.BAD_HEADER),
+        (pack(v=2, id=1, op="GET", keys="abc"), Code.BAD_HEADER),
+        (pack(v=2, id=1, op="GET", keys=["str"]), Code.BAD_HEADER),
+        (put_head(keys=[b"k"], counts=[1], sizes=[1, 2], sums=[1]), Code.BAD_HEADER),
+        (put_head(keys=[b"k"], counts=[1], sizes=[-1], sums=[1]), Code.BAD_HEADER),
+        (put_head(keys=[b"k"], counts=[1], sizes=[1]), Code.BAD_HEADER),
+        (put_head(keys=[b"k"], sizes=[1], sums=[1]), Code.BAD_HEADER),  # no counts
+        (put_head(keys=[b"k"], counts=[0], sizes=[], sums=[1]), Code.BAD_HEADER),
+        (put_head(keys=[b"k"], counts=[2], sizes=[1], sums=[1]), Code.BAD_HEADER),
+        (put_head(keys=[b"k", b"j"], counts=[2], sizes=[1, 1], sums=[1, 1]), Code.BAD_HEADER),
+        (put_head(keys=[b"k"], counts=[True], sizes=[1], sums=[1]), Code.BAD_HEADER),
+        (put_head(keys=[b"k"], counts=[1 << 62], sizes=[1], sums=[1]), Code.BAD_HEADER),
         (b"\x00" * (2 << 20), Code.TOO_LARGE),
     ],
 )
@@ -61,18 +75,18 @@ def test_bad_requests_name_the_problem(frame, code):
 
 def test_block_store_lru_capacity_and_immutability():
     store = BlockStore(1000, max_block_bytes=400, high_watermark=0.8, low_watermark=0.5)
-    assert store.put(b"a", b"x" * 300, 300, 1) is Status.OK
-    assert store.put(b"b", b"y" * 300, 300, 2) is Status.OK
-    assert store.put(b"a", b"z" * 300, 300, 9) is Status.EXISTS  # not rewritten
-    assert store.get(b"a").data == b"x" * 300 and store.get(b"a").checksum == 1
+    assert store.put(b"a", (b"x" * 300,), 300, 1) is Status.OK
+    assert store.put(b"b", (b"y" * 100, b"y" * 200), 300, 2) is Status.OK  # one block
+    assert store.put(b"a", (b"z" * 300,), 300, 9) is Status.EXISTS  # not rewritten
+    assert store.get(b"a").frames == (b"x" * 300,) and store.get(b"a").checksum == 1
     assert store.used == 602
     # "a" was touched: "b" is the oldest; the third block evicts down to the low watermark
-    assert store.put(b"c", b"w" * 300, 300, 3) is Status.OK
+    assert store.put(b"c", (b"w" * 300,), 300, 3) is Status.OK
     assert b"b" not in store and b"a" in store and b"c" in store
     assert store.evictions == 1 and store.used == 602
-    assert store.put(b"d", b"q" * 500, 500, 4) is Status.TOO_LARGE
-    assert store.put(b"", b"q", 1, 4) is Status.BAD_KEY
-    assert store.put(b"k" * 300, b"q", 1, 4) is Status.BAD_KEY
+    assert store.put(b"d", (b"q" * 500,), 500, 4) is Status.TOO_LARGE
+    assert store.put(b"", (b"q",), 1, 4) is Status.BAD_KEY
+    assert store.put(b"k" * 300, (b"q",), 1, 4) is Status.BAD_KEY
     assert store.delete(b"a") and not store.delete(b"a")
     assert store.used == 301
     assert store.get(b"zz") is None and store.misses == 1
@@ -81,7 +95,7 @@ def test_block_store_lru_capacity_and_immutability():
 
 def test_block_store_rejects_what_never_fits():
     store = BlockStore(100, max_block_bytes=1000)
-    assert store.put(b"k", b"x" * 200, 200, 0) is Status.NO_SPACE
+    assert store.put(b"k", (b"x" * 200,), 200, 0) is Status.NO_SPACE
     with pytest.raises(ValueError):
         BlockStore(0, max_block_bytes=1)
 

@@ -20,9 +20,9 @@ __all__ = ["Block", "BlockStore"]
 
 @dataclass(frozen=True)
 class Block:
-    data: Any  # a zmq.Frame or any bytes-like object; never mutated
-    size: int
-    checksum: int
+    frames: tuple[Any, ...]  # zmq.Frames or bytes-like objects, as received; never mutated
+    size: int  # bytes over all frames
+    checksum: int  # xxh3-64 over all frames in order
 
 
 class BlockStore:
@@ -59,9 +59,9 @@ class BlockStore:
         blocks, ok, missing = self._blocks, int(Status.OK), int(Status.NOT_FOUND)
         return [ok if k in blocks else missing for k in keys]
 
-    def put(self, key: bytes, data: Any, size: int, checksum: int) -> Status:
-        """Store ``data`` (kept by reference) under ``key``. A present key is acknowledged
-        with ``Status.EXISTS`` and not rewritten."""
+    def put(self, key: bytes, frames: tuple[Any, ...], size: int, checksum: int) -> Status:
+        """Store the value ``frames`` (kept by reference, ``size`` bytes in all) under ``key``.
+        A present key is acknowledged with ``Status.EXISTS`` and not rewritten."""
         if not key or len(key) > MAX_KEY_BYTES:
             return Status.BAD_KEY
         if key in self._blocks:
@@ -74,7 +74,7 @@ class BlockStore:
             return Status.NO_SPACE
         if self.used + need > self.high:
             self._evict_to(min(self.low, self.capacity - need))
-        self._blocks[key] = Block(data, size, checksum)
+        self._blocks[key] = Block(tuple(frames), size, checksum)
         self.used += need
         return Status.OK
 

@@ -1,10 +1,12 @@
 """Store clients: :class:`StoreClient` (blocking) and :class:`AsyncStoreClient` (asyncio).
 
 Both take one endpoint or several (sharded by rendezvous hashing, ``replicas`` copies each; see
-:mod:`.routing`) and offer the same batch API. Puts send the caller's buffers (host pool page
-views) as zero-copy frames: do not change them until the call returns. Gets verify each
-block's xxh3-64 checksum (a mismatch is a miss, counted) and either copy it once into the
-caller's buffers (``into=``) or return read-only views of the received frames.
+:mod:`.routing`) and offer the same batch API. A value is one bytes-like or a list/tuple of
+bytes-likes (its frames, e.g. a page's K and V regions): one key, one checksum over all frames.
+Puts send the caller's buffers (host pool page views) as zero-copy frames: do not change them
+until the call returns. Gets verify each value's xxh3-64 checksum (a mismatch is a miss,
+counted) and either scatter its frames into the caller's buffers (``into=``) or return
+read-only views of the received frames.
 
 One DEALER socket per node; a request that times out resets that socket (stale replies are
 never read as answers) and backs the node off; ZeroMQ reconnects to restarted nodes.
@@ -26,6 +28,22 @@ from .protocol import MAX_KEY_BYTES, Op, ProtocolError, Status, decode_reply, en
 from .routing import Batch, ExistsResult, OpGen, Results, Router, StoreUnavailable
 
 __all__ = ["AsyncStoreClient", "StoreClient"]
+
+
+def _byte_views(value: Any, writable: bool, what: str) -> list[memoryview]:
+    """A value's frames as flat byte views: one bytes-like, or a sequence of them."""
+    try:
+        views = [memoryview(value)]
+    except TypeError:
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            msg = f"{what}: not a bytes-like or a sequence of them: {value!r:.60}"
+            raise TypeError(msg) from None
+        views = [memoryview(frame) for frame in value]
+        if not views:
+            raise ValueError(f"{what}: a value needs at least one frame") from None
+    if writable and any(v.readonly for v in views):
+        raise ValueError(f"{what}: a read-only buffer cannot be read into")
+    return [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
 
 
 def _check_keys(keys: Sequence[bytes], buffers: Sequence[Any] | None, what: str) -> None:
@@ -81,11 +99,12 @@ class _Base:
 
     def _plan_put(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> OpGen:
         _check_keys(keys, buffers, "buffers")
-        return self.router.put(keys, buffers)
+        return self.router.put(keys, [_byte_views(b, False, "put_many") for b in buffers])
 
     def _plan_get(self, keys: Sequence[bytes], into: Sequence[Any] | None) -> OpGen:
         _check_keys(keys, into, "into buffers")
-        return self.router.get(keys, into)
+        targets = None if into is None else [_byte_views(b, True, "get_many") for b in into]
+        return self.router.get(keys, targets)
 
     def _plan_exists(self, keys: Sequence[bytes]) -> OpGen:
         _check_keys(keys, None, "")
@@ -192,12 +211,21 @@ class StoreClient(_Base):
             return done.value
 
     def put_many(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[Status]:
-        """Store each buffer under its key on ``replicas`` nodes; a status per key."""
+        """Store each value under its key on ``replicas`` nodes; a status per key.
+
+        ``buffers[i]`` is a bytes-like or a sequence of bytes-likes (the value's frames, sent
+        as separate zero-copy frames and kept as such by the node). The caller must not
+        change them until the call returns. Raises ``ValueError``/``TypeError`` for bad
+        arguments, never for node failures (those are ``Status.UNAVAILABLE``)."""
         return self._run(self._plan_put(keys, buffers))
 
     def get_many(self, keys: Sequence[bytes], into: Sequence[Any] | None = None) -> list[Any]:
-        """With ``into``: copy each found block into ``into[i]`` (same size) and return a bool
-        per key. Without: a read-only memoryview per found key, None per miss."""
+        """With ``into``: scatter each found value's frames into ``into[i]`` (a writable
+        buffer, or a sequence of them, one per frame with matching sizes) and return a bool
+        per key; a size or frame-count mismatch or a bad checksum is a miss (counted) and
+        leaves ``into[i]`` untouched. Without: per found key a read-only memoryview (a
+        single-frame value) or a list of them (one per frame), None per miss; the views
+        hold the received frames and stay valid as long as they are referenced."""
         return self._run(self._plan_get(keys, into))
 
     def exists_many(self, keys: Sequence[bytes]) -> ExistsResult:

@@ -1,21 +1,25 @@
 """Wire protocol between store clients (DEALER) and store nodes (ROUTER). See docs/protocol.md.
 
-A message is one msgpack header frame followed by raw payload frames (one per block, sent and
-received with ``copy=False``). Request header::
+A message is one msgpack header frame followed by raw payload frames, sent and received with
+``copy=False``. A value may be several frames (e.g. a page's K and V regions): one key, one
+checksum over all its frames in order, frames kept and returned as they were sent. Request::
 
-    {"v": 1, "id": <uint>, "op": "PUT"|"GET"|"EXISTS"|"DELETE"|"STATS"|"PING",
-     "keys": [bytes...], "sizes": [int...], "sums": [int...]}   # sizes/sums: PUT only
+    {"v": 2, "id": <uint>, "op": "PUT"|"GET"|"EXISTS"|"DELETE"|"STATS"|"PING",
+     "keys": [bytes...],
+     "counts": [frames per key...], "sizes": [bytes per frame...], "sums": [xxh3 per key...]}
+                                                                  # counts/sizes/sums: PUT only
 
 Reply header::
 
-    {"v": 1, "id": <same>, "code": <Code>, "error": str, "status": [Status per key],
-     "sums": [int...], "hits": <leading hits, EXISTS>, "stats": {...}}  # + one frame per found
-                                                                        # block for GET
+    {"v": 2, "id": <same>, "code": <Code>, "error": str, "status": [Status per key],
+     "sums": [int per found key], "counts": [frames per found key], "hits": <leading hits>,
+     "stats": {...}}                       # GET: the found values' frames follow, in key order
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,13 +38,14 @@ __all__ = [
     "Request",
     "Status",
     "checksum",
+    "checksum_frames",
     "decode_reply",
     "decode_request",
     "encode_reply",
     "encode_request",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_KEY_BYTES = 256
 MAX_HEADER_BYTES = 1 << 20
 
@@ -84,13 +89,27 @@ def checksum(data: Any) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def checksum_frames(frames: Sequence[Any]) -> int:
+    """xxh3-64 of a value's frames read in order (the same as of their concatenation)."""
+    if len(frames) == 1:
+        return xxhash.xxh3_64_intdigest(frames[0])
+    state = xxhash.xxh3_64()
+    for frame in frames:
+        state.update(frame)
+    return state.intdigest()
+
+
 @dataclass
 class Request:
+    """``sizes`` has one entry per payload frame, ``counts`` the number of frames of each key
+    (PUT; empty ``counts`` encodes as one frame per key), ``sums`` one checksum per key."""
+
     op: Op
     id: int
     keys: list[bytes] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
     sums: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -102,6 +121,7 @@ class Reply:
     sums: list[int] = field(default_factory=list)
     hits: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
+    counts: list[int] = field(default_factory=list)  # GET: frames of each found value
 
 
 def encode_request(req: Request) -> bytes:
@@ -109,6 +129,7 @@ def encode_request(req: Request) -> bytes:
     if req.keys:
         head["keys"] = req.keys
     if req.op is Op.PUT:
+        head["counts"] = req.counts or [1] * len(req.keys)
         head["sizes"], head["sums"] = req.sizes, req.sums
     return msgpack.packb(head, use_bin_type=True)
 
@@ -120,10 +141,10 @@ def _field(head: dict, name: str, kind: type, default: Any = None) -> Any:
     return value
 
 
-def _int_list(head: dict, name: str, n: int) -> list[int]:
+def _int_list(head: dict, name: str, n: int, least: int = 0) -> list[int]:
     values = _field(head, name, list, [])
-    if len(values) != n or not all(type(x) is int and x >= 0 for x in values):
-        raise ProtocolError(Code.BAD_HEADER, f"field {name!r} must be {n} non-negative ints")
+    if len(values) != n or not all(type(x) is int and x >= least for x in values):
+        raise ProtocolError(Code.BAD_HEADER, f"field {name!r} must be {n} ints >= {least}")
     return values
 
 
@@ -151,7 +172,8 @@ def decode_request(frame: bytes | memoryview) -> Request:
         raise ProtocolError(Code.BAD_HEADER, "field 'keys' must be a list of bytes")
     req = Request(op, rid, keys)
     if op is Op.PUT:
-        req.sizes = _int_list(head, "sizes", len(keys))
+        req.counts = _int_list(head, "counts", len(keys), least=1)
+        req.sizes = _int_list(head, "sizes", sum(req.counts))
         req.sums = _int_list(head, "sums", len(keys))
     return req
 
@@ -164,6 +186,8 @@ def encode_reply(rep: Reply) -> bytes:
         head["status"] = rep.status
     if rep.sums:
         head["sums"] = rep.sums
+    if rep.counts:
+        head["counts"] = rep.counts
     if rep.hits:
         head["hits"] = rep.hits
     if rep.stats:
@@ -188,6 +212,7 @@ def decode_reply(frame: bytes | memoryview) -> Reply:
             sums=list(head.get("sums", [])),
             hits=int(head.get("hits", 0)),
             stats=dict(head.get("stats", {})),
+            counts=list(head.get("counts", [])),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ProtocolError(Code.BAD_HEADER, f"reply header fields: {e}") from None

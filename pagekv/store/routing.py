@@ -24,7 +24,7 @@ import xxhash
 
 from pagekv.errors import StoreError, StoreUnavailable
 
-from .protocol import Code, Op, Reply, Request, Status, checksum
+from .protocol import Code, Op, Reply, Request, Status, checksum_frames
 
 __all__ = ["Call", "ExistsResult", "NodeHealth", "Router", "StoreError", "StoreUnavailable"]
 
@@ -139,19 +139,22 @@ class Router:
             for node, idxs in targets.items()
         ]
 
-    def put(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> OpGen:
-        views = [memoryview(b).cast("B") for b in buffers]
-        sums = [checksum(v) for v in views]
+    def put(self, keys: Sequence[bytes], values: Sequence[list[memoryview]]) -> OpGen:
+        """``values[i]``: the frames of key i (byte views, see :func:`value_frames`)."""
+        sums = [checksum_frames(v) for v in values]
+        nbytes = [sum(f.nbytes for f in v) for v in values]
         targets: dict[int, list[int]] = {}
         for i, nodes in enumerate(self._candidates(keys, self.replicas)):
             for node in nodes:
                 targets.setdefault(node, []).append(i)
         batch: Batch = []
         for node, idxs in targets.items():
-            for part in _cut(idxs, [views[i].nbytes for i in idxs], self.max_message_bytes):
+            for part in _cut(idxs, [nbytes[i] for i in idxs], self.max_message_bytes):
+                frames = [f for i in part for f in values[i]]
                 req = Request(Op.PUT, self.next_id(), [keys[i] for i in part],
-                              [views[i].nbytes for i in part], [sums[i] for i in part])  # fmt: skip
-                batch.append(Call(node, req, [views[i] for i in part], part))
+                              [f.nbytes for f in frames], [sums[i] for i in part],
+                              [len(values[i]) for i in part])  # fmt: skip
+                batch.append(Call(node, req, frames, part))
         results = yield batch
         self.record(batch, results)
         seen: list[list[int]] = [[] for _ in keys]
@@ -169,14 +172,30 @@ class Router:
 
         def handle(call: Call, reply: Reply, frames: list[Any]) -> None:
             call.handled = True
-            expect_frames = reply.status.count(Status.OK) if op is Op.GET else 0
-            if len(reply.status) != len(call.idxs) or len(frames) != expect_frames:
+            found = reply.status.count(Status.OK) if op is Op.GET else 0
+            counts = reply.counts if op is Op.GET else []
+            if (
+                len(reply.status) != len(call.idxs)
+                or len(counts) != found
+                or len(reply.sums) != found
+                or any(type(c) is not int or c < 1 for c in counts)
+                or sum(counts) != len(frames)
+            ):
                 self.counters["node_failures"] += 1  # malformed reply: treat as a miss
                 return
-            frame_iter = iter(zip(reply.sums, frames))
+            values = iter(zip(reply.sums, counts))
+            start = 0
             for i, st in zip(call.idxs, reply.status):
-                if st == Status.OK and on_hit(i, frame_iter):
+                if st != Status.OK:
+                    continue
+                if op is not Op.GET:
+                    if on_hit(i, None, []):
+                        pending.pop(i, None)
+                    continue
+                cs, count = next(values)
+                if on_hit(i, cs, frames[start : start + count]):
                     pending.pop(i, None)
+                start += count
 
         while pending:
             wave: dict[int, list[int]] = {}
@@ -198,33 +217,37 @@ class Router:
                     handle(call, *result)
             pending = {i: c for i, c in pending.items() if c}
 
-    def get(self, keys: Sequence[bytes], into: Sequence[Any] | None) -> OpGen:
+    def get(self, keys: Sequence[bytes], into: Sequence[list[memoryview]] | None) -> OpGen:
+        """``into[i]``: the byte views that key i's frames are scattered into, or None."""
         out: list[Any] = [None] * len(keys)
-        targets = [memoryview(b).cast("B") for b in into] if into is not None else None
 
-        def on_hit(i: int, frames) -> bool:
-            cs, frame = next(frames)
-            data = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
-            if checksum(data) != cs:
+        def on_hit(i: int, cs: int, frames: list[Any]) -> bool:
+            data = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
+            if checksum_frames(data) != cs:
                 self.counters["checksum_mismatch"] += 1
                 return False
-            if targets is None:
-                out[i] = data
+            if into is None:
+                views = [d.toreadonly() for d in data]
+                out[i] = views[0] if len(views) == 1 else views
                 return True
-            if targets[i].nbytes != data.nbytes:
+            targets = into[i]
+            if len(targets) != len(data) or any(
+                t.nbytes != d.nbytes for t, d in zip(targets, data)
+            ):
                 self.counters["size_mismatch"] += 1
                 return False
-            targets[i][:] = data
+            for target, frame in zip(targets, data):
+                target[:] = frame
             out[i] = True
             return True
 
         yield from self._lookup(Op.GET, keys, on_hit)
-        return out if targets is None else [bool(x) for x in out]
+        return out if into is None else [bool(x) for x in out]
 
     def exists(self, keys: Sequence[bytes]) -> OpGen:
         found = [False] * len(keys)
 
-        def on_hit(i: int, _frames) -> bool:
+        def on_hit(i: int, _cs: int | None, _frames: list[Any]) -> bool:
             found[i] = True
             return True
 

@@ -26,7 +26,7 @@ from .protocol import (
     Reply,
     Request,
     Status,
-    checksum,
+    checksum_frames,
     decode_request,
     encode_reply,
 )
@@ -174,30 +174,30 @@ class StoreNode:
         return Reply(req.id), []  # PING
 
     def _put(self, req: Request, payloads: list[zmq.Frame]) -> Reply:
-        if len(payloads) != len(req.keys):
+        if len(payloads) != len(req.sizes):
             raise ProtocolError(
-                Code.BAD_FRAMES, f"{len(req.keys)} keys but {len(payloads)} payload frames"
+                Code.BAD_FRAMES, f"header declares {len(req.sizes)} frames, got {len(payloads)}"
             )
         for i, (frame, size) in enumerate(zip(payloads, req.sizes)):
             if len(frame) != size:
-                raise ProtocolError(
-                    Code.BAD_FRAMES, f"block {i} has {len(frame)} bytes, not {size}"
-                )
-        status = []
-        for key, frame, size, cs in zip(req.keys, payloads, req.sizes, req.sums):
-            data = frame.buffer
+                msg = f"frame {i} has {len(frame)} bytes, not {size}"
+                raise ProtocolError(Code.BAD_FRAMES, msg)
+        status, start = [], 0
+        for key, count, cs in zip(req.keys, req.counts, req.sums):
+            frames, start = payloads[start : start + count], start + count
+            size = sum(req.sizes[start - count : start])
             if (
                 self.config.verify_puts
                 and size <= self.config.max_block_size
-                and checksum(data) != cs
+                and checksum_frames([f.buffer for f in frames]) != cs
             ):
                 status.append(int(Status.BAD_CHECKSUM))
                 continue
-            status.append(int(self.store.put(key, data, size, cs)))
+            status.append(int(self.store.put(key, tuple(frames), size, cs)))
         return Reply(req.id, status=status)
 
     def _get(self, req: Request) -> tuple[Reply, list[Any]]:
-        status, sums, out = [], [], []
+        status, sums, counts, out = [], [], [], []
         for key in req.keys:
             block = self.store.get(key)
             if block is None:
@@ -205,8 +205,9 @@ class StoreNode:
                 continue
             status.append(int(Status.OK))
             sums.append(block.checksum)
-            out.append(block.data)
-        return Reply(req.id, status=status, sums=sums), out
+            counts.append(len(block.frames))
+            out.extend(block.frames)
+        return Reply(req.id, status=status, sums=sums, counts=counts), out
 
     def stats(self) -> dict[str, Any]:
         return {**self.store.stats(), **self.counters, "address": self.address,
