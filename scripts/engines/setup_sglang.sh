@@ -21,7 +21,7 @@ STAMP="$VENV/.pagekv-complete"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 PACKAGES=(numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq
     tqdm ipython aiohttp triton xxhash msgpack
-    transformers dill apache-tvm-ffi sentencepiece compressed_tensors gguf pytest)
+    transformers dill apache-tvm-ffi sentencepiece compressed_tensors gguf pytest pytest-asyncio)
 WANT="$( (echo "$SGLANG_VERSION $TORCH_VERSION ${PACKAGES[*]}"; cat "$HERE/sglang-constraints.txt") \
     | sha256sum | cut -c1-16)"
 
@@ -44,6 +44,9 @@ log "torch==$TORCH_VERSION (CPU wheel) and light packages"
 
 log "sglang==$SGLANG_VERSION --no-deps"
 "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION" >&2
+
+# Only a venv that imports SGLang's HiCache storage API gets its stamp.
+"$VENV/bin/python" -c "import sglang.srt.mem_cache.storage.backend_factory" >&2
 
 echo "$WANT" > "$STAMP"
 log "done in $(( $(date +%s) - start )) s: $VENV"

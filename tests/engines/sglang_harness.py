@@ -24,6 +24,7 @@ from . import sglang_env
 sglang_env.stub_torchvision()
 
 import torch  # noqa: E402
+import xxhash  # noqa: E402
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.device_pool_info import (  # noqa: E402
     KVBufferLayout,
@@ -35,6 +36,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
@@ -69,6 +71,15 @@ def storage_config(
         is_mla_model=mla, enable_storage_metrics=True, is_page_first_layout=layout == "page_first",
         model_name=model, extra_config=dict(extra),
     )  # fmt: skip
+
+
+def make_backend(pool: Any, extra: dict, **config: Any) -> Any:
+    """A backend the way SGLang's controller makes one: the ``dynamic`` factory, then the
+    host pool (wrapped in SGLang's fault injector when its test variables are set)."""
+    cfg = storage_config(extra, layout=pool.layout, **config)
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    backend.register_mem_pool_host(pool)
+    return backend
 
 
 def _ptrs(tensors) -> torch.Tensor:
@@ -130,6 +141,17 @@ def page_bytes(pool: Any, host_indices: torch.Tensor) -> list[bytes]:
     """Each page's bytes read through SGLang's own ``get_data_page`` (the oracle)."""
     starts = host_indices[:: pool.page_size].tolist()
     return [pool.get_data_page(s, flat=True).view(torch.uint8).numpy().tobytes() for s in starts]
+
+
+def flat_bytes(page: torch.Tensor) -> bytes:
+    return page.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def page_digests(pool: Any, host_indices: torch.Tensor) -> list[int]:
+    """xxh3-64 of each page's bytes (SGLang's ``get_data_page``), for big pools."""
+    starts = host_indices[:: pool.page_size].tolist()
+    pages = (pool.get_data_page(s, flat=True).view(torch.uint8).numpy() for s in starts)
+    return [xxhash.xxh3_64_intdigest(p) for p in pages]
 
 
 def fill_random(pool: Any, host_indices: torch.Tensor, gen: torch.Generator) -> None:

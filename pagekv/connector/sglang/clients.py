@@ -41,7 +41,7 @@ class ThreadClients:
         with self._lock:
             if self._closed:
                 raise ConnectorClosed("the pagekv SGLang backend is closed")
-            for ref, old in [c for c in self._clients if c[0]() is None]:
+            for ref, old in [c for c in self._clients if not _alive(c[0]())]:
                 old.close()
                 self._clients.remove((ref, old))
             client = StoreClient(self.config.endpoints, config=self.config)
@@ -60,6 +60,10 @@ class ThreadClients:
             clients, self._clients = self._clients, []
         for _, client in clients:
             client.close()
+
+
+def _alive(thread: threading.Thread | None) -> bool:
+    return thread is not None and thread.is_alive()
 
 
 class BackendStats:

@@ -10,7 +10,7 @@ key                    default                   meaning
 ``store``              (required)                store node endpoint(s): "tcp://h:7400" or a list
 ``replicas``           1                         copies of each page (1 .. number of nodes)
 ``timeout_s``          5.0                       one store round trip; a backend call waits at
-                                                 most about ``(replicas + 1) * timeout_s``
+                                                 most about ``(replicas + 2) * timeout_s``
 ``model_id``           SGLang's model name       the model part of the key namespace
 ``namespace``          ""                        any further namespace (checkpoint revision,
                                                  deployment); pages never cross namespaces

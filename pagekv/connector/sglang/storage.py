@@ -12,10 +12,11 @@ own chained page hashes namespaced by model, page format and rank (:meth:`_names
 
 Failure rules (SGLang turns an exception into a miss of the whole batch): no backend call
 raises; a page that cannot be read or written is ``False`` (``None`` for legacy reads, a shorter
-leading count for ``batch_exists``); every call returns within about ``(replicas + 1) *
-timeout_s``, and at once while every node is known to be down (miss, counted as
-``store_down``). Each call's pages are complete or untouched: a page is filled only from a
-value whose checksum matched, and nothing writes into the pool after the call returns.
+leading count for ``batch_exists``). A read returns within about ``(replicas + 1) * timeout_s``,
+a write within ``(replicas + 2) * timeout_s``, and every call at once while every node is known
+to be down (a miss, counted as ``store_down``). Each call's pages are complete or untouched: a
+page is filled only from a value whose checksum matched, and nothing writes into the pool after
+the call returns.
 """
 
 from __future__ import annotations
@@ -78,6 +79,14 @@ class PagekvStorage(HiCacheStorage):
         self._pages, self._namespace = pages, namespace
         fmt, store = pages.format, ", ".join(self.config.store)
         log.info("pagekv: host pool %s, %d B pages, store %s", fmt.label, fmt.page_bytes, store)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Sidecar pools of hybrid models (Mamba, SWA, indexer: SGLang's v2 calls) are not
+        stored by this backend; raises :class:`ConfigError` so SGLang says so at start-up."""
+        raise ConfigError(
+            f"pagekv: hybrid-model host pool {host_pool_name!s} (SGLang's v2 storage calls) "
+            "is not supported; pagekv stores MHA and MLA KV pages only"
+        )
 
     def _namespace_for(self, fmt: PageFormat, epoch: int) -> KeyNamespace:
         """Model, page format (layout, dtype, geometry, frame plan), TP rank and size (left
