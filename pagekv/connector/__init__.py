@@ -1,6 +1,7 @@
 """pagekv.connector: prefix page keys, the page-first host pool and its cache tier, the
 scheduler-side :class:`KVIndex` and the worker-side :class:`KVConnector` that engines plug in."""
 
+import pagekv._torch  # noqa: F401  (first: a clear ImportError when torch is missing)
 from pagekv.errors import InvalidPageError, PoolExhausted
 from pagekv.geometry import SUPPORTED_DTYPES, KVGeometry, KVKind, dtype_from_name
 

@@ -1,11 +1,13 @@
 """Start real `pagekv serve` processes (free loopback ports by default) from Python: for the
-demo, benchmarks and integration tests. Each node reports its bound address on stderr."""
+demo, benchmarks and integration tests. Each node reports its bound address on stderr, and
+(started from the main thread) exits when this process dies, even by SIGKILL."""
 
 from __future__ import annotations
 
 __all__ = ["NodeProcess", "start_nodes"]
 
 import collections
+import os
 import re
 import signal
 import subprocess
@@ -34,6 +36,8 @@ class NodeProcess:
             str(self.port),
             *self.args,
         ]
+        if threading.current_thread() is threading.main_thread():  # it outlives the node
+            cmd += ["--parent-pid", str(os.getpid())]  # the node dies with this process
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

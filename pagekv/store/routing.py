@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from .protocol import Code, Op, Reply, Request, Status, checksum_frames
 __all__ = ["Call", "ExistsResult", "NodeHealth", "Router", "StoreError", "StoreUnavailable"]
 
 Results = dict[int, "tuple[Reply, list[Any]] | None"]
+log = logging.getLogger("pagekv.store.routing")
 
 
 @dataclass
@@ -123,10 +125,16 @@ class Router:
             result = results.get(call.request.id)
             health = self.health[call.node]
             if result is None:
-                if health.is_up(now):
-                    self.counters["node_failures"] += 1
+                was_up = health.is_up(now)
                 health.failed(now)
+                if was_up:  # logged once per back-off period, not per request
+                    self.counters["node_failures"] += 1
+                    log.warning("pagekv store: %s did not answer (down, unreachable or refusing "
+                                "this client's key); backing off %.2g s",
+                                self.endpoints[call.node], health.backoff)  # fmt: skip
                 continue
+            if health.failures and health.backoff:
+                log.info("pagekv store: %s answers again", self.endpoints[call.node])
             health.succeeded()
             if result[0].code is not Code.OK:
                 ep = self.endpoints[call.node]

@@ -12,7 +12,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -30,6 +31,9 @@ from .protocol import (
     decode_request,
     encode_reply,
 )
+
+if TYPE_CHECKING:
+    from .auth import ZapAuthenticator
 
 __all__ = ["StoreNode"]
 
@@ -57,7 +61,9 @@ class StoreNode:
             self.sock.setsockopt(zmq.RCVBUF, config.socket_buffer)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
-        self._auth = None
+        self._auth: ZapAuthenticator | None = None
+        # called after each reply with (op or None, reply, seconds): metrics hook
+        self.observe: Callable[[Op | None, Reply, float], None] | None = None
         if config.curve_secret_key:
             self._setup_curve()
         self.sock.bind(config.bind_address)
@@ -68,18 +74,19 @@ class StoreNode:
         self.counters.update(bytes_in=0, bytes_out=0, bad_requests=0, dropped=0, internal_errors=0)
 
     def _setup_curve(self) -> None:
-        import zmq.auth
-        from zmq.auth.thread import ThreadAuthenticator
+        from .auth import ZapAuthenticator, load_allowed_keys, load_secret_cert
 
-        public, secret = zmq.auth.load_certificate(self.config.curve_secret_key)
-        if secret is None:
-            raise ValueError(f"{self.config.curve_secret_key} has no secret key")
-        self._auth = ThreadAuthenticator(self.ctx)
-        self._auth.start()
-        self._auth.configure_curve(domain="*", location=self.config.curve_allow)
+        public, secret = load_secret_cert(self.config.curve_secret_key)
+        allowed = load_allowed_keys(self.config.curve_allow)  # refuses a missing/empty dir
+        self._auth = ZapAuthenticator(self.ctx, allowed)  # logs rejected keys
         self.sock.curve_secretkey = secret
         self.sock.curve_publickey = public
         self.sock.curve_server = True
+
+    @property
+    def auth(self) -> ZapAuthenticator | None:
+        """The CURVE authenticator (None without CURVE): its ``allowed`` keys and counts."""
+        return self._auth
 
     # ---- loop ------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -121,6 +128,7 @@ class StoreNode:
     # ---- requests --------------------------------------------------------------------------
     def handle(self, frames: list[zmq.Frame]) -> None:
         """Answer one request; malformed input gets an error reply, never an exception."""
+        start, op = time.perf_counter(), None
         if len(frames) < 2:
             self.counters["dropped"] += 1  # no header: nothing to answer
             return
@@ -131,6 +139,7 @@ class StoreNode:
             if size > self.config.max_message_size:
                 raise ProtocolError(Code.TOO_LARGE, f"message of {size} bytes is over the limit")
             req = decode_request(header.buffer)
+            op = req.op
             if len(req.keys) > self.config.max_keys:
                 raise ProtocolError(Code.TOO_LARGE, f"{len(req.keys)} keys is over the limit")
             rep, out = self._dispatch(req, payloads)
@@ -143,6 +152,8 @@ class StoreNode:
             rep = Reply(id=_best_effort_id(header), code=Code.INTERNAL, error=repr(e))
             out = []
         self._send(ident, rep, out)
+        if self.observe is not None:
+            self.observe(op, rep, time.perf_counter() - start)
 
     def _send(self, ident: zmq.Frame, rep: Reply, payloads: list[Any]) -> None:
         self.counters["bytes_out"] += sum(len(p) for p in payloads)
@@ -210,7 +221,8 @@ class StoreNode:
         return Reply(req.id, status=status, sums=sums, counts=counts), out
 
     def stats(self) -> dict[str, Any]:
-        return {**self.store.stats(), **self.counters, "address": self.address,
+        auth = self._auth.stats() if self._auth is not None else {}
+        return {**self.store.stats(), **self.counters, **auth, "address": self.address,
                 "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1)}  # fmt: skip
 
 
