@@ -344,9 +344,10 @@ def test_two_processes_share_pages_only_in_one_format(node, gen, tmp_path):
 
 # ---- 3. failures ------------------------------------------------------------------------------
 def test_node_killed_mid_batch(gen):
-    """Two nodes, one page copy each. A node stopped then killed while a batch_get_v1 is in
-    flight: its pages are False (left untouched), the other node's pages arrive, no exception,
-    within the time bound; writes fail over. Every node down: after one bounded call, calls
+    """Two nodes, one page copy each. A node stopped then killed while a batch_get_v1 and a
+    batch_set_v1 are in flight: its pages are False (left untouched), the other node's pages
+    arrive, no exception, within the time bound; a page the write reports stored reads back
+    right; later writes fail over. Every node down: after one bounded call, calls
     answer at once. A node back on its port: the first backend works again."""
     nodes = start_nodes(2, "--capacity", "128MiB")
     try:
@@ -365,21 +366,38 @@ def test_node_killed_mid_batch(gen):
         h.poison(pool, dst)
         poisoned = h.page_bytes(pool, dst)
 
+        busy_tokens = h.random_tokens(n * ps, gen)
+        busy = pool.alloc(n * ps)
+        h.fill_random(pool, busy, gen)
+        busy_keys, busy_ref = h.page_hashes(busy_tokens, ps), h.page_bytes(pool, busy)
+
         nodes[1].proc.send_signal(signal.SIGSTOP)
         result: dict = {}
-        worker = threading.Thread(target=lambda: result.update(ok=backend.batch_get_v1(keys, dst)))
+        calls = {"get": lambda: backend.batch_get_v1(keys, dst),
+                 "set": lambda: backend.batch_set_v1(busy_keys, busy)}  # fmt: skip
+        workers = [threading.Thread(target=lambda k=k: result.update({k: calls[k]()}))
+                   for k in calls]  # fmt: skip
         start = time.monotonic()
-        worker.start()
-        wait_for(lambda: backend.stats()["in_flight"] >= 1, 5.0)
+        for w in workers:
+            w.start()
+        wait_for(lambda: backend.stats()["in_flight"] >= 2, 5.0)
         nodes[1].kill()
-        worker.join(timeout=10)
-        assert not worker.is_alive() and time.monotonic() - start < 2 * 1.0 + 2.0
-        assert result["ok"] == on_live
+        for w in workers:
+            w.join(timeout=10)
+        assert not any(w.is_alive() for w in workers)
+        assert time.monotonic() - start < 3 * 1.0 + 2.0  # a write: EXISTS, then PUT
+        assert result["get"] == on_live
         got = h.page_bytes(pool, dst)
         assert [g == (r if live else p) for g, r, p, live in zip(got, ref, poisoned, on_live)] == [
             True
         ] * n
         assert backend.batch_exists(keys) == on_live.index(False)
+        stored = result["set"]  # pages the dead node was to take went to the live one, or False
+        h.poison(pool, dst)
+        assert backend.batch_get_v1(busy_keys, dst) == stored
+        assert [g == r for g, r, ok in zip(h.page_bytes(pool, dst), busy_ref, stored) if ok] == [
+            True
+        ] * sum(stored)
         fresh_tokens = h.random_tokens(16 * ps, gen)
         fresh = pool.alloc(16 * ps)
         h.fill_random(pool, fresh, gen)
@@ -391,13 +409,14 @@ def test_node_killed_mid_batch(gen):
         start = time.monotonic()
         assert gated.batch_exists(keys) == 0  # one round trip to both nodes, bounded
         assert time.monotonic() - start < 1.0 + 2.0
+        before = h.page_bytes(pool, dst)
         start = time.monotonic()
         assert gated.batch_exists(keys) == 0
         assert gated.batch_get_v1(keys, dst) == [False] * n
         assert gated.batch_set_v1(keys, src) == [False] * n
         assert time.monotonic() - start < 0.5
         assert gated.stats()["get"]["store_down"] == n
-        assert h.page_bytes(pool, dst) == got
+        assert h.page_bytes(pool, dst) == before
         gated.close()
 
         nodes[0] = NodeProcess("--capacity", "128MiB", port=nodes[0].port).start()
