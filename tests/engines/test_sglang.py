@@ -3,6 +3,22 @@
 Runs in the SGLang venv (``make test-sglang``, which sets PAGEKV_REQUIRE_SGLANG=1: there a
 missing SGLang fails the run). In the main venv, without SGLang, the module is skipped.
 Every test talks to real ``pagekv serve`` processes on loopback.
+
+SGLang code these tests run, unmodified: ``StorageBackendFactory`` ("dynamic", and its fault
+injector); the MHA and MLA host pools (every layout pagekv stores; their page metadata,
+``get_data_page``/``set_from_flat_data_page`` as the byte oracle); ``HiCacheController``'s
+``attach_storage_backend`` (storage config from ranks and device-pool type, the interface_v1
+switch, the four storage threads), ``prefetch`` → ``_storage_hit_query`` (``batch_exists`` per
+128 pages) → hit reduction → ``_page_transfer`` (``batch_get_v1``, or legacy ``batch_get`` +
+``set_from_flat_data_page``) → ack reduction, ``write_storage`` → backup thread
+(``backup_skip`` on MLA non-writer ranks, ``batch_set_v1`` or legacy ``batch_set``), and
+``detach_storage_backend`` (``close``); SGLang's own page hashes (``get_storage_hash_str``).
+
+Not run here: GPU ⇄ host transfers (SGLang's kernels, pinned memory), the radix cache's
+decisions (prefetch threshold and host-capacity limits, prefetch policies and termination,
+existence cache), cross-rank reductions with more than one process (ranks are set with
+SGLang's parallel-context overrides in one process), hybrid models (v2 calls, refused at
+start-up), and a real ``sglang.launch_server``.
 """
 
 from __future__ import annotations
