@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pagekv-installed
 .DEFAULT_GOAL := help
 
-.PHONY: test test-vllm lint demo bench-hash compile-check clean
+.PHONY: test test-vllm test-sglang lint demo bench-hash compile-check clean
 
 .PHONY: help
 # list the targets with the comment line above each (bare `make` does this)
@@ -31,6 +31,15 @@ lint: $(STAMP)
 # lint, then every CPU test (creates .venv with torch CPU and pagekv[test] when missing)
 test: lint
 	$(PY) -m pytest -q
+
+# The venv lives outside the repo (${PAGEKV_ENGINE_VENVS:-~/.cache/pagekv/venvs}), is created on
+# first use and reused while its stamp matches; the checkout goes on PYTHONPATH, and
+# PAGEKV_REQUIRE_SGLANG=1 makes a missing SGLang a failure, not a skip.
+# SGLang 0.5.23 HiCache backend tests, in their own venv (scripts/engines/setup_sglang.sh)
+test-sglang:
+	@SGLANG_PY=$$(bash scripts/engines/setup_sglang.sh) && \
+	PYTHONPATH=$(CURDIR) PAGEKV_REQUIRE_SGLANG=1 $$SGLANG_PY -m pytest -q -p no:cacheprovider \
+		tests/engines/test_sglang.py
 
 # page-key hashing throughput
 bench-hash: $(STAMP)
