@@ -113,7 +113,7 @@ class Engine:
             if handle is not None:
                 self.connector.release(handle)  # idempotent; early on a failure
             if save is not None and save.event is not None:
-                torch.cuda.current_stream(self.device).waitcuda_event(save.event)
+                torch.cuda.current_stream(self.device).wait_event(save.event)
             if table is not None:
                 self.cache.free(table)
         fetched = handle.fetched * self.geometry.page_size if handle is not None else 0
