@@ -184,8 +184,10 @@ def test_lookup_against_a_hung_node_is_bounded(caplog):
                 t = time.monotonic()
                 assert conn.lookup(tokens) == 8  # the host-tier hit, at once
                 assert time.monotonic() - t < 0.5  # before: the store's 5 s timeout
-        assert conn.stats()["store_errors"] >= 5
-        assert conn.stats()["lookup_timeouts"] >= 5
+        st = conn.stats()
+        assert st["store_errors"] >= 1 and st["lookup_timeouts"] >= 1
+        # after a timeout the store is skipped for a back-off period (circuit breaker)
+        assert st["lookup_timeouts"] + st["lookups_skipped"] == 5 and st["lookups_skipped"] >= 1
         warned = [r for r in caplog.records if "store lookup" in r.getMessage()]
         assert 1 <= len(warned) <= 2  # rate-limited
     finally:

@@ -48,7 +48,7 @@ def test_sigstopped_node_costs_at_most_the_bound_and_comes_back():
                 h = asyncio.run(conn.prefetch(tokens, deadline=time.monotonic() + 0.2))
                 assert time.monotonic() - t < 0.7 and h.num_tokens == 0
                 conn.release(h)
-            assert conn.stats()["store_errors"] >= 3
+            assert conn.stats()["store_errors"] >= 1  # later lookups skip the store (back-off)
         finally:
             node.proc.send_signal(signal.SIGCONT)
         wait_until(lambda: conn.lookup(tokens) == 40, timeout=20, what="the node to answer")

@@ -4,12 +4,15 @@ No KV tensors, no host pool, no torch: a store client, the key namespaces of the
 pages a request needs, and a lookup bounded in time. The scheduler of a serving engine runs on
 one thread and must never wait on the network longer than it budgets: :meth:`KVIndex.lookup`
 returns within ``lookup_timeout_s`` whatever the store does (a dead or stopped node costs at
-most that bound), counts the failure and logs it at most every few seconds.
+most that bound), counts the failure and logs it at most every few seconds. After a failure,
+lookups skip the store for a back-off period (0.25 s doubling to 8 s, reset by a success), so a
+dead node costs one bound per period instead of one per request.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,9 +63,13 @@ class KVIndex:
         self.page_size = ns[0].geometry.page_size
         self.lookup_timeout_s = float(lookup_timeout_s)
         self.counters: dict[str, int] = dict.fromkeys(
-            ("lookups", "lookup_timeouts", "store_errors"), 0
+            ("lookups", "lookup_timeouts", "lookups_skipped", "store_errors"), 0
         )
         self._warn = RateLimitedLog(log)
+        # circuit breaker: after a failed lookup, none for backoff_s (doubling up to max)
+        self.backoff_min_s, self.backoff_max_s = 0.25, 8.0
+        self._backoff_s = 0.0
+        self._skip_until = 0.0
         self._own_loop = loop is None
         self.loop = loop or LoopThread("pagekv-index")
         try:
@@ -106,22 +113,34 @@ class KVIndex:
         if n == 0:
             return 0
         flat = [k for ks in keys for k in ks[:n]]
+        now = time.monotonic()
+        if now < self._skip_until:  # the store just failed us: host tier only, for a while
+            self.counters["lookups_skipped"] += 1
+            return 0
         timeout = self.lookup_timeout_s if timeout_s is None else timeout_s
         try:
             found = self.loop.call(self._exists(flat), timeout)
         except TimeoutError:
             self.counters["lookup_timeouts"] += 1
             self.counters["store_errors"] += 1
-            self._warn.warning("pagekv: store lookup took over %.0f ms: counted as a miss",
-                               timeout * 1e3)  # fmt: skip
+            self._back_off(now)
+            self._warn.warning("pagekv: store lookup took over %.0f ms: counted as a miss; "
+                               "store lookups skipped for %.2f s", timeout * 1e3,
+                               self._backoff_s)  # fmt: skip
             return 0
         if found is None:
+            self._back_off(now)
             return 0
+        self._backoff_s = 0.0
         lead = n
         for r in range(len(keys)):
             part = found[r * n : (r + 1) * n]
             lead = min(lead, next((i for i, f in enumerate(part) if not f), n))
         return lead
+
+    def _back_off(self, now: float) -> None:
+        self._backoff_s = min(self.backoff_max_s, max(self.backoff_min_s, 2 * self._backoff_s))
+        self._skip_until = now + self._backoff_s
 
     async def _exists(self, keys: list[bytes]) -> list[bool] | None:
         try:

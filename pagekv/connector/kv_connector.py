@@ -383,6 +383,7 @@ class KVConnector:
         out: dict[str, Any] = dict(self.stats_counters)
         out["store_errors"] += self.index.counters["store_errors"]
         out["lookup_timeouts"] = self.index.counters["lookup_timeouts"]
+        out["lookups_skipped"] = self.index.counters["lookups_skipped"]
         out.update(self.writeback.stats())
         out.update(self.cache.describe(), host_pages=self.pool.num_pages)
         out["store"] = dict(self.store.counters)
