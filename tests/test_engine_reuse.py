@@ -151,6 +151,7 @@ def test_refused_fetch_recomputes(store):
         assert same_output(refused, full)
         policy = b.stats()["policy"]
         assert (policy["fetch_accepted"], policy["fetch_refused"]) == (1, 1)
+        assert b.connector.stats()["policy"] == b.policy.stats()  # the decision in the connector
     finally:
         a.close()
         b.close()

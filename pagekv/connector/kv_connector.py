@@ -126,6 +126,9 @@ class KVConnector:
         self._load_stream = torch.cuda.Stream(self.kv.device) if cuda else None
         self._staging = IndexStaging() if cuda else None  # the only page-locked allocation
         self._closed = False
+        # a fetch-or-recompute policy (pagekv.connector.policy.FetchPolicy) the engine consults;
+        # its decisions and their inputs show in stats()["policy"]
+        self.policy: Any = None
         register_exit_flush(self)
 
     # ---- keys and arguments ----------------------------------------------------------------
@@ -387,6 +390,8 @@ class KVConnector:
         out.update(self.writeback.stats())
         out.update(self.cache.describe(), host_pages=self.pool.num_pages)
         out["store"] = dict(self.store.counters)
+        if self.policy is not None:
+            out["policy"] = self.policy.stats()
         return out
 
     def log_stats_every(self, seconds: float) -> None:

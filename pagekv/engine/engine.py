@@ -77,6 +77,7 @@ class Engine:
             )  # fmt: skip
             self.policy = FetchPolicy(policy, bytes_per_token=self.geometry.bytes_per_token,
                                       attention_context=config.model.attention_context)  # fmt: skip
+            self.connector.policy = self.policy  # its decisions show in the connector's stats
         self.counters = dict.fromkeys(
             ("requests", "prompt_tokens", "reused_host", "reused_store", "computed_tokens",
              "generated_tokens", "saved_pages"), 0,
