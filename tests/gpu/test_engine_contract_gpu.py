@@ -283,3 +283,59 @@ def test_engine_calls_return_while_every_stream_is_busy(node):
             torch.cuda.synchronize()
     finally:
         a.close()
+
+
+BIG = KVGeometry(32, 16, 8, 128, "bf16")  # Llama-3-8B rows: 128 KiB per token
+BIG_TOKENS = 8192  # 1 GiB: copies that take ~20 ms, long enough to race without a sleep
+
+
+def big_connector(node, name):
+    kv = [random_tensor((32, 2 * BIG_TOKENS, 8, 128), BIG.dtype, "cuda") for _ in range(2)]
+    conn = KVConnector(BIG, kv, node.address, host_pages=BIG_TOKENS // 16 + 8,
+                       namespace=KeyNamespace(name, BIG))  # fmt: skip
+    conn.writes_to_store = False
+    return kv, conn
+
+
+def test_large_save_then_host_tier_load_in_reverse_page_order(node):
+    """Item 2 by size: the load starts with the pages the save writes last."""
+    kv, a = big_connector(node, "gpu-contract-rev")
+    try:
+        tokens = prompt(BIG_TOKENS)
+        slots = torch.randperm(BIG_TOKENS, device="cuda")
+        expected = snapshot(kv, slots)
+        torch.cuda.synchronize()
+        a.save(tokens, slots, engine_waits=False)
+        h = asyncio.run(a.prefetch(tokens))
+        rev = type(h)(h.keys, h.page_ids[::-1], h.page_size)  # same pages, last first
+        out = torch.arange(BIG_TOKENS, 2 * BIG_TOKENS, device="cuda").view(-1, 16).flip(0)
+        a.load(rev, out.reshape(-1))
+        a.release(rev)
+        h.released = True
+        assert same(kv, torch.arange(BIG_TOKENS, 2 * BIG_TOKENS, device="cuda"), expected)
+    finally:
+        a.close()
+
+
+def test_large_layerwise_load_index_tensors_survive_engine_allocations(node):
+    """Item 4 by size: 32 layers of 32 MiB; the engine allocates and writes small tensors
+    while the later layers still load."""
+    kv, a = big_connector(node, "gpu-contract-lw")
+    try:
+        tokens = prompt(BIG_TOKENS)
+        src = torch.randperm(BIG_TOKENS, device="cuda")
+        expected = snapshot(kv, src)
+        a.save(tokens, src)
+        torch.cuda.synchronize()
+        h = asyncio.run(a.prefetch(tokens))
+        out = torch.arange(BIG_TOKENS, 2 * BIG_TOKENS)
+        layers = a.load_async(h, out)
+        junk = [torch.full((n,), -7, dtype=torch.int64, device="cuda")
+                for n in (BIG_TOKENS // 16, BIG_TOKENS) for _ in range(64)]  # fmt: skip
+        for i in range(BIG.num_layers):
+            layers.wait_layer(i)
+        assert same(kv, out.cuda(), expected)
+        del junk
+        a.release(h)
+    finally:
+        a.close()
