@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -90,5 +91,29 @@ def test_exit_without_close_writes_back_what_was_saved():
         keys = page_keys(tokens, NS)
         with StoreClient(node.address) as client:
             assert client.exists_many(keys).leading == pages  # before: 0 (dropped at exit)
+    finally:
+        node.stop()
+
+
+def test_store_timeouts_scale_with_the_bytes_of_a_request():
+    """A large PUT to a node that is slow (stopped for 1 s) succeeds when its bound is
+    base + per-MiB; with the base alone (0.3 s) it would be taken for a dead node."""
+    assert ClientConfig(("tcp://127.0.0.1:1",), timeout_s=0.2,
+                        timeout_per_mib_s=1.0).timeout_for(2 << 20) == 2.2  # fmt: skip
+    node = NodeProcess("--capacity", "256MiB").start()
+    try:
+        blocks = [bytes([i]) * (1 << 20) for i in range(16)]  # 16 MiB: bound 0.3 + 1.6 s
+        keys = [b"slow-%d" % i for i in range(16)]
+        cfg = ClientConfig((node.address,), timeout_s=0.3, timeout_per_mib_s=0.1)
+        with StoreClient(node.address, config=cfg) as client:
+            node.proc.send_signal(signal.SIGSTOP)
+            resume = threading.Timer(1.0, node.proc.send_signal, (signal.SIGCONT,))
+            resume.start()
+            try:
+                statuses = client.put_many(keys, blocks)
+            finally:
+                resume.join()
+            assert all(s.name == "OK" for s in statuses), statuses
+            assert client.get_many(keys) == [memoryview(b) for b in blocks]
     finally:
         node.stop()

@@ -55,6 +55,11 @@ def _check_keys(keys: Sequence[bytes], buffers: Sequence[Any] | None, what: str)
         raise ValueError(f"{len(keys)} keys but {len(buffers)} {what}")
 
 
+def _payload_bytes(calls: Batch) -> int:
+    """Bytes the calls send (PUT payloads): what their time bound scales with."""
+    return sum(memoryview(p).nbytes for call in calls for p in call.payloads)
+
+
 class _Base:
     def __init__(
         self,
@@ -145,7 +150,7 @@ class StoreClient(_Base):
         """Send each node its requests (pipelined on its socket) and collect the replies
         until the deadline; a request whose node cannot be written to (not connected) or
         does not answer in time gets None."""
-        deadline = time.monotonic() + self.config.timeout_s
+        deadline = time.monotonic() + self.config.timeout_for(_payload_bytes(batch))
         results: Results = {}
         unsent: dict[zmq.Socket, list[tuple[int, list[Any]]]] = {}
         waiting: dict[zmq.Socket, set[int]] = {}
@@ -277,7 +282,8 @@ class AsyncStoreClient(_Base):
             sock = self._socks[node]
             try:
                 exchange = self._roundtrips(sock, calls)
-                return await asyncio.wait_for(exchange, self.config.timeout_s)
+                timeout = self.config.timeout_for(_payload_bytes(calls))
+                return await asyncio.wait_for(exchange, timeout)
             except (asyncio.TimeoutError, ProtocolError, zmq.ZMQError):
                 self._reset(node)
                 return {c.request.id: None for c in calls}

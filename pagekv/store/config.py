@@ -90,11 +90,14 @@ class CurveClientKeys:
 
 @dataclass(frozen=True)
 class ClientConfig:
-    """Which nodes, how many replicas, and how long to wait."""
+    """Which nodes, how many replicas, and how long to wait: a request to a node may take
+    ``timeout_s`` plus ``timeout_per_mib_s`` per MiB it sends (a large healthy transfer is not
+    taken for a dead node)."""
 
     endpoints: tuple[str, ...]
     replicas: int = 1
     timeout_s: float = 5.0
+    timeout_per_mib_s: float = 0.01  # 100 MiB/s: far below any healthy link
     backoff_min_s: float = 0.25
     backoff_max_s: float = 8.0
     curve: CurveClientKeys | None = None
@@ -114,7 +117,15 @@ class ClientConfig:
             raise ValueError(
                 f"ClientConfig.replicas must be in [1, {len(self.endpoints)}], got {self.replicas}"
             )
+        if isinstance(self.timeout_per_mib_s, bool) or not self.timeout_per_mib_s >= 0:
+            raise ValueError(
+                f"ClientConfig.timeout_per_mib_s must be >= 0, got {self.timeout_per_mib_s!r}"
+            )
         _positive(
             "ClientConfig", timeout_s=self.timeout_s, backoff_min_s=self.backoff_min_s,
             backoff_max_s=self.backoff_max_s, max_message_bytes=self.max_message_bytes,
         )  # fmt: skip
+
+    def timeout_for(self, nbytes: int) -> float:
+        """Seconds a request that sends ``nbytes`` may take."""
+        return self.timeout_s + self.timeout_per_mib_s * nbytes / (1 << 20)
