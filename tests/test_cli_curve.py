@@ -102,3 +102,43 @@ def test_cluster_takes_curve_options_from_env(keys):
         assert len(re.findall("authentication failed", out.stdout)) == 2, out.stdout
     finally:
         assert cluster.stop() == 0
+
+
+def test_library_clients_tell_refused_keys_from_dead_nodes(keys):
+    """StoreClient/AsyncStoreClient.stats(): AuthenticationFailed for a refused key,
+    StoreUnavailable (and not AuthenticationFailed) for a node that is not there."""
+    import asyncio
+    import socket
+
+    from pagekv.errors import AuthenticationFailed, StoreUnavailable
+    from pagekv.store import AsyncStoreClient, CurveClientKeys, StoreClient
+
+    node = Node("--capacity", "8MiB", "--curve-secret-key", keys["server"][1], "--curve-allow",
+                keys["allow"])  # fmt: skip
+    try:
+        good = CurveClientKeys.from_files(keys["server"][0], keys["good"][1])
+        bad = CurveClientKeys.from_files(keys["server"][0], keys["bad"][1])
+        with StoreClient(node.address, curve=good, timeout_s=2) as c:
+            assert c.stats()[0] is not None
+        with StoreClient(node.address, curve=bad, timeout_s=1) as c:
+            with pytest.raises(AuthenticationFailed, match="authentication failed"):
+                c.stats()
+
+        async def refused():
+            client = AsyncStoreClient(node.address, curve=bad, timeout_s=1)
+            try:
+                await client.stats()
+            finally:
+                client.close()
+
+        with pytest.raises(AuthenticationFailed):
+            asyncio.run(refused())
+    finally:
+        node.stop()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    with StoreClient(dead, curve=good, timeout_s=0.5) as c:
+        with pytest.raises(StoreUnavailable) as err:
+            c.stats()
+        assert not isinstance(err.value, AuthenticationFailed)

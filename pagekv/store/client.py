@@ -23,6 +23,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from pagekv.errors import AuthenticationFailed
+
 from .config import ClientConfig, CurveClientKeys
 from .protocol import MAX_KEY_BYTES, Op, ProtocolError, Status, decode_reply, encode_request
 from .routing import Batch, ExistsResult, OpGen, Results, Router, StoreUnavailable
@@ -119,11 +121,24 @@ class _Base:
         _check_keys(keys, None, "")
         return self.router.delete(keys)
 
-    @staticmethod
-    def _stats_or_raise(stats: list[dict | None]) -> list[dict | None]:
+    def _stats_or_raise(self, stats: list[dict | None]) -> list[dict | None]:
         if all(s is None for s in stats):
-            raise StoreUnavailable("no store node answered")
+            raise_unavailable(self.config)
         return stats
+
+
+def raise_unavailable(cfg: ClientConfig) -> None:
+    """No node answered: probe each (a PING watched by a socket monitor) and raise
+    ``AuthenticationFailed`` if a node refused this client's CURVE keys, else
+    ``StoreUnavailable``, naming each node's outcome. Blocking (at most ~2 s per node)."""
+    from .probe import Outcome, probe
+
+    results = [probe(ep, curve=cfg.curve, timeout_s=min(cfg.timeout_s, 2.0))
+               for ep in cfg.endpoints]  # fmt: skip
+    why = "; ".join(f"{r.endpoint}: {r}" for r in results)
+    if any(r.outcome is Outcome.AUTH_FAILED for r in results):
+        raise AuthenticationFailed(f"store authentication failed ({why})")
+    raise StoreUnavailable(f"no store node answered ({why})")
 
 
 class StoreClient(_Base):
@@ -330,7 +345,10 @@ class AsyncStoreClient(_Base):
         return await self._run(self._plan_delete(keys))
 
     async def stats(self) -> list[dict | None]:
-        return self._stats_or_raise(await self._run(self.router.each_node(Op.STATS)))
+        stats = await self._run(self.router.each_node(Op.STATS))
+        if all(st is None for st in stats):
+            await asyncio.to_thread(raise_unavailable, self.config)
+        return stats
 
     async def ping(self) -> list[bool]:
         return [s is not None for s in await self._run(self.router.each_node(Op.PING))]
