@@ -142,3 +142,27 @@ def test_library_clients_tell_refused_keys_from_dead_nodes(keys):
         with pytest.raises(StoreUnavailable) as err:
             c.stats()
         assert not isinstance(err.value, AuthenticationFailed)
+
+
+def test_connector_logs_authentication_failed_not_a_dead_node(keys, caplog):
+    import torch
+
+    from pagekv.connector import KeyNamespace, KVConnector, KVGeometry
+    from pagekv.store import ClientConfig, CurveClientKeys
+    from tests.helpers import wait_until
+
+    node = Node("--capacity", "8MiB", "--curve-secret-key", keys["server"][1], "--curve-allow",
+                keys["allow"])  # fmt: skip
+    geo = KVGeometry(2, 4, 2, 16, "bf16")
+    bad = CurveClientKeys.from_files(keys["server"][0], keys["bad"][1])
+    kv = [torch.zeros(2, 64, 2, 16, dtype=torch.bfloat16) for _ in range(2)]
+    conn = KVConnector(geo, kv, ClientConfig((node.address,), timeout_s=1.0, curve=bad),
+                       host_pages=8, namespace=KeyNamespace("auth", geo))  # fmt: skip
+    try:
+        with caplog.at_level("WARNING", logger="pagekv.connector"):
+            assert conn.lookup(list(range(16))) == 0
+            wait_until(lambda: any("authentication failed" in r.getMessage()
+                                   for r in caplog.records), what="the diagnosis")  # fmt: skip
+    finally:
+        conn.close(timeout_s=1)
+        node.stop()

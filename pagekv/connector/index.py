@@ -12,6 +12,7 @@ dead node costs one bound per period instead of one per request.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -66,6 +67,8 @@ class KVIndex:
             ("lookups", "lookup_timeouts", "lookups_skipped", "store_errors"), 0
         )
         self._warn = RateLimitedLog(log)
+        self._why = RateLimitedLog(log, 60.0)
+        self._diagnosing = threading.Event()
         # circuit breaker: after a failed lookup, none for backoff_s (doubling up to max)
         self.backoff_min_s, self.backoff_max_s = 0.25, 8.0
         self._backoff_s = 0.0
@@ -141,6 +144,23 @@ class KVIndex:
     def _back_off(self, now: float) -> None:
         self._backoff_s = min(self.backoff_max_s, max(self.backoff_min_s, 2 * self._backoff_s))
         self._skip_until = now + self._backoff_s
+        if not self._diagnosing.is_set():  # say why, off the engine's thread
+            self._diagnosing.set()
+            threading.Thread(target=self._diagnose, name="pagekv-probe", daemon=True).start()
+
+    def _diagnose(self) -> None:
+        """Probe each node once and log what is wrong: "authentication failed" (a CURVE
+        misconfiguration) reads differently from "unreachable" or "no answer"."""
+        from pagekv.store.probe import Outcome, probe
+
+        cfg = self.store.config
+        try:
+            for ep in cfg.endpoints:
+                result = probe(ep, curve=cfg.curve, timeout_s=min(cfg.timeout_s, 2.0))
+                if result.outcome is not Outcome.OK:
+                    self._why.warning("pagekv: store node %s: %s", ep, result)
+        finally:
+            self._diagnosing.clear()
 
     async def _exists(self, keys: list[bytes]) -> list[bool] | None:
         try:
