@@ -9,7 +9,8 @@ working and ``except PagekvError`` catches everything pagekv signals.
 class                      builtin base            raised when
 =========================  ======================  =============================================
 ``ConfigError``            ``ValueError``          a config or argument value is invalid
-``InvalidPageError``       ``ValueError``          a host page id is out of range, not held, ...
+``InvalidPageError``       ``IndexError``, ``V..``  a host page id is out of range, not held, ...
+``InvalidSlotError``       ``IndexError``, ``V..``  a device slot is outside the cache
 ``PoolExhausted``          ``RuntimeError``        the host pool cannot supply the pages asked
 ``KernelsUnavailable``     ``RuntimeError``        the CUDA kernels cannot run here (says why)
 ``ProtocolError``          ``ValueError``          a store message is malformed (has ``code``)
@@ -28,6 +29,7 @@ __all__ = [
     "ConfigError",
     "ConnectorClosed",
     "InvalidPageError",
+    "InvalidSlotError",
     "KernelsUnavailable",
     "PagekvError",
     "PoolExhausted",
@@ -46,8 +48,13 @@ class ConfigError(PagekvError, ValueError):
     """A configuration or argument value is invalid; the message names the field."""
 
 
-class InvalidPageError(PagekvError, ValueError):
-    """A page id outside the pool, not allocated (double free), or repeated in one call."""
+class InvalidPageError(PagekvError, IndexError, ValueError):
+    """A host page id outside the pool, not allocated (double free), not held, or repeated
+    in one call. The same type from the host pool, the page cache and the kernels."""
+
+
+class InvalidSlotError(PagekvError, IndexError, ValueError):
+    """A device slot index outside the engine's cache (the kernels and the connector)."""
 
 
 class PoolExhausted(PagekvError, RuntimeError):

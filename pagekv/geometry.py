@@ -16,8 +16,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-import torch
 import xxhash
+
+from pagekv._torch import torch
 
 __all__ = ["KVGeometry", "KVKind", "SUPPORTED_DTYPES", "dtype_from_name"]
 

@@ -1,20 +1,44 @@
-"""Shared bits for pagekv benchmarks: environment facts and result files."""
+"""Shared bits for pagekv benchmarks: environment facts and result files.
+
+Results go to ``$RESULTS_DIR`` when it is set (scripts/gpu_check.sh), else to
+``benchmarks/results/`` with ``--save``, else to a temp dir: running a benchmark does not dirty
+the tree. JSON holds no NaN: a value that was not measured is null, and ``nulls`` says why.
+"""
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-RESULTS_DIR = Path(
-    os.environ.get("RESULTS_DIR", Path(__file__).resolve().parent.parent / "benchmarks" / "results")
-)
+SAVED_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+_save = False
+
+
+def parse_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """``ap.parse_args()`` plus ``--save`` (results into benchmarks/results/)."""
+    global _save
+    ap.add_argument("--save", action="store_true",
+                    help="write results to benchmarks/results/ (default: a temp dir; "
+                    "$RESULTS_DIR overrides both)")  # fmt: skip
+    args = ap.parse_args()
+    _save = args.save
+    return args
+
+
+def results_dir() -> Path:
+    if os.environ.get("RESULTS_DIR"):
+        return Path(os.environ["RESULTS_DIR"])
+    return SAVED_DIR if _save else Path(tempfile.gettempdir()) / "pagekv-bench"
 
 
 def git_commit() -> str:
@@ -47,8 +71,26 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def write_result(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
-    path.write_text(json.dumps({"env": environment(), **payload}, indent=2) + "\n")
+def _finite(value: Any, where: str, nulls: dict[str, str], reason: str) -> Any:
+    """``value`` with every NaN/inf float replaced by None (its path and ``reason`` noted)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        nulls[where] = reason
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v, f"{where}.{k}".lstrip("."), nulls, reason) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v, f"{where}[{i}]", nulls, reason) for i, v in enumerate(value)]
+    return value
+
+
+def write_result(name: str, payload: dict[str, Any], nan_reason: str = "not measured") -> Path:
+    """Write ``{env, **payload}`` as ``name.json`` in :func:`results_dir`; NaN becomes null."""
+    nulls: dict[str, str] = {}
+    clean = _finite({"env": environment(), **payload}, "", nulls, nan_reason)
+    if nulls:
+        clean["nulls"] = nulls
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(clean, indent=2, allow_nan=False) + "\n")
     return path

@@ -17,7 +17,7 @@ import statistics
 import time
 
 import torch
-from _bench_util import environment, write_result
+from _bench_util import environment, parse_args, write_result
 
 from pagekv.connector import KeyNamespace, KVConnector, KVGeometry
 from pagekv.store import ClientConfig, StoreClient
@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--nodes", default="1,3")
-    args = ap.parse_args()
+    args = parse_args(ap)
     tune_malloc_for_blocks()
     env = environment()
     print(f"# {env['device']}, {env['cpu_count']} cpus, commit {env['commit']}", flush=True)

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import torch
-from _bench_util import environment, write_result
+from _bench_util import environment, parse_args, write_result
 
 from pagekv.connector import KeyNamespace, KVGeometry, page_keys
 
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128 * 1024)
     ap.add_argument("--page-sizes", default="1,16,64")
     ap.add_argument("--repeat", type=int, default=21)
-    args = ap.parse_args()
+    args = parse_args(ap)
 
     toks = [random.randrange(128_256) for _ in range(args.tokens)]
     inputs = {

@@ -7,7 +7,7 @@ direct memcpy backend, one host->device copy into a staging buffer plus a GPU sc
 per-page-per-layer torch copies. Then the one-layer load by batch size, a thread-block sweep,
 and the fused KV store against two index_put. Medians of CUDA-event timings.
 
-    python scripts/bench_kernels.py [--quick]    # writes benchmarks/results/bench_kernels.json
+    python scripts/bench_kernels.py [--quick] [--save]   # --save: into benchmarks/results/
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import statistics
 import time
 
 import torch
-from _bench_util import environment, write_result
+from _bench_util import environment, parse_args, write_result
 
 from pagekv.connector import KVGeometry
 from pagekv.kernels import DeviceKV, load, ops, save, store_kv
@@ -490,7 +490,7 @@ def main() -> None:
     )
     ap.add_argument("--only", default="", help="comma list of sections to run (default: all)")
     ap.add_argument("--quick", action="store_true", help="64 MiB, page sizes 1,16,128, 3 reps")
-    args = ap.parse_args()
+    args = parse_args(ap)
     if args.quick:
         args.bytes, args.page_sizes, args.reps = 64 << 20, [1, 16, 128], 3
     # exactly 1 GiB (the pinned allocator rounds up to powers of two): the one-layer batches

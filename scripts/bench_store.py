@@ -8,7 +8,7 @@
 * put/get GB/s over block sizes 256 KiB-8 MiB and batches 1-128;
 * EXISTS latency for 1,024 keys; node RSS against capacity under a put stream of 3x capacity.
 
-    python scripts/bench_store.py [--quick]        # JSON + PNG in benchmarks/results/
+    python scripts/bench_store.py [--quick] [--save]     # --save: into benchmarks/results/
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _bench_util import environment, write_result
+from _bench_util import environment, parse_args, write_result
 
 from pagekv.store import Status, StoreClient
 from pagekv.store.launch import NodeProcess
@@ -181,7 +181,7 @@ def main() -> None:
     ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--default-malloc", action="store_true", help="client: glibc defaults")
-    args = ap.parse_args()
+    args = parse_args(ap)
     if args.quick:
         args.rounds, args.batches, args.block_sizes = 3, [1, 32], [256 * 1024, 2 * MIB]
         args.exists_iters, args.rss_capacity = 50, 64 * MIB
@@ -195,7 +195,8 @@ def main() -> None:
     result["exists"] = exists_latency(args)
     result["rss"] = rss_under_stream(args)
     result["grid"] = grid(args)
-    print(f"wrote {write_result('bench_store', result)}")
+    reason = "no raw-TCP peer measured (peers not installed or --skip-peers)"
+    print(f"wrote {write_result('bench_store', result, nan_reason=reason)}")
 
 
 if __name__ == "__main__":

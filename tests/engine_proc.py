@@ -34,7 +34,7 @@ def main() -> None:
     ns = KeyNamespace("toy-model", GEO)
     if role == "save":
         conn = KVConnector(GEO, src, cfg, host_pages=512, namespace=ns)
-        saved = conn.save(tokens, src_slots)
+        saved = conn.save(tokens, src_slots).pages
         conn.flush_sync(timeout=60)
         out = dict(saved=saved, **{k: v for k, v in conn.stats().items() if k != "store"})
     else:

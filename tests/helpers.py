@@ -30,3 +30,14 @@ def poison_(t):
 
 def bits_equal(a, b):
     return a.shape == b.shape and torch.equal(as_bits(a).cpu(), as_bits(b).cpu())
+
+
+def wait_until(predicate, timeout=10.0, what="condition"):
+    """Poll ``predicate`` until it is true; fail the test after ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)

@@ -38,7 +38,7 @@ def test_save_lookup_prefetch_load_round_trip(node):
         tokens = prompt(4 * 10 + 3)  # 10 full pages and a partial one
         slots_a = torch.randperm(NUM_SLOTS)[: len(tokens)]
         assert b.lookup(tokens) == 0
-        assert a.save(tokens, slots_a) == 10
+        assert a.save(tokens, slots_a).pages == 10
         assert a.lookup(tokens) == 40  # host tier
         a.flush_sync(timeout=10)
         assert a.stats()["writeback_written"] == 10
@@ -70,11 +70,11 @@ def test_save_skips_pages_present_and_partial(node):
     try:
         tokens = prompt(12)
         slots = torch.arange(12)
-        assert a.save(tokens, slots) == 3
-        assert a.save(tokens, slots) == 0  # already in the host tier
+        assert a.save(tokens, slots).pages == 3
+        assert a.save(tokens, slots).pages == 0  # already in the host tier
         a.flush_sync(timeout=10)
         a.cache.evict(10)  # forget locally; the store still has them
-        assert a.save(tokens + prompt(4), torch.arange(16)) == 4
+        assert a.save(tokens + prompt(4), torch.arange(16)).pages == 4
         a.flush_sync(timeout=10)
         st = a.stats()
         assert st["writeback_skipped_present"] == 3 and st["writeback_written"] == 4
@@ -171,7 +171,7 @@ def test_store_down_is_a_miss_not_an_error():
     try:
         tokens = prompt(8)
         assert conn.lookup(tokens) == 0
-        assert conn.save(tokens, torch.arange(8)) == 2
+        assert conn.save(tokens, torch.arange(8)).pages == 2
         conn.flush_sync(timeout=10)
         assert conn.stats()["writeback_failed"] == 2
         assert conn.lookup(tokens) == 8  # still in the host tier
@@ -230,7 +230,7 @@ def test_writeback_queue_is_bounded_and_drops_oldest():
     conn = KVConnector(GEO, caches(), dead, host_pages=64, namespace=ns, max_pending_writes=4)
     try:
         for _ in range(6):  # 6 saves of 2 pages while the first write-back waits on a dead node
-            assert conn.save(prompt(8), torch.randperm(NUM_SLOTS)[:8]) == 2
+            assert conn.save(prompt(8), torch.randperm(NUM_SLOTS)[:8]).pages == 2
         conn.flush_sync(timeout=30)
         st = conn.stats()
         assert st["writeback_dropped"] >= 4  # oldest queued pages dropped, not the engine blocked

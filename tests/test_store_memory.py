@@ -213,7 +213,7 @@ def test_small_blocks_are_accounted_at_their_real_cost(size):
             stats = client.stats()[0]
         config = NodeConfig(capacity="32MiB", max_block_size="1MiB", max_message_size="1MiB")
         report(f"96 MiB of {size} B blocks into 32 MiB", w, evictions=stats["evictions"])
-        assert stats["bytes"] <= stats["capacity"] and stats["evictions"] > 0
+        assert stats["used_bytes"] <= stats["capacity"] and stats["evictions"] > 0
         assert w.peak <= w.bound(1, config)
         assert w.peak <= 1.1 * config.capacity + 4 * MIB  # the capacity term really holds
     finally:

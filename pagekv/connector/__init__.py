@@ -1,10 +1,16 @@
-"""pagekv.connector: KV geometry, prefix page keys, the page-first host pool and its cache tier,
-and the KVConnector that engines plug in."""
+"""pagekv.connector: prefix page keys, the page-first host pool and its cache tier, the
+scheduler-side :class:`KVIndex` and the worker-side :class:`KVConnector` that engines plug in."""
 
+import pagekv._torch  # noqa: F401  (first: a clear ImportError when torch is missing)
+from pagekv.errors import InvalidPageError, PoolExhausted
 from pagekv.geometry import SUPPORTED_DTYPES, KVGeometry, KVKind, dtype_from_name
 
+from .handles import Prefetch, SaveHandle
 from .hashing import KEY_BYTES, KeyNamespace, page_keys, tokens_to_bytes
-from .host_pool import HostPagePool, InvalidPageError, PoolExhausted
+from .host_pool import HostPagePool
+from .index import KVIndex
+from .kv_connector import KVConnector
+from .layerwise import LayerLoad
 from .page_cache import PageCache
 
 __all__ = [
@@ -14,27 +20,15 @@ __all__ = [
     "InvalidPageError",
     "KVConnector",
     "KVGeometry",
+    "KVIndex",
     "KVKind",
     "KeyNamespace",
     "LayerLoad",
     "PageCache",
     "PoolExhausted",
     "Prefetch",
+    "SaveHandle",
     "dtype_from_name",
     "page_keys",
     "tokens_to_bytes",
 ]
-
-
-def __getattr__(name: str) -> object:
-    # The connector imports pagekv.kernels, which imports this package's geometry: loading
-    # it lazily keeps "import pagekv.kernels" first (or alone) free of an import cycle.
-    if name in ("KVConnector", "Prefetch"):
-        from . import kv_connector
-
-        return getattr(kv_connector, name)
-    if name == "LayerLoad":
-        from .layerwise import LayerLoad
-
-        return LayerLoad
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

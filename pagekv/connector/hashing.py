@@ -13,6 +13,7 @@ holds the same latent, so every rank may read a page any rank wrote.
 from __future__ import annotations
 
 import array
+import functools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,13 +34,25 @@ _U32_CODE = next(code for code in ("I", "L") if array.array(code).itemsize == 4)
 
 @dataclass(frozen=True)
 class KeyNamespace:
-    """What seeds the key chain: blocks from different models, geometries or TP ranks never
-    share a key. Raises ``ValueError``/``TypeError`` naming the bad field."""
+    """What seeds the key chain: pages of different models, geometries, byte layouts, dtypes or
+    ranks never share a key. Raises ``ValueError``/``TypeError`` naming the bad field.
+
+    ``layout`` names the byte order inside a page ("pagekv" for pagekv's own page-first block;
+    an engine adapter names its own, e.g. "vllm-LBHNC-cpu-vec16"). ``extra`` is any further
+    namespace (a cache salt, a LoRA id). ``rank_shared`` (default: MLA) means every tensor-
+    parallel rank holds the same page, so the TP rank and size are left out of the seed and
+    only rank 0 writes (:attr:`is_writer`).
+    """
 
     model_id: str
     geometry: KVGeometry
     tp_rank: int = 0
     tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    layout: str = "pagekv"
+    extra: str = ""
+    rank_shared: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id:
@@ -50,23 +63,65 @@ class KeyNamespace:
             raise TypeError(
                 f"KeyNamespace.geometry must be a KVGeometry, got {type(self.geometry).__name__}"
             )
-        for field in ("tp_rank", "tp_size"):
+        for field in ("tp_rank", "tp_size", "pp_rank", "pp_size"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"KeyNamespace.{field} must be an int, got {value!r}")
-        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(
-                f"KeyNamespace: need 0 <= tp_rank < tp_size, got tp_rank={self.tp_rank} "
-                f"tp_size={self.tp_size}"
-            )
+        for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
+            r, n = getattr(self, rank), getattr(self, size)
+            if n < 1 or not 0 <= r < n:
+                raise ValueError(f"KeyNamespace: need 0 <= {rank} < {size}, got {r} and {n}")
+        for field in ("layout", "extra"):
+            if not isinstance(getattr(self, field), str):
+                raise TypeError(f"KeyNamespace.{field} must be a str")
+        if not self.layout:
+            raise ValueError("KeyNamespace.layout must be non-empty")
+        if self.rank_shared is None:
+            object.__setattr__(self, "rank_shared", self.geometry.is_mla)
+        if not isinstance(self.rank_shared, bool):
+            raise TypeError(f"KeyNamespace.rank_shared must be a bool, got {self.rank_shared!r}")
 
     @property
+    def is_writer(self) -> bool:
+        """Whether this rank writes pages to the store (rank-shared pages: rank 0 only)."""
+        return not self.rank_shared or self.tp_rank == 0
+
+    @functools.cached_property
     def seed(self) -> bytes:
         """The 16-byte chain seed (the "key" before page 0)."""
         geo = self.geometry
-        rank = "shared" if geo.is_mla else f"{self.tp_rank}/{self.tp_size}"
+        rank = "shared" if self.rank_shared else f"{self.tp_rank}/{self.tp_size}"
         canon = f"pagekv-ns-v1|{self.model_id}|{geo.fingerprint}|{geo.dtype}|{rank}"
+        extra = (
+            ("pp", f"{self.pp_rank}/{self.pp_size}"),
+            ("layout", self.layout),
+            ("extra", self.extra),
+        )
+        defaults = ("0/1", "pagekv", "")
+        if any(value != d for (_, value), d in zip(extra, defaults)):
+            # each part length-prefixed: no two namespaces spell the same string
+            canon = "pagekv-ns-v2|" + "|".join(
+                f"{name}:{len(value)}:{value}"
+                for name, value in (("model", self.model_id), ("geometry", geo.fingerprint),
+                                    ("dtype", str(geo.dtype)), ("rank", rank), *extra)
+            )  # fmt: skip
         return xxhash.xxh3_128_digest(canon.encode())
+
+    def derive_keys(self, external: Sequence[bytes | str]) -> list[bytes]:
+        """Namespaced 16-byte keys from an engine's own per-page hashes (vLLM's
+        ``request.block_hashes``, SGLang's hex page keys), which already chain the prefix:
+        ``key_i = xxh3_128(seed || external_i)``. Pure function. Raises ``TypeError`` for an
+        element that is neither bytes nor str, ``ValueError`` for an empty one."""
+        seed, digest, out = self.seed, xxhash.xxh3_128_digest, []
+        for i, h in enumerate(external):
+            if isinstance(h, str):
+                h = h.encode()
+            elif not isinstance(h, (bytes, bytearray, memoryview)):
+                raise TypeError(f"external hash {i} must be bytes or str, got {type(h).__name__}")
+            if not len(h):
+                raise ValueError(f"external hash {i} is empty")
+            out.append(digest(seed + bytes(h)))
+        return out
 
 
 def _first_bad_token(values: Sequence[Any]) -> tuple[int, Any]:

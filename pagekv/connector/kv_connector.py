@@ -1,68 +1,86 @@
-"""KVConnector: what an engine plugs in to reuse KV pages across engines and machines.
+"""KVConnector: what an engine's worker plugs in to reuse KV pages across engines and machines.
 
     engine ──lookup/prefetch/load/save──► KVConnector ──► PageCache (pinned host pages)
                                               │                 ▲
                                               │   kernels.load/save (GPU) or torch (CPU)
-                                              └──► AsyncStoreClient ──► store nodes
+                                              └──► KVIndex / AsyncStoreClient ──► store nodes
 
-The connector runs its own asyncio loop in a daemon thread: store I/O (prefetch fetches, the
-write-back queue) never runs on the engine's thread, and ``prefetch``/``flush`` can be awaited
-from any loop. Store failures (node down, timeout, corrupt block) become misses and counters,
-never exceptions in the engine's step and never wrong data.
+The contract with the engine (tested in tests/gpu/test_engine_contract_gpu.py):
+
+1. **Save vs slot reuse.** After :meth:`save` returns, the engine may overwrite the saved
+   slots on its current stream: by default that stream waits (GPU-side) on the save's
+   device -> host copy. ``engine_waits=False`` leaves the ordering to the engine, which then
+   waits on :attr:`SaveHandle.event` itself (vLLM's ``wait_for_save``).
+2. **Publish after completion.** A saved page is indexed at once, with the copy's event as its
+   ready event: every load of it first waits on that event, so a host-tier hit right after a
+   save loads the saved bytes.
+3. **No reuse of a host page while a copy uses it.** Pages a copy reads or writes are released
+   only after the copy's event (a failed publish, a non-writer rank, :meth:`release` after
+   :meth:`load`/:meth:`load_async`); held pages are never evicted or refilled.
+4. **Layer-wise load lifetimes.** Index tensors of :meth:`load_async` live on the load stream
+   until its kernels finish (see :mod:`.layerwise`).
+5. **No hidden host syncs.** :meth:`save`, :meth:`load` and :meth:`load_async` validate CPU
+   indices on the CPU and upload them from a pinned ring allocated once (a page-locked
+   allocation or a pageable upload would synchronise the device); saves and loads run on
+   separate streams.
+6. **Bounded waits.** :meth:`lookup` returns within ``lookup_timeout_s``; store failures are
+   misses and counters (``stats()['store_errors']``), never exceptions in the engine's step.
+7. **Pool pressure.** A prefetch takes the longest prefix that fits; fetched pages are handed
+   to their prefetch under the cache lock (see :mod:`.fetch`); eviction is O(1) per page.
+
+The connector runs its own asyncio loop in a daemon thread (store I/O never runs on the
+engine's thread); ``prefetch``/``flush`` can be awaited from any loop, ``prefetch_sync`` and
+``flush_sync`` called from any thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from pagekv.errors import ConnectorClosed, PoolExhausted
 from pagekv.geometry import KVGeometry
 from pagekv.kernels import DeviceKV, load, save
-from pagekv.store import AsyncStoreClient, ClientConfig, StoreError
+from pagekv.kernels.layout import check_slots
+from pagekv.store import ClientConfig
 
+from .fetch import Fetcher, Waiter
+from .handles import Prefetch, SaveHandle
 from .hashing import KeyNamespace, page_keys
-from .host_pool import HostPagePool, PoolExhausted
+from .host_pool import HostPagePool
+from .index import KVIndex, client_config
 from .layerwise import LayerLoad
+from .lifecycle import close_connector, register_exit_flush
+from .loop import LoopThread
 from .page_cache import PageCache
+from .staging import IndexStaging
 from .writeback import WriteBack
 
-__all__ = ["KVConnector", "Prefetch"]
+__all__ = ["KVConnector", "Prefetch", "SaveHandle"]
 
 log = logging.getLogger("pagekv.connector")
 Tokens = Sequence[int] | torch.Tensor
-
-
-@dataclass
-class Prefetch:
-    """Pages of a prefix held in the host pool until :meth:`KVConnector.release`.
-
-    ``num_tokens`` (a multiple of the page size) is what is ready to load.
-    """
-
-    keys: list[bytes]
-    page_ids: list[int]
-    page_size: int
-    released: bool = False
-    fetched: int = field(default=0)  # pages that came from the store (the rest were local)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.page_ids) * self.page_size
+_COUNTERS = (
+    "lookups", "lookup_tokens", "hit_tokens_host", "hit_tokens_store", "prefetches",
+    "prefetch_seconds", "prefetch_pool_short", "bytes_in", "bytes_out", "saves",
+    "save_pool_full", "store_errors", "pages_saved",
+)  # fmt: skip
 
 
 class KVConnector:
-    """Lookup, prefetch, layer-wise load and asynchronous save of prefix pages.
+    """Lookup, prefetch, layer-wise load and asynchronous save of prefix pages (see module
+    docstring for the contract).
 
     ``kv_caches``: the engine's layer-first cache, a :class:`DeviceKV` or ``(k, v)`` /
     ``(latent,)`` as accepted by :meth:`DeviceKV.from_caches`. ``store``: a
-    :class:`ClientConfig` or endpoint(s). Raises ``ValueError``/``TypeError`` for bad arguments.
+    :class:`ClientConfig` or endpoint(s). Raises ``ValueError``/``TypeError`` for bad arguments;
+    a failed constructor leaves no thread behind.
     """
 
     def __init__(
@@ -74,6 +92,8 @@ class KVConnector:
         host_pages: int,
         namespace: KeyNamespace,
         max_pending_writes: int = 1024,
+        lookup_timeout_s: float = 0.05,
+        close_timeout_s: float = 30.0,
     ) -> None:
         if not isinstance(namespace, KeyNamespace):
             raise TypeError(f"namespace must be a KeyNamespace, got {type(namespace).__name__}")
@@ -83,82 +103,116 @@ class KVConnector:
         self.kv = kv_caches if isinstance(kv_caches, DeviceKV) else DeviceKV.from_caches(
             geometry, *kv_caches
         )  # fmt: skip
+        cfg = client_config(store)  # validated before any thread or pinned memory exists
+        self.close_timeout_s = close_timeout_s
+        self.writes_to_store = namespace.is_writer
+        self.stats_counters: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
         self.pool = HostPagePool(geometry, host_pages)
         self.cache = PageCache(self.pool)
-        # MLA pages are the same on every rank: one rank writes them, all read them
-        self.writes_to_store = not geometry.is_mla or namespace.tp_rank == 0
-        self.stats_counters: dict[str, float] = dict.fromkeys(
-            ("lookups", "lookup_tokens", "hit_tokens_host", "hit_tokens_store", "prefetches",
-             "prefetch_seconds", "bytes_in", "bytes_out", "saves", "save_pool_full",
-             "store_errors", "pages_saved"), 0,
-        )  # fmt: skip
-        cfg = store if isinstance(store, ClientConfig) else ClientConfig(
-            tuple([store] if isinstance(store, str) else store)
-        )  # fmt: skip
-        self._inflight: dict[bytes, asyncio.Future] = {}
-        self._tasks: set[asyncio.Task] = set()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        self.store = self._call(self._make_client(cfg))
-        self.writeback = WriteBack(self, max_pending_writes)
-        self._stream = torch.cuda.Stream(self.kv.device) if self.kv.device.type == "cuda" else None
+        self._loop = LoopThread("pagekv-connector")
+        try:
+            self.index = KVIndex(namespace, cfg, lookup_timeout_s=lookup_timeout_s,
+                                 loop=self._loop)  # fmt: skip
+            self.store = self.index.store
+            self.fetcher = Fetcher(self.cache, self.pool, self.store, self.stats_counters)
+            self.writeback = WriteBack(self.cache, self.pool, self.store, max_pending_writes,
+                                       self.stats_counters)  # fmt: skip
+        except BaseException:
+            self._loop.close()
+            self.pool.close()
+            raise
+        cuda = self.kv.device.type == "cuda"
+        self._save_stream = torch.cuda.Stream(self.kv.device) if cuda else None
+        self._load_stream = torch.cuda.Stream(self.kv.device) if cuda else None
+        self._staging = IndexStaging() if cuda else None  # the only page-locked allocation
+        self._closed = False
+        # a fetch-or-recompute policy (pagekv.connector.policy.FetchPolicy) the engine consults;
+        # its decisions and their inputs show in stats()["policy"]
+        self.policy: Any = None
+        register_exit_flush(self)
 
-    async def _make_client(self, cfg: ClientConfig) -> AsyncStoreClient:
-        return AsyncStoreClient(cfg.endpoints, config=cfg)
-
-    def _call(self, coro: Any, timeout: float | None = None) -> Any:
-        """Run a coroutine on the connector loop from a synchronous caller."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
-
-    async def _on_loop(self, coro: Any) -> Any:
-        """Await a coroutine that runs on the connector loop, from any loop."""
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
-
+    # ---- keys and arguments ----------------------------------------------------------------
     def keys(self, token_ids: Tokens) -> list[bytes]:
         return page_keys(token_ids, self.namespace)
 
+    def _keys(self, token_ids: Tokens | None, keys: Sequence[bytes] | None) -> list[bytes]:
+        if self._closed:
+            raise ConnectorClosed("KVConnector is closed")
+        if (token_ids is None) == (keys is None):
+            raise ValueError("pass exactly one of token_ids and keys")
+        return self.keys(token_ids) if keys is None else list(keys)
+
+    def _slot_table(self, device_slots: Any, num_pages: int) -> torch.Tensor:
+        """``[num_pages, page_size]`` slots; CPU slots are range-checked here, on the CPU."""
+        if isinstance(device_slots, torch.Tensor) and device_slots.is_cuda:
+            s = device_slots.view(-1)[: num_pages * self.geometry.page_size]
+            return check_slots(s, num_pages, self.geometry.page_size, self.kv.num_slots,
+                               check_values=False)  # fmt: skip
+        s = torch.as_tensor(device_slots)
+        if s.dim() == 2:
+            s = s.reshape(-1)
+        need = num_pages * self.geometry.page_size
+        if s.dim() != 1 or s.numel() < need:
+            raise ValueError(f"device_slots needs {need} slots (1-D), got shape {tuple(s.shape)}")
+        return check_slots(s[:need], num_pages, self.geometry.page_size, self.kv.num_slots)
+
     # ---- lookup ----------------------------------------------------------------------------
-    def lookup(self, token_ids: Tokens) -> int:
-        """Tokens of the longest page-aligned prefix held in the host pool or the store
-        (one batched EXISTS, local hits first). No side effects on the cache."""
-        keys = self.keys(token_ids)
+    def lookup(
+        self, token_ids: Tokens | None = None, *, keys: Sequence[bytes] | None = None
+    ) -> int:
+        """Tokens of the longest page-aligned prefix held in the host pool or the store (host
+        tier first, then one batched EXISTS bounded by ``lookup_timeout_s``: on timeout the
+        host-tier hit). No side effects on the cache; never raises on store trouble."""
+        keys = self._keys(token_ids, keys)
         local = self.cache.match_prefix(keys)
-        remote = 0
-        if local < len(keys):
-            remote = self._call(self._exists_leading(keys[local:]))
+        remote = self.index.lookup_pages([keys[local:]]) if local < len(keys) else 0
         self.stats_counters["lookups"] += 1
         self.stats_counters["lookup_tokens"] += (local + remote) * self.geometry.page_size
         return (local + remote) * self.geometry.page_size
 
-    async def _exists_leading(self, keys: list[bytes]) -> int:
-        try:
-            return (await self.store.exists_many(keys)).leading
-        except StoreError as e:
-            self.stats_counters["store_errors"] += 1
-            log.warning("pagekv: store lookup failed: %s", e)
-            return 0
-
     # ---- prefetch --------------------------------------------------------------------------
     async def prefetch(
-        self, token_ids: Tokens, *, deadline: float | None = None, min_tokens: int = 0
+        self,
+        token_ids: Tokens | None = None,
+        *,
+        keys: Sequence[bytes] | None = None,
+        deadline: float | None = None,
+        min_tokens: int = 0,
     ) -> Prefetch:
         """Bring the prefix's pages into pinned host pages and hold them.
 
-        Stops at the first missing or corrupt page. Overlapping prefetches share in-flight
-        fetches. ``deadline`` (``time.monotonic()`` seconds): return what arrived by then.
-        Fewer than ``min_tokens`` ready: nothing is held and ``num_tokens`` is 0. Cancelling
-        releases the pages this call held.
+        Stops at the first missing or corrupt page, and takes no more pages than fit in the
+        free and evictable pool. Overlapping prefetches share in-flight fetches. ``deadline``
+        (``time.monotonic()`` seconds): return the leading pages that arrived by then. Fewer
+        than ``min_tokens`` ready: nothing is held and ``num_tokens`` is 0. Cancelling releases
+        the pages this call held.
         """
-        keys = self.keys(token_ids)
-        done = asyncio.run_coroutine_threadsafe(
-            self._prefetch(keys, deadline, min_tokens), self._loop
-        )
+        done = self._loop.submit(self._prefetch(self._keys(token_ids, keys), deadline, min_tokens))
         try:  # shielded: the fetch finishes on the connector loop whatever happens here
             return await asyncio.shield(asyncio.wrap_future(done))
         except asyncio.CancelledError:
             done.add_done_callback(self._release_orphan)  # its holds go when it is done
             raise
+
+    def prefetch_sync(
+        self,
+        token_ids: Tokens | None = None,
+        *,
+        keys: Sequence[bytes] | None = None,
+        timeout_s: float,
+        min_tokens: int = 0,
+    ) -> Prefetch:
+        """:meth:`prefetch` from a synchronous caller (any thread), returning within about
+        ``timeout_s`` with the leading pages that arrived by then."""
+        keys = self._keys(token_ids, keys)
+        done = self._loop.submit(self._prefetch(keys, time.monotonic() + timeout_s, min_tokens))
+        try:
+            return done.result(timeout_s + 1.0)
+        except (
+            concurrent.futures.TimeoutError
+        ):  # the loop is stuck: never block the engine, release later
+            done.add_done_callback(self._release_orphan)
+            return Prefetch(keys, [], self.geometry.page_size, released=True)
 
     def _release_orphan(self, done: Any) -> None:
         if not done.cancelled() and done.exception() is None:
@@ -170,154 +224,174 @@ class KVConnector:
         start = time.monotonic()
         handle = Prefetch(keys, self.cache.acquire(keys), self.geometry.page_size)
         local = len(handle.page_ids)
+        waiter = Waiter()
         try:
-            waits = [self._fetch_shared(k, keys[local:]) for k in keys[local:]]
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if waits:
-                await asyncio.wait(waits, timeout=timeout)
-            for key, fut in zip(keys[local:], waits):
-                if not fut.done() or fut.cancelled() or fut.result() is None:
+            rest = keys[local:]
+            futures = self.fetcher.want(rest, waiter) if rest else []
+            for key, fut in zip(rest, futures):
+                if not fut.done():
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    try:
+                        await asyncio.wait_for(asyncio.shield(fut), left)
+                    except asyncio.TimeoutError:
+                        break
+                page = waiter.held.pop(key, None)
+                if page is None:
                     break
-                held = self.cache.acquire([key])  # the fetch published it: take our hold
-                if not held:
-                    break
-                handle.page_ids += held
+                handle.page_ids.append(page)
                 handle.fetched += 1
         except BaseException:
             self.cache.release(handle.page_ids)
             handle.page_ids, handle.released = [], True
             raise
+        finally:
+            self.fetcher.forget(waiter)
+            if waiter.held:  # handed over but not leading (after a miss or the deadline)
+                self.cache.release(list(waiter.held.values()))
         if handle.num_tokens < min_tokens:
             self.release(handle)
             handle.page_ids = []
-        self.stats_counters["prefetches"] += 1
-        self.stats_counters["prefetch_seconds"] += time.monotonic() - start
-        self.stats_counters["hit_tokens_host"] += (
-            min(local, len(handle.page_ids)) * handle.page_size
-        )
-        self.stats_counters["hit_tokens_store"] += handle.fetched * handle.page_size
+        counters = self.stats_counters
+        counters["prefetches"] += 1
+        counters["prefetch_seconds"] += time.monotonic() - start
+        counters["hit_tokens_host"] += min(local, len(handle.page_ids)) * handle.page_size
+        counters["hit_tokens_store"] += handle.fetched * handle.page_size
         return handle
 
-    def _fetch_shared(self, key: bytes, batch: list[bytes]) -> asyncio.Future:
-        """A future for ``key``'s page (True when cached, None when missing or corrupt): the
-        fetch in flight, or a new one started together with the rest of ``batch``."""
-        if key not in self._inflight:
-            todo = [k for k in batch if k not in self._inflight and k not in self.cache]
-            futures = {k: self._loop.create_future() for k in todo}
-            self._inflight.update(futures)
-            task = self._loop.create_task(self._fetch(todo, futures))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            if key not in futures:  # became cached meanwhile
-                done = self._loop.create_future()
-                done.set_result(True)
-                return done
-        return asyncio.shield(self._inflight[key])  # a cancelled waiter leaves the fetch be
-
-    async def _fetch(self, keys: list[bytes], futures: dict[bytes, asyncio.Future]) -> None:
-        """Fetch ``keys`` into newly allocated pages and publish the good ones. Every future
-        is resolved whatever happens, so no waiter can hang."""
-        pages: list[int] = []
-        ok = [False] * len(keys)
-        try:
-            pages = self.cache.allocate(len(keys))
-            views = [self.pool.page_view(p) for p in pages]
-            ok = await self.store.get_many(keys, into=views)
-        except (PoolExhausted, StoreError) as e:
-            self.stats_counters["store_errors"] += isinstance(e, StoreError)
-            log.debug("pagekv: fetch of %d pages failed: %s", len(keys), e)
-        finally:
-            for i, key in enumerate(keys):
-                good = bool(ok[i]) and bool(pages)
-                if good and self.cache.publish(key, pages[i]):
-                    self.stats_counters["bytes_in"] += self.pool.page_bytes
-                self._inflight.pop(key, None)
-                if not futures[key].done():
-                    futures[key].set_result(True if good else None)
-            if pages:
-                self.cache.release(pages)  # published pages stay cached, the rest go back
-
     def release(self, prefetch: Prefetch) -> None:
-        """Drop the prefetch's holds (its pages stay cached until evicted). Idempotent."""
+        """Drop the prefetch's holds; safe right after :meth:`load`/:meth:`load_async`: the
+        pages stay held until those copies complete (their events). Idempotent."""
         if not prefetch.released:
             prefetch.released = True
-            self.cache.release(prefetch.page_ids)
+            self.cache.release(prefetch.page_ids, after=prefetch.loads)
 
     # ---- load ------------------------------------------------------------------------------
-    def _slots(self, prefetch: Prefetch, device_slots: Any) -> torch.Tensor:
+    def _load_slots(self, prefetch: Prefetch, device_slots: Any) -> torch.Tensor:
         if prefetch.released:
             raise ValueError("prefetch was released; its pages may be reused")
-        slots = torch.as_tensor(device_slots)
-        n = prefetch.num_tokens
-        if slots.dim() != 1 or slots.numel() < n:
-            raise ValueError(f"device_slots needs {n} slots (1-D), got shape {tuple(slots.shape)}")
-        return slots[:n].view(len(prefetch.page_ids), self.geometry.page_size)
+        return self._slot_table(device_slots, prefetch.num_pages)
 
     def load(self, prefetch: Prefetch, device_slots: Any) -> None:
-        """Copy the prefetched pages to the device slots, all layers, on the current stream."""
-        if prefetch.page_ids:
-            load(self.pool.buffer, prefetch.page_ids, self.kv, self._slots(prefetch, device_slots))
+        """Copy the prefetched pages to the device slots, all layers, on the current stream
+        (after any save still filling them)."""
+        if not prefetch.page_ids:
+            return
+        slots = self._load_slots(prefetch, device_slots)
+        if self._load_stream is None:
+            load(self.pool.buffer, prefetch.page_ids, self.kv, slots)
+            return
+        stream, dev = torch.cuda.current_stream(self.kv.device), self.kv.device
+        for event in self.cache.ready_events(prefetch.page_ids):
+            stream.wait_event(event)
+        ids = self._staging.upload(torch.tensor(prefetch.page_ids, dtype=torch.int64), dev)
+        if not slots.is_cuda:
+            slots = self._staging.upload(slots, dev)
+        load(self.pool.buffer, ids, self.kv, slots, validate=False)
+        done = torch.cuda.Event()
+        done.record(stream)
+        prefetch.loads.append(done)
 
     def load_async(self, prefetch: Prefetch, device_slots: Any) -> LayerLoad:
-        """Layer by layer on a side stream, one event per layer: ``wait_layer(i)`` before
-        computing layer ``i``. The pages stay held until released."""
-        slots = self._slots(prefetch, device_slots) if prefetch.page_ids else None
-        return LayerLoad(self, prefetch.page_ids, slots, self._stream)
+        """Layer by layer on the load stream, one event per layer: ``wait_layer(i)`` before
+        computing layer ``i``. No host sync; :meth:`release` may follow at once."""
+        if not prefetch.page_ids:
+            return LayerLoad(self.kv, self.pool.buffer, [], None, None)
+        slots = self._load_slots(prefetch, device_slots)
+        ready = self.cache.ready_events(prefetch.page_ids) if self._load_stream else []
+        layers = LayerLoad(self.kv, self.pool.buffer, prefetch.page_ids, slots,
+                           self._load_stream, ready, self._staging)  # fmt: skip
+        if layers.done_event is not None:
+            prefetch.loads.append(layers.done_event)
+        return layers
 
     # ---- save ------------------------------------------------------------------------------
-    def save(self, token_ids: Tokens, device_slots: Any) -> int:
-        """Save the full pages of ``token_ids`` (device -> host pool on a side stream), then
-        write them back to the store in the background. Returns pages newly saved. Never
-        blocks on the network; a full pool skips the save (counted)."""
-        keys = self.keys(token_ids)
-        slots = torch.as_tensor(device_slots)
-        if slots.dim() != 1 or slots.numel() < len(keys) * self.geometry.page_size:
-            raise ValueError(f"device_slots needs {len(keys) * self.geometry.page_size} slots")
-        new = [i for i, k in enumerate(keys) if k not in self.cache]
+    def save(
+        self,
+        token_ids: Tokens | None = None,
+        device_slots: Any = None,
+        *,
+        keys: Sequence[bytes] | None = None,
+        engine_waits: bool = True,
+    ) -> SaveHandle:
+        """Save the full pages of ``token_ids`` (or ``keys``) from ``device_slots``: device ->
+        host pool on the save stream, then write-back to the store in the background.
+
+        Never blocks on the network or the GPU; a full pool skips the save (counted). With
+        ``engine_waits`` (default) the engine's current stream waits on the copy, so the slots
+        may be overwritten right away; else the caller orders that on ``handle.event``.
+        """
+        keys = self._keys(token_ids, keys)
+        if device_slots is None:
+            raise ValueError("save needs device_slots")
+        table = self._slot_table(device_slots, len(keys))
         self.stats_counters["saves"] += 1
+        new = [i for i, k in enumerate(keys) if k not in self.cache]
         if not new:
-            return 0
+            return SaveHandle(0)
         try:
             pages = self.cache.allocate(len(new))
         except PoolExhausted:
             self.stats_counters["save_pool_full"] += 1
-            return 0
-        table = slots[: len(keys) * self.geometry.page_size].view(len(keys), -1)[new]
-        event = None
-        if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(self.kv.device))
-            with torch.cuda.stream(self._stream):
-                save(self.kv, table.to(self.kv.device), self.pool.buffer, pages)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-        else:
-            save(self.kv, table, self.pool.buffer, pages)
-        published = []
+            return SaveHandle(0)
+        event = self._copy_out(table, new, pages, engine_waits)
+        published, duplicates = [], []
         for i, page in zip(new, pages):
-            if self.cache.publish(keys[i], page):
+            if self.cache.publish(keys[i], page, ready=event):
                 published.append((keys[i], page))
             else:
-                self.cache.release([page])
+                duplicates.append(page)
+        self.cache.release(duplicates, after=event)
         self.stats_counters["pages_saved"] += len(published)
         if self.writes_to_store and published:
-            self._loop.call_soon_threadsafe(self.writeback.submit, published, event)
+            self._loop.call_soon(self.writeback.submit, published, event)
         else:
-            self.cache.release([p for _, p in published])
-        return len(published)
+            self.cache.release([p for _, p in published], after=event)
+        return SaveHandle(len(published), event)
+
+    def _copy_out(
+        self, table: torch.Tensor, rows: list[int], pages: list[int], engine_waits: bool
+    ) -> torch.cuda.Event | None:
+        """Device slots ``table[rows]`` -> host ``pages``; the copy's event (None on CPU)."""
+        if self._save_stream is None:
+            save(self.kv, table[rows], self.pool.buffer, pages)
+            return None
+        engine = torch.cuda.current_stream(self.kv.device)
+        stream = self._save_stream
+        stream.wait_stream(engine)  # the step that wrote the slots comes first
+        upload, dev = self._staging.upload, self.kv.device
+        with torch.cuda.stream(stream):  # index tensors allocated (and freed) on this stream
+            rows_t = torch.tensor(rows, dtype=torch.int64)
+            slots = table[upload(rows_t, dev)] if table.is_cuda else upload(table[rows], dev)
+            ids = upload(torch.tensor(pages, dtype=torch.int64), dev)
+            save(self.kv, slots, self.pool.buffer, ids, validate=False)
+            event = torch.cuda.Event()
+            event.record(stream)
+        if engine_waits:
+            engine.wait_event(event)
+        return event
 
     async def flush(self) -> None:
-        """Wait until every queued write-back has been written (or dropped)."""
-        await self._on_loop(self.writeback.drain())
+        """Wait until every queued write-back has been written (or dropped). Raises
+        ``WriteBackFailed`` if the write-back worker stopped on an error."""
+        await self._loop.wrap(self.writeback.drain())
 
     def flush_sync(self, timeout: float | None = None) -> None:
-        self._call(self.writeback.drain(), timeout)
+        """:meth:`flush` from a synchronous caller; ``TimeoutError`` after ``timeout``."""
+        self._loop.call(self.writeback.drain(), timeout)
 
     # ---- stats and lifetime ----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        out = dict(self.stats_counters)
-        out.update(self.writeback.stats(), store=dict(self.store.counters))
-        out.update(host_pages=self.pool.num_pages, host_cached=len(self.cache),
-                   host_held=self.cache.num_held)  # fmt: skip
+        out: dict[str, Any] = dict(self.stats_counters)
+        out["store_errors"] += self.index.counters["store_errors"]
+        out["lookup_timeouts"] = self.index.counters["lookup_timeouts"]
+        out["lookups_skipped"] = self.index.counters["lookups_skipped"]
+        out.update(self.writeback.stats())
+        out.update(self.cache.describe(), host_pages=self.pool.num_pages)
+        out["store"] = dict(self.store.counters)
+        if self.policy is not None:
+            out["policy"] = self.policy.stats()
         return out
 
     def log_stats_every(self, seconds: float) -> None:
@@ -328,22 +402,17 @@ class KVConnector:
                 await asyncio.sleep(seconds)
                 log.info("pagekv connector: %s", self.stats())
 
-        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(report()))
+        self._loop.call_soon(lambda: self._loop.loop.create_task(report()))
 
-    def close(self) -> None:
-        if self._loop.is_closed():
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Drain the write-back (at most ``timeout_s``, default ``close_timeout_s``; what is
+        left is dropped and logged), stop the loop, wait for the streams, unregister the pinned
+        pool. Idempotent; never raises on store trouble."""
+        if self._closed:
             return
-        self._call(self.writeback.drain(), timeout=30)
-        self._call(self._cancel_tasks(), timeout=10)  # the stats logger, stray fetches
-        self.store.close()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._loop.close()
-        self.pool.close()
-
-    @staticmethod
-    async def _cancel_tasks() -> None:
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        self._closed = True
+        close_connector(self, self.close_timeout_s if timeout_s is None else timeout_s)

@@ -1,42 +1,77 @@
-"""Layer-by-layer host -> device load on a side stream, one CUDA event per layer, so the
-engine computes layer ``i`` while layer ``i + 1`` is being copied."""
+"""Layer-by-layer host -> device load on the connector's load stream, one CUDA event per layer,
+so the engine computes layer ``i`` while layer ``i + 1`` is being copied.
+
+Ownership: the page ids and slot indices the kernels read are copied to the device *on the
+load stream* (from the connector's pinned staging ring, ``non_blocking``: no host sync) and
+kept referenced by the :class:`LayerLoad`,
+so the engine's allocator can never hand their memory to the engine's stream while later
+layers still read them. The host pages stay held by the prefetch handle, whose release waits
+for :attr:`LayerLoad.done_event`.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from pagekv.kernels import load
+from pagekv.kernels import DeviceKV, load
+
+from .staging import IndexStaging
 
 __all__ = ["LayerLoad"]
 
 
 class LayerLoad:
     """Returned by :meth:`KVConnector.load_async`. On CPU the copies are done on creation and
-    :meth:`wait_layer` returns at once."""
+    :meth:`wait_layer` returns at once.
+
+    ``slots`` ``[pages, page_size]`` must already be validated (CPU) or come from the engine
+    on its device (then out-of-range slots are skipped by the kernels, never written).
+    """
 
     def __init__(
-        self, conn: Any, page_ids: list[int], slots: torch.Tensor | None, stream: Any
+        self,
+        kv: DeviceKV,
+        host: torch.Tensor,
+        page_ids: list[int],
+        slots: torch.Tensor | None,
+        stream: torch.cuda.Stream | None,
+        wait_for: Sequence[Any] = (),
+        staging: IndexStaging | None = None,
     ) -> None:
-        self.num_layers = conn.geometry.num_layers
+        self.num_layers = kv.geometry.num_layers
         self.events: list[torch.cuda.Event] = []
+        self._keep: tuple[torch.Tensor, ...] = ()
         if not page_ids:
             return
         if stream is None:
-            load(conn.pool.buffer, page_ids, conn.kv, slots)
+            load(host, page_ids, kv, slots)
             return
-        device = conn.kv.device
-        ids = torch.tensor(page_ids, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
-        slots = slots.to(device, non_blocking=True)
-        stream.wait_stream(torch.cuda.current_stream(device))  # ids/slots copies, prior writes
+        device = kv.device
+        stream.wait_stream(torch.cuda.current_stream(device))  # slots written, prior writes
+        for event in wait_for:  # device -> host copies still filling these pages
+            stream.wait_event(event)
+        if staging is None:
+            staging = IndexStaging(capacity=len(page_ids) * (1 + slots.shape[1]) + 1)
         with torch.cuda.stream(stream):
+            ids = staging.upload(torch.tensor(page_ids, dtype=torch.int64), device)
+            if slots.device.type == "cpu":
+                slots = staging.upload(slots, device)
+            else:
+                slots.record_stream(stream)  # the engine's tensor: keep its memory until done
+            self._keep = (ids, slots)
             for layer in range(self.num_layers):
-                # validated once (layer 0); later layers reuse the checked indices without a sync
-                load(conn.pool.buffer, ids, conn.kv, slots, layer=layer, validate=layer == 0)
+                load(host, ids, kv, slots, layer=layer, validate=False)
                 event = torch.cuda.Event()
                 event.record(stream)
                 self.events.append(event)
+
+    @property
+    def done_event(self) -> torch.cuda.Event | None:
+        """Completes when every layer is on the device (None on CPU or for no pages)."""
+        return self.events[-1] if self.events else None
 
     def wait_layer(self, layer: int) -> None:
         """Make the current stream wait until ``layer`` is on the device (no host sync)."""
@@ -44,6 +79,9 @@ class LayerLoad:
             raise IndexError(f"layer {layer} is not in [0, {self.num_layers})")
         if self.events:
             torch.cuda.current_stream().wait_event(self.events[layer])
+
+    def done(self) -> bool:
+        return not self.events or self.events[-1].query()
 
     def synchronize(self) -> None:
         """Block the host until every layer is loaded."""

@@ -1,6 +1,13 @@
 """Background write-back of saved pages to the store, bounded: when more than ``max_pages``
 wait, the oldest pending write-backs are dropped (their pages stay in the host tier) and
-counted, so a slow or dead store never blocks the engine."""
+counted, so a slow or dead store never blocks the engine.
+
+Lives on the connector's loop. Each queued entry holds its pages until written (or dropped);
+a page is sent only once the device -> host copy that filled it has completed (its event).
+If the worker stops on an unexpected error, the queue is dropped (holds released, counted)
+and :meth:`WriteBack.drain` raises :class:`WriteBackFailed` naming the error, instead of
+waiting for a worker that is gone.
+"""
 
 from __future__ import annotations
 
@@ -9,75 +16,118 @@ import collections
 import logging
 from typing import Any
 
-from pagekv.store import Status, StoreError
+from pagekv.errors import StoreError, WriteBackFailed
+from pagekv.store import Status
+
+from .host_pool import HostPagePool
+from .loop import RateLimitedLog
+from .page_cache import PageCache
 
 __all__ = ["WriteBack"]
 
 log = logging.getLogger("pagekv.connector")
+_EVENT_POLL_S = 0.0005
 
 
 class WriteBack:
-    """Lives on the connector's loop: ``submit`` is called there (``call_soon_threadsafe``)."""
-
-    def __init__(self, conn: Any, max_pages: int) -> None:
-        if max_pages <= 0:
-            raise ValueError(f"max_pending_writes must be > 0, got {max_pages}")
-        self.conn, self.max_pages = conn, max_pages
+    def __init__(
+        self, cache: PageCache, pool: HostPagePool, store: Any, max_pages: int,
+        counters: dict[str, float],
+    ) -> None:  # fmt: skip
+        if isinstance(max_pages, bool) or not isinstance(max_pages, int) or max_pages <= 0:
+            raise ValueError(f"max_pending_writes must be a positive int, got {max_pages!r}")
+        self.cache, self.pool, self.store, self.max_pages = cache, pool, store, max_pages
+        self.conn_counters = counters
         self.queue: collections.deque[tuple[list[tuple[bytes, int]], Any]] = collections.deque()
         self.queued_pages = 0
         self.counts = dict.fromkeys(("written", "skipped_present", "dropped", "failed"), 0)
+        self.failure: BaseException | None = None
         self._worker: asyncio.Task | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._busy = 0
+        self._warn = RateLimitedLog(log)
 
     def submit(self, pages: list[tuple[bytes, int]], event: Any) -> None:
         """Queue ``(key, held page)`` pairs; ``event`` (CUDA, or None) marks the host copy."""
+        if self.failure is not None:  # the worker is gone: keep the pages local, count them
+            self._drop([(pages, event)])
+            return
         self.queue.append((pages, event))
         self.queued_pages += len(pages)
+        old = []
         while self.queued_pages > self.max_pages and len(self.queue) > 1:
-            old, _ = self.queue.popleft()
-            self.queued_pages -= len(old)
-            self.counts["dropped"] += len(old)
-            self.conn.cache.release([p for _, p in old])
+            entry = self.queue.popleft()
+            self.queued_pages -= len(entry[0])
+            old.append(entry)
+        self._drop(old)
+        self._idle.clear()
         if self._worker is None or self._worker.done():
             self._worker = asyncio.get_running_loop().create_task(self._run())
 
+    def _drop(self, entries: list[tuple[list[tuple[bytes, int]], Any]]) -> None:
+        for pages, event in entries:
+            self.counts["dropped"] += len(pages)
+            self.cache.release([p for _, p in pages], after=event)
+
     async def _run(self) -> None:
-        while self.queue:
-            pages, event = self.queue.popleft()
-            self.queued_pages -= len(pages)
-            self._busy = len(pages)
-            try:
-                await self._write(pages, event)
-            finally:
-                self._busy = 0
-                self.conn.cache.release([p for _, p in pages])
+        try:
+            while self.queue:
+                pages, event = self.queue.popleft()
+                self.queued_pages -= len(pages)
+                self._busy = len(pages)
+                try:
+                    await self._write(pages, event)
+                finally:
+                    self._busy = 0
+                    self.cache.release([p for _, p in pages], after=event)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug or an unexpected reply: stop, say so, keep nothing held
+            log.exception("pagekv: write-back worker stopped")
+            self.failure = e
+            entries, self.queue, self.queued_pages = list(self.queue), collections.deque(), 0
+            self._drop(entries)
+        finally:
+            if not self.queue:
+                self._idle.set()
 
     async def _write(self, pages: list[tuple[bytes, int]], event: Any) -> None:
         while event is not None and not event.query():  # device -> host copy still running
-            await asyncio.sleep(0.0005)
-        store, pool = self.conn.store, self.conn.pool
+            await asyncio.sleep(_EVENT_POLL_S)
         keys = [k for k, _ in pages]
         try:
-            present = (await store.exists_many(keys)).found
+            present = (await self.store.exists_many(keys)).found
             todo = [(k, p) for (k, p), found in zip(pages, present) if not found]
             self.counts["skipped_present"] += len(pages) - len(todo)
             if not todo:
                 return
-            status = await store.put_many(
-                [k for k, _ in todo], [pool.page_view(p) for _, p in todo]
+            status = await self.store.put_many(
+                [k for k, _ in todo], [self.pool.page_view(p) for _, p in todo]
             )
         except StoreError as e:
             self.counts["failed"] += len(pages)
-            log.warning("pagekv: write-back failed: %s", e)
+            self.conn_counters["store_errors"] += 1
+            self._warn.warning("pagekv: write-back of %d pages failed: %s", len(pages), e)
             return
         stored = sum(1 for s in status if s in (Status.OK, Status.EXISTS))
         self.counts["written"] += stored
         self.counts["failed"] += len(todo) - stored
-        self.conn.stats_counters["bytes_out"] += stored * pool.page_bytes
+        self.conn_counters["bytes_out"] += stored * self.pool.page_bytes
 
     async def drain(self) -> None:
-        while self.queue or (self._worker is not None and not self._worker.done()):
-            await asyncio.sleep(0.001)
+        """Wait until every queued write-back has been written or dropped. Raises
+        ``WriteBackFailed`` if the worker stopped on an error."""
+        await self._idle.wait()
+        if self.failure is not None:
+            raise WriteBackFailed(f"write-back worker stopped: {self.failure!r}")
+
+    def drop_all(self) -> int:
+        """Drop what is still queued (at close, after the drain's time ran out)."""
+        entries, self.queue = list(self.queue), collections.deque()
+        self.queued_pages = 0
+        self._drop(entries)
+        return sum(len(p) for p, _ in entries)
 
     def stats(self) -> dict[str, int]:
         return {

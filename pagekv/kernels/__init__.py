@@ -6,6 +6,8 @@ each dispatching to the CUDA kernels, the direct memcpy backend or the torch ref
 layouts and :mod:`.jit` for how the kernels are built (``PAGEKV_KERNELS``, ``PAGEKV_CACHE_DIR``).
 """
 
+import pagekv._torch  # noqa: F401  (first: a clear ImportError when torch is missing)
+
 from .fused_store import store_kv
 from .jit import KernelsUnavailable, kernels_unavailable_reason
 from .layout import DeviceKV

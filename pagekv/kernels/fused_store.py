@@ -18,6 +18,8 @@ import ctypes
 
 import torch
 
+from pagekv.errors import InvalidSlotError
+
 from . import ops, reference
 from .jit import StoreKVPlan
 
@@ -146,7 +148,7 @@ def store_kv(
         raise ValueError(f"out_loc must be 1-D, got shape {tuple(out_loc.shape)}")
     _check(k, v, k_cache, v_cache, out_loc)
     if validate and out_loc.numel() and int(out_loc.max()) >= k_cache.shape[0]:
-        raise IndexError(f"slot {int(out_loc.max())} is not in [0, {k_cache.shape[0]})")
+        raise InvalidSlotError(f"slot {int(out_loc.max())} is not in [0, {k_cache.shape[0]})")
     row_bytes = _rows(k, "k")[0]
     for t, name in ((k_cache, "k_cache"), (v, "v"), (v_cache, "v_cache")):
         if t is not None:

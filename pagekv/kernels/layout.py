@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagekv.errors import InvalidPageError, InvalidSlotError
 from pagekv.geometry import KVGeometry
 
 __all__ = [
@@ -204,7 +205,7 @@ def check_page_ids(
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= num_pages:
             bad = lo if lo < 0 else hi
-            raise IndexError(f"page id {bad} is not in [0, {num_pages})")
+            raise InvalidPageError(f"page id {bad} is not in [0, {num_pages})")
         if unique and torch.unique(ids).numel() != ids.numel():
             raise ValueError("page_ids repeat: each page may appear once per transfer")
     return ids
@@ -233,7 +234,7 @@ def check_slots(
             f"(or {num_pages * page_size} flat) for {num_pages} pages"
         )
     if check_values and s.numel() and int(s.max()) >= num_slots:
-        raise IndexError(f"slot {int(s.max())} is not in [0, {num_slots})")
+        raise InvalidSlotError(f"slot {int(s.max())} is not in [0, {num_slots})")
     return s
 
 

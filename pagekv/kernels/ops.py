@@ -129,6 +129,20 @@ def _mean_run_bytes(kv: DeviceKV, s: torch.Tensor) -> float:
     return item * int(valid.sum()) / max(runs, 1)
 
 
+def _direct_bounds(
+    ids: torch.Tensor, slots: torch.Tensor, num_pages: int, num_slots: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU int64 copies of ``ids``/``slots`` for the memcpy backend, with the kernels' bounds
+    rule applied whatever ``validate`` said: a page id outside ``[0, num_pages)`` skips its page
+    and a slot ``>= num_slots`` skips its token, so no index becomes a wild memcpy."""
+    ids_h = ids.to("cpu", torch.int64).contiguous()
+    s_h = slots.to("cpu", torch.int64).clone()
+    bad_page = (ids_h < 0) | (ids_h >= num_pages)
+    s_h[bad_page] = -1
+    s_h[s_h >= num_slots] = -1
+    return ids_h.clamp(0, max(num_pages - 1, 0)), s_h
+
+
 def _page_transfer(
     load: bool,
     host: torch.Tensor,
@@ -177,7 +191,7 @@ def _page_transfer(
     l0, nl = (0, geo.num_layers) if layer is None else (layer, 1)
     stream = current_stream(dev.index)
     if backend == "direct":
-        ids_h, s_h = ids.to("cpu", torch.int64).contiguous(), s.to("cpu", torch.int64).contiguous()
+        ids_h, s_h = _direct_bounds(ids, s, host.shape[0], kv.num_slots)
         table = (ctypes.c_int64 * len(kv.layer_ptrs))(*kv.layer_ptrs)
         err = lib.pagekv_direct_page_transfer(
             dev.index, int(load), host.data_ptr(), table, ids_h.data_ptr(), s_h.data_ptr(),

@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from .client_base import _Base
+from .client_base import _Base, raise_unavailable
 from .protocol import Op, ProtocolError, Status, decode_reply, encode_request
 from .routing import Batch, Call, ExistsResult, OpGen, Results
 
@@ -197,7 +197,10 @@ class AsyncStoreClient(_Base):
         return await self._run(self._plan_delete(keys))
 
     async def stats(self) -> list[dict | None]:
-        return self._stats_or_raise(await self._run(self.router.each_node(Op.STATS)))
+        stats = await self._run(self.router.each_node(Op.STATS))
+        if all(st is None for st in stats):
+            await asyncio.to_thread(raise_unavailable, self.config)
+        return stats
 
     async def ping(self) -> list[bool]:
         return [s is not None for s in await self._run(self.router.each_node(Op.PING))]

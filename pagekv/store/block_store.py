@@ -65,7 +65,7 @@ class BlockStore:
         self.low = int(capacity_bytes * low_watermark)
         self._blocks: OrderedDict[bytes, Block] = OrderedDict()  # oldest first
         self.used = 0  # real cost of the blocks held (block_cost)
-        self.payload = 0  # their payload bytes
+        self.payload = 0  # their payload and key bytes (stats "bytes", as before protocol 2)
         self.hits = self.misses = self.evictions = 0
 
     def __len__(self) -> int:
@@ -96,7 +96,7 @@ class BlockStore:
             self._evict_to(min(self.low, self.capacity - need))
         self._blocks[key] = _new_block(Block, (tuple(frames), size, checksum, need))
         self.used += need
-        self.payload += size
+        self.payload += size + len(key)
         return Status.OK
 
     def get(self, key: bytes) -> Block | None:
@@ -114,21 +114,21 @@ class BlockStore:
         if block is None:
             return False
         self.used -= block.cost
-        self.payload -= block.size
+        self.payload -= block.size + len(key)
         return True
 
     def _evict_to(self, target: int) -> None:
         while self._blocks and self.used > target:
-            _key, block = self._blocks.popitem(last=False)
+            key, block = self._blocks.popitem(last=False)
             self.used -= block.cost
-            self.payload -= block.size
+            self.payload -= block.size + len(key)
             self.evictions += 1
 
     def stats(self) -> dict[str, int]:
         return {
             "blocks": len(self._blocks),
-            "bytes": self.used,
-            "payload_bytes": self.payload,
+            "bytes": self.payload,  # payload + keys
+            "used_bytes": self.used,  # their real cost, what capacity limits
             "capacity": self.capacity,
             "hits": self.hits,
             "misses": self.misses,

@@ -1,9 +1,14 @@
-"""``pagekv`` command line: serve one node, launch a local cluster, print node stats, make keys.
+"""``pagekv`` command line (also ``python -m pagekv``).
 
-pagekv serve --host 127.0.0.1 --port 7400 --capacity 4GiB
+pagekv serve --host 127.0.0.1 --port 7400 --capacity 4GiB [--metrics-port 9400]
 pagekv cluster --nodes 3 --base-port 7400 --capacity 1GiB
-pagekv stats tcp://127.0.0.1:7400 tcp://127.0.0.1:7401
-pagekv keygen DIR NAME                # CURVE certificate pair for --curve-* options
+pagekv stats [--json] tcp://127.0.0.1:7400 tcp://127.0.0.1:7401
+pagekv ping tcp://127.0.0.1:7400
+pagekv keygen DIR NAME [--force]      # CURVE certificate pair for the --curve-* options
+
+``serve`` and ``cluster`` take every setting from a flag, else ``PAGEKV_<NAME>``, else the
+``--config`` TOML file, else the default (:mod:`.settings`). Exit status: 0 success, 1 a node
+failed or could not start, 2 bad usage or configuration.
 """
 
 from __future__ import annotations
@@ -11,137 +16,131 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
 
 import zmq
 
-from .config import CurveClientKeys, NodeConfig, parse_size
+import pagekv
+from pagekv.errors import ConfigError
 
-__all__ = ["main"]
+from .cli_client import client_settings
+from .cli_serve import LOG_LEVEL, add_config_flag, serve_settings
+from .settings import SIZE_HELP, Setting, add_settings, resolve
 
-_D = NodeConfig()
+__all__ = ["build_parser", "main"]
+
+log = logging.getLogger("pagekv.store.cli")
+_LEVELS = ("debug", "info", "warning", "error", "critical")
+_EPILOG = (
+    f"Sizes: {SIZE_HELP}. Settings of serve/cluster also come from PAGEKV_<NAME> and --config."
+)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from .server import StoreNode
-
-    config = NodeConfig(
-        host=args.host, port=args.port, endpoint=args.endpoint, capacity=args.capacity,
-        max_block_size=args.max_block_size, max_message_size=args.max_message_size,
-        verify_puts=not args.no_verify_puts, curve_secret_key=args.curve_secret_key,
-        curve_allow=args.curve_allow, io_threads=args.io_threads,
+def _setup_logging(level: str) -> None:
+    if level.lower() not in _LEVELS:
+        raise ConfigError(f"--log-level {level!r}: one of {', '.join(_LEVELS)}")
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, force=True,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )  # fmt: skip
-    node = StoreNode(config)
-    node.install_signal_handlers()
-    print(f"pagekv node ready {node.address}", file=sys.stderr, flush=True)
-    node.serve_forever()
-    return 0
 
 
-def _cluster(args: argparse.Namespace) -> int:
-    procs = []
-    for i in range(args.nodes):
-        cmd = [sys.executable, "-m", "pagekv.store.cli", "serve", "--host", args.host,
-               "--port", str(args.base_port + i), "--capacity", str(args.capacity)]  # fmt: skip
-        procs.append(subprocess.Popen(cmd))
-    endpoints = " ".join(f"tcp://{args.host}:{args.base_port + i}" for i in range(args.nodes))
-    print(f"pagekv cluster: {args.nodes} nodes: {endpoints}", file=sys.stderr, flush=True)
-    stopping = False
+def _settings_of(command: str) -> list[Setting]:
+    if command == "serve":
+        return serve_settings()
+    if command == "cluster":
+        from .cli_cluster import cluster_settings
 
-    def stop(*_: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    while not stopping and all(p.poll() is None for p in procs):
-        time.sleep(0.2)
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    codes = [p.wait(timeout=10) for p in procs]
-    return 0 if stopping and all(c == 0 for c in codes) else 1
+        return cluster_settings()
+    if command in ("stats", "ping"):
+        return [*client_settings(), LOG_LEVEL]
+    return [LOG_LEVEL]
 
 
-def _stats(args: argparse.Namespace) -> int:
-    from .client import StoreClient
-    from .routing import StoreUnavailable
+def _run(args: argparse.Namespace) -> int:
+    settings = _settings_of(args.command)
+    config_path = getattr(args, "config", None) or (
+        os.environ.get("PAGEKV_CONFIG") if args.command in ("serve", "cluster") else None
+    )
+    values = resolve(args, settings, config_path)
+    _setup_logging(values["log_level"])
+    if args.command == "serve":
+        from .cli_serve import run_serve
 
-    curve = None
-    if args.curve_server_cert:
-        curve = CurveClientKeys.from_files(args.curve_server_cert, args.curve_client_cert)
-    cols = ("blocks", "bytes", "capacity", "hits", "misses", "evictions", "bytes_in", "bytes_out")
-    print(f"{'node':32s} " + " ".join(f"{c:>12s}" for c in cols))
-    failed = 0
-    for ep in args.addresses:
-        with StoreClient(ep, timeout_s=args.timeout, curve=curve) as client:
-            try:
-                stats = client.stats()[0]
-            except StoreUnavailable:
-                stats = None
-        if stats is None:
-            failed += 1
-            print(f"{ep:32s} " + "unreachable".rjust(12))
-            continue
-        print(f"{ep:32s} " + " ".join(f"{stats.get(c, 0):>12}" for c in cols))
-    return 1 if failed else 0
+        return run_serve(values)
+    if args.command == "cluster":
+        from .cli_cluster import Supervisor
+
+        return Supervisor(values).run()
+    if args.command in ("stats", "ping"):
+        from .cli_client import run_ping, run_stats
+
+        for endpoint in args.addresses:
+            if not endpoint.startswith(("tcp://", "ipc://")):
+                raise ConfigError(f"{endpoint!r} is not a tcp:// or ipc:// endpoint")
+        if args.command == "stats":
+            return run_stats(values, args.addresses, args.json)
+        if args.count < 1:
+            raise ConfigError(f"--count must be >= 1, got {args.count}")
+        return run_ping(values, args.addresses, args.count)
+    return _keygen(args)
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    import zmq.auth
+    from .auth import write_keypair
 
-    os.makedirs(args.directory, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(args.directory, args.name)
-    print(f"wrote {public} and {secret}")
+    try:
+        public, secret = write_keypair(args.directory, args.name, force=args.force)
+    except FileExistsError as e:
+        print(f"pagekv: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {public} (public: give it to peers) and {secret} (secret, mode 0600: keep it)")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pagekv", description="pagekv store nodes")
-    sub = ap.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="run one store node")
-    s.add_argument("--host", default=_D.host, help="bind address (loopback by default)")
-    s.add_argument("--port", type=int, default=_D.port)
-    s.add_argument("--endpoint", default=None, help="tcp:// or ipc:// endpoint (overrides host)")
-    s.add_argument("--capacity", type=parse_size, default=_D.capacity, help="e.g. 4GiB")
-    s.add_argument("--max-block-size", type=parse_size, default=_D.max_block_size)
-    s.add_argument("--max-message-size", type=parse_size, default=_D.max_message_size)
-    s.add_argument("--no-verify-puts", action="store_true", help="skip checksums on PUT")
-    s.add_argument("--curve-secret-key", default=None, help="server certificate (secret)")
-    s.add_argument("--curve-allow", default=None, help="directory of allowed client certs")
-    s.add_argument("--io-threads", type=int, default=_D.io_threads)
-    s.set_defaults(func=_serve)
-    c = sub.add_parser("cluster", help="launch N local nodes for development")
-    c.add_argument("--nodes", type=int, default=3)
-    c.add_argument("--host", default=_D.host)
-    c.add_argument("--base-port", type=int, default=_D.port)
-    c.add_argument("--capacity", type=parse_size, default=1 << 30)
-    c.set_defaults(func=_cluster)
-    t = sub.add_parser("stats", help="print a table of node stats")
-    t.add_argument("addresses", nargs="+", help="tcp://host:port ...")
-    t.add_argument("--timeout", type=float, default=2.0)
-    t.add_argument("--curve-server-cert", default=None)
-    t.add_argument("--curve-client-cert", default=None)
-    t.set_defaults(func=_stats)
-    k = sub.add_parser("keygen", help="create a CURVE certificate pair")
-    k.add_argument("directory")
-    k.add_argument("name")
-    k.set_defaults(func=_keygen)
+    ap = argparse.ArgumentParser(prog="pagekv", description="pagekv store nodes and tools",
+                                 epilog=_EPILOG)  # fmt: skip
+    ap.add_argument("--version", action="version", version=f"pagekv {pagekv.__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    s = sub.add_parser("serve", help="run one store node", epilog=_EPILOG)
+    add_config_flag(s)
+    add_settings(s, serve_settings())
+    c = sub.add_parser("cluster", help="run N local nodes under a supervisor", epilog=_EPILOG)
+    add_config_flag(c)
+    from .cli_cluster import cluster_settings
+
+    add_settings(c, cluster_settings())
+    for name, text in (("stats", "print each node's stats"), ("ping", "check nodes answer")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("addresses", nargs="+", metavar="ENDPOINT", help="tcp://host:port ...")
+        add_settings(p, [*client_settings(), LOG_LEVEL])
+        if name == "stats":
+            p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+        else:
+            p.add_argument("--count", type=int, default=3, help="PINGs per node [default: 3]")
+    k = sub.add_parser("keygen", help="create a CURVE certificate pair: NAME.key (public) and "
+                       "NAME.key_secret (mode 0600)")  # fmt: skip
+    k.add_argument("directory", help="where to write (created if missing)")
+    k.add_argument("name", help="file name stem, no path separators")
+    k.add_argument("--force", action="store_true", help="replace an existing pair")
+    add_settings(k, [LOG_LEVEL])
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
-    except (ValueError, OSError, zmq.ZMQError) as e:
-        print(f"pagekv: error: {e}", file=sys.stderr)
+        return _run(args)
+    except ValueError as e:  # ConfigError and the configs' own checks
+        print(f"pagekv {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except (OSError, zmq.ZMQError) as e:
+        print(f"pagekv {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # before a command installed its own handler
+        return 0 if args.command in ("serve", "cluster") else 130
 
 
 if __name__ == "__main__":

@@ -9,12 +9,14 @@ from typing import Any
 
 import zmq
 
+from pagekv.errors import AuthenticationFailed
+
 from . import operations
 from .config import ClientConfig, CurveClientKeys
 from .protocol import MAX_KEY_BYTES
 from .routing import Link, OpGen, Router, StoreUnavailable
 
-__all__: list[str] = []
+__all__ = ["raise_unavailable"]
 
 
 def _byte_views(value: Any, writable: bool, what: str) -> list[memoryview]:
@@ -123,8 +125,21 @@ class _Base:
         _check_keys(keys, None, "")
         return operations.delete(self.router, keys)
 
-    @staticmethod
-    def _stats_or_raise(stats: list[dict | None]) -> list[dict | None]:
+    def _stats_or_raise(self, stats: list[dict | None]) -> list[dict | None]:
         if all(s is None for s in stats):
-            raise StoreUnavailable("no store node answered")
+            raise_unavailable(self.config)
         return stats
+
+
+def raise_unavailable(cfg: ClientConfig) -> None:
+    """No node answered: probe each (a PING watched by a socket monitor) and raise
+    ``AuthenticationFailed`` if a node refused this client's CURVE keys, else
+    ``StoreUnavailable``, naming each node's outcome. Blocking (at most ~2 s per node)."""
+    from .probe import Outcome, probe
+
+    results = [probe(ep, curve=cfg.curve, timeout_s=min(cfg.timeout_s, 2.0))
+               for ep in cfg.endpoints]  # fmt: skip
+    why = "; ".join(f"{r.endpoint}: {r}" for r in results)
+    if any(r.outcome is Outcome.AUTH_FAILED for r in results):
+        raise AuthenticationFailed(f"store authentication failed ({why})")
+    raise StoreUnavailable(f"no store node answered ({why})")

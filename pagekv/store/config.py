@@ -149,12 +149,12 @@ class ClientConfig:
     endpoints: tuple[str, ...]
     replicas: int = 1
     timeout_s: float = 5.0
+    timeout_per_mib_s: float = 0.01  # 100 MiB/s: far below any healthy link
     backoff_min_s: float = 0.25
     backoff_max_s: float = 8.0
     curve: CurveClientKeys | None = None
     socket_buffer: int = 0  # 0 keeps the kernel's TCP autotuning
     max_message_bytes: int = 16 << 20  # requests are also cut to each node's advertised limits
-    timeout_per_mib_s: float = 0.02  # 50 MiB/s: the slowest transfer still taken as healthy
     connect_timeout_s: float | None = None  # None: timeout_s
 
     def __post_init__(self) -> None:
@@ -172,15 +172,16 @@ class ClientConfig:
             )
         if self.connect_timeout_s is None:
             object.__setattr__(self, "connect_timeout_s", self.timeout_s)
+        if isinstance(self.timeout_per_mib_s, bool) or not self.timeout_per_mib_s >= 0:
+            raise ValueError(
+                f"ClientConfig.timeout_per_mib_s must be >= 0, got {self.timeout_per_mib_s!r}"
+            )
         _positive(
             "ClientConfig", timeout_s=self.timeout_s, backoff_min_s=self.backoff_min_s,
             backoff_max_s=self.backoff_max_s, max_message_bytes=self.max_message_bytes,
             connect_timeout_s=self.connect_timeout_s,
         )  # fmt: skip
-        if self.timeout_per_mib_s < 0:
-            msg = f"ClientConfig.timeout_per_mib_s must be >= 0, got {self.timeout_per_mib_s}"
-            raise ValueError(msg)
 
     def timeout_for(self, nbytes: int) -> float:
-        """Seconds to wait for an answer with ``nbytes`` in flight."""
+        """Seconds to wait for an answer with ``nbytes`` in flight (sent and expected)."""
         return self.timeout_s + self.timeout_per_mib_s * nbytes / (1 << 20)

@@ -31,6 +31,7 @@ import socket
 import struct
 import termios
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -72,14 +73,21 @@ class _Conn:
 
 class ConnectionGuard:
     """Owned by the node's loop. Poll :attr:`monitor` for POLLIN and call :meth:`on_events`;
-    call :meth:`seen` for each message read and :meth:`tick` every loop turn."""
+    call :meth:`seen` for each message read and :meth:`tick` every loop turn.
 
-    def __init__(self, sock: zmq.Socket, config: NodeConfig, counters: dict) -> None:
+    It owns the socket's monitor (libzmq allows one): ``listener(kind, value)`` is given every
+    event, those of ``listener_events`` too (the metrics' :class:`ConnectionMonitor`)."""
+
+    def __init__(
+        self, sock: zmq.Socket, config: NodeConfig, counters: dict,
+        listener: Callable[[int, int], None] | None = None, listener_events: int = 0,
+    ) -> None:  # fmt: skip
         self.config, self.counters = config, counters
         self.curve = bool(config.curve_secret_key)
         self.max_connections = min(config.max_connections, raise_fd_limit() - FD_RESERVE)
         self.limit = (config.recv_hwm + 1) * (config.max_message_size + MAX_HEADER_BYTES)
-        self.monitor = sock.get_monitor_socket(_EVENTS)
+        self.listener = listener
+        self.monitor = sock.get_monitor_socket(_EVENTS | listener_events)
         self.baseline_rss = rss_bytes()
         self.capacity = config.capacity
         self.conns: dict[int, _Conn] = {}
@@ -95,16 +103,18 @@ class ConnectionGuard:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            fd = int(event["value"])
-            if event["event"] == zmq.EVENT_ACCEPTED:
+            kind, fd = int(event["event"]), int(event["value"])
+            if self.listener is not None:
+                self.listener(kind, fd)
+            if kind == zmq.EVENT_ACCEPTED:
                 if len(self.conns) >= self.max_connections:
                     self.counters["refused_connections"] += 1
                     _shutdown(fd)
                 else:
                     self._track(fd)
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
+            elif kind == zmq.EVENT_DISCONNECTED:
                 self.conns.pop(fd, None)
-            else:  # ACCEPT_FAILED: value is errno
+            elif kind == zmq.EVENT_ACCEPT_FAILED:  # value is errno
                 self.counters["accept_failed"] += 1
                 if fd in (errno.EMFILE, errno.ENFILE) and self.conns:
                     newest = max(self.conns)

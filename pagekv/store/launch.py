@@ -1,5 +1,6 @@
 """Start real `pagekv serve` processes (free loopback ports by default) from Python: for the
-demo, benchmarks and integration tests. Each node reports its bound address on stderr."""
+demo, benchmarks and integration tests. Each node reports its bound address on stderr, and
+(started from the main thread) exits when this process dies, even by SIGKILL."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ class NodeProcess:
             str(self.port),
             *self.args,
         ]
+        if threading.current_thread() is threading.main_thread():  # it outlives the node
+            cmd += ["--parent-pid", str(os.getpid())]  # the node dies with this process
         limit = self.nofile
 
         def cap_descriptors() -> None:  # runs in the child, before exec

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, fields
@@ -51,6 +52,7 @@ __all__ = [
 ]
 
 Results = dict[int, "tuple[Reply, list[Any]] | None"]
+log = logging.getLogger("pagekv.store.routing")
 
 
 @dataclass
@@ -175,7 +177,7 @@ class Router:
         for node, health in enumerate(self.health):
             state = self.link(node)
             if health.is_up(now) and state is Link.DOWN:
-                self.failed(node)
+                self.failed(node, "is not connected")
             out.append(state is Link.UP or (health.is_up(now) and state is Link.CONNECTING))
         return out
 
@@ -194,11 +196,23 @@ class Router:
             out.append(up[:k] + [n for n in ranked[:k] if resort[n]])
         return out
 
-    def failed(self, node: int) -> None:
+    def failed(self, node: int, why: str = "did not answer") -> None:
         now = time.monotonic()
-        if self.health[node].is_up(now):
+        health = self.health[node]
+        if health.is_up(now):  # logged once per back-off period, not per request
             self.counters["node_failures"] += 1
-        self.health[node].failed(now)
+            health.failed(now)
+            log.warning("pagekv store: %s %s (down, unreachable or refusing this client's key);"
+                        " backing off %.2g s", self.endpoints[node], why,
+                        health.backoff)  # fmt: skip
+        else:
+            health.failed(now)
+
+    def succeeded(self, node: int) -> None:
+        health = self.health[node]
+        if health.failures and health.backoff:
+            log.info("pagekv store: %s answers again", self.endpoints[node])
+        health.succeeded()
 
     def reply_problem(self, call: Call, result: tuple[Reply, list[Any]] | None) -> str | None:
         """Why a result cannot be used (and the node's health updated), or None if it can."""
@@ -214,9 +228,9 @@ class Router:
         problem = _shape_problem(call.request.op, len(call.idxs), reply, len(frames))
         if problem is not None:
             self.counters["bad_replies"] += 1
-            self.failed(call.node)
+            self.failed(call.node, f"sent a malformed reply ({problem})")
             return problem
-        self.health[call.node].succeeded()
+        self.succeeded(call.node)
         return None
 
     # ---- limits ----------------------------------------------------------------------------

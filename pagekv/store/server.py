@@ -17,7 +17,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -26,6 +27,8 @@ from .block_store import BlockStore
 from .config import NodeConfig
 from .guard import ConnectionGuard, wire_bytes
 from .memory import tune_malloc_for_blocks
+from .monitor import EVENTS as MONITOR_EVENTS
+from .monitor import ConnectionMonitor
 from .outbox import Outbox
 from .protocol import (
     MAX_HEADER_BYTES,
@@ -38,6 +41,9 @@ from .protocol import (
     decode_request,
     encode_reply,
 )
+
+if TYPE_CHECKING:
+    from .auth import ZapAuthenticator
 
 __all__ = ["StoreNode"]
 
@@ -57,7 +63,9 @@ class StoreNode:
             low_watermark=config.low_watermark,
         )
         self.sock = self._make_socket()
-        self._auth = None
+        self._auth: ZapAuthenticator | None = None
+        # called after each reply with (op or None, reply, seconds): metrics hook
+        self.observe: Callable[[Op | None, Reply, float], None] | None = None
         if config.curve_secret_key:
             self._setup_curve()
         self.sock.bind(config.bind_address)
@@ -69,9 +77,15 @@ class StoreNode:
                              dropped_replies=0, dropped_requests=0, deferred=0)  # fmt: skip
         budget = config.max_message_size + MAX_HEADER_BYTES
         self.outbox = Outbox(self.sock, budget, config.window, self.counters)
+        # libzmq gives a socket one monitor: the guard owns it and feeds the connection
+        # counts of the metrics; without a guard the counter watches the socket itself
         self.guard: ConnectionGuard | None = None
         if config.guard_interval_s > 0:
-            self.guard = ConnectionGuard(self.sock, config, self.counters)
+            self.connections = ConnectionMonitor(None)
+            self.guard = ConnectionGuard(self.sock, config, self.counters,
+                                         self.connections.on_event, MONITOR_EVENTS)  # fmt: skip
+        else:
+            self.connections = ConnectionMonitor(self.sock)
 
     def _make_socket(self) -> zmq.Socket:
         cfg = self.config
@@ -96,18 +110,19 @@ class StoreNode:
         return sock
 
     def _setup_curve(self) -> None:
-        import zmq.auth
-        from zmq.auth.thread import ThreadAuthenticator
+        from .auth import ZapAuthenticator, load_allowed_keys, load_secret_cert
 
-        public, secret = zmq.auth.load_certificate(self.config.curve_secret_key)
-        if secret is None:
-            raise ValueError(f"{self.config.curve_secret_key} has no secret key")
-        self._auth = ThreadAuthenticator(self.ctx)
-        self._auth.start()
-        self._auth.configure_curve(domain="*", location=self.config.curve_allow)
+        public, secret = load_secret_cert(self.config.curve_secret_key)
+        allowed = load_allowed_keys(self.config.curve_allow)  # refuses a missing/empty dir
+        self._auth = ZapAuthenticator(self.ctx, allowed)  # logs rejected keys
         self.sock.curve_secretkey = secret
         self.sock.curve_publickey = public
         self.sock.curve_server = True
+
+    @property
+    def auth(self) -> ZapAuthenticator | None:
+        """The CURVE authenticator (None without CURVE): its ``allowed`` keys and counts."""
+        return self._auth
 
     # ---- loop ------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -158,6 +173,7 @@ class StoreNode:
             self._auth = None
         if self.guard is not None:
             self.guard.close()
+        self.connections.stop()
         self.sock.close(linger=0)
 
     def _read_some(self, most: int) -> None:
@@ -222,6 +238,7 @@ class StoreNode:
         payloads: list[Any], extra_frames: int,
     ) -> None:  # fmt: skip
         """Answer one request; malformed input gets an error reply, never an exception."""
+        start, op = time.perf_counter(), None
         size = sum(map(len, payloads))
         self.counters["bytes_in"] += size + len(header)
         try:
@@ -231,7 +248,8 @@ class StoreNode:
                 raise ProtocolError(Code.TOO_LARGE, f"over {self.config.max_frames} frames")
             if isinstance(parsed, ProtocolError):
                 raise parsed
-            if parsed.op is Op.GET and not payloads and self.outbox.must_park(ident):
+            op = parsed.op
+            if op is Op.GET and not payloads and self.outbox.must_park(ident):
                 self.outbox.park(ident, parsed)  # answered when its replies drain
                 return
             rep, out = self._dispatch(parsed, payloads)
@@ -244,6 +262,8 @@ class StoreNode:
             rep = Reply(id=handlers.best_effort_id(header), code=Code.INTERNAL, error=repr(e))
             out = []
         self._send(ident, rep, out)
+        if self.observe is not None:
+            self.observe(op, rep, time.perf_counter() - start)
 
     def _get(self, req: Request) -> tuple[Reply, list[Any]]:
         rep, out, deferred = handlers.get(self.store, self.config.max_message_size, req)
@@ -252,8 +272,12 @@ class StoreNode:
 
     def _serve_parked(self) -> None:
         for ident, req in self.outbox.ready():
+            start = time.perf_counter()
             self.counters["op_get"] += 1
-            self._send(ident, *self._get(req))
+            rep, out = self._get(req)
+            self._send(ident, rep, out)
+            if self.observe is not None:
+                self.observe(Op.GET, rep, time.perf_counter() - start)
 
     def _send(self, ident: bytes, rep: Reply, payloads: list[Any]) -> None:
         if self.outbox.send(ident, encode_reply(rep), payloads):
@@ -281,8 +305,8 @@ class StoreNode:
         return Reply(req.id, limits=self.config.limits()), []  # PING
 
     def stats(self) -> dict[str, Any]:
-        guard = self.guard
-        return {**self.store.stats(), **self.counters, "address": self.address,
+        guard, auth = self.guard, self._auth.stats() if self._auth is not None else {}
+        return {**self.store.stats(), **self.counters, **auth, "address": self.address,
                 "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
                 "connections": len(guard.conns) if guard else -1,
                 "reply_bytes_in_flight": self.outbox.inflight_bytes(),

@@ -38,7 +38,7 @@ def test_round_trip_on_cuda_kernels(node):
         assert a.pool.is_pinned and b.pool.is_pinned
         tokens = torch.randint(0, 32000, (4096 + 5,)).tolist()
         slots_a = torch.randperm(SLOTS, device="cuda")[: len(tokens)]
-        assert a.save(tokens, slots_a) == 256
+        assert a.save(tokens, slots_a).pages == 256
         a.flush_sync(timeout=60)
         assert b.lookup(tokens) == 4096
         handle = asyncio.run(b.prefetch(tokens))

@@ -1,0 +1,128 @@
+"""Fetching pages from the store into the host tier, shared between overlapping prefetches.
+
+Runs on the connector's loop. One fetch per key at a time (``inflight``): a prefetch that wants
+a key another one is already fetching waits for that fetch. Pages are *handed over*: when a
+fetched page is published, every prefetch still waiting for it gets its own hold at once (under
+the cache lock), so nothing can evict the page between its arrival and its use. Fetches go out
+in chunks, each published as it arrives, so a prefetch with a deadline returns the leading
+pages that came in time. When the pool is short, the leading keys that fit are fetched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagekv.errors import StoreError
+
+from .host_pool import HostPagePool
+from .page_cache import PageCache
+
+__all__ = ["Fetcher", "Waiter"]
+
+log = logging.getLogger("pagekv.connector")
+CHUNK_PAGES = 16
+
+
+@dataclass(eq=False)
+class Waiter:
+    """One prefetch's claim on in-flight keys: ``held`` gets a held page per key handed over."""
+
+    held: dict[bytes, int] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Inflight:
+    future: asyncio.Future
+    waiters: set[Waiter] = field(default_factory=set)
+
+
+class Fetcher:
+    def __init__(
+        self, cache: PageCache, pool: HostPagePool, store: Any, counters: dict[str, float]
+    ) -> None:
+        self.cache, self.pool, self.store, self.counters = cache, pool, store, counters
+        self.inflight: dict[bytes, _Inflight] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    def want(self, keys: list[bytes], waiter: Waiter) -> list[asyncio.Future]:
+        """A future per key (True: page handed to ``waiter``; None: missing, corrupt or no
+        room). Keys cached now are handed over at once; keys in flight are joined; the leading
+        rest that fit in the pool are fetched. Loop thread only."""
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future] = []
+        todo: list[bytes] = []
+        for key in keys:
+            entry = self.inflight.get(key)
+            if entry is not None:
+                entry.waiters.add(waiter)
+                futures.append(entry.future)
+                continue
+            fut = loop.create_future()
+            held = self.cache.acquire([key])
+            if held:
+                waiter.held[key] = held[0]
+                fut.set_result(True)
+            else:
+                self.inflight[key] = _Inflight(fut, {waiter})
+                todo.append(key)
+            futures.append(fut)
+        if todo:
+            pages = self.cache.allocate(len(todo), partial=True)
+            for key in todo[len(pages) :]:  # no room: a miss for this prefetch, not an error
+                self._resolve(key, None)
+            if len(pages) < len(todo):
+                self.counters["prefetch_pool_short"] += len(todo) - len(pages)
+            for start in range(0, len(pages), CHUNK_PAGES):
+                chunk = list(zip(todo[start:], pages[start : start + CHUNK_PAGES]))
+                task = loop.create_task(self._fetch(chunk))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        return futures
+
+    def forget(self, waiter: Waiter) -> None:
+        """``waiter`` stops waiting (done or out of time): no page is handed to it any more."""
+        for entry in self.inflight.values():
+            entry.waiters.discard(waiter)
+
+    async def _fetch(self, chunk: list[tuple[bytes, int]]) -> None:
+        """Fetch a chunk into its pages, publish the good ones and hand them over. Every key is
+        resolved whatever happens, so no waiter can hang."""
+        ok: list[Any] = [False] * len(chunk)
+        try:
+            views = [self.pool.page_view(p) for _, p in chunk]
+            ok = await self.store.get_many([k for k, _ in chunk], into=views)
+        except StoreError as e:
+            self.counters["store_errors"] += 1
+            log.debug("pagekv: fetch of %d pages failed: %s", len(chunk), e)
+        finally:
+            for (key, page), good in zip(chunk, ok):
+                if good and self.cache.publish(key, page):
+                    self.counters["bytes_in"] += self.pool.page_bytes
+                    self._resolve(key, page)
+                else:  # missing, corrupt, or cached meanwhile by a save: hand that one over
+                    self._resolve(key, None, existing=bool(good))
+            self.cache.release([p for _, p in chunk])  # published pages stay cached
+
+    def _resolve(self, key: bytes, page: int | None, *, existing: bool = False) -> None:
+        """End ``key``'s fetch: give each waiter its own hold on ``page`` (or, ``existing``,
+        on the page cached under ``key`` by someone else), then wake them."""
+        entry = self.inflight.pop(key)
+        handed = False
+        for waiter in entry.waiters:
+            if page is not None:
+                self.cache.hold(page)
+                waiter.held[key] = page
+                handed = True
+            elif existing and (held := self.cache.acquire([key])):
+                waiter.held[key] = held[0]
+                handed = True
+        if not entry.future.done():
+            entry.future.set_result(True if handed or page is not None else None)
+
+    async def cancel(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,184 @@
+"""KVIndex: what an engine's scheduler needs to know about the store, and nothing else.
+
+No KV tensors, no host pool, no torch: a store client, the key namespaces of the ranks whose
+pages a request needs, and a lookup bounded in time. The scheduler of a serving engine runs on
+one thread and must never wait on the network longer than it budgets: :meth:`KVIndex.lookup`
+returns within ``lookup_timeout_s`` whatever the store does (a dead or stopped node costs at
+most that bound), counts the failure and logs it at most every few seconds. After a failure,
+lookups skip the store for a back-off period (0.25 s doubling to 8 s, reset by a success), so a
+dead node costs one bound per period instead of one per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pagekv.errors import ConfigError, ConnectorClosed, StoreError
+from pagekv.store import AsyncStoreClient, ClientConfig
+
+from .hashing import KeyNamespace, page_keys
+from .loop import LoopThread, RateLimitedLog
+
+__all__ = ["KVIndex", "client_config"]
+
+log = logging.getLogger("pagekv.connector")
+
+
+def client_config(store: ClientConfig | str | Sequence[str]) -> ClientConfig:
+    """A :class:`ClientConfig` from a config, one endpoint, or a list of endpoints."""
+    if isinstance(store, ClientConfig):
+        return store
+    return ClientConfig(tuple([store] if isinstance(store, str) else store))
+
+
+class KVIndex:
+    """Bounded lookups of page keys in the store, for one or several namespaces (TP ranks).
+
+    ``lookup`` answers the number of leading pages stored for *every* namespace (the minimum
+    over ranks, so a hit is loadable on every rank). Thread-safe; store I/O runs on ``loop``
+    (its own daemon thread if not given). Raises ``ConfigError``/``TypeError`` for bad
+    arguments, ``ConnectorClosed`` after :meth:`close`; never raises on store trouble.
+    """
+
+    def __init__(
+        self,
+        namespaces: KeyNamespace | Sequence[KeyNamespace],
+        store: ClientConfig | str | Sequence[str],
+        *,
+        lookup_timeout_s: float = 0.05,
+        loop: LoopThread | None = None,
+    ) -> None:
+        ns = [namespaces] if isinstance(namespaces, KeyNamespace) else list(namespaces)
+        if not ns or not all(isinstance(n, KeyNamespace) for n in ns):
+            raise TypeError("namespaces must be a KeyNamespace or a non-empty list of them")
+        if len({n.geometry.page_size for n in ns}) != 1:
+            raise ConfigError("all namespaces of a KVIndex need the same page size")
+        if isinstance(lookup_timeout_s, bool) or not lookup_timeout_s > 0:
+            raise ConfigError(f"lookup_timeout_s must be > 0, got {lookup_timeout_s!r}")
+        cfg = client_config(store)
+        self.namespaces = ns
+        self.page_size = ns[0].geometry.page_size
+        self.lookup_timeout_s = float(lookup_timeout_s)
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("lookups", "lookup_timeouts", "lookups_skipped", "store_errors"), 0
+        )
+        self._warn = RateLimitedLog(log)
+        self._why = RateLimitedLog(log, 60.0)
+        self._diagnosing = threading.Event()
+        # circuit breaker: after a failed lookup, none for backoff_s (doubling up to max)
+        self.backoff_min_s, self.backoff_max_s = 0.25, 8.0
+        self._backoff_s = 0.0
+        self._skip_until = 0.0
+        self._own_loop = loop is None
+        self.loop = loop or LoopThread("pagekv-index")
+        try:
+            self.store: AsyncStoreClient = self.loop.call(self._make_client(cfg), timeout=10)
+        except BaseException:
+            if self._own_loop:
+                self.loop.close()
+            raise
+        self._closed = False
+
+    @staticmethod
+    async def _make_client(cfg: ClientConfig) -> AsyncStoreClient:
+        return AsyncStoreClient(cfg.endpoints, config=cfg)
+
+    def keys(self, token_ids: Any) -> list[list[bytes]]:
+        """Page keys of ``token_ids`` in each namespace."""
+        return [page_keys(token_ids, n) for n in self.namespaces]
+
+    def lookup(
+        self, token_ids: Any = None, *, keys: Sequence[Sequence[bytes]] | None = None
+    ) -> int:
+        """Tokens of the longest page-aligned prefix stored for every namespace.
+
+        ``keys``: per namespace, its page keys (else computed from ``token_ids``). Returns
+        within about ``lookup_timeout_s``; on timeout or store error, 0 (counted, logged).
+        """
+        if keys is None:
+            if token_ids is None:
+                raise ValueError("lookup needs token_ids or keys")
+            keys = self.keys(token_ids)
+        if len(keys) != len(self.namespaces):
+            raise ValueError(f"keys: one list per namespace ({len(self.namespaces)}) expected")
+        return self.lookup_pages([list(k) for k in keys]) * self.page_size
+
+    def lookup_pages(self, keys: list[list[bytes]], timeout_s: float | None = None) -> int:
+        """Leading pages stored for every key list (bounded, never raises on store trouble)."""
+        if self._closed:
+            raise ConnectorClosed("KVIndex is closed")
+        self.counters["lookups"] += 1
+        n = min(map(len, keys))
+        if n == 0:
+            return 0
+        flat = [k for ks in keys for k in ks[:n]]
+        now = time.monotonic()
+        if now < self._skip_until:  # the store just failed us: host tier only, for a while
+            self.counters["lookups_skipped"] += 1
+            return 0
+        timeout = self.lookup_timeout_s if timeout_s is None else timeout_s
+        try:
+            found = self.loop.call(self._exists(flat), timeout)
+        except TimeoutError:
+            self.counters["lookup_timeouts"] += 1
+            self.counters["store_errors"] += 1
+            self._back_off(now)
+            self._warn.warning("pagekv: store lookup took over %.0f ms: counted as a miss; "
+                               "store lookups skipped for %.2f s", timeout * 1e3,
+                               self._backoff_s)  # fmt: skip
+            return 0
+        if found is None:
+            self._back_off(now)
+            return 0
+        self._backoff_s = 0.0
+        lead = n
+        for r in range(len(keys)):
+            part = found[r * n : (r + 1) * n]
+            lead = min(lead, next((i for i, f in enumerate(part) if not f), n))
+        return lead
+
+    def _back_off(self, now: float) -> None:
+        self._backoff_s = min(self.backoff_max_s, max(self.backoff_min_s, 2 * self._backoff_s))
+        self._skip_until = now + self._backoff_s
+        if not self._diagnosing.is_set():  # say why, off the engine's thread
+            self._diagnosing.set()
+            threading.Thread(target=self._diagnose, name="pagekv-probe", daemon=True).start()
+
+    def _diagnose(self) -> None:
+        """Probe each node once and log what is wrong: "authentication failed" (a CURVE
+        misconfiguration) reads differently from "unreachable" or "no answer"."""
+        from pagekv.store.probe import Outcome, probe
+
+        cfg = self.store.config
+        try:
+            for ep in cfg.endpoints:
+                result = probe(ep, curve=cfg.curve, timeout_s=min(cfg.timeout_s, 2.0))
+                if result.outcome is not Outcome.OK:
+                    self._why.warning("pagekv: store node %s: %s", ep, result)
+        finally:
+            self._diagnosing.clear()
+
+    async def _exists(self, keys: list[bytes]) -> list[bool] | None:
+        try:
+            return (await self.store.exists_many(keys)).found
+        except StoreError as e:
+            self.counters["store_errors"] += 1
+            self._warn.warning("pagekv: store lookup failed: %s", e)
+            return None
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters, "store": dict(self.store.counters)}
+
+    def close(self) -> None:
+        """Close the store client (and the loop thread if this index made it). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.loop.closed:
+            self.loop.call_soon(self.store.close)
+        if self._own_loop:
+            self.loop.close()

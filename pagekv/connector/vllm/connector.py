@@ -1,0 +1,225 @@
+"""``PagekvConnector``: the class vLLM 0.32 loads (``kv_connector="PagekvConnector"``,
+``kv_connector_module_path="pagekv.connector.vllm"``).
+
+vLLM makes one scheduler-role instance (EngineCore process) and one worker-role instance per
+rank (worker processes); this class only dispatches to :class:`SchedulerSide` or
+:class:`WorkerSide`.
+
+Left to vLLM's defaults: ``get_mem_pool_context``, ``set_host_xfer_buffer_ops``,
+``handle_preemptions`` (saves are done or stream-ordered within their step),
+``get_transfer_results`` (load failures go through ``get_block_ids_with_load_errors``, which
+keeps a partial hit, not ``failed_recving``), ``build_connector_worker_meta``,
+``get_kv_connector_kv_cache_events``, ``take_events``, ``on_new_request``,
+``get_external_cache_hit_sources`` (EXTERNAL_UNSPECIFIED), ``get_loaded_kv_cache_group_ids``,
+the P/D handshake and push hooks, ``finish_forward``, ``reset_capture_state``. ``SupportsHMA``
+is not implemented: vLLM turns its hybrid allocator off (one KV cache group).
+
+Store trouble never reaches vLLM: lookups are bounded misses, failed loads are reported as
+load errors (vLLM recomputes those blocks), failed saves are counted. An unexpected error in a
+step is logged and handled the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
+
+from pagekv.connector import KVConnector, KVIndex
+from pagekv.errors import ConfigError
+from pagekv.kernels import DeviceKV
+
+from .blocks import attention_layer_names, block_views
+from .config import VllmConnectorConfig
+from .engine import engine_layout, required_layout
+from .metadata import PagekvMetadata
+from .scheduler import SchedulerSide
+from .stats import PagekvStats, StatsDelta
+from .worker import WorkerSide
+
+__all__ = ["PagekvConnector"]
+
+log = logging.getLogger("vllm.pagekv")  # under vLLM's logger: its handlers and format
+
+
+class PagekvConnector(KVConnectorBase_V1):
+    """pagekv as a vLLM KV connector (see the package docstring for the settings)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.cfg = VllmConnectorConfig.from_extra(
+            self._kv_transfer_config.kv_connector_extra_config
+        )
+        self.layout = engine_layout(vllm_config, kv_cache_config, self.cfg)
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        self._stats = StatsDelta()
+        if role == KVConnectorRole.SCHEDULER:
+            policy = self._kv_transfer_config.kv_load_failure_policy
+            if policy != "recompute":  # a cache miss must never fail a request
+                log.info("pagekv: kv_load_failure_policy %r -> 'recompute'", policy)
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            index = None
+            if self.cfg.load:
+                index = KVIndex(self.layout.all_namespaces(), self.cfg.client_config(),
+                                lookup_timeout_s=self.cfg.lookup_timeout_s)  # fmt: skip
+            self.scheduler = SchedulerSide(self.layout, index, save=self.cfg.save,
+                                           load_async=self.cfg.load_async)  # fmt: skip
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a later miss
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        return required_layout(vllm_config, VllmConnectorConfig.from_extra(extra))
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # layer-wise waits run in Python at each attention layer: not inside a full CUDA graph
+        return VllmConnectorConfig.from_extra(extra_config).layerwise
+
+    # ==== worker side ===========================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        names = attention_layer_names(self._kv_cache_config)
+        missing = [n for n in names if n not in kv_caches]
+        if missing:
+            raise ConfigError(f"pagekv: vLLM registered no KV cache for layers {missing}")
+        tp_rank, pp_rank = get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+        namespace = self.layout.namespace(tp_rank, pp_rank)
+        geo = namespace.geometry
+        if geo.num_layers != len(names):
+            raise ConfigError(f"pagekv: PP stage {pp_rank} has {len(names)} KV layers, "
+                              f"expected {geo.num_layers}")  # fmt: skip
+        views = block_views([kv_caches[n] for n in names], self._kv_cache_config.num_blocks, geo)
+        conn = KVConnector(
+            geo, DeviceKV.from_caches(geo, views), self.cfg.client_config(),
+            host_pages=max(1, self.cfg.host_bytes // geo.page_bytes), namespace=namespace,
+            max_pending_writes=self.cfg.max_pending_writes,
+            lookup_timeout_s=self.cfg.lookup_timeout_s, close_timeout_s=self.cfg.flush_timeout_s,
+        )  # fmt: skip
+        if self.cfg.stats_log_s:
+            conn.log_stats_every(self.cfg.stats_log_s)
+        self.worker = WorkerSide(
+            conn, lambda epoch: self.layout.namespace(tp_rank, pp_rank, epoch),
+            {n: i for i, n in enumerate(names)}, load_timeout_s=self.cfg.load_timeout_s,
+            save=self.cfg.save, layerwise=self.cfg.layerwise,
+        )  # fmt: skip
+        log.info("pagekv: worker tp=%d pp=%d: %d layers, %d-byte blocks, %d host pages, %s",
+                 tp_rank, pp_rank, geo.num_layers, geo.item_bytes, conn.pool.num_pages,
+                 self.layout.layout)  # fmt: skip
+
+    def _meta(self) -> PagekvMetadata | None:
+        return self._connector_metadata if self.has_connector_metadata() else None  # type: ignore[return-value]
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None:
+            try:
+                self.worker.bind(connector_metadata)
+            except Exception:  # async loads not started are simply not finished later
+                log.exception("pagekv: starting asynchronous loads failed")
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self.worker is None:
+            return
+        meta = self._meta()
+        try:
+            self.worker.start_load(meta)
+        except Exception:  # never the step's error: every block of the step is recomputed
+            log.exception("pagekv: load failed; the step's external blocks are recomputed")
+            self.worker.fail_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.worker is not None:
+            self.worker.wait_for_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
+        return  # whole blocks are saved once per step, for all layers, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self.worker is None:
+            return
+        try:
+            self.worker.save(self._meta())
+        except Exception:  # a save not made is a later miss
+            log.exception("pagekv: save failed")
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is None:
+            return None, None
+        return None, self.worker.take_finished() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_errors() if self.worker is not None else set()
+
+    def get_kv_connector_stats(self) -> PagekvStats | None:
+        side = self.worker or self.scheduler
+        return self._stats.take(side.counters) if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PagekvStats | None:
+        return PagekvStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            log.info("pagekv: worker stats at shutdown: %s", self.worker.stats())
+            self.worker.close()
+            self.worker = None
+        if self.scheduler is not None:
+            log.info("pagekv: scheduler stats at shutdown: %s", self.scheduler.stats())
+            if self.scheduler.index is not None:
+                self.scheduler.index.close()
+            self.scheduler = None
+
+    # ==== scheduler side ========================================================================
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler is not None:
+            self.scheduler.block_ids_of = lambda req_id: kv_cache_manager.get_block_ids(req_id)[0]
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if self.scheduler is None:
+            return 0, False
+        try:
+            return self.scheduler.num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:  # a lookup that cannot be answered is a miss
+            log.exception("pagekv: lookup failed for request %s", request.request_id)
+            return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        if self.scheduler is not None and num_external_tokens > 0:
+            self.scheduler.update_state_after_alloc(
+                request, blocks.get_block_ids()[0], num_external_tokens
+            )
+
+    def build_connector_meta(self, scheduler_output: Any) -> PagekvMetadata:
+        if self.scheduler is None:
+            return PagekvMetadata()
+        return self.scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self.scheduler is not None:
+            self.scheduler.on_output(
+                connector_output.invalid_block_ids, connector_output.failed_recving
+            )
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        if self.scheduler is not None:
+            self.scheduler.finished(request.request_id)
+        return False, None  # saves already read the blocks (CPU) or are stream-ordered (GPU)
+
+    def reset_cache(self) -> bool:
+        if self.scheduler is not None:
+            self.scheduler.reset()
+        return True

@@ -1,0 +1,46 @@
+"""What the scheduler-side connector tells the worker ranks each step. Crosses a process
+boundary (vLLM pickles it to every worker), so it holds only plain values: block ids and
+vLLM's block hashes; each rank derives its own keys from the hashes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+try:  # the base class is an empty marker; without vLLM (unit tests) a plain object will do
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except ImportError:  # pragma: no cover - exercised by the tests that run without vLLM
+    KVConnectorMetadata = object  # type: ignore[assignment,misc]
+
+__all__ = ["BlockTransfer", "PagekvMetadata"]
+
+
+@dataclass(frozen=True)
+class BlockTransfer:
+    """Blocks of one request to load or save: ``block_ids[i]`` holds the block whose vLLM
+    hash is ``block_hashes[i]``. ``load_async``: loaded between steps, reported through
+    ``get_finished`` (loads only). ``failed``: a load the scheduler could not plan; the
+    workers report every block as a load error (no hashes needed)."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+    load_async: bool = False
+    failed: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.failed and len(self.block_ids) != len(self.block_hashes):
+            raise ValueError(
+                f"request {self.req_id}: {len(self.block_ids)} block ids but "
+                f"{len(self.block_hashes)} block hashes"
+            )
+
+
+@dataclass
+class PagekvMetadata(KVConnectorMetadata):
+    """One step's loads (blocks to fill before, or asynchronously after, the forward) and
+    saves (blocks this step completes); ``epoch``: the scheduler's reset count, part of the
+    key namespace."""
+
+    epoch: int = 0
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)

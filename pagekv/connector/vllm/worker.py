@@ -1,0 +1,220 @@
+"""The worker half: fetch pages into the host pool, copy them into vLLM's blocks, save the blocks
+a step completed. One per worker rank, each with its own :class:`KVConnector` and namespace.
+
+Loads
+  *sync*  ``start_load_kv`` runs before the forward: every request's prefetch starts at once and
+          all share one deadline (``load_timeout_s``); what arrived is copied in. On GPU the
+          copy is layer by layer on pagekv's load stream and ``wait_for_layer_load`` makes the
+          engine's stream wait for that layer only (``layerwise``; else the copy is enqueued on
+          the engine's stream before the forward); on CPU it is done on return.
+  *async* the prefetch starts when the metadata arrives (``bind``); each later step copies
+          the finished ones in and reports them in ``get_finished``.
+  A page the worker cannot get (node died, evicted, corrupt, deadline) is never guessed: its
+  block and every later block of that request go to ``get_block_ids_with_load_errors`` and
+  vLLM recomputes them. Nothing here raises into the step.
+
+Saves
+  ``wait_for_save`` copies the step's newly completed blocks into the host pool and queues the
+  write-back. On CPU the copy is done on return; on GPU the engine's stream waits on it
+  (pagekv's default), so vLLM may reuse the blocks at once: ``request_finished`` never has
+  to delay freeing them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pagekv.connector import KeyNamespace, KVConnector
+from pagekv.connector.loop import LoopThread, RateLimitedLog
+from pagekv.errors import PagekvError
+
+from .metadata import BlockTransfer, PagekvMetadata
+
+__all__ = ["WorkerSide"]
+
+log = logging.getLogger("vllm.pagekv")  # under vLLM's logger: its handlers and format
+
+
+@dataclass
+class _AsyncLoad:
+    spec: BlockTransfer
+    future: concurrent.futures.Future
+    deadline: float
+
+
+class WorkerSide:
+    """Loads and saves of one worker rank. ``namespace_of(epoch)``: this rank's key namespace
+    (see :meth:`EngineLayout.namespace`); ``layer_index``: vLLM layer name -> item index in a
+    page. Methods are called from vLLM's worker thread; prefetches run on a loop thread."""
+
+    def __init__(
+        self,
+        conn: KVConnector,
+        namespace_of: Callable[[int], KeyNamespace],
+        layer_index: dict[str, int],
+        *,
+        load_timeout_s: float,
+        save: bool,
+        layerwise: bool = True,
+    ) -> None:
+        self.conn, self.layer_index = conn, layer_index
+        self._namespace_of = namespace_of
+        self._namespaces: dict[int, KeyNamespace] = {}
+        self.load_timeout_s = load_timeout_s
+        self.save_enabled = save and conn.namespace.is_writer  # MLA: rank 0 writes for all
+        self.layerwise = layerwise and conn.kv.device.type == "cuda"
+        self._aio = LoopThread("pagekv-vllm-prefetch")
+        self._async: dict[str, _AsyncLoad] = {}
+        self._layer_loads: list[Any] = []
+        self._errors: set[int] = set()
+        self._recved: set[str] = set()
+        self._warn = RateLimitedLog(log)
+        self.counters = dict.fromkeys(
+            ("load_blocks", "load_error_blocks", "load_seconds", "save_blocks", "saves_skipped"),
+            0,
+        )  # fmt: skip
+
+    # ---- loads -----------------------------------------------------------------------------
+    def keys(self, epoch: int, block_hashes: tuple[bytes, ...]) -> list[bytes]:
+        ns = self._namespaces.get(epoch)
+        if ns is None:
+            ns = self._namespaces[epoch] = self._namespace_of(epoch)
+        return ns.derive_keys(block_hashes)
+
+    def _start_prefetch(
+        self, spec: BlockTransfer, epoch: int, deadline: float
+    ) -> concurrent.futures.Future:
+        keys = self.keys(epoch, spec.block_hashes)
+        return self._aio.submit(self.conn.prefetch(keys=keys, deadline=deadline))
+
+    def bind(self, meta: PagekvMetadata) -> None:
+        """Start the prefetches of this step's asynchronous loads."""
+        for spec in meta.loads:
+            if spec.load_async and not spec.failed and spec.req_id not in self._async:
+                deadline = time.monotonic() + self.load_timeout_s
+                future = self._start_prefetch(spec, meta.epoch, deadline)
+                self._async[spec.req_id] = _AsyncLoad(spec, future, deadline)
+
+    def start_load(self, meta: PagekvMetadata | None) -> None:
+        """Synchronous loads of this step (before the forward), then the asynchronous loads
+        whose pages have arrived."""
+        self._layer_loads = []
+        loads = meta.loads if meta else []
+        for spec in loads:
+            if spec.failed:  # nothing to fetch: every block is recomputed
+                self._load(spec, None)
+                if spec.load_async:
+                    self._recved.add(spec.req_id)
+        sync = [s for s in loads if not s.load_async and not s.failed]
+        if sync:
+            start = time.monotonic()
+            deadline = start + self.load_timeout_s
+            futures = [self._start_prefetch(s, meta.epoch, deadline) for s in sync]
+            for spec, future in zip(sync, futures):
+                wait_s = max(0.0, deadline - time.monotonic()) + 1.0
+                self._load(spec, self._collect(future, wait_s), layerwise=self.layerwise)
+            self.counters["load_seconds"] += time.monotonic() - start
+        now = time.monotonic()
+        for req_id, pending in list(self._async.items()):
+            if pending.future.done() or now > pending.deadline + 1.0:  # never waits here
+                del self._async[req_id]
+                self._load(pending.spec, self._collect(pending.future, 0.0))
+                self._recved.add(req_id)
+
+    def _collect(self, future: concurrent.futures.Future, wait_s: float) -> Any:
+        """The prefetch handle, or None if it failed or is not done within ``wait_s`` (its
+        pages are then released whenever it does finish)."""
+        try:
+            return future.result(wait_s)
+        except concurrent.futures.TimeoutError:
+            future.add_done_callback(self._release_late)
+        except Exception as e:  # a bug or a closed connector: a miss, never the step's error
+            self._warn.warning("pagekv: prefetch failed: %r", e)
+        return None
+
+    def _release_late(self, future: concurrent.futures.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.conn.release(future.result())
+
+    def _load(self, spec: BlockTransfer, handle: Any, layerwise: bool = False) -> None:
+        """Copy the leading pages ``handle`` holds into ``spec``'s blocks; the rest are load
+        errors. Releases the handle (safe right after the copy is enqueued)."""
+        loaded = 0
+        if handle is not None:
+            ids = list(spec.block_ids[: handle.num_pages])
+            try:
+                if ids and layerwise:
+                    self._layer_loads.append(self.conn.load_async(handle, ids))
+                elif ids:
+                    self.conn.load(handle, ids)
+                loaded = len(ids)
+            except (PagekvError, ValueError, RuntimeError) as e:
+                self._warn.warning("pagekv: load of request %s failed: %r", spec.req_id, e)
+            finally:
+                self.conn.release(handle)
+        failed = spec.block_ids[loaded:]
+        self._errors.update(failed)
+        self.counters["load_blocks"] += loaded
+        self.counters["load_error_blocks"] += len(failed)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Make the engine's stream wait for this layer of the step's layer-wise loads (an
+        unknown layer waits for all of them)."""
+        index = self.layer_index.get(layer_name)
+        for layers in self._layer_loads:
+            if index is None:
+                for i in range(layers.num_layers):
+                    layers.wait_layer(i)
+            else:
+                layers.wait_layer(index)
+
+    @property
+    def pending_async(self) -> int:
+        """Asynchronous loads whose pages are still being fetched."""
+        return len(self._async)
+
+    def fail_loads(self, meta: PagekvMetadata | None) -> None:
+        """Report every block of the step's synchronous loads as a load error (vLLM recomputes
+        them); used when a load raised something unexpected."""
+        for spec in meta.loads if meta else ():
+            if not spec.load_async:
+                self._errors.update(spec.block_ids)
+
+    def take_finished(self) -> set[str]:
+        done, self._recved = self._recved, set()
+        return done
+
+    def take_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    # ---- saves -----------------------------------------------------------------------------
+    def save(self, meta: PagekvMetadata | None) -> None:
+        """Save the step's completed blocks (device -> host pool now, to the store later).
+        Called at the end of every step: the step's layer-wise loads are done with."""
+        self._layer_loads = []
+        if meta is None or not self.save_enabled:
+            return
+        for spec in meta.saves:
+            try:
+                keys = self.keys(meta.epoch, spec.block_hashes)
+                handle = self.conn.save(keys=keys, device_slots=list(spec.block_ids))
+                self.counters["save_blocks"] += handle.pages
+            except (PagekvError, ValueError, RuntimeError) as e:
+                self.counters["saves_skipped"] += 1
+                self._warn.warning("pagekv: save of request %s skipped: %r", spec.req_id, e)
+
+    # ---- lifetime --------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters, "connector": self.conn.stats()}
+
+    def close(self) -> None:
+        """Stop pending prefetches, flush the write-back (bounded), close the connector."""
+        self._aio.close()
+        self._async.clear()
+        self.conn.close()

@@ -1,0 +1,99 @@
+"""Attention over the paged KV cache for one forward of one request (a prefill chunk or a
+decode step), with torch's ``scaled_dot_product_attention`` (flash kernels on the GPU).
+
+A forward's ``T`` query rows are the positions ``[key_len - T, key_len)``: the last rows of the
+key range (lower-right causal). New K/V rows are written with :func:`pagekv.kernels.store_kv`
+before attention reads the cache; positions ``[written, key_len)`` read as zeros (padding of
+batch-invariant chunks, see :class:`pagekv.engine.config.EngineConfig`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagekv.kernels import store_kv
+
+from .kv_cache import PagedKVCache, SlotTable
+
+__all__ = ["PagedAttention", "attention"]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of ``q [T, H, D]`` (the last ``T`` positions) over ``k, v [S, KVH, D]``
+    (``H`` a multiple of ``KVH``) -> ``[T, H, D]``. Only reads its inputs."""
+    t, heads, _ = q.shape
+    s, kv_heads, _ = k.shape
+    qh = q.transpose(0, 1).unsqueeze(0)
+    if t == 1:  # decode: every key is visible; GQA without repeating K/V
+        kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))
+        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=heads != kv_heads)
+    else:
+        if heads != kv_heads:  # the lower-right causal kernels need as many K/V heads as Q
+            k = k.repeat_interleave(heads // kv_heads, dim=1)
+            v = v.repeat_interleave(heads // kv_heads, dim=1)
+        kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))
+        if t == s:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=_lower_right(t, s, q))
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _lower_right(t: int, s: int, like: torch.Tensor) -> torch.Tensor | object:
+    """Causal mask of ``t`` queries at the end of ``s`` keys. On CUDA torch's ``CausalBias``
+    (runs the flash kernel, no mask in memory; imported here because its module pulls in
+    torch._dynamo, ~2 s); elsewhere a boolean ``[t, s]`` mask."""
+    if like.is_cuda:
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(t, s)
+    keys = torch.arange(s, device=like.device)
+    return keys[None, :] <= torch.arange(s - t, s, device=like.device)[:, None]
+
+
+class PagedAttention:
+    """The ``attend`` callable a :class:`pagekv.engine.model.Llama` forward uses.
+
+    ``out_loc [T]`` (on the cache's device): slot of each query row, -1 for a padding row whose
+    K/V are not stored. ``written``: positions of the request whose K/V are in the cache once
+    this forward's rows are stored. ``wait(layer)``: called before a layer reads the cache
+    (layer-wise load of a reused prefix). Mutates the cache rows at ``out_loc`` only.
+    """
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        table: SlotTable,
+        out_loc: torch.Tensor,
+        *,
+        key_len: int,
+        written: int,
+        wait: Callable[[int], None] | None = None,
+    ) -> None:
+        if not 0 < written <= min(key_len, table.capacity):
+            raise ValueError(f"bad key range: written {written}, key_len {key_len}")
+        self.cache, self.table, self.out_loc = cache, table, out_loc
+        self.key_len, self.written, self.wait = key_len, written, wait
+        self.validate = cache.k.device.type != "cuda"  # a check on CUDA would sync every call
+
+    def _rows(self, layer_cache: torch.Tensor) -> torch.Tensor:
+        if self.table.base >= 0:
+            rows = layer_cache[self.table.base : self.table.base + self.written]
+        else:
+            rows = layer_cache.index_select(0, self.table.device[: self.written])
+        pad = self.key_len - self.written
+        if pad:
+            rows = torch.cat((rows, rows.new_zeros((pad, *rows.shape[1:]))))
+        return rows
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        store_kv(k, v, k_cache, v_cache, self.out_loc, validate=self.validate)
+        if self.wait is not None:
+            self.wait(layer)
+        return attention(q, self._rows(k_cache), self._rows(v_cache))
