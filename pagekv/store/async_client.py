@@ -148,13 +148,16 @@ class AsyncStoreClient(_Base):
         clock = {"progress": start, "bytes": 0, "sending": 0}
         tasks = {asyncio.ensure_future(self._request(node, link, c, clock)): c for c in calls}
         cfg = self.config
-        cap = start + cfg.timeout_for(sum(c.nbytes for c in calls)) + cfg.timeout_s
+        total = sum(c.nbytes for c in calls)
+        cap = start + cfg.timeout_for(total) + cfg.timeout_s
+        stretch = cfg.timeout_per_mib_s * total / (1 << 20)
         try:
             while not all(t.done() for t in tasks):
                 if clock["bytes"]:
                     deadline = clock["progress"] + cfg.timeout_for(clock["bytes"])
-                elif clock["sending"]:  # waiting for the connection
-                    deadline = clock["progress"] + min(cfg.connect_timeout_s, cfg.timeout_s)
+                elif clock["sending"]:  # waiting for the connection (stretched by the bytes)
+                    connect = min(cfg.connect_timeout_s, cfg.timeout_s)
+                    deadline = clock["progress"] + connect + stretch
                 else:  # waiting for window slots held by other calls (each on its deadline)
                     deadline = cap
                 left = deadline - time.monotonic()

@@ -76,7 +76,10 @@ class _Flow:
     def deadline(self, config: ClientConfig) -> float:
         if self.outstanding:
             return self.progress + config.timeout_for(self.out_bytes)
-        return self.progress + min(config.connect_timeout_s, config.timeout_s)
+        # waiting for the connection: the connect bound, stretched by the bytes to move
+        waiting = self.unsent[0].nbytes if self.unsent else 0
+        connect = min(config.connect_timeout_s, config.timeout_s)
+        return self.progress + connect + config.timeout_per_mib_s * waiting / (1 << 20)
 
 
 class StoreClient(_Base):

@@ -30,7 +30,7 @@ def put(router: Router, keys: Sequence[bytes], values: Sequence[list[memoryview]
     statuses: list[list[int]] = [[] for _ in keys]
     want, nxt = [router.replicas] * len(keys), [0] * len(keys)
     while wave := _next_targets(router, cands, want, nxt):
-        yield from router.learn(list(wave))
+        yield from router.learn({n: sum(sizes[i] for i in idxs) for n, idxs in wave.items()})
         batch: list[Call] = []
         for node, idxs in wave.items():
             limits = router.limits[node]
@@ -151,7 +151,7 @@ def delete(router: Router, keys: Sequence[bytes]) -> OpGen:
     for i, nodes in enumerate(router.candidates(keys, router.replicas + 1, usable)):
         for node in nodes:
             targets.setdefault(node, []).append(i)
-    yield from router.learn(list(targets))
+    yield from router.learn(dict.fromkeys(targets, 0))
     batch = [
         Call(node, Request(Op.DELETE, router.next_id(), [keys[i] for i in part]), [], part)
         for node, idxs in targets.items()
@@ -221,7 +221,8 @@ def _lookup(
                 wave[node].append(i)
             else:
                 wave[node] = [i]
-        yield from router.learn(list(wave))
+        need = {n: sum(expected[i] for i in idxs) if expected else 0 for n, idxs in wave.items()}
+        yield from router.learn(need)
         batch: list[Call] = []
         for node, idxs in wave.items():
             limits = router.limits[node]

@@ -234,11 +234,12 @@ class Router:
         return None
 
     # ---- limits ----------------------------------------------------------------------------
-    def learn(self, nodes: Sequence[int]) -> OpGen:
+    def learn(self, nodes: dict[int, int]) -> OpGen:
         """Ask the nodes whose limits are unknown for them (PING); a node that does not
-        answer is marked failed and keeps ``None``."""
-        batch = [Call(n, Request(Op.PING, self.next_id()), [], []) for n in set(nodes)
-                 if self.limits[n] is None]  # fmt: skip
+        answer is marked failed and keeps ``None``. ``nodes``: node -> bytes the operation
+        will move there (the PING is its first round trip, and gets its time bound)."""
+        batch = [Call(n, Request(Op.PING, self.next_id()), [], [], nbytes)
+                 for n, nbytes in nodes.items() if self.limits[n] is None]  # fmt: skip
         if not batch:
             return
         results = yield batch
