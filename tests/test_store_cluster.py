@@ -113,7 +113,7 @@ def test_eviction_under_capacity():
             for k, d in zip(keys, data):
                 assert client.put_many([k], [d]) == [Status.OK]
             stats = client.stats()[0]
-            assert stats["evictions"] >= 24 and stats["bytes"] <= stats["capacity"] == 8 << 20
+            assert stats["evictions"] >= 24 and stats["used_bytes"] <= stats["capacity"] == 8 << 20
             got = client.get_many(keys)
             present = [i for i, g in enumerate(got) if g is not None]
             assert present and present == list(range(32 - len(present), 32))  # the newest stay

@@ -4,7 +4,7 @@ import msgpack
 import pytest
 
 from pagekv.store import ClientConfig, Code, NodeConfig, Op, ProtocolError, Status, parse_size
-from pagekv.store.block_store import BlockStore
+from pagekv.store.block_store import BLOCK_OVERHEAD, FRAME_OVERHEAD, BlockStore, block_cost
 from pagekv.store.protocol import (
     Reply,
     Request,
@@ -74,23 +74,29 @@ def test_bad_requests_name_the_problem(frame, code):
 
 
 def test_block_store_lru_capacity_and_immutability():
-    store = BlockStore(1000, max_block_bytes=400, high_watermark=0.8, low_watermark=0.5)
+    one = block_cost(b"a", 300, 1)
+    store = BlockStore(3 * one + 50, max_block_bytes=400, high_watermark=0.8, low_watermark=0.5)
     assert store.put(b"a", (b"x" * 300,), 300, 1) is Status.OK
     assert store.put(b"b", (b"y" * 100, b"y" * 200), 300, 2) is Status.OK  # one block
     assert store.put(b"a", (b"z" * 300,), 300, 9) is Status.EXISTS  # not rewritten
     assert store.get(b"a").frames == (b"x" * 300,) and store.get(b"a").checksum == 1
-    assert store.used == 602
+    assert store.used == one + block_cost(b"b", 300, 2) and store.payload == 602
     # "a" was touched: "b" is the oldest; the third block evicts down to the low watermark
     assert store.put(b"c", (b"w" * 300,), 300, 3) is Status.OK
     assert b"b" not in store and b"a" in store and b"c" in store
-    assert store.evictions == 1 and store.used == 602
+    assert store.evictions == 1 and store.used == 2 * one
     assert store.put(b"d", (b"q" * 500,), 500, 4) is Status.TOO_LARGE
     assert store.put(b"", (b"q",), 1, 4) is Status.BAD_KEY
     assert store.put(b"k" * 300, (b"q",), 1, 4) is Status.BAD_KEY
     assert store.delete(b"a") and not store.delete(b"a")
-    assert store.used == 301
+    assert store.used == one and store.payload == 301
     assert store.get(b"zz") is None and store.misses == 1
     assert store.stats()["blocks"] == 1
+
+
+def test_block_cost_counts_overheads():
+    assert block_cost(b"k" * 16, 512, 1) == 512 + 16 + BLOCK_OVERHEAD + FRAME_OVERHEAD
+    assert block_cost(b"k", 10, 3) - block_cost(b"k", 10, 1) == 2 * FRAME_OVERHEAD
 
 
 def test_block_store_rejects_what_never_fits():

@@ -1,6 +1,7 @@
 """pagekv.store: ZeroMQ store nodes and clients moving page blocks (see docs/protocol.md)."""
 
-from .client import AsyncStoreClient, StoreClient
+from .async_client import AsyncStoreClient
+from .client import StoreClient
 from .config import ClientConfig, CurveClientKeys, NodeConfig, parse_size
 from .protocol import PROTOCOL_VERSION, Code, Op, ProtocolError, Status
 from .routing import ExistsResult, StoreError, StoreUnavailable

@@ -149,7 +149,6 @@ def run_serve(values: dict[str, Any]) -> int:
     """Run one node until SIGINT/SIGTERM. ``values``: resolved :func:`serve_settings`."""
     from .lifecycle import die_with_parent
     from .metrics import node_metrics, ping_health
-    from .monitor import ConnectionMonitor
     from .probe import probe
     from .server import StoreNode
 
@@ -164,7 +163,7 @@ def run_serve(values: dict[str, Any]) -> int:
         log.error("pagekv node: cannot bind %s: %s", config.bind_address, e)
         return 1
     node.install_signal_handlers()
-    monitor = ConnectionMonitor(node.sock)
+    monitor = node.connections  # the node's guard owns the socket's one monitor and feeds it
     metrics = None
     if values["metrics_port"] is not None:
         keys = _health_keys(node)

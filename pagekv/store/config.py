@@ -5,7 +5,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .protocol import MAX_HEADER_BYTES
+
 __all__ = ["ClientConfig", "CurveClientKeys", "NodeConfig", "parse_size"]
+
+CONNECTION_OVERHEAD = 256 << 10  # libzmq session, pipes and buffers of one idle connection
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6}
 _UNITS.update({"mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40})
@@ -30,15 +34,21 @@ def _positive(owner: str, **values: float) -> None:
 
 @dataclass(frozen=True)
 class NodeConfig:
-    """One store node. ``endpoint`` (tcp:// or ipc://) overrides ``host``/``port``."""
+    """One store node. ``endpoint`` (tcp:// or ipc://) overrides ``host``/``port``.
+
+    Memory: the node holds at most ``capacity`` bytes of blocks (their real cost, see
+    :mod:`.block_store`) plus, per connection, at most :attr:`connection_bound` bytes
+    (requests being received, replies being sent; docs/protocol.md, "Node memory").
+    """
 
     host: str = "127.0.0.1"
     port: int = 7400
     endpoint: str | None = None
     capacity: int = 4 << 30
-    max_block_size: int = 64 << 20
-    max_message_size: int = 1 << 30
+    max_block_size: int = 32 << 20  # one value, all its frames
+    max_message_size: int = 32 << 20  # one request's or one reply's payload
     max_keys: int = 1 << 16
+    max_frames: int = 1 << 16  # payload frames of one request
     verify_puts: bool = True
     high_watermark: float = 0.95
     low_watermark: float = 0.85
@@ -46,15 +56,29 @@ class NodeConfig:
     curve_allow: str | None = None  # directory of allowed client public certificates
     io_threads: int = 1
     socket_buffer: int = 0  # bytes for SO_SNDBUF/SO_RCVBUF; 0 keeps the kernel's autotuning
+    window: int = 8  # requests a client may have outstanding on one connection
+    recv_hwm: int = 2  # complete requests queued per connection before TCP pushes back
+    max_connections: int = 1024  # also kept below the descriptor limit
+    handshake_s: float = 10.0  # a connection that does not complete the ZMTP handshake is closed
+    heartbeat_s: float = 10.0  # ZMTP heartbeats; a peer silent for 3x this is dropped; 0: off
+    guard_interval_s: float = 0.02  # how often connections and RSS are checked; 0: no guard
 
     def __post_init__(self) -> None:
         for name in ("capacity", "max_block_size", "max_message_size"):
             object.__setattr__(self, name, parse_size(getattr(self, name)))
         _positive("NodeConfig", capacity=self.capacity, max_block_size=self.max_block_size,
                   max_message_size=self.max_message_size, max_keys=self.max_keys,
-                  io_threads=self.io_threads)  # fmt: skip
-        if self.socket_buffer < 0:
-            raise ValueError(f"NodeConfig.socket_buffer must be >= 0, got {self.socket_buffer}")
+                  max_frames=self.max_frames, io_threads=self.io_threads, window=self.window,
+                  recv_hwm=self.recv_hwm, max_connections=self.max_connections,
+                  handshake_s=self.handshake_s)  # fmt: skip
+        if self.max_block_size > self.max_message_size:
+            raise ValueError(
+                f"NodeConfig.max_block_size ({self.max_block_size}) must be <= "
+                f"max_message_size ({self.max_message_size}): a block travels in one message"
+            )
+        for name in ("socket_buffer", "heartbeat_s", "guard_interval_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"NodeConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"NodeConfig.port must be in [0, 65536), got {self.port}")
         if self.endpoint is not None and not self.endpoint.startswith(("tcp://", "ipc://")):
@@ -67,6 +91,27 @@ class NodeConfig:
     @property
     def bind_address(self) -> str:
         return self.endpoint or f"tcp://{self.host}:{self.port}"
+
+    @property
+    def max_frame_size(self) -> int:
+        """Largest single frame accepted (``ZMQ_MAXMSGSIZE``; a larger one disconnects its
+        sender): a request's whole payload or a header. A frame over ``max_block_size`` but
+        within this gets a per-key ``TOO_LARGE``."""
+        return max(self.max_message_size, MAX_HEADER_BYTES)
+
+    @property
+    def connection_bound(self) -> int:
+        """Bytes one connection can make the node hold beyond its capacity (documented in
+        docs/protocol.md): requests queued and being received, plus reply bytes in flight."""
+        inbound = (self.recv_hwm + 1) * (self.max_message_size + MAX_HEADER_BYTES)
+        outbound = 2 * (self.max_message_size + MAX_HEADER_BYTES)
+        return inbound + outbound + CONNECTION_OVERHEAD
+
+    def limits(self) -> dict[str, int]:
+        """What clients learn from a PING reply (``limits``) and split their batches by."""
+        return {"max_keys": self.max_keys, "max_frames": self.max_frames,
+                "max_message_size": self.max_message_size, "max_block_size": self.max_block_size,
+                "max_header_size": MAX_HEADER_BYTES, "window": self.window}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -90,9 +135,16 @@ class CurveClientKeys:
 
 @dataclass(frozen=True)
 class ClientConfig:
-    """Which nodes, how many replicas, and how long to wait: a request to a node may take
-    ``timeout_s`` plus ``timeout_per_mib_s`` per MiB it sends (a large healthy transfer is not
-    taken for a dead node)."""
+    """Which nodes, how many replicas, and how long to wait.
+
+    A request to a node is given up after ``timeout_s + timeout_per_mib_s * MiB`` without an
+    answer, where MiB counts the bytes in flight to and from that node (so a large healthy
+    transfer is not mistaken for a dead node). A node whose connection is not up within
+    ``connect_timeout_s`` (default and cap: ``timeout_s``) of its socket's creation is down:
+    calls fail for it at once until it connects. Failed nodes are backed off (``backoff_min_s``
+    doubling to ``backoff_max_s``) and tried only as a last resort while their connection is
+    up again.
+    """
 
     endpoints: tuple[str, ...]
     replicas: int = 1
@@ -102,7 +154,8 @@ class ClientConfig:
     backoff_max_s: float = 8.0
     curve: CurveClientKeys | None = None
     socket_buffer: int = 0  # 0 keeps the kernel's TCP autotuning
-    max_message_bytes: int = 16 << 20  # big puts go out as several pipelined requests
+    max_message_bytes: int = 16 << 20  # requests are also cut to each node's advertised limits
+    connect_timeout_s: float | None = None  # None: timeout_s
 
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str):
@@ -117,6 +170,8 @@ class ClientConfig:
             raise ValueError(
                 f"ClientConfig.replicas must be in [1, {len(self.endpoints)}], got {self.replicas}"
             )
+        if self.connect_timeout_s is None:
+            object.__setattr__(self, "connect_timeout_s", self.timeout_s)
         if isinstance(self.timeout_per_mib_s, bool) or not self.timeout_per_mib_s >= 0:
             raise ValueError(
                 f"ClientConfig.timeout_per_mib_s must be >= 0, got {self.timeout_per_mib_s!r}"
@@ -124,8 +179,9 @@ class ClientConfig:
         _positive(
             "ClientConfig", timeout_s=self.timeout_s, backoff_min_s=self.backoff_min_s,
             backoff_max_s=self.backoff_max_s, max_message_bytes=self.max_message_bytes,
+            connect_timeout_s=self.connect_timeout_s,
         )  # fmt: skip
 
     def timeout_for(self, nbytes: int) -> float:
-        """Seconds a request that sends ``nbytes`` may take."""
+        """Seconds to wait for an answer with ``nbytes`` in flight (sent and expected)."""
         return self.timeout_s + self.timeout_per_mib_s * nbytes / (1 << 20)

@@ -9,6 +9,7 @@ __all__ = ["NodeProcess", "start_nodes"]
 import collections
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -19,9 +20,12 @@ READY = re.compile(r"pagekv node ready (tcp://\S+)")
 
 
 class NodeProcess:
-    def __init__(self, *args: str, port: int = 0) -> None:
+    """One ``pagekv serve`` child. ``nofile`` caps its descriptors (soft and hard limit)."""
+
+    def __init__(self, *args: str, port: int = 0, nofile: int | None = None) -> None:
         self.args = list(args)
         self.port = port
+        self.nofile = nofile
         self.address = ""
         self.proc: subprocess.Popen | None = None
         self.log: collections.deque[str] = collections.deque(maxlen=200)
@@ -38,7 +42,13 @@ class NodeProcess:
         ]
         if threading.current_thread() is threading.main_thread():  # it outlives the node
             cmd += ["--parent-pid", str(os.getpid())]  # the node dies with this process
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        limit = self.nofile
+
+        def cap_descriptors() -> None:  # runs in the child, before exec
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+        preexec = cap_descriptors if limit is not None else None
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = self.proc.stderr.readline()
@@ -75,6 +85,14 @@ class NodeProcess:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) * 1024
         raise RuntimeError("no VmRSS")
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time the node has used so far (all its threads)."""
+        if self.proc is None:
+            raise RuntimeError("node not started")
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_nodes(n: int, *args: str) -> list[NodeProcess]:

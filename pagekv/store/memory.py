@@ -12,23 +12,26 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
+import os
+import resource
 
-__all__ = ["tune_malloc_for_blocks"]
+__all__ = ["raise_fd_limit", "rss_bytes", "tune_malloc_for_blocks", "trim_heap"]
 
 log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+_TRIM_THRESHOLD = (1 << 31) - 1
+_DEFAULT_TRIM_THRESHOLD = 128 << 10  # glibc's
+_tuned_trim_threshold = 0  # set by tune_malloc_for_blocks
 
 
 def tune_malloc_for_blocks(
-    mmap_threshold: int = 32 << 20, trim_threshold: int = (1 << 31) - 1, arena_max: int = 2
+    mmap_threshold: int = 32 << 20, trim_threshold: int = _TRIM_THRESHOLD, arena_max: int = 2
 ) -> bool:
     """Apply the settings above to this process (glibc only). Returns whether they took."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    libc = ctypes.CDLL(name)
-    if not hasattr(libc, "mallopt"):
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
         return False
     ok = all(
         libc.mallopt(param, value) == 1
@@ -40,4 +43,51 @@ def tune_malloc_for_blocks(
     )
     if not ok:
         log.warning("pagekv: mallopt refused the block-friendly malloc settings")
+    global _tuned_trim_threshold
+    _tuned_trim_threshold = trim_threshold if ok else 0
     return ok
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
+
+
+def trim_heap(keep_trimming: bool | None = None) -> bool:
+    """Give free heap memory back to the OS (glibc ``malloc_trim``), e.g. after an abusive
+    peer's queued bytes were dropped, so that resident memory falls back. ``malloc_trim``
+    cannot shrink the top of a thread's arena (where libzmq's I/O thread allocates); freeing
+    does, while the trim threshold is low: ``keep_trimming=True`` lowers it (until called with
+    False, which restores the block-friendly setting). Returns whether it ran."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    if keep_trimming is not None and hasattr(libc, "mallopt"):
+        restore = _tuned_trim_threshold or _DEFAULT_TRIM_THRESHOLD
+        libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD if keep_trimming else restore)
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim(0)
+    return True
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident set size of a process (``/proc/<pid>/statm``)."""
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft descriptor limit to its hard limit; returns the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            log.warning("pagekv: could not raise the descriptor limit above %d", soft)
+    return soft

@@ -82,6 +82,7 @@ class Status(enum.IntEnum):
     BAD_CHECKSUM = 5  # payload does not match the checksum sent with it
     BAD_KEY = 6  # empty or over MAX_KEY_BYTES
     UNAVAILABLE = 7  # client side: no replica could be reached
+    DEFERRED = 8  # GET: found, but left out of this reply (over the reply size limit): ask again
 
 
 def checksum(data: Any) -> int:
@@ -122,6 +123,7 @@ class Reply:
     hits: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
     counts: list[int] = field(default_factory=list)  # GET: frames of each found value
+    limits: dict[str, int] = field(default_factory=dict)  # PING: what requests may carry
 
 
 def encode_request(req: Request) -> bytes:
@@ -192,27 +194,43 @@ def encode_reply(rep: Reply) -> bytes:
         head["hits"] = rep.hits
     if rep.stats:
         head["stats"] = rep.stats
+    if rep.limits:
+        head["limits"] = rep.limits
     return msgpack.packb(head, use_bin_type=True)
 
 
+def _uint_list(head: dict, name: str) -> list[int]:
+    values = head.get(name, [])
+    if not isinstance(values, list) or not all(type(x) is int and x >= 0 for x in values):
+        raise ProtocolError(Code.BAD_HEADER, f"reply field {name!r} must be a list of uints")
+    return values
+
+
 def decode_reply(frame: bytes | memoryview) -> Reply:
-    """Parse a reply header. Raises ``ProtocolError`` for a malformed one."""
+    """Parse and type-check a reply header. Raises ``ProtocolError`` (never anything else)
+    for a malformed one: not msgpack, unknown version or code, fields of the wrong type."""
     try:
         head = msgpack.unpackb(frame, raw=False)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise ProtocolError(Code.BAD_HEADER, f"reply is not msgpack: {e}") from None
     if not isinstance(head, dict) or head.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(Code.BAD_VERSION, "reply has no supported protocol version")
-    try:
-        return Reply(
-            id=int(head["id"]),
-            code=Code(head.get("code", 0)),
-            error=str(head.get("error", "")),
-            status=list(head.get("status", [])),
-            sums=list(head.get("sums", [])),
-            hits=int(head.get("hits", 0)),
-            stats=dict(head.get("stats", {})),
-            counts=list(head.get("counts", [])),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise ProtocolError(Code.BAD_HEADER, f"reply header fields: {e}") from None
+    rid, code, hits = head.get("id"), head.get("code", 0), head.get("hits", 0)
+    if type(rid) is not int or type(code) is not int or type(hits) is not int:
+        raise ProtocolError(Code.BAD_HEADER, "reply id, code and hits must be ints")
+    if code not in Code._value2member_map_:
+        raise ProtocolError(Code.BAD_HEADER, f"reply code {code} unknown")
+    error, stats, limits = head.get("error", ""), head.get("stats", {}), head.get("limits", {})
+    if not isinstance(error, str) or not isinstance(stats, dict) or not isinstance(limits, dict):
+        raise ProtocolError(Code.BAD_HEADER, "reply error/stats/limits of the wrong type")
+    return Reply(
+        id=rid,
+        code=Code(code),
+        error=error,
+        status=_uint_list(head, "status"),
+        sums=_uint_list(head, "sums"),
+        hits=hits,
+        stats=stats,
+        counts=_uint_list(head, "counts"),
+        limits=limits,
+    )

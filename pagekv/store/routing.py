@@ -1,33 +1,55 @@
 """Cluster logic shared by the blocking and the asyncio client, free of I/O.
 
-Keys are sharded by rendezvous hashing: each key ranks every node by ``xxh3_64(node || key)``;
-writes go to the first ``replicas`` healthy nodes of that ranking, reads and lookups try nodes
-in ranking order (down nodes skipped) up to ``replicas + 1`` of them. A node that fails or times
-out is marked down with exponential back-off; a reply marks it up again.
+Keys are sharded by rendezvous hashing: each key ranks every node by ``xxh3_64(node || key)``.
+Writes go to the first ``replicas`` usable nodes of that ranking, reads and lookups try up to
+``replicas + 1`` usable nodes in ranking order. Any failure of one node for a request (no
+answer in time, an error code, a malformed reply, an unknown status, missing checksums) moves
+that request's keys on to their next node; a key is a miss (``None``, ``False``,
+``Status.UNAVAILABLE``) only when no node could answer for it. Nothing else escapes: a reply is
+validated before any of it is used.
 
-Each operation is a generator: it yields batches of :class:`Call` (a request for one node, big
-puts cut into several requests of at most ``max_message_bytes``), receives ``{request id:
-(Reply, frames) | None}`` (None: the node failed or timed out), and returns its result. The
-clients only move the batches.
+Node health: a node that fails is backed off (exponentially). While backed off it is used only
+as a last resort (after the usable nodes of a key) and only while the client's connection to it
+is up again (``link(node)``, from the client's socket): a dead node costs one timeout, not one
+per call, and a node that comes back is read from again at once. Each node's limits (keys,
+frames, bytes and header size per request; requests in flight) are learned from its PING reply
+on first use and requests are cut to fit them.
+
+Each operation is a generator: it yields batches of :class:`Call`, receives ``{request id:
+(Reply, frames) | None}`` (None: no answer in time) and returns its result. The clients only
+move the batches; they call ``Call.on_reply`` as soon as a reply arrives (a GET's values are
+checked and copied out while later replies are still on the wire).
 """
 
 from __future__ import annotations
 
-import functools
+import enum
 import itertools
 import logging
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import xxhash
 
 from pagekv.errors import StoreError, StoreUnavailable
 
-from .protocol import Code, Op, Reply, Request, Status, checksum_frames
+from .protocol import Code, Op, Reply, Request, Status
 
-__all__ = ["Call", "ExistsResult", "NodeHealth", "Router", "StoreError", "StoreUnavailable"]
+__all__ = [
+    "Batch",
+    "Call",
+    "ExistsResult",
+    "Limits",
+    "Link",
+    "NodeHealth",
+    "OpGen",
+    "Results",
+    "Router",
+    "StoreError",
+    "StoreUnavailable",
+]
 
 Results = dict[int, "tuple[Reply, list[Any]] | None"]
 log = logging.getLogger("pagekv.store.routing")
@@ -39,14 +61,44 @@ class Call:
     request: Request
     payloads: list[Any]
     idxs: list[int]  # positions of the request's keys in the caller's key list
-    # Clients call this as soon as the reply arrives (a GET's blocks are checked and copied
-    # out while later replies are still on the wire); else it runs when the batch returns.
+    nbytes: int = 0  # bytes this request moves (payload out + expected reply): its timeout
     on_reply: Callable[[Reply, list[Any]], None] | None = None
     handled: bool = False
 
 
 Batch = list[Call]
 OpGen = Generator[Batch, Results, Any]
+
+
+class Link(enum.Enum):
+    """The client's connection to a node, as its socket sees it."""
+
+    UP = "up"  # connected (ZMTP handshake done)
+    CONNECTING = "connecting"  # not yet, but the socket is young: worth waiting for
+    DOWN = "down"  # not connected for longer than the connect timeout
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request to a node may carry, as the node advertises it (PING ``limits``)."""
+
+    max_keys: int
+    max_frames: int
+    max_message_size: int
+    max_block_size: int
+    max_header_size: int
+    window: int
+
+    @classmethod
+    def parse(cls, raw: dict) -> Limits | None:
+        values = {f.name: raw.get(f.name) for f in fields(cls)}
+        if not all(type(v) is int and v > 0 for v in values.values()):
+            return None
+        return cls(**values)
+
+
+# Only for a node whose PING reply carries no usable limits (an older node): small on purpose.
+FALLBACK_LIMITS = Limits(512, 512, 8 << 20, 8 << 20, 256 << 10, 4)
 
 
 @dataclass(frozen=True)
@@ -70,15 +122,20 @@ class NodeHealth:
         return now >= self.down_until
 
     def failed(self, now: float) -> None:
-        self.failures += 1
-        self.backoff = min(self.backoff_max, max(self.backoff_min, self.backoff * 2))
-        self.down_until = now + self.backoff
+        """A failure doubles the back-off when the node was up (its back-off had run out);
+        failures while it is backed off (concurrent calls, last-resort tries) extend it."""
+        if self.is_up(now):
+            self.failures += 1
+            self.backoff = min(self.backoff_max, max(self.backoff_min, self.backoff * 2))
+        self.down_until = max(self.down_until, now + self.backoff)
 
     def succeeded(self) -> None:
         self.down_until, self.backoff = 0.0, 0.0
 
 
 class Router:
+    """Node selection, limits, failover bookkeeping. Not thread-safe (one per client)."""
+
     def __init__(
         self,
         endpoints: Sequence[str],
@@ -86,15 +143,21 @@ class Router:
         backoff: tuple[float, float],
         max_message_bytes: int = 16 << 20,
         get_keys_per_request: int = 8,
+        link: Callable[[int], Link] | None = None,
     ) -> None:
         self.endpoints = list(endpoints)
         self.max_message_bytes = max_message_bytes
         self.get_keys_per_request = get_keys_per_request
         self.replicas = replicas
+        self.link = link or (lambda node: Link.UP)
         self.health = [NodeHealth(*backoff) for _ in self.endpoints]
+        self.limits: list[Limits | None] = [None] * len(self.endpoints)
         self._salt = [ep.encode() for ep in self.endpoints]
         self._ids = itertools.count(1)
-        self.counters = {"checksum_mismatch": 0, "node_failures": 0, "size_mismatch": 0}
+        self.counters = dict.fromkeys(
+            ("checksum_mismatch", "node_failures", "size_mismatch", "bad_replies",
+             "error_replies", "unanswered_keys"), 0,
+        )  # fmt: skip
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -106,207 +169,165 @@ class Router:
         scores = [xxhash.xxh3_64_intdigest(salt + key) for salt in self._salt]
         return sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
 
-    def _candidates(self, keys: Sequence[bytes], limit: int) -> list[list[int]]:
-        """Per key, the first ``limit`` live nodes of its ranking (all down: try anyway)."""
+    # ---- health ----------------------------------------------------------------------------
+    def usable(self) -> list[bool]:
+        """Per node: may it be sent requests now (up and reachable, or backed off but
+        connected again)? A node up in name whose connection stays down is marked failed."""
+        now, out = time.monotonic(), []
+        for node, health in enumerate(self.health):
+            state = self.link(node)
+            if health.is_up(now) and state is Link.DOWN:
+                self.failed(node, "is not connected")
+            out.append(state is Link.UP or (health.is_up(now) and state is Link.CONNECTING))
+        return out
+
+    def candidates(self, keys: Sequence[bytes], k: int, usable: list[bool]) -> list[list[int]]:
+        """Per key: up to ``k`` usable healthy nodes of its ranking, then the backed-off but
+        connected ones among its first ``k`` (last resort). Lists may be shared: read only."""
         if len(self.endpoints) == 1:
-            return [[0] for _ in keys]
+            return [[0] if usable[0] else []] * len(keys)
         now = time.monotonic()
-        up = [h.is_up(now) for h in self.health]
+        healthy = [usable[n] and h.is_up(now) for n, h in enumerate(self.health)]
+        resort = [usable[n] and not healthy[n] for n in range(len(self.endpoints))]
         out = []
         for key in keys:
             ranked = self.ranking(key)
-            live = [n for n in ranked if up[n]]
-            out.append(live[:limit] if live else ranked[:limit])
+            up = [n for n in ranked if healthy[n]]
+            out.append(up[:k] + [n for n in ranked[:k] if resort[n]])
         return out
 
-    def record(self, batch: Batch, results: Results) -> None:
+    def failed(self, node: int, why: str = "did not answer") -> None:
         now = time.monotonic()
-        for call in batch:
-            result = results.get(call.request.id)
-            health = self.health[call.node]
-            if result is None:
-                was_up = health.is_up(now)
-                health.failed(now)
-                if was_up:  # logged once per back-off period, not per request
-                    self.counters["node_failures"] += 1
-                    log.warning("pagekv store: %s did not answer (down, unreachable or refusing "
-                                "this client's key); backing off %.2g s",
-                                self.endpoints[call.node], health.backoff)  # fmt: skip
-                continue
-            if health.failures and health.backoff:
-                log.info("pagekv store: %s answers again", self.endpoints[call.node])
-            health.succeeded()
-            if result[0].code is not Code.OK:
-                ep = self.endpoints[call.node]
-                raise StoreError(f"{ep}: {result[0].code.name} {result[0].error}")
+        health = self.health[node]
+        if health.is_up(now):  # logged once per back-off period, not per request
+            self.counters["node_failures"] += 1
+            health.failed(now)
+            log.warning("pagekv store: %s %s (down, unreachable or refusing this client's key);"
+                        " backing off %.2g s", self.endpoints[node], why,
+                        health.backoff)  # fmt: skip
+        else:
+            health.failed(now)
 
-    # ---- operations ------------------------------------------------------------------------
-    def _calls(self, op: Op, targets: dict[int, list[int]], keys: Sequence[bytes]) -> Batch:
-        return [
-            Call(node, Request(op, self.next_id(), [keys[i] for i in idxs]), [], idxs)
-            for node, idxs in targets.items()
-        ]
+    def succeeded(self, node: int) -> None:
+        health = self.health[node]
+        if health.failures and health.backoff:
+            log.info("pagekv store: %s answers again", self.endpoints[node])
+        health.succeeded()
 
-    def put(self, keys: Sequence[bytes], values: Sequence[list[memoryview]]) -> OpGen:
-        """``values[i]``: the frames of key i (byte views, see :func:`value_frames`)."""
-        sums = [checksum_frames(v) for v in values]
-        nbytes = [sum(f.nbytes for f in v) for v in values]
-        targets: dict[int, list[int]] = {}
-        for i, nodes in enumerate(self._candidates(keys, self.replicas)):
-            for node in nodes:
-                targets.setdefault(node, []).append(i)
-        batch: Batch = []
-        for node, idxs in targets.items():
-            for part in _cut(idxs, [nbytes[i] for i in idxs], self.max_message_bytes):
-                frames = [f for i in part for f in values[i]]
-                req = Request(Op.PUT, self.next_id(), [keys[i] for i in part],
-                              [f.nbytes for f in frames], [sums[i] for i in part],
-                              [len(values[i]) for i in part])  # fmt: skip
-                batch.append(Call(node, req, frames, part))
+    def reply_problem(self, call: Call, result: tuple[Reply, list[Any]] | None) -> str | None:
+        """Why a result cannot be used (and the node's health updated), or None if it can."""
+        if result is None:
+            self.failed(call.node)
+            return "no answer"
+        reply, frames = result
+        if reply.code is not Code.OK:
+            self.counters["error_replies"] += 1
+            if reply.code is Code.TOO_LARGE:
+                self.limits[call.node] = None  # learn them again before the next request
+            return f"{reply.code.name}: {reply.error}"
+        problem = _shape_problem(call.request.op, len(call.idxs), reply, len(frames))
+        if problem is not None:
+            self.counters["bad_replies"] += 1
+            self.failed(call.node, f"sent a malformed reply ({problem})")
+            return problem
+        self.succeeded(call.node)
+        return None
+
+    # ---- limits ----------------------------------------------------------------------------
+    def learn(self, nodes: dict[int, int]) -> OpGen:
+        """Ask the nodes whose limits are unknown for them (PING); a node that does not
+        answer is marked failed and keeps ``None``. ``nodes``: node -> bytes the operation
+        will move there (the PING is its first round trip, and gets its time bound)."""
+        batch = [Call(n, Request(Op.PING, self.next_id()), [], [], nbytes)
+                 for n, nbytes in nodes.items() if self.limits[n] is None]  # fmt: skip
+        if not batch:
+            return
         results = yield batch
-        self.record(batch, results)
-        seen: list[list[int]] = [[] for _ in keys]
         for call in batch:
             result = results.get(call.request.id)
-            if result is not None:
-                for i, st in zip(call.idxs, result[0].status):
-                    seen[i].append(st)
-        return [_merge_put(sts) for sts in seen]
+            if self.reply_problem(call, result) is None:
+                self.limits[call.node] = Limits.parse(result[0].limits) or FALLBACK_LIMITS
 
-    def _lookup(self, op: Op, keys: Sequence[bytes], on_hit) -> OpGen:
-        """Ask each key's candidates in turn until ``on_hit`` accepts an answer."""
-        pending = dict(enumerate(self._candidates(keys, self.replicas + 1)))
-        per_request = self.get_keys_per_request if op is Op.GET else len(keys)
-
-        def handle(call: Call, reply: Reply, frames: list[Any]) -> None:
-            call.handled = True
-            found = reply.status.count(Status.OK) if op is Op.GET else 0
-            counts = reply.counts if op is Op.GET else []
-            if (
-                len(reply.status) != len(call.idxs)
-                or len(counts) != found
-                or len(reply.sums) != found
-                or any(type(c) is not int or c < 1 for c in counts)
-                or sum(counts) != len(frames)
-            ):
-                self.counters["node_failures"] += 1  # malformed reply: treat as a miss
-                return
-            values = iter(zip(reply.sums, counts))
-            start = 0
-            for i, st in zip(call.idxs, reply.status):
-                if st != Status.OK:
-                    continue
-                if op is not Op.GET:
-                    if on_hit(i, None, []):
-                        pending.pop(i, None)
-                    continue
-                cs, count = next(values)
-                if on_hit(i, cs, frames[start : start + count]):
-                    pending.pop(i, None)
-                start += count
-
-        while pending:
-            wave: dict[int, list[int]] = {}
-            for i, cands in pending.items():
-                wave.setdefault(cands.pop(0), []).append(i)
-            batch: Batch = []
-            for node, idxs in wave.items():
-                for start in range(0, len(idxs), per_request):
-                    part = idxs[start : start + per_request]
-                    req = Request(op, self.next_id(), [keys[i] for i in part])
-                    batch.append(Call(node, req, [], part))
-            for call in batch:
-                call.on_reply = functools.partial(handle, call)
-            results = yield batch
-            self.record(batch, results)
-            for call in batch:
-                result = results.get(call.request.id)
-                if result is not None and not call.handled:
-                    handle(call, *result)
-            pending = {i: c for i, c in pending.items() if c}
-
-    def get(self, keys: Sequence[bytes], into: Sequence[list[memoryview]] | None) -> OpGen:
-        """``into[i]``: the byte views that key i's frames are scattered into, or None."""
-        out: list[Any] = [None] * len(keys)
-
-        def on_hit(i: int, cs: int, frames: list[Any]) -> bool:
-            data = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
-            if checksum_frames(data) != cs:
-                self.counters["checksum_mismatch"] += 1
-                return False
-            if into is None:
-                views = [d.toreadonly() for d in data]
-                out[i] = views[0] if len(views) == 1 else views
-                return True
-            targets = into[i]
-            if len(targets) != len(data) or any(
-                t.nbytes != d.nbytes for t, d in zip(targets, data)
-            ):
-                self.counters["size_mismatch"] += 1
-                return False
-            for target, frame in zip(targets, data):
-                target[:] = frame
-            out[i] = True
-            return True
-
-        yield from self._lookup(Op.GET, keys, on_hit)
-        return out if into is None else [bool(x) for x in out]
-
-    def exists(self, keys: Sequence[bytes]) -> OpGen:
-        found = [False] * len(keys)
-
-        def on_hit(i: int, _cs: int | None, _frames: list[Any]) -> bool:
-            found[i] = True
-            return True
-
-        yield from self._lookup(Op.EXISTS, keys, on_hit)
-        return ExistsResult(found)
-
-    def delete(self, keys: Sequence[bytes]) -> OpGen:
-        targets: dict[int, list[int]] = {}
-        for i, key in enumerate(keys):
-            for node in self.ranking(key)[: self.replicas + 1]:
-                targets.setdefault(node, []).append(i)
-        batch = self._calls(Op.DELETE, targets, keys)
-        results = yield batch
-        self.record(batch, results)
-        out = [False] * len(keys)
-        for call in batch:
-            result = results.get(call.request.id)
-            if result is not None:
-                for i, st in zip(call.idxs, result[0].status):
-                    out[i] = out[i] or st == Status.OK
-        return out
+    def cut(
+        self,
+        keys: Sequence[bytes],
+        idxs: list[int],
+        limits: Limits,
+        *,
+        key_extra: int = 3,
+        frame_extra: int = 0,
+        frames: Sequence[int] | None = None,
+        nbytes: Sequence[int] | None = None,
+        most_keys: int | None = None,
+    ) -> list[list[int]]:
+        """Split ``idxs`` into requests within a node's limits: keys, header bytes (each key
+        costs its length + ``key_extra`` + ``frame_extra`` per frame), frames and payload bytes
+        (one item over the byte limit goes alone; the caller refuses items that never fit)."""
+        max_keys = min(limits.max_keys, most_keys or limits.max_keys)
+        max_head = limits.max_header_size - 1024
+        if frames is None and nbytes is None:  # keys only: equal runs sized for the longest key
+            longest = max((len(keys[i]) for i in idxs), default=1) + key_extra
+            step = max(1, min(max_keys, max_head // longest))
+            return [idxs[start : start + step] for start in range(0, len(idxs), step)]
+        max_bytes = min(limits.max_message_size, self.max_message_bytes)
+        parts, part, head, nframes, total = [], [], 0, 0, 0
+        for i in idxs:
+            f = frames[i] if frames is not None else 0
+            h = len(keys[i]) + key_extra + frame_extra * f
+            b = nbytes[i] if nbytes is not None else 0
+            if part and (len(part) >= max_keys or head + h > max_head
+                         or nframes + f > limits.max_frames or total + b > max_bytes):  # fmt: skip
+                parts.append(part)
+                part, head, nframes, total = [], 0, 0, 0
+            part.append(i)
+            head, nframes, total = head + h, nframes + f, total + b
+        if part:
+            parts.append(part)
+        return parts
 
     def each_node(self, op: Op) -> OpGen:
-        batch = [Call(n, Request(op, self.next_id()), [], []) for n in range(len(self.endpoints))]
-        results = yield batch
-        self.record(batch, results)
-        return [
-            None if results.get(c.request.id) is None else results[c.request.id][0].stats
-            for c in batch
-        ]
+        """PING or STATS every node; None for a node that is unreachable or did not answer."""
+        usable = self.usable()
+        batch = [Call(n, Request(op, self.next_id()), [], []) for n in range(len(self.endpoints))
+                 if usable[n]]  # fmt: skip
+        results = (yield batch) if batch else {}
+        out: list[dict | None] = [None] * len(self.endpoints)
+        for call in batch:
+            result = results.get(call.request.id)
+            if self.reply_problem(call, result) is None:
+                out[call.node] = result[0].stats
+                if op is Op.PING:
+                    self.limits[call.node] = Limits.parse(result[0].limits) or FALLBACK_LIMITS
+        return out
 
 
-def _cut(idxs: list[int], sizes: list[int], limit: int) -> list[list[int]]:
-    """Split ``idxs`` into runs of at most ``limit`` bytes (a bigger block goes alone)."""
-    parts, part, total = [], [], 0
-    for i, size in zip(idxs, sizes):
-        if part and total + size > limit:
-            parts.append(part)
-            part, total = [], 0
-        part.append(i)
-        total += size
-    if part:
-        parts.append(part)
-    return parts
+def _shape_problem(op: Op, nkeys: int, reply: Reply, nframes: int) -> str | None:
+    """What is wrong with a reply's shape for its request, or None."""
+    allowed = _ALLOWED[op]
+    if op in (Op.PING, Op.STATS):
+        return "payload frames on a reply that takes none" if nframes else None
+    if len(reply.status) != nkeys:
+        return f"{len(reply.status)} statuses for {nkeys} keys"
+    if not all(s in allowed for s in reply.status):
+        return "unknown or unexpected status"
+    found = reply.status.count(Status.OK) if op is Op.GET else 0
+    counts = reply.counts if op is Op.GET else []
+    if op is Op.GET and (len(reply.sums) != found or len(counts) != found):
+        return "checksums or frame counts missing"
+    if any(c < 1 for c in counts) or sum(counts) != nframes:
+        return "frame counts do not match the frames"
+    if op is Op.GET and not found and Status.DEFERRED in reply.status:
+        return "every value deferred"
+    return None
 
 
-def _merge_put(statuses: list[int]) -> Status:
-    """A key's outcome over its replicas: stored somewhere wins, then the first error."""
-    if not statuses:
-        return Status.UNAVAILABLE
-    for good in (Status.OK, Status.EXISTS):
-        if good in statuses:
-            return good
-    return Status(statuses[0])
+def _allowed() -> dict[Op, frozenset[int]]:
+    put = {Status.OK, Status.EXISTS, Status.TOO_LARGE, Status.NO_SPACE, Status.BAD_CHECKSUM,
+           Status.BAD_KEY}  # fmt: skip
+    found = {Status.OK, Status.NOT_FOUND}
+    return {Op.PUT: frozenset(put), Op.GET: frozenset({*found, Status.DEFERRED}),
+            Op.EXISTS: frozenset(found), Op.DELETE: frozenset(found), Op.PING: frozenset(),
+            Op.STATS: frozenset()}  # fmt: skip
+
+
+_ALLOWED = _allowed()

@@ -1,12 +1,17 @@
 """A store node: one ROUTER socket, blocks kept in memory as the frames they arrived in.
 
 Every request gets a reply (an error reply naming the problem when it is malformed) unless its
-sender cannot be addressed; the loop never raises on input. Single-threaded: ZeroMQ's I/O
-thread moves the bytes, this loop only indexes frames.
+sender cannot be addressed or does not read its replies; the loop never raises on input.
+Single-threaded: ZeroMQ's I/O thread moves the bytes, this loop only indexes frames. Memory is
+bounded against any peer (docs/protocol.md, "Node memory"): frame size, requests queued per
+connection, payload per message and frames per message are limited; replies in flight per
+connection are budgeted (:mod:`.outbox`); peers that make libzmq buffer more than a connection
+may are disconnected (:mod:`.guard`).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -17,17 +22,22 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from . import handlers
 from .block_store import BlockStore
 from .config import NodeConfig
+from .guard import ConnectionGuard, wire_bytes
 from .memory import tune_malloc_for_blocks
+from .monitor import EVENTS as MONITOR_EVENTS
+from .monitor import ConnectionMonitor
+from .outbox import Outbox
 from .protocol import (
+    MAX_HEADER_BYTES,
     Code,
     Op,
     ProtocolError,
     Reply,
     Request,
     Status,
-    checksum_frames,
     decode_request,
     encode_reply,
 )
@@ -52,15 +62,7 @@ class StoreNode:
             high_watermark=config.high_watermark,
             low_watermark=config.low_watermark,
         )
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # unknown peer: drop, never raise
-        self.sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_size)
-        if config.socket_buffer:  # 0: leave it to the kernel's TCP autotuning
-            self.sock.setsockopt(zmq.SNDBUF, config.socket_buffer)
-            self.sock.setsockopt(zmq.RCVBUF, config.socket_buffer)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock = self._make_socket()
         self._auth: ZapAuthenticator | None = None
         # called after each reply with (op or None, reply, seconds): metrics hook
         self.observe: Callable[[Op | None, Reply, float], None] | None = None
@@ -71,7 +73,41 @@ class StoreNode:
         self._stop = threading.Event()
         self.started = time.time()
         self.counters: dict[str, int] = {f"op_{op.value.lower()}": 0 for op in Op}
-        self.counters.update(bytes_in=0, bytes_out=0, bad_requests=0, dropped=0, internal_errors=0)
+        self.counters.update(bytes_in=0, bytes_out=0, bad_requests=0, dropped=0, internal_errors=0,
+                             dropped_replies=0, dropped_requests=0, deferred=0)  # fmt: skip
+        budget = config.max_message_size + MAX_HEADER_BYTES
+        self.outbox = Outbox(self.sock, budget, config.window, self.counters)
+        # libzmq gives a socket one monitor: the guard owns it and feeds the connection
+        # counts of the metrics; without a guard the counter watches the socket itself
+        self.guard: ConnectionGuard | None = None
+        if config.guard_interval_s > 0:
+            self.connections = ConnectionMonitor(None)
+            self.guard = ConnectionGuard(self.sock, config, self.counters,
+                                         self.connections.on_event, MONITOR_EVENTS)  # fmt: skip
+        else:
+            self.connections = ConnectionMonitor(self.sock)
+
+    def _make_socket(self) -> zmq.Socket:
+        cfg = self.config
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.copy_threshold = 0  # zero-copy replies, so their last frame can be tracked
+        options = {
+            zmq.LINGER: 0,
+            zmq.ROUTER_MANDATORY: 1,  # a full or vanished peer: an error, not a silent drop
+            zmq.MAXMSGSIZE: cfg.max_frame_size,
+            zmq.RCVHWM: cfg.recv_hwm,
+            zmq.SNDHWM: 4 * cfg.window + 64,  # header-only replies; payload is budgeted
+            zmq.HANDSHAKE_IVL: int(cfg.handshake_s * 1000),
+            zmq.TCP_KEEPALIVE: 1,
+        }
+        if cfg.heartbeat_s:
+            options[zmq.HEARTBEAT_IVL] = int(cfg.heartbeat_s * 1000)
+            options[zmq.HEARTBEAT_TIMEOUT] = int(3 * cfg.heartbeat_s * 1000)
+        if cfg.socket_buffer:  # 0: leave it to the kernel's TCP autotuning
+            options[zmq.SNDBUF] = options[zmq.RCVBUF] = cfg.socket_buffer
+        for option, value in options.items():
+            sock.setsockopt(option, value)
+        return sock
 
     def _setup_curve(self) -> None:
         from .auth import ZapAuthenticator, load_allowed_keys, load_secret_cert
@@ -99,22 +135,34 @@ class StoreNode:
     def serve_forever(self) -> None:
         if os.environ.get("PAGEKV_TUNE_MALLOC", "1") == "1":
             tune_malloc_for_blocks()
+        # Millions of long-lived blocks: collect the young generation far less often than the
+        # default every 700 allocations (each pass costs; the index makes no reference cycles).
+        gc.set_threshold(50_000, 20, 20)
         log.info(
             "pagekv node serving on %s (capacity %d bytes, pid %d)",
             self.address, self.config.capacity, os.getpid(),
         )  # fmt: skip
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        if self.guard is not None:
+            poller.register(self.guard.monitor, zmq.POLLIN)
+        idle_ms = int(self.config.guard_interval_s * 1000) or 100
+        swept = time.monotonic()
         try:
             while not self._stop.is_set():
-                if not poller.poll(100):
-                    continue
-                while not self._stop.is_set():
-                    try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self.handle(frames)
+                events = dict(poller.poll(1 if self.outbox.parked else idle_ms))
+                if self.guard is not None and self.guard.monitor in events:
+                    self.guard.on_events()
+                if self.sock in events:
+                    self._read_some(1024)  # then housekeeping, even under a flood
+                if self.outbox.parked:
+                    self._serve_parked()
+                now = time.monotonic()
+                if self.guard is not None:
+                    self.guard.tick(now)
+                if now - swept > 1.0:
+                    self.outbox.sweep()
+                    swept = now
         finally:
             self.close()
             log.info("pagekv node %s stopped", self.address)
@@ -123,52 +171,124 @@ class StoreNode:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+        if self.guard is not None:
+            self.guard.close()
+        self.connections.stop()
         self.sock.close(linger=0)
 
+    def _read_some(self, most: int) -> None:
+        """Read up to ``most`` requests, part by part: the header first, then each payload
+        frame as its declared size says (small ones copied out at once, which is faster than
+        a zero-copy frame and frees libzmq's receive buffer); parts beyond ``max_frames`` are
+        dropped as they are read."""
+        recv, keep, curve = self.sock.recv, self.config.max_frames, self._auth is not None
+        option, rcvmore = self.sock.get, zmq.RCVMORE
+        for _ in range(most):
+            try:
+                ident = recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if not ident.more:
+                self.counters["dropped"] += 1  # no header: nothing to answer
+                continue
+            header = recv(copy=False)
+            more, parsed = header.more, self._parse(header)
+            sizes = parsed.sizes if isinstance(parsed, Request) else ()
+            parts, extra, wire = [], 0, wire_bytes([len(header)], curve)
+            while more:
+                i = len(parts) + extra
+                if i < len(sizes) and sizes[i] <= handlers.SHARED_BUFFER_BYTES:
+                    data = recv()
+                    more = option(rcvmore)
+                else:
+                    data = recv(copy=False)
+                    more = data.more
+                size = len(data)
+                wire += size + 33 + (2 if size < 223 else 9) if curve else size + (
+                    2 if size < 256 else 9)  # fmt: skip
+                if len(parts) < keep:
+                    parts.append(data)
+                else:
+                    extra += 1
+            if self.guard is not None:
+                self.guard.seen(header.get(zmq.SRCFD), wire)
+            self._answer(ident.bytes, header, parsed, parts, extra)
+
+    def _parse(self, header: zmq.Frame) -> Request | ProtocolError:
+        try:
+            req = decode_request(header.buffer)
+        except ProtocolError as e:
+            return e
+        if len(req.keys) > self.config.max_keys:
+            return ProtocolError(Code.TOO_LARGE, f"{len(req.keys)} keys is over the limit")
+        return req
+
     # ---- requests --------------------------------------------------------------------------
-    def handle(self, frames: list[zmq.Frame]) -> None:
-        """Answer one request; malformed input gets an error reply, never an exception."""
-        start, op = time.perf_counter(), None
+    def handle(self, frames: list[Any], extra_frames: int = 0) -> None:
+        """Answer one request given as frames (identity, header, payloads...)."""
         if len(frames) < 2:
             self.counters["dropped"] += 1  # no header: nothing to answer
             return
-        ident, header, payloads = frames[0], frames[1], frames[2:]
-        size = sum(len(f) for f in frames[1:])
-        self.counters["bytes_in"] += size
+        header = frames[1] if isinstance(frames[1], zmq.Frame) else zmq.Frame(frames[1])
+        ident = frames[0].bytes if isinstance(frames[0], zmq.Frame) else frames[0]
+        self._answer(ident, header, self._parse(header), frames[2:], extra_frames)
+
+    def _answer(
+        self, ident: bytes, header: zmq.Frame, parsed: Request | ProtocolError,
+        payloads: list[Any], extra_frames: int,
+    ) -> None:  # fmt: skip
+        """Answer one request; malformed input gets an error reply, never an exception."""
+        start, op = time.perf_counter(), None
+        size = sum(map(len, payloads))
+        self.counters["bytes_in"] += size + len(header)
         try:
             if size > self.config.max_message_size:
-                raise ProtocolError(Code.TOO_LARGE, f"message of {size} bytes is over the limit")
-            req = decode_request(header.buffer)
-            op = req.op
-            if len(req.keys) > self.config.max_keys:
-                raise ProtocolError(Code.TOO_LARGE, f"{len(req.keys)} keys is over the limit")
-            rep, out = self._dispatch(req, payloads)
+                raise ProtocolError(Code.TOO_LARGE, f"payload of {size} bytes is over the limit")
+            if extra_frames:
+                raise ProtocolError(Code.TOO_LARGE, f"over {self.config.max_frames} frames")
+            if isinstance(parsed, ProtocolError):
+                raise parsed
+            op = parsed.op
+            if op is Op.GET and not payloads and self.outbox.must_park(ident):
+                self.outbox.park(ident, parsed)  # answered when its replies drain
+                return
+            rep, out = self._dispatch(parsed, payloads)
         except ProtocolError as e:
             self.counters["bad_requests"] += 1
-            rep, out = Reply(id=_best_effort_id(header), code=e.code, error=str(e)), []
+            rep, out = Reply(id=handlers.best_effort_id(header), code=e.code, error=str(e)), []
         except Exception as e:  # a bug, not bad input: log it, answer, keep serving
             log.exception("pagekv node: internal error on a request")
             self.counters["internal_errors"] += 1
-            rep = Reply(id=_best_effort_id(header), code=Code.INTERNAL, error=repr(e))
+            rep = Reply(id=handlers.best_effort_id(header), code=Code.INTERNAL, error=repr(e))
             out = []
         self._send(ident, rep, out)
         if self.observe is not None:
             self.observe(op, rep, time.perf_counter() - start)
 
-    def _send(self, ident: zmq.Frame, rep: Reply, payloads: list[Any]) -> None:
-        self.counters["bytes_out"] += sum(len(p) for p in payloads)
-        try:
-            self.sock.send_multipart([ident, encode_reply(rep), *payloads], copy=False)
-        except zmq.ZMQError as e:  # peer gone: nothing else to do for it
-            self.counters["dropped"] += 1
-            log.debug("reply to a vanished peer dropped: %s", e)
+    def _get(self, req: Request) -> tuple[Reply, list[Any]]:
+        rep, out, deferred = handlers.get(self.store, self.config.max_message_size, req)
+        self.counters["deferred"] += deferred
+        return rep, out
+
+    def _serve_parked(self) -> None:
+        for ident, req in self.outbox.ready():
+            start = time.perf_counter()
+            self.counters["op_get"] += 1
+            rep, out = self._get(req)
+            self._send(ident, rep, out)
+            if self.observe is not None:
+                self.observe(Op.GET, rep, time.perf_counter() - start)
+
+    def _send(self, ident: bytes, rep: Reply, payloads: list[Any]) -> None:
+        if self.outbox.send(ident, encode_reply(rep), payloads):
+            self.counters["bytes_out"] += sum(len(p) for p in payloads)
 
     def _dispatch(self, req: Request, payloads: list[zmq.Frame]) -> tuple[Reply, list[Any]]:
         self.counters[f"op_{req.op.value.lower()}"] += 1
         if req.op is not Op.PUT and payloads:
             raise ProtocolError(Code.BAD_FRAMES, f"{req.op.value} takes no payload frames")
         if req.op is Op.PUT:
-            return self._put(req, payloads), []
+            return handlers.put(self.store, self.config, req, payloads), []
         if req.op is Op.GET:
             return self._get(req)
         if req.op is Op.EXISTS:
@@ -182,57 +302,12 @@ class StoreNode:
             return Reply(req.id, status=status), []
         if req.op is Op.STATS:
             return Reply(req.id, stats=self.stats()), []
-        return Reply(req.id), []  # PING
-
-    def _put(self, req: Request, payloads: list[zmq.Frame]) -> Reply:
-        if len(payloads) != len(req.sizes):
-            raise ProtocolError(
-                Code.BAD_FRAMES, f"header declares {len(req.sizes)} frames, got {len(payloads)}"
-            )
-        for i, (frame, size) in enumerate(zip(payloads, req.sizes)):
-            if len(frame) != size:
-                msg = f"frame {i} has {len(frame)} bytes, not {size}"
-                raise ProtocolError(Code.BAD_FRAMES, msg)
-        status, start = [], 0
-        for key, count, cs in zip(req.keys, req.counts, req.sums):
-            frames, start = payloads[start : start + count], start + count
-            size = sum(req.sizes[start - count : start])
-            if (
-                self.config.verify_puts
-                and size <= self.config.max_block_size
-                and checksum_frames([f.buffer for f in frames]) != cs
-            ):
-                status.append(int(Status.BAD_CHECKSUM))
-                continue
-            status.append(int(self.store.put(key, tuple(frames), size, cs)))
-        return Reply(req.id, status=status)
-
-    def _get(self, req: Request) -> tuple[Reply, list[Any]]:
-        status, sums, counts, out = [], [], [], []
-        for key in req.keys:
-            block = self.store.get(key)
-            if block is None:
-                status.append(int(Status.NOT_FOUND))
-                continue
-            status.append(int(Status.OK))
-            sums.append(block.checksum)
-            counts.append(len(block.frames))
-            out.extend(block.frames)
-        return Reply(req.id, status=status, sums=sums, counts=counts), out
+        return Reply(req.id, limits=self.config.limits()), []  # PING
 
     def stats(self) -> dict[str, Any]:
-        auth = self._auth.stats() if self._auth is not None else {}
+        guard, auth = self.guard, self._auth.stats() if self._auth is not None else {}
         return {**self.store.stats(), **self.counters, **auth, "address": self.address,
-                "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1)}  # fmt: skip
-
-
-def _best_effort_id(header: zmq.Frame) -> int:
-    """The request id of a header we could not fully parse, when it can be read; else 0."""
-    try:
-        import msgpack
-
-        head = msgpack.unpackb(header.buffer, raw=False)
-        rid = head.get("id") if isinstance(head, dict) else None
-        return rid if type(rid) is int and rid >= 0 else 0
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError):
-        return 0
+                "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
+                "connections": len(guard.conns) if guard else -1,
+                "reply_bytes_in_flight": self.outbox.inflight_bytes(),
+                "parked": self.outbox.parked}  # fmt: skip

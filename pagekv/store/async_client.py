@@ -1,0 +1,214 @@
+""":class:`AsyncStoreClient`: the store client for asyncio (see :mod:`.client` for the contract).
+
+One DEALER socket per node shared by every concurrent call: a reader task per socket hands each
+reply to the request waiting for its id, so calls never wait on each other's replies. Sending a
+request's frames is the only section under a lock, and at most the node's ``window`` requests
+are in flight on a socket. Each call gives up on a node on its own deadline (``timeout_for``
+the bytes it has in flight there), so k concurrent calls to a dead node each finish within one
+timeout; the first to give up resets the socket, which fails the others' requests at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from asyncio import FIRST_COMPLETED
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from .client_base import _Base, raise_unavailable
+from .protocol import Op, ProtocolError, Status, decode_reply, encode_request
+from .routing import Batch, Call, ExistsResult, OpGen, Results
+
+__all__ = ["AsyncStoreClient"]
+
+log = logging.getLogger("pagekv.store")
+
+
+class _AsyncLink:
+    """A socket to one node, the replies awaited on it and its window of requests."""
+
+    def __init__(self, sock: zmq.asyncio.Socket) -> None:
+        self.sock, self.created = sock, time.monotonic()
+        self.pending: dict[int, asyncio.Future] = {}
+        self.send_lock = asyncio.Lock()
+        self.inflight = 0
+        self.waiters: collections.deque[asyncio.Future] = collections.deque()
+        self.reader: asyncio.Task | None = None
+        self.closed = False
+
+    async def acquire(self, window: int) -> None:
+        while self.inflight >= window and not self.closed:
+            waiter = asyncio.get_running_loop().create_future()
+            self.waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self.waiters:
+                    self.waiters.remove(waiter)
+        self.inflight += 1
+
+    def release(self) -> None:
+        self.inflight -= 1
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def close(self) -> None:
+        """Fail every request waiting on this socket (None) and close it."""
+        self.closed = True
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_result(None)
+        self.pending.clear()
+        for waiter in self.waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        if self.reader is not None:
+            self.reader.cancel()
+        self.sock.close(linger=0)
+
+
+class AsyncStoreClient(_Base):
+    """asyncio client with the same API as :class:`StoreClient` (coroutines). Cancelling a
+    call is safe: a reply that arrives later is discarded by its request id."""
+
+    def __init__(self, endpoints: str | Sequence[str], **kwargs: Any) -> None:
+        super().__init__(endpoints, **kwargs)
+        self.ctx = zmq.asyncio.Context.instance()
+
+    def _open(self, node: int) -> _AsyncLink:
+        link = _AsyncLink(self._new_socket(self.ctx, self.config.endpoints[node]))
+        self._links[node] = link
+        return link
+
+    def _reset(self, node: int, link: _AsyncLink) -> None:
+        if self._links.get(node) is link:
+            del self._links[node]
+            link.close()
+            self._open(node)  # reconnecting starts now
+
+    async def _read(self, node: int, link: _AsyncLink) -> None:
+        """Hand each reply to the request waiting for it; a reply that cannot be read
+        resets the socket (its requests fail and move on)."""
+        while not link.closed:
+            try:
+                frames = await link.sock.recv_multipart(copy=False)
+                reply = decode_reply(frames[0].buffer)
+            except ProtocolError:
+                self.router.counters["bad_replies"] += 1
+                self._reset(node, link)
+                return
+            except zmq.ZMQError:
+                return  # socket closed under us
+            fut = link.pending.pop(reply.id, None)
+            if fut is not None and not fut.done():
+                fut.set_result((reply, frames[1:]))
+
+    async def _request(self, node: int, link: _AsyncLink, call: Call, clock: dict) -> Any:
+        """Send one request when the window allows and wait for its reply (None: failed)."""
+        await link.acquire(self._window(node))
+        rid = call.request.id
+        try:
+            if link.closed:
+                return None
+            if link.reader is None:
+                link.reader = asyncio.ensure_future(self._read(node, link))
+            fut = link.pending[rid] = asyncio.get_running_loop().create_future()
+            clock["sending"] += 1
+            try:
+                async with link.send_lock:
+                    frames = [encode_request(call.request), *call.payloads]
+                    await link.sock.send_multipart(frames, copy=False)
+            finally:
+                clock["sending"] -= 1
+            if not clock["bytes"]:
+                clock["progress"] = time.monotonic()
+            clock["bytes"] += call.nbytes + 1
+            result = await fut
+            clock["bytes"] -= call.nbytes + 1
+            clock["progress"] = time.monotonic()
+            if result is not None and call.on_reply is not None:
+                call.on_reply(*result)
+            return result
+        finally:
+            link.pending.pop(rid, None)
+            link.release()
+
+    async def _node_calls(self, node: int, calls: Batch) -> Results:
+        link = self._links.get(node) or self._open(node)
+        start = time.monotonic()
+        clock = {"progress": start, "bytes": 0, "sending": 0}
+        tasks = {asyncio.ensure_future(self._request(node, link, c, clock)): c for c in calls}
+        cfg = self.config
+        total = sum(c.nbytes for c in calls)
+        cap = start + cfg.timeout_for(total) + cfg.timeout_s
+        stretch = cfg.timeout_per_mib_s * total / (1 << 20)
+        try:
+            while not all(t.done() for t in tasks):
+                if clock["bytes"]:
+                    deadline = clock["progress"] + cfg.timeout_for(clock["bytes"])
+                elif clock["sending"]:  # waiting for the connection (stretched by the bytes)
+                    connect = min(cfg.connect_timeout_s, cfg.timeout_s)
+                    deadline = clock["progress"] + connect + stretch
+                else:  # waiting for window slots held by other calls (each on its deadline)
+                    deadline = cap
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if clock["bytes"]:  # a request went out: fail the socket's requests
+                        self._reset(node, link)
+                    break  # (none did: the socket is kept, its age tells the node is down)
+                # short slices: a send that completes moves the deadline (bytes in flight)
+                await asyncio.wait(tasks, timeout=min(left, 0.02), return_when=FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+        return {
+            c.request.id: t.result() if t.done() and not t.cancelled() else None
+            for t, c in tasks.items()
+        }
+
+    async def _run(self, gen: OpGen) -> Any:
+        try:
+            batch = next(gen)
+            while True:
+                per_node: dict[int, Batch] = {}
+                for call in batch:
+                    per_node.setdefault(call.node, []).append(call)
+                parts = await asyncio.gather(*(self._node_calls(n, c) for n, c in per_node.items()))
+                batch = gen.send({rid: r for part in parts for rid, r in part.items()})
+        except StopIteration as done:
+            return done.value
+
+    async def put_many(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[Status]:
+        return await self._run(self._plan_put(keys, buffers))
+
+    async def get_many(self, keys: Sequence[bytes], into: Sequence[Any] | None = None) -> list[Any]:
+        return await self._run(self._plan_get(keys, into))
+
+    async def exists_many(self, keys: Sequence[bytes]) -> ExistsResult:
+        return await self._run(self._plan_exists(keys))
+
+    async def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return await self._run(self._plan_delete(keys))
+
+    async def stats(self) -> list[dict | None]:
+        stats = await self._run(self.router.each_node(Op.STATS))
+        if all(st is None for st in stats):
+            await asyncio.to_thread(raise_unavailable, self.config)
+        return stats
+
+    async def ping(self) -> list[bool]:
+        return [s is not None for s in await self._run(self.router.each_node(Op.PING))]
+
+    def close(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links.clear()

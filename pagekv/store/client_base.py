@@ -1,0 +1,145 @@
+"""What both store clients share: configuration, the router, link state, argument checks (see
+:mod:`.client` for the contract)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from pagekv.errors import AuthenticationFailed
+
+from . import operations
+from .config import ClientConfig, CurveClientKeys
+from .protocol import MAX_KEY_BYTES
+from .routing import Link, OpGen, Router, StoreUnavailable
+
+__all__ = ["raise_unavailable"]
+
+
+def _byte_views(value: Any, writable: bool, what: str) -> list[memoryview]:
+    """A value's frames as flat byte views: one bytes-like, or a sequence of them."""
+    if type(value) is bytes and not writable:
+        return [memoryview(value)]
+    try:
+        views = [memoryview(value)]
+    except TypeError:
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            msg = f"{what}: not a bytes-like or a sequence of them: {value!r:.60}"
+            raise TypeError(msg) from None
+        views = [memoryview(frame) for frame in value]
+        if not views:
+            raise ValueError(f"{what}: a value needs at least one frame") from None
+    if writable and any(v.readonly for v in views):
+        raise ValueError(f"{what}: a read-only buffer cannot be read into")
+    return [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
+
+
+def _check_keys(keys: Sequence[bytes], buffers: Sequence[Any] | None, what: str) -> None:
+    lengths = list(map(len, keys)) if set(map(type, keys)) <= {bytes} else None
+    if lengths is None or (lengths and not 0 < min(lengths) <= max(lengths) <= MAX_KEY_BYTES):
+        bad = next(k for k in keys if type(k) is not bytes or not 0 < len(k) <= MAX_KEY_BYTES)
+        raise ValueError(f"keys must be non-empty bytes of <= {MAX_KEY_BYTES}, got {bad!r:.40}")
+    if buffers is not None and len(buffers) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(buffers)} {what}")
+
+
+class _Base:
+    """Configuration, router and link bookkeeping shared by both clients."""
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        replicas: int = 1,
+        timeout_s: float = 5.0,
+        curve: CurveClientKeys | None = None,
+        config: ClientConfig | None = None,
+    ) -> None:
+        self.config = config or ClientConfig(
+            tuple([endpoints] if isinstance(endpoints, str) else endpoints),
+            replicas=replicas,
+            timeout_s=timeout_s,
+            curve=curve,
+        )
+        cfg = self.config
+        self.router = Router(
+            cfg.endpoints, cfg.replicas, (cfg.backoff_min_s, cfg.backoff_max_s),
+            cfg.max_message_bytes, link=self._link_state,
+        )  # fmt: skip
+        self._links: dict[int, Any] = {}
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.router.counters
+
+    def _open(self, node: int) -> Any:  # a fresh link (socket) to ``node``; per client kind
+        raise NotImplementedError
+
+    def _link_state(self, node: int) -> Link:
+        link = self._links.get(node) or self._open(node)
+        if link.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+            return Link.UP
+        if time.monotonic() - link.created < min(self.config.connect_timeout_s,
+                                                 self.config.timeout_s):  # fmt: skip
+            return Link.CONNECTING
+        return Link.DOWN
+
+    def _window(self, node: int) -> int:
+        limits = self.router.limits[node]
+        return limits.window if limits is not None else 1
+
+    def _new_socket(self, ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a node not connected
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if self.config.socket_buffer:  # 0: leave it to the kernel's TCP autotuning
+            sock.setsockopt(zmq.SNDBUF, self.config.socket_buffer)
+            sock.setsockopt(zmq.RCVBUF, self.config.socket_buffer)
+        if self.config.curve is not None:
+            sock.curve_serverkey = self.config.curve.server_public
+            sock.curve_publickey = self.config.curve.public
+            sock.curve_secretkey = self.config.curve.secret
+        sock.connect(endpoint)
+        return sock
+
+    def _plan_put(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> OpGen:
+        _check_keys(keys, buffers, "buffers")
+        views = [_byte_views(b, False, "put_many") for b in buffers]
+        return operations.put(self.router, keys, views)
+
+    def _plan_get(self, keys: Sequence[bytes], into: Sequence[Any] | None) -> OpGen:
+        _check_keys(keys, into, "into buffers")
+        targets = None if into is None else [_byte_views(b, True, "get_many") for b in into]
+        return operations.get(self.router, keys, targets)
+
+    def _plan_exists(self, keys: Sequence[bytes]) -> OpGen:
+        _check_keys(keys, None, "")
+        return operations.exists(self.router, keys)
+
+    def _plan_delete(self, keys: Sequence[bytes]) -> OpGen:
+        _check_keys(keys, None, "")
+        return operations.delete(self.router, keys)
+
+    def _stats_or_raise(self, stats: list[dict | None]) -> list[dict | None]:
+        if all(s is None for s in stats):
+            raise_unavailable(self.config)
+        return stats
+
+
+def raise_unavailable(cfg: ClientConfig) -> None:
+    """No node answered: probe each (a PING watched by a socket monitor) and raise
+    ``AuthenticationFailed`` if a node refused this client's CURVE keys, else
+    ``StoreUnavailable``, naming each node's outcome. Blocking (at most ~2 s per node)."""
+    from .probe import Outcome, probe
+
+    results = [probe(ep, curve=cfg.curve, timeout_s=min(cfg.timeout_s, 2.0))
+               for ep in cfg.endpoints]  # fmt: skip
+    why = "; ".join(f"{r.endpoint}: {r}" for r in results)
+    if any(r.outcome is Outcome.AUTH_FAILED for r in results):
+        raise AuthenticationFailed(f"store authentication failed ({why})")
+    raise StoreUnavailable(f"no store node answered ({why})")

@@ -1,0 +1,91 @@
+"""What a node does with a well-formed PUT or GET (the loop, parsing and replies are in
+:mod:`.server`). Functions of the store they act on; they raise ``ProtocolError`` for a request
+whose frames do not match its header, and nothing else on input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import zmq
+from xxhash import xxh3_64_intdigest
+
+from .block_store import BlockStore
+from .config import NodeConfig
+from .protocol import Code, ProtocolError, Reply, Request, Status, checksum_frames
+
+__all__ = ["SHARED_BUFFER_BYTES", "best_effort_id", "get", "put"]
+
+SHARED_BUFFER_BYTES = 8192  # libzmq's receive batch: smaller frames may live inside one
+
+
+def put(store: BlockStore, config: NodeConfig, req: Request, payloads: list[Any]) -> Reply:
+    """Store a PUT's values. The frames are checked against the header as a whole first (count,
+    every size: ``BAD_FRAMES``, nothing stored); then each key gets its own status."""
+    if len(payloads) != len(req.sizes):
+        raise ProtocolError(
+            Code.BAD_FRAMES, f"header declares {len(req.sizes)} frames, got {len(payloads)}"
+        )
+    for i, (frame, size) in enumerate(zip(payloads, req.sizes)):
+        if len(frame) != size:
+            raise ProtocolError(Code.BAD_FRAMES, f"frame {i} has {len(frame)} bytes, not {size}")
+    verify, most, store_put = config.verify_puts, config.max_block_size, store.put
+    status = []
+    if len(payloads) == len(req.keys):  # one frame per value: the common case, made lean
+        bad = int(Status.BAD_CHECKSUM)
+        for key, frame, size, cs in zip(req.keys, payloads, req.sizes, req.sums):
+            data = own(frame)
+            if verify and size <= most and xxh3_64_intdigest(data) != cs:
+                status.append(bad)
+            else:
+                status.append(store_put(key, (data,), size, cs))
+        return Reply(req.id, status=status)
+    start = 0
+    for key, count, cs in zip(req.keys, req.counts, req.sums):
+        frames = [own(f) for f in payloads[start : start + count]]
+        size = sum(req.sizes[start : start + count])
+        start += count
+        if verify and size <= most and checksum_frames(frames) != cs:
+            status.append(int(Status.BAD_CHECKSUM))
+            continue
+        status.append(store_put(key, tuple(frames), size, cs))
+    return Reply(req.id, status=status)
+
+
+def get(store: BlockStore, room: int, req: Request) -> tuple[Reply, list[Any], int]:
+    """Found values in key order while the reply's payload stays within ``room`` bytes; the
+    found ones after that are ``DEFERRED`` (the client asks again). Returns the reply, its
+    payload frames and how many values were deferred."""
+    status, sums, counts, out, deferred = [], [], [], [], 0
+    for key in req.keys:
+        block = store.get(key)
+        if block is None:
+            status.append(int(Status.NOT_FOUND))
+        elif block.size > room:
+            status.append(int(Status.DEFERRED))
+            deferred += 1
+        else:
+            room -= block.size
+            status.append(int(Status.OK))
+            sums.append(block.checksum)
+            counts.append(len(block.frames))
+            out.extend(block.frames)
+    return Reply(req.id, status=status, sums=sums, counts=counts), out, deferred
+
+
+def own(frame: Any) -> Any:
+    """A stored frame: small ones as bytes, never a view into libzmq's shared receive buffer
+    (a 512-byte frame kept by reference would pin the whole ~18 KiB buffer it arrived in)."""
+    if isinstance(frame, bytes) or len(frame) > SHARED_BUFFER_BYTES:
+        return frame
+    return frame.bytes
+
+
+def best_effort_id(header: zmq.Frame) -> int:
+    """The request id of a header we could not fully parse, when it can be read; else 0."""
+    try:
+        head = msgpack.unpackb(header.buffer, raw=False)
+        rid = head.get("id") if isinstance(head, dict) else None
+        return rid if type(rid) is int and rid >= 0 else 0
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError):
+        return 0

@@ -1,0 +1,260 @@
+"""The batch operations (put, get, exists, delete) as I/O-free generators over a :class:`Router`.
+
+Each yields batches of calls and returns its per-key result (see :mod:`.routing` for the
+protocol between these generators and the clients). Every key is answered: a node's failure
+moves the key on to its next node, and a key no node could answer is ``Status.UNAVAILABLE`` /
+``None`` / ``False`` (counted in ``unanswered_keys``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from xxhash import xxh3_64_intdigest
+
+from .protocol import Op, Request, Status, checksum_frames
+from .routing import Call, ExistsResult, OpGen, Router
+
+__all__ = ["delete", "exists", "get", "put"]
+
+PUT_KEY_EXTRA, PUT_FRAME_EXTRA = 24, 9  # header bytes per key (bin, count, sum) and per frame
+MAX_DEFERRALS = 64  # a node that keeps deferring a key is treated as failing for it
+
+
+def put(router: Router, keys: Sequence[bytes], values: Sequence[list[memoryview]]) -> OpGen:
+    """``values[i]``: the frames of key i. Stores each on ``replicas`` nodes, replacing a node
+    that fails by the key's next one; returns a status per key."""
+    sums, sizes, nframes = _describe(values)
+    cands = router.candidates(keys, router.replicas + 1, router.usable())
+    statuses: list[list[int]] = [[] for _ in keys]
+    want, nxt = [router.replicas] * len(keys), [0] * len(keys)
+    while wave := _next_targets(router, cands, want, nxt):
+        yield from router.learn({n: sum(sizes[i] for i in idxs) for n, idxs in wave.items()})
+        batch: list[Call] = []
+        for node, idxs in wave.items():
+            limits = router.limits[node]
+            if limits is None:  # did not answer: the keys go on to their next node
+                for i in idxs:
+                    want[i] += 1
+                continue
+            fits = [
+                i
+                for i in idxs
+                if sizes[i] <= limits.max_message_size and nframes[i] <= limits.max_frames
+            ]
+            for i in set(idxs).difference(fits):
+                statuses[i].append(Status.TOO_LARGE)
+            for part in router.cut(
+                keys,
+                fits,
+                limits,
+                key_extra=PUT_KEY_EXTRA,
+                frame_extra=PUT_FRAME_EXTRA,
+                frames=nframes,
+                nbytes=sizes,
+            ):
+                frames = [f for i in part for f in values[i]]
+                req = Request(Op.PUT, router.next_id(), [keys[i] for i in part],
+                              [f.nbytes for f in frames], [sums[i] for i in part],
+                              [nframes[i] for i in part])  # fmt: skip
+                batch.append(Call(node, req, frames, part, sum(sizes[i] for i in part)))
+        results = (yield batch) if batch else {}
+        for call in batch:
+            result = results.get(call.request.id)
+            if router.reply_problem(call, result) is not None:
+                for i in call.idxs:
+                    want[i] += 1
+                continue
+            for i, st in zip(call.idxs, result[0].status):
+                statuses[i].append(st)
+    out = [_merge_put(sts) for sts in statuses]
+    router.counters["unanswered_keys"] += out.count(Status.UNAVAILABLE)
+    return out
+
+
+def _describe(values: Sequence[list[memoryview]]) -> tuple[list[int], list[int], list[int]]:
+    """Checksum, byte size and frame count of each value."""
+    sums, sizes, nframes = [], [], []
+    for v in values:
+        if len(v) == 1:
+            sums.append(xxh3_64_intdigest(v[0]))
+            sizes.append(v[0].nbytes)
+            nframes.append(1)
+        else:
+            sums.append(checksum_frames(v))
+            sizes.append(sum(f.nbytes for f in v))
+            nframes.append(len(v))
+    return sums, sizes, nframes
+
+
+def _next_targets(
+    router: Router, cands: list[list[int]], want: list[int], nxt: list[int]
+) -> dict[int, list[int]]:
+    """Node -> keys to write there next: each key's next candidates, as many as it still
+    needs copies (``want``); ``nxt`` is how far each key's candidates have been used."""
+    wave: dict[int, list[int]] = {}
+    if len(router.endpoints) == 1 and not any(nxt):  # one node, first wave: every key
+        if cands and cands[0] and want and want[0]:
+            wave[0] = list(range(len(cands)))
+            nxt[:], want[:] = [1] * len(cands), [w - 1 for w in want]
+        return wave
+    for i, nodes in enumerate(cands):
+        while want[i] > 0 and nxt[i] < len(nodes):
+            wave.setdefault(nodes[nxt[i]], []).append(i)
+            nxt[i], want[i] = nxt[i] + 1, want[i] - 1
+    return wave
+
+
+def get(router: Router, keys: Sequence[bytes], into: Sequence[list[memoryview]] | None) -> OpGen:
+    """``into[i]``: the byte views key i's frames are scattered into, or None for views."""
+    out: list[Any] = [None] * len(keys)
+    expected = None if into is None else [sum(t.nbytes for t in targets) for targets in into]
+
+    def on_hit(i: int, cs: int, frames: list[Any]) -> bool:
+        data = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
+        if checksum_frames(data) != cs:
+            router.counters["checksum_mismatch"] += 1
+            return False
+        if into is None:
+            views = [d.toreadonly() for d in data]
+            out[i] = views[0] if len(views) == 1 else views
+            return True
+        targets = into[i]
+        if len(targets) != len(data) or any(t.nbytes != d.nbytes for t, d in zip(targets, data)):
+            router.counters["size_mismatch"] += 1
+            return False
+        for target, frame in zip(targets, data):
+            target[:] = frame
+        out[i] = True
+        return True
+
+    yield from _lookup(router, Op.GET, keys, on_hit, expected)
+    return out if into is None else [bool(x) for x in out]
+
+
+def exists(router: Router, keys: Sequence[bytes]) -> OpGen:
+    found = [False] * len(keys)
+
+    def on_hit(i: int, _cs: int | None, _frames: list[Any]) -> bool:
+        found[i] = True
+        return True
+
+    yield from _lookup(router, Op.EXISTS, keys, on_hit, None)
+    return ExistsResult(found)
+
+
+def delete(router: Router, keys: Sequence[bytes]) -> OpGen:
+    """Delete each key from every node that may hold it; True where some node had it."""
+    usable = router.usable()
+    targets: dict[int, list[int]] = {}
+    for i, nodes in enumerate(router.candidates(keys, router.replicas + 1, usable)):
+        for node in nodes:
+            targets.setdefault(node, []).append(i)
+    yield from router.learn(dict.fromkeys(targets, 0))
+    batch = [
+        Call(node, Request(Op.DELETE, router.next_id(), [keys[i] for i in part]), [], part)
+        for node, idxs in targets.items()
+        if router.limits[node] is not None
+        for part in router.cut(keys, idxs, router.limits[node])
+    ]
+    results = (yield batch) if batch else {}
+    out = [False] * len(keys)
+    for call in batch:
+        result = results.get(call.request.id)
+        if router.reply_problem(call, result) is None:
+            for i, st in zip(call.idxs, result[0].status):
+                out[i] = out[i] or st == Status.OK
+    return out
+
+
+def _lookup(
+    router: Router,
+    op: Op,
+    keys: Sequence[bytes],
+    on_hit: Callable[[int, Any, list[Any]], bool],
+    expected: list[int] | None,
+) -> OpGen:
+    """Ask each key's nodes in turn until ``on_hit`` accepts a node's answer for it."""
+    usable = router.usable()
+    cands = router.candidates(keys, router.replicas + 1, usable)
+    pos, deferred = [0] * len(keys), [0] * len(keys)
+    answered = [False] * len(keys)
+    pending = {i for i, nodes in enumerate(cands) if nodes}
+
+    def advance(i: int) -> None:
+        pos[i] += 1
+        if pos[i] >= len(cands[i]):
+            pending.discard(i)
+
+    def handle(call: Call, result: Any) -> None:
+        call.handled = True
+        if router.reply_problem(call, result) is not None:
+            for i in call.idxs:
+                advance(i)
+            return
+        reply, frames = result
+        ok, j, start = Status.OK, 0, 0
+        for i, st in zip(call.idxs, reply.status):
+            answered[i] = True
+            if st == ok:
+                if op is Op.GET:
+                    count = reply.counts[j]
+                    hit = on_hit(i, reply.sums[j], frames[start : start + count])
+                    j, start = j + 1, start + count
+                else:
+                    hit = on_hit(i, None, ())
+                if hit:
+                    pending.discard(i)
+                    continue
+            elif st == Status.DEFERRED and deferred[i] < MAX_DEFERRALS:
+                deferred[i] += 1  # found but left out of the reply: ask the same node again
+                continue
+            advance(i)
+
+    most = router.get_keys_per_request if op is Op.GET and expected is None else None
+    while pending:
+        wave: dict[int, list[int]] = {}
+        for i in sorted(pending):
+            node = cands[i][pos[i]]
+            if node in wave:
+                wave[node].append(i)
+            else:
+                wave[node] = [i]
+        need = {n: sum(expected[i] for i in idxs) if expected else 0 for n, idxs in wave.items()}
+        yield from router.learn(need)
+        batch: list[Call] = []
+        for node, idxs in wave.items():
+            limits = router.limits[node]
+            if limits is None:
+                for i in idxs:
+                    advance(i)
+                continue
+            for part in router.cut(keys, idxs, limits, nbytes=expected, most_keys=most):
+                req = Request(op, router.next_id(), [keys[i] for i in part])
+                nbytes = sum(expected[i] for i in part) if expected is not None else 0
+                call = Call(node, req, [], part, nbytes)
+                call.on_reply = lambda reply, frames, call=call: handle(call, (reply, frames))
+                batch.append(call)
+        if not batch:
+            continue
+        results = yield batch
+        for call in batch:
+            if not call.handled:
+                handle(call, results.get(call.request.id))
+    router.counters["unanswered_keys"] += answered.count(False)
+
+
+_STATUS = {int(s): s for s in Status}
+
+
+def _merge_put(statuses: list[int]) -> Status:
+    """A key's outcome over its replicas: stored somewhere wins, then the first error."""
+    if len(statuses) == 1:
+        return _STATUS[statuses[0]]
+    if not statuses:
+        return Status.UNAVAILABLE
+    for good in (Status.OK, Status.EXISTS):
+        if good in statuses:
+            return good
+    return Status(statuses[0])

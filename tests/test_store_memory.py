@@ -1,0 +1,247 @@
+"""Node memory against abusive peers, measured on a real `pagekv serve` process's RSS.
+
+Each scenario checks RSS - RSS at start <= 1.1 x capacity + connection_bound per connection
+(NodeConfig.connection_bound, documented in docs/protocol.md) and that the node serves on.
+The figures are printed (pytest -s shows them).
+"""
+
+import os
+import socket
+import time
+
+import pytest
+import zmq
+
+from pagekv.store import NodeConfig, Status, StoreClient
+from pagekv.store.launch import NodeProcess
+from tests.store_fakes import pack
+from tests.zmtp_raw import RawPeer
+
+pytestmark = pytest.mark.slow
+
+MIB = 1 << 20
+ARGS = ("--capacity", "64MiB", "--max-block-size", "8MiB", "--max-message-size", "8MiB")
+CONFIG = NodeConfig(capacity="64MiB", max_block_size="8MiB", max_message_size="8MiB")
+
+
+class Watched:
+    """A node process and the most RSS it was seen to use above its RSS at start."""
+
+    def __init__(self, *args: str, nofile: int | None = None) -> None:
+        self.node = NodeProcess(*(args or ARGS), nofile=nofile).start()
+        with StoreClient(self.node.address, timeout_s=5) as client:
+            assert client.ping() == [True]
+        self.base = self.node.rss_bytes()
+        self.peak = 0
+
+    def sample(self) -> int:
+        over = self.node.rss_bytes() - self.base
+        self.peak = max(self.peak, over)
+        return over
+
+    def hold_for(self, seconds: float) -> None:
+        """Sample RSS for a while (the node keeps working meanwhile; nothing waits on it)."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.sample()
+            time.sleep(0.01)
+
+    def bound(self, connections: int, config: NodeConfig = CONFIG) -> int:
+        return int(1.1 * config.capacity) + connections * config.connection_bound
+
+    def serves(self) -> bool:
+        with StoreClient(self.node.address, timeout_s=5) as client:
+            key, value = os.urandom(16), os.urandom(100_000)
+            return (
+                client.put_many([key], [value]) == [Status.OK]
+                and bytes(client.get_many([key])[0]) == value
+            )
+
+    def stats(self) -> dict:
+        with StoreClient(self.node.address, timeout_s=5) as client:
+            return client.stats()[0]
+
+    def stop(self) -> None:
+        self.node.stop()
+
+
+@pytest.fixture
+def watched():
+    w = Watched()
+    yield w
+    w.stop()
+
+
+def report(name: str, w: Watched, **extra) -> None:
+    more = " ".join(f"{k}={v}" for k, v in extra.items())
+    print(f"\n[memory] {name}: peak RSS over start {w.peak / MIB:.1f} MiB "
+          f"(now {w.sample() / MIB:.1f} MiB) {more}")  # fmt: skip
+
+
+def flood_frames(peer: RawPeer, w: Watched, frames: int, size: int, last_more: bool) -> int:
+    """Send ``frames`` frames of ``size`` bytes as one multipart message; returns how many
+    went out before the node closed the connection."""
+    chunk = os.urandom(size)
+    for i in range(frames):
+        try:
+            peer.send_frame(chunk, more=last_more or i < frames - 1)
+        except OSError:
+            return i
+        w.sample()
+    return frames
+
+
+@pytest.mark.parametrize("terminated", [False, True])
+def test_huge_multipart_message_is_cut_off(watched, terminated):
+    peer = RawPeer(watched.node.address)
+    sent = flood_frames(peer, watched, 256, MIB, last_more=not terminated)
+    assert peer.closed_by_peer(5.0) or terminated  # a terminated one may get TOO_LARGE instead
+    watched.hold_for(0.5)
+    report("multipart 256 MiB" + ("" if terminated else ", never terminated"), watched,
+           sent_mib=sent)  # fmt: skip
+    assert watched.peak <= watched.bound(2)
+    assert watched.sample() <= 16 * MIB  # what libzmq held is given back
+    assert watched.serves()
+
+
+def test_declared_huge_frames_are_refused():
+    # default limits (32 MiB a message): a frame declared bigger disconnects at its header
+    w = Watched("--capacity", "64MiB")
+    try:
+        peers = [RawPeer(w.node.address) for _ in range(8)]
+        for peer in peers:
+            try:
+                peer.send_raw(bytes([0x02]) + (256 * MIB).to_bytes(8, "big") + os.urandom(MIB))
+            except OSError:
+                pass  # reset as soon as the header arrived
+        assert all(peer.closed_by_peer(5.0) for peer in peers)
+        # frames within the limit, declared and never completed: one each, bounded
+        partial = [RawPeer(w.node.address) for _ in range(8)]
+        for peer in partial:
+            peer.send_raw(bytes([0x02]) + (30 * MIB).to_bytes(8, "big") + os.urandom(20 * MIB))
+        w.hold_for(0.5)
+        report("8 declared 256 MiB frames + 8 partial 30 MiB frames", w)
+        assert w.peak <= w.bound(17, NodeConfig(capacity="64MiB"))
+        assert w.peak <= 8 * 32 * MIB
+        assert w.serves()
+    finally:
+        w.stop()
+
+
+def test_reader_that_never_reads_pins_a_bounded_amount(watched):
+    """A peer asks for every block as it is written and never reads: the replies queued for it
+    would keep 240 MiB of evicted blocks alive on a 64 MiB node."""
+    slow = zmq.Context.instance().socket(zmq.DEALER)
+    slow.setsockopt(zmq.LINGER, 0)
+    slow.setsockopt(zmq.RCVHWM, 1)  # takes one reply, then its TCP window closes
+    slow.setsockopt(zmq.RCVBUF, 64 << 10)
+    slow.connect(watched.node.address)
+    with StoreClient(watched.node.address, timeout_s=10) as writer:
+        for round_ in range(60):
+            fresh = [os.urandom(16) for _ in range(4)]
+            assert set(writer.put_many(fresh, [os.urandom(MIB) for _ in fresh])) == {Status.OK}
+            for i in range(8):
+                slow.send(pack(id=round_ * 8 + i + 1, op="GET", keys=fresh))
+            watched.sample()
+        watched.hold_for(0.5)
+        stats = writer.stats()[0]
+    slow.close(linger=0)
+    dropped = stats.get("dropped_requests", 0) + stats.get("dropped_replies", 0)
+    report("480 unread GETs of blocks evicted meanwhile (240 MiB written)", watched,
+           dropped=dropped)  # fmt: skip
+    assert watched.peak <= watched.bound(2)
+    assert dropped > 0
+    assert watched.serves()
+
+
+def test_unread_small_replies_are_bounded(watched):
+    slow = zmq.Context.instance().socket(zmq.DEALER)
+    slow.setsockopt(zmq.LINGER, 0)
+    slow.setsockopt(zmq.RCVHWM, 1)
+    slow.setsockopt(zmq.RCVBUF, 64 << 10)
+    slow.connect(watched.node.address)
+    keys = [os.urandom(16) for _ in range(64)]
+    for i in range(50_000):
+        slow.send(pack(id=i + 1, op="GET", keys=keys))
+        if i % 1000 == 0:
+            watched.sample()
+    watched.hold_for(0.5)
+    slow.close(linger=0)
+    report("50,000 unread GETs", watched)
+    assert watched.peak <= watched.bound(1) - int(1.1 * CONFIG.capacity) + 8 * MIB
+    assert watched.serves()
+
+
+def test_idle_and_half_open_connections(watched):
+    host, port = watched.node.address.removeprefix("tcp://").rsplit(":", 1)
+    raw = [socket.create_connection((host, int(port))) for _ in range(200)]  # no handshake
+    ctx = zmq.Context.instance()
+    idle = []
+    for _ in range(100):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(watched.node.address)
+        idle.append(sock)
+    half = [RawPeer(watched.node.address) for _ in range(100)]
+    for peer in half:  # a frame started, then silence
+        peer.send_raw(bytes([0x02]) + (8 * MIB).to_bytes(8, "big") + os.urandom(4096))
+    watched.hold_for(1.0)
+    n = len(raw) + len(idle) + len(half)
+    report(f"{n} idle and half-open connections", watched,
+           per_conn_kib=round(watched.peak / n / 1024, 1))  # fmt: skip
+    assert watched.peak <= n * 256 * 1024
+    assert watched.serves()
+    for s in raw:
+        s.close()
+    for s in idle:
+        s.close(linger=0)
+    for p in half:
+        p.close()
+
+
+@pytest.mark.parametrize("size", [512, 4096])
+def test_small_blocks_are_accounted_at_their_real_cost(size):
+    w = Watched("--capacity", "32MiB", "--max-block-size", "1MiB", "--max-message-size", "1MiB")
+    try:
+        blob = os.urandom(size)
+        per_call = (900 << 10) // size
+        with StoreClient(w.node.address, timeout_s=10) as client:
+            for _ in range((96 * MIB) // (per_call * size)):
+                keys = [os.urandom(16) for _ in range(per_call)]
+                assert set(client.put_many(keys, [blob] * per_call)) == {Status.OK}
+                w.sample()
+            stats = client.stats()[0]
+        config = NodeConfig(capacity="32MiB", max_block_size="1MiB", max_message_size="1MiB")
+        report(f"96 MiB of {size} B blocks into 32 MiB", w, evictions=stats["evictions"])
+        assert stats["used_bytes"] <= stats["capacity"] and stats["evictions"] > 0
+        assert w.peak <= w.bound(1, config)
+        assert w.peak <= 1.1 * config.capacity + 4 * MIB  # the capacity term really holds
+    finally:
+        w.stop()
+
+
+def test_descriptor_exhaustion_does_not_spin():
+    w = Watched(*ARGS, nofile=256)
+    host, port = w.node.address.removeprefix("tcp://").rsplit(":", 1)
+    conns = []
+    try:
+        for _ in range(300):
+            conns.append(socket.create_connection((host, int(port)), timeout=5))
+        w.hold_for(0.5)  # the node takes and refuses connections meanwhile
+        cpu0, t0 = w.node.cpu_seconds(), time.monotonic()
+        w.hold_for(2.0)
+        busy = (w.node.cpu_seconds() - cpu0) / (time.monotonic() - t0)
+        stats = w.stats()
+        report("300 idle connections at RLIMIT_NOFILE=256", w, cpu=f"{busy:.0%}",
+               refused=stats["refused_connections"])  # fmt: skip
+        assert busy < 0.25
+        assert stats["refused_connections"] > 0
+    finally:
+        for s in conns:
+            s.close()
+    try:
+        deadline = time.monotonic() + 10
+        while not w.serves():
+            assert time.monotonic() < deadline, "node does not take clients again"
+    finally:
+        w.stop()
