@@ -61,6 +61,42 @@ def test_sigstopped_node_costs_at_most_the_bound_and_comes_back():
         node.stop()
 
 
+def test_prefetch_deadline_keeps_leading_pages_from_healthy_nodes():
+    """One node of two stopped: a prefetch with a deadline returns the leading pages the
+    healthy node sent before it (published as each arrives), not 0 because the batch never
+    completed (issue 9, item 12)."""
+    nodes = [NodeProcess("--capacity", "64MiB").start() for _ in range(2)]
+    eps = tuple(n.address for n in nodes)
+    cfg = ClientConfig(eps, replicas=1, timeout_s=3.0)
+    conn = KVConnector(GEO, caches(), cfg, host_pages=64, namespace=NS, lookup_timeout_s=0.05)
+    try:
+        tokens = [random.randrange(32000) for _ in range(GEO.page_size * 32)]
+        conn.save(tokens, torch.arange(len(tokens)))
+        conn.flush_sync(timeout=30)
+        conn.cache.evict(1 << 30)  # only the store has the pages now
+        owners = [conn.store.router.ranking(k)[0] for k in conn.keys(tokens)]
+        stopped = 1 - owners[0]
+        if stopped not in owners:
+            pytest.skip("every page landed on one node")  # 2**-31
+        leading = owners.index(stopped)  # pages before the first one on the stopped node
+        nodes[stopped].proc.send_signal(signal.SIGSTOP)
+        try:
+            t = time.monotonic()
+            h = asyncio.run(conn.prefetch(tokens, deadline=time.monotonic() + 1.0))
+            assert time.monotonic() - t < 2.0
+            assert h.num_tokens == leading * GEO.page_size > 0
+            conn.release(h)
+        finally:
+            nodes[stopped].proc.send_signal(signal.SIGCONT)
+        h = conn.prefetch_sync(tokens, timeout_s=10)
+        assert h.num_tokens == len(tokens)
+        conn.release(h)
+    finally:
+        conn.close(timeout_s=5)
+        for n in nodes:
+            n.stop()
+
+
 EXITER = textwrap.dedent(
     """
     import sys, torch

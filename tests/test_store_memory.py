@@ -231,17 +231,16 @@ def test_descriptor_exhaustion_does_not_spin():
         cpu0, t0 = w.node.cpu_seconds(), time.monotonic()
         w.hold_for(2.0)
         busy = (w.node.cpu_seconds() - cpu0) / (time.monotonic() - t0)
-        stats = w.stats()
-        report("300 idle connections at RLIMIT_NOFILE=256", w, cpu=f"{busy:.0%}",
-               refused=stats["refused_connections"])  # fmt: skip
         assert busy < 0.25
-        assert stats["refused_connections"] > 0
     finally:
         for s in conns:
             s.close()
-    try:
+    try:  # at its limit the node takes no new client (a stats client neither): ask afterwards
         deadline = time.monotonic() + 10
         while not w.serves():
             assert time.monotonic() < deadline, "node does not take clients again"
+        refused = w.stats()["refused_connections"]
+        report("300 idle connections at RLIMIT_NOFILE=256", w, cpu=f"{busy:.0%}", refused=refused)
+        assert refused > 0
     finally:
         w.stop()

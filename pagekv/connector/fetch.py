@@ -3,9 +3,10 @@
 Runs on the connector's loop. One fetch per key at a time (``inflight``): a prefetch that wants
 a key another one is already fetching waits for that fetch. Pages are *handed over*: when a
 fetched page is published, every prefetch still waiting for it gets its own hold at once (under
-the cache lock), so nothing can evict the page between its arrival and its use. Fetches go out
-in chunks, each published as it arrives, so a prefetch with a deadline returns the leading
-pages that came in time. When the pool is short, the leading keys that fit are fetched.
+the cache lock), so nothing can evict the page between its arrival and its use. One batch per
+prefetch goes to the store, and each page is published the moment it arrives (the client's
+per-key ``on_arrival``), so a prefetch with a deadline returns the leading pages that came in
+time. When the pool is short, the leading keys that fit are fetched.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from .page_cache import PageCache
 __all__ = ["Fetcher", "Waiter"]
 
 log = logging.getLogger("pagekv.connector")
-CHUNK_PAGES = 16
 
 
 @dataclass(eq=False)
@@ -75,9 +75,8 @@ class Fetcher:
                 self._resolve(key, None)
             if len(pages) < len(todo):
                 self.counters["prefetch_pool_short"] += len(todo) - len(pages)
-            for start in range(0, len(pages), CHUNK_PAGES):
-                chunk = list(zip(todo[start:], pages[start : start + CHUNK_PAGES]))
-                task = loop.create_task(self._fetch(chunk))
+            if pages:
+                task = loop.create_task(self._fetch(list(zip(todo, pages))))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         return futures
@@ -87,24 +86,34 @@ class Fetcher:
         for entry in self.inflight.values():
             entry.waiters.discard(waiter)
 
-    async def _fetch(self, chunk: list[tuple[bytes, int]]) -> None:
-        """Fetch a chunk into its pages, publish the good ones and hand them over. Every key is
-        resolved whatever happens, so no waiter can hang."""
-        ok: list[Any] = [False] * len(chunk)
+    async def _fetch(self, batch: list[tuple[bytes, int]]) -> None:
+        """Fetch keys into their pages; each page is published and handed over the moment its
+        value is verified and in place (``on_arrival``), so a prefetch with a deadline keeps
+        the leading pages that came in time. Every key is resolved whatever happens, so no
+        waiter can hang."""
+        done = [False] * len(batch)
+
+        def arrived(i: int) -> None:
+            key, page = batch[i]
+            done[i] = True
+            if self.cache.publish(key, page):
+                self.counters["bytes_in"] += self.pool.page_bytes
+                self._resolve(key, page)
+            else:  # cached meanwhile by a save: hand that one over
+                self._resolve(key, None, existing=True)
+            self.cache.release([page])  # a published page stays cached
+
         try:
-            views = [self.pool.page_view(p) for _, p in chunk]
-            ok = await self.store.get_many([k for k, _ in chunk], into=views)
+            views = [self.pool.page_view(p) for _, p in batch]
+            await self.store.get_many([k for k, _ in batch], into=views, on_arrival=arrived)
         except StoreError as e:
             self.counters["store_errors"] += 1
-            log.debug("pagekv: fetch of %d pages failed: %s", len(chunk), e)
-        finally:
-            for (key, page), good in zip(chunk, ok):
-                if good and self.cache.publish(key, page):
-                    self.counters["bytes_in"] += self.pool.page_bytes
-                    self._resolve(key, page)
-                else:  # missing, corrupt, or cached meanwhile by a save: hand that one over
-                    self._resolve(key, None, existing=bool(good))
-            self.cache.release([p for _, p in chunk])  # published pages stay cached
+            log.debug("pagekv: fetch of %d pages failed: %s", len(batch), e)
+        finally:  # missing, corrupt, failed or cancelled
+            rest = [(key, page) for (key, page), got in zip(batch, done) if not got]
+            for key, _ in rest:
+                self._resolve(key, None)
+            self.cache.release([p for _, p in rest])
 
     def _resolve(self, key: bytes, page: int | None, *, existing: bool = False) -> None:
         """End ``key``'s fetch: give each waiter its own hold on ``page`` (or, ``existing``,

@@ -15,7 +15,7 @@ import collections
 import logging
 import time
 from asyncio import FIRST_COMPLETED
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -190,8 +190,13 @@ class AsyncStoreClient(_Base):
     async def put_many(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[Status]:
         return await self._run(self._plan_put(keys, buffers))
 
-    async def get_many(self, keys: Sequence[bytes], into: Sequence[Any] | None = None) -> list[Any]:
-        return await self._run(self._plan_get(keys, into))
+    async def get_many(
+        self,
+        keys: Sequence[bytes],
+        into: Sequence[Any] | None = None,
+        on_arrival: Callable[[int], None] | None = None,
+    ) -> list[Any]:
+        return await self._run(self._plan_get(keys, into, on_arrival))
 
     async def exists_many(self, keys: Sequence[bytes]) -> ExistsResult:
         return await self._run(self._plan_exists(keys))

@@ -22,7 +22,7 @@ thread-safe: use one per thread (or per event loop).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,14 +194,21 @@ class StoreClient(_Base):
         arguments, never for node failures (those are ``Status.UNAVAILABLE``)."""
         return self._run(self._plan_put(keys, buffers))
 
-    def get_many(self, keys: Sequence[bytes], into: Sequence[Any] | None = None) -> list[Any]:
+    def get_many(
+        self,
+        keys: Sequence[bytes],
+        into: Sequence[Any] | None = None,
+        on_arrival: Callable[[int], None] | None = None,
+    ) -> list[Any]:
         """With ``into``: scatter each found value's frames into ``into[i]`` (a writable
         buffer, or a sequence of them, one per frame with matching sizes) and return a bool
         per key; a size or frame-count mismatch or a bad checksum is a miss (counted) and
         leaves ``into[i]`` untouched. Without: per found key a read-only memoryview (a
         single-frame value) or a list of them (one per frame), None per miss; the views
-        hold the received frames and stay valid as long as they are referenced."""
-        return self._run(self._plan_get(keys, into))
+        hold the received frames and stay valid as long as they are referenced.
+        ``on_arrival(i)``, if given, is called (on the calling thread) as soon as key i's value
+        is verified and in place, while later keys are still on their way; it must not raise."""
+        return self._run(self._plan_get(keys, into, on_arrival))
 
     def exists_many(self, keys: Sequence[bytes]) -> ExistsResult:
         """Which keys some node holds; ``.leading`` is the count of leading hits."""

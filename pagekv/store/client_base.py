@@ -112,10 +112,12 @@ class _Base:
         views = [_byte_views(b, False, "put_many") for b in buffers]
         return operations.put(self.router, keys, views)
 
-    def _plan_get(self, keys: Sequence[bytes], into: Sequence[Any] | None) -> OpGen:
+    def _plan_get(
+        self, keys: Sequence[bytes], into: Sequence[Any] | None, on_arrival: Any = None
+    ) -> OpGen:
         _check_keys(keys, into, "into buffers")
         targets = None if into is None else [_byte_views(b, True, "get_many") for b in into]
-        return operations.get(self.router, keys, targets)
+        return operations.get(self.router, keys, targets, on_arrival)
 
     def _plan_exists(self, keys: Sequence[bytes]) -> OpGen:
         _check_keys(keys, None, "")

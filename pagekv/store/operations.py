@@ -106,8 +106,15 @@ def _next_targets(
     return wave
 
 
-def get(router: Router, keys: Sequence[bytes], into: Sequence[list[memoryview]] | None) -> OpGen:
-    """``into[i]``: the byte views key i's frames are scattered into, or None for views."""
+def get(
+    router: Router,
+    keys: Sequence[bytes],
+    into: Sequence[list[memoryview]] | None,
+    on_arrival: Callable[[int], None] | None = None,
+) -> OpGen:
+    """``into[i]``: the byte views key i's frames are scattered into, or None for views.
+    ``on_arrival(i)`` is called as soon as key i's value is verified and in place (before the
+    batch ends); it must not raise."""
     out: list[Any] = [None] * len(keys)
     expected = None if into is None else [sum(t.nbytes for t in targets) for targets in into]
 
@@ -119,6 +126,8 @@ def get(router: Router, keys: Sequence[bytes], into: Sequence[list[memoryview]] 
         if into is None:
             views = [d.toreadonly() for d in data]
             out[i] = views[0] if len(views) == 1 else views
+            if on_arrival is not None:
+                on_arrival(i)
             return True
         targets = into[i]
         if len(targets) != len(data) or any(t.nbytes != d.nbytes for t, d in zip(targets, data)):
@@ -127,6 +136,8 @@ def get(router: Router, keys: Sequence[bytes], into: Sequence[list[memoryview]] 
         for target, frame in zip(targets, data):
             target[:] = frame
         out[i] = True
+        if on_arrival is not None:
+            on_arrival(i)
         return True
 
     yield from _lookup(router, Op.GET, keys, on_hit, expected)

@@ -60,8 +60,9 @@ def _auth_detail(event: int, value: int, curve: bool) -> str | None:
         )
     if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
         return ("CURVE handshake failed: is --curve-server-cert this node's public certificate?"
-                if curve else "handshake failed: the node probably requires CURVE (give "
-                "--curve-server-cert and --curve-client-cert)")  # fmt: skip
+                if curve else "handshake failed: the node closed the connection; it requires "
+                "CURVE (give --curve-server-cert and --curve-client-cert), or it is at its "
+                "connection limit (see its refused_connections)")  # fmt: skip
     return None
 
 
