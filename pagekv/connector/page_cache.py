@@ -98,11 +98,13 @@ class PageCache:
         A reader makes its stream wait on each before reading the pages."""
         with self._lock:
             out: dict[int, Completion] = {}
+            done: set[int] = set()  # one query per distinct event (a save marks many pages)
             for p in page_ids:
                 event = self._ready.get(p)
                 if event is None:
                     continue
-                if event.query():
+                if id(event) in done or (id(event) not in out and event.query()):
+                    done.add(id(event))
                     del self._ready[p]
                 else:
                     out[id(event)] = event

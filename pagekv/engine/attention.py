@@ -29,7 +29,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     qh = q.transpose(0, 1).unsqueeze(0)
     if t == 1:  # decode: every key is visible; GQA without repeating K/V
         kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))
-        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=heads != kv_heads)
+        out = _decode_attention(qh, kh, vh, heads != kv_heads)
     else:
         if heads != kv_heads:  # the lower-right causal kernels need as many K/V heads as Q
             k = k.repeat_interleave(heads // kv_heads, dim=1)
@@ -40,6 +40,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
         else:
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=_lower_right(t, s, q))
     return out.squeeze(0).transpose(0, 1)
+
+
+_DECODE_BACKENDS: list | None = None  # CUDA decode: flash / efficient, never cuDNN
+
+
+def _decode_attention(
+    qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, gqa: bool
+) -> torch.Tensor:
+    """One query row over every key. On CUDA torch may pick cuDNN, which builds an execution
+    plan per new key length: 7.5 ms of host time per call, every decode step (profiled on an
+    H100, scripts/profile_e2e.py). Flash or memory-efficient kernels take any length as is;
+    if neither runs here, torch's default choice is used."""
+    global _DECODE_BACKENDS
+    if not qh.is_cuda or _DECODE_BACKENDS == []:
+        return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=gqa)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if _DECODE_BACKENDS is None:
+        _DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    try:
+        with sdpa_kernel(_DECODE_BACKENDS):
+            return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=gqa)
+    except RuntimeError:  # no such kernel for these inputs: leave the choice to torch
+        _DECODE_BACKENDS = []
+        return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=gqa)
 
 
 def _lower_right(t: int, s: int, like: torch.Tensor) -> torch.Tensor | object:

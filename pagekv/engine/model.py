@@ -72,11 +72,18 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos().to(device), persistent=False)
         self.register_buffer("sin", emb.sin().to(device), persistent=False)
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        """``cos, sin [T, 1, head_dim]`` of ``positions`` in ``dtype``: made once per forward
+        and shared by every layer (per layer it cost four more kernel launches each)."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+    @staticmethod
+    def apply(
+        q: torch.Tensor, k: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = tables
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -101,13 +108,13 @@ class SelfAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * d, h, bias=False)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attend: Attend
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend
     ) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.heads, self.head_dim)
         k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        q, k = rotary(q, k, positions)
+        q, k = Rotary.apply(q, k, rope)
         out = attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(t, self.heads * self.head_dim))
 
@@ -133,9 +140,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attend: Attend
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attend)
+        x = x + self.self_attn(self.input_layernorm(x), rope, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -180,8 +187,9 @@ class Llama(nn.Module):
         """Hidden states ``[T, hidden]`` (after the final norm) of ``input_ids [T]`` at
         ``positions [T]``; ``attend`` reads and writes the KV cache."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, positions, self.rotary, attend)
+            x = layer(x, rope, attend)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
