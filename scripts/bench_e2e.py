@@ -102,7 +102,7 @@ def run_length(engines: dict, length: int, args: argparse.Namespace, rand: Promp
     t: dict[str, list[float]] = {k: [] for k in ("recompute", "host", "store", "policy")}
     out: dict = {"prompt_tokens": length, "prefix_tokens": length - q, "policy_decisions": []}
     flush_s: list[float] = []
-    fetch: list[float] = []
+    fetch: list[float] = []  # store fetch bandwidth (bytes/s) of each repetition that fetched
     for rep in range(args.reps):
         prefix = rand(length - q)
         a = writer.generate(Request(prefix + rand(q), 1, reuse=False))
@@ -117,7 +117,8 @@ def run_length(engines: dict, length: int, args: argparse.Namespace, rand: Promp
             t[key].append(r.ttft_s)
         if c.reused_store != out["prefix_tokens"] // args.page_size * args.page_size:
             out.setdefault("warnings", []).append(f"rep {rep}: store hit {c.reused_store}")
-        fetch.append(c.prefetch_s)
+        if c.reused_store:  # a skipped or failed lookup fetched nothing: no bandwidth sample
+            fetch.append(c.reused_store * writer.geometry.bytes_per_token / c.prefetch_s)
         out["policy_decisions"].append({k: d.decision[k] for k in (
             "fetch", "reason", "predicted_fetch_s", "predicted_recompute_s")}
             | {"reused_store": d.reused_store})  # fmt: skip
@@ -129,13 +130,13 @@ def run_length(engines: dict, length: int, args: argparse.Namespace, rand: Promp
                        ("lookup_s", "prefetch_s", "load_s", "load_stall_s", "prefill_s")}
                 for name, r in (("host", b), ("store", c))
             }  # fmt: skip
-    nbytes = out["prefix_tokens"] // args.page_size * args.page_size
-    nbytes *= writer.geometry.bytes_per_token
     out["ttft_ms"] = {k: ms(v) for k, v in t.items()}
     out["ttft_ms_all"] = {k: [round(x * 1e3, 3) for x in v] for k, v in t.items()}
     rec = out["ttft_ms"]["recompute"]
     out["ratio_to_recompute"] = {k: round(v / rec, 4) for k, v in out["ttft_ms"].items()}
-    out["store_fetch_gbps"] = round(nbytes / statistics.median(fetch) / 1e9, 3)
+    out["store_fetch_gbps"] = round(statistics.median(fetch) / 1e9, 3) if fetch else None
+    if not fetch:
+        out["store_fetch_gbps_why_null"] = "no repetition fetched from the store"
     out["writeback_gbps"] = round(length * writer.geometry.bytes_per_token
                                   / statistics.median(flush_s) / 1e9, 3)  # fmt: skip
     out["kv_bytes"] = length * writer.geometry.bytes_per_token

@@ -27,10 +27,12 @@ def table(data: dict) -> str:
         for row in model["lengths"]:
             t, r, d = row["ttft_ms"], row["ratio_to_recompute"], row["decode"]
             fetched = sum(x["fetch"] for x in row["policy_decisions"])
+            gbps = row["store_fetch_gbps"]
+            gbps = "n/a" if gbps is None else f"{gbps:.2f}"
             lines.append(
                 f"| {model['model']} | {row['prompt_tokens']} | {t['recompute']:.1f} | "
                 f"{t['host']:.1f} ({r['host']:.3f}) | {t['store']:.1f} ({r['store']:.3f}) | "
-                f"{row['store_fetch_gbps']:.2f} | {t['policy']:.1f} "
+                f"{gbps} | {t['policy']:.1f} "
                 f"({fetched}/{len(row['policy_decisions'])}) | "
                 f"{d['tokens_per_s']['saves_off']:.1f} | {d['tokens_per_s']['saves_on']:.1f} "
                 f"({d['slowdown']:+.1%}) |"

@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
+import threading
 import time
 
 import torch
@@ -96,12 +98,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--question", type=int, default=128)
     ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--decode-only", action="store_true", help="only the decode variants")
     args = ap.parse_args()
     n, qn = args.tokens, args.question
     cfg = EngineConfig(PRESETS[args.model], num_slots=n + args.decode + 64,
                        host_pages=n // 16 + 256, dtype="bf16", device="cuda")  # fmt: skip
     print(cfg.describe(), flush=True)
-    attention_variants(cfg, qn, n)
+    gil_check()
+    if not args.decode_only:
+        attention_variants(cfg, qn, n)
     nodes = start_nodes(1, "--capacity", "8GiB")
     eng = Engine(cfg, ClientConfig((nodes[0].address,), timeout_s=30.0))
     gen = torch.Generator().manual_seed(7)
@@ -111,7 +116,7 @@ def main() -> None:
 
     try:
         eng.warmup(1024)
-        for rep in range(3):
+        for rep in range(0 if args.decode_only else 3):
             prefix = rand(n - qn)
             a = eng.generate(Request(prefix + rand(qn), 1, reuse=False))
             eng.flush(300)
@@ -123,39 +128,77 @@ def main() -> None:
         prefix = rand(n - qn)
         eng.generate(Request(prefix + rand(qn), 1, reuse=False))
         eng.flush(300)
-        top_ops(lambda: eng.generate(Request(prefix + rand(qn), 1, save=False)), "host hit")
-        top_ops(lambda: eng.generate(Request(rand(n), 1, reuse=False, save=False)), "recompute")
-        top_ops(lambda: eng.generate(Request(rand(256), 8, reuse=False, save=False)), "decode 8")
-
-        conn = eng.connector
-        real_submit = conn.writeback.submit
-
-        def no_store(pages, event):
-            conn.writeback._drop([(pages, event)])
-
-        variants = [("saves off", False, None), ("saves on", True, None),
-                    ("saves on, no store write-back", True, no_store)]  # fmt: skip
-        eng.generate(Request(rand(n), args.decode, reuse=False, save=True))
-        eng.flush(300)
-        results: dict[str, list[float]] = {v[0]: [] for v in variants}
-        for _ in range(3):
-            for name, save, submit in variants:
-                conn.writeback.submit = submit or real_submit
-                try:
-                    r = eng.generate(Request(rand(n), args.decode, reuse=False, save=save))
-                    eng.flush(300)
-                finally:
-                    conn.writeback.submit = real_submit
-                results[name].append(r.decode_tokens_per_s)
-        base = statistics.median(results["saves off"])
-        for name, tps in results.items():
-            med = statistics.median(tps)
-            print(f"decode {name}: {med:.1f} tok/s ({1 - med / base:+.1%} slower) "
-                  f"runs {[round(x, 1) for x in tps]}")  # fmt: skip
+        if not args.decode_only:
+            profiles(eng, prefix, rand, n, qn)
+        decode_variants(eng, rand, n, args.decode)
     finally:
         eng.close(30)
         for node in nodes:
             node.stop()
+
+
+def profiles(eng: Engine, prefix: list[int], rand, n: int, qn: int) -> None:
+    top_ops(lambda: eng.generate(Request(prefix + rand(qn), 1, save=False)), "host hit")
+    top_ops(lambda: eng.generate(Request(rand(n), 1, reuse=False, save=False)), "recompute")
+    top_ops(lambda: eng.generate(Request(rand(256), 8, reuse=False, save=False)), "decode 8")
+
+
+def decode_variants(eng: Engine, rand, n: int, decode: int) -> None:
+    """Decode tok/s after a fresh prefill: no save, a save written back, a save kept in the
+    host tier only, and a save whose write-back polls the copy's event on the loop (before)."""
+    conn = eng.connector
+    real_submit, real_copied = conn.writeback.submit, conn.writeback._copied
+
+    def no_store(pages, event):
+        conn.writeback._drop([(pages, event)])
+
+    async def polled(event):
+        while event is not None and not event.query():
+            await asyncio.sleep(0.0005)
+
+    variants = [("saves off", False, None, None), ("saves on", True, None, None),
+                ("saves on, no store write-back", True, no_store, None),
+                ("saves on, event polled on the loop", True, None, polled)]  # fmt: skip
+    eng.generate(Request(rand(n), decode, reuse=False, save=True))
+    eng.flush(300)
+    results: dict[str, list[float]] = {v[0]: [] for v in variants}
+    for _ in range(3):
+        for name, save, submit, copied in variants:
+            conn.writeback.submit = submit or real_submit
+            conn.writeback._copied = copied or real_copied
+            try:
+                r = eng.generate(Request(rand(n), decode, reuse=False, save=save))
+                t = time.perf_counter()
+                eng.flush(300)
+                flush_s = time.perf_counter() - t
+            finally:
+                conn.writeback.submit, conn.writeback._copied = real_submit, real_copied
+            results[name].append(r.decode_tokens_per_s)
+            print(f"  {name}: decode {r.decode_s * 1e3:.0f} ms, then flush {flush_s * 1e3:.0f} ms",
+                  flush=True)  # fmt: skip
+    base = statistics.median(results["saves off"])
+    for name, tps in results.items():
+        med = statistics.median(tps)
+        print(f"decode {name}: {med:.1f} tok/s ({1 - med / base:+.1%} slower) "
+              f"runs {[round(x, 1) for x in tps]}")  # fmt: skip
+
+
+def gil_check() -> None:
+    """Does a thread blocked in Event.synchronize() let another thread run Python?"""
+    ev = torch.cuda.Event()
+    torch.cuda._sleep(int(2e9))  # ~1 s of GPU time on the current stream
+    ev.record()
+    done = threading.Event()
+    th = threading.Thread(target=lambda: (ev.synchronize(), done.set()))
+    th.start()
+    n, t = 0, time.perf_counter()
+    while time.perf_counter() - t < 0.3:
+        n += 1
+    th.join()
+    print(
+        f"GIL check: {n} loop turns in 0.3 s beside Event.synchronize() "
+        f"({'released' if n > 100_000 else 'HELD'}; synchronize returned {done.is_set()})"
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import torch
 from pagekv.connector import KeyNamespace, KVConnector, KVGeometry, KVIndex, PageCache
 from pagekv.connector.host_pool import HostPagePool
 from pagekv.errors import ConnectorClosed, PagekvError, WriteBackFailed
+from pagekv.store import ClientConfig
+from pagekv.store.launch import NodeProcess
 from tests.helpers import bits_equal, poison_, random_tensor, wait_until
 
 GEO = KVGeometry(2, 4, 2, 16, "bf16")
@@ -193,6 +195,35 @@ def test_lookup_against_a_hung_node_is_bounded(caplog):
     finally:
         conn.close(timeout_s=1)
         hole.close()
+
+
+def test_lookup_against_a_dead_node_counts_a_store_error():
+    """A node that was answering and is killed: once the client knows it is down, it fails the
+    lookup's EXISTS at once and reports every key as unanswered. That is a store error which
+    backs lookups off, not a silent plain miss (the vLLM scheduler's dead-node test saw
+    store_errors stay 0)."""
+    node = NodeProcess("--capacity", "16MiB").start()
+    cfg = ClientConfig((node.address,), timeout_s=0.2)  # down after 0.2 s without a connection
+    conn = connector(cfg, caches(), lookup_timeout_s=0.5)
+    try:
+        tokens = prompt(16)
+        assert conn.lookup(tokens) == 0 and conn.stats()["store_errors"] == 0  # a plain miss
+        node.proc.kill()
+        node.proc.wait()
+        fast: list[float] = []
+
+        def failed_fast_and_counted() -> bool:
+            if time.monotonic() < conn.index._skip_until:
+                return False  # wait out the back-off: the next lookup asks the client
+            errors, t = conn.stats()["store_errors"], time.monotonic()
+            assert conn.lookup(tokens) == 0
+            fast.append(time.monotonic() - t)
+            return fast[-1] < 0.05 and conn.stats()["store_errors"] == errors + 1
+
+        wait_until(failed_fast_and_counted, timeout=10, what="a fast lookup counted as an error")
+    finally:
+        conn.close(timeout_s=1)
+        node.stop()
 
 
 def test_kv_index_is_the_minimum_over_ranks(node):

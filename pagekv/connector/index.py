@@ -163,12 +163,22 @@ class KVIndex:
             self._diagnosing.clear()
 
     async def _exists(self, keys: list[bytes]) -> list[bool] | None:
+        """Found flags, or None when the store could not answer (counted and logged): an
+        exception, or no node answering for any key (down or unreachable: the client reports
+        such keys as not found, which must not read as a plain miss)."""
         try:
-            return (await self.store.exists_many(keys)).found
+            result = await self.store.exists_many(keys)
         except StoreError as e:
             self.counters["store_errors"] += 1
             self._warn.warning("pagekv: store lookup failed: %s", e)
             return None
+        if result.unanswered:
+            self.counters["store_errors"] += 1
+            if result.unanswered == len(keys):
+                self._warn.warning("pagekv: store lookup: no node answered; store lookups "
+                                   "skipped for a while")  # fmt: skip
+                return None
+        return result.found
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, "store": dict(self.store.counters)}

@@ -91,12 +91,15 @@ class WriteBack:
             if not self.queue:
                 self._idle.set()
 
-    async def _write(self, pages: list[tuple[bytes, int]], event: Any) -> None:
-        if event is not None and not event.query():  # device -> host copy still running:
-            # wait in a worker thread (the GIL is released while it blocks), not by polling on
-            # the loop: a poll every 0.5 ms took the GIL from the engine's thread 2,000 times a
-            # second and slowed a CPU-bound decode loop
+    async def _copied(self, event: Any) -> None:
+        """Return once the device -> host copy marked by ``event`` has completed. Waits in a
+        worker thread (the GIL is released while it blocks), not by polling on the loop: a
+        poll every 0.5 ms took the GIL from the engine's thread 2,000 times a second."""
+        if event is not None and not event.query():
             await asyncio.to_thread(event.synchronize)
+
+    async def _write(self, pages: list[tuple[bytes, int]], event: Any) -> None:
+        await self._copied(event)
         keys = [k for k, _ in pages]
         try:
             present = (await self.store.exists_many(keys)).found

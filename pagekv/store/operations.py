@@ -151,8 +151,8 @@ def exists(router: Router, keys: Sequence[bytes]) -> OpGen:
         found[i] = True
         return True
 
-    yield from _lookup(router, Op.EXISTS, keys, on_hit, None)
-    return ExistsResult(found)
+    unanswered = yield from _lookup(router, Op.EXISTS, keys, on_hit, None)
+    return ExistsResult(found, unanswered)
 
 
 def delete(router: Router, keys: Sequence[bytes]) -> OpGen:
@@ -186,7 +186,8 @@ def _lookup(
     on_hit: Callable[[int, Any, list[Any]], bool],
     expected: list[int] | None,
 ) -> OpGen:
-    """Ask each key's nodes in turn until ``on_hit`` accepts a node's answer for it."""
+    """Ask each key's nodes in turn until ``on_hit`` accepts a node's answer for it; returns
+    the number of keys no node answered for."""
     usable = router.usable()
     cands = router.candidates(keys, router.replicas + 1, usable)
     pos, deferred = [0] * len(keys), [0] * len(keys)
@@ -253,7 +254,9 @@ def _lookup(
         for call in batch:
             if not call.handled:
                 handle(call, results.get(call.request.id))
-    router.counters["unanswered_keys"] += answered.count(False)
+    unanswered = answered.count(False)
+    router.counters["unanswered_keys"] += unanswered
+    return unanswered
 
 
 _STATUS = {int(s): s for s in Status}

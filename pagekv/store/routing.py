@@ -103,7 +103,12 @@ FALLBACK_LIMITS = Limits(512, 512, 8 << 20, 8 << 20, 256 << 10, 4)
 
 @dataclass(frozen=True)
 class ExistsResult:
+    """``found[i]``: key i is stored on some node. ``unanswered``: keys no node could answer
+    for (down, timed out, malformed replies): counted as not found, but a caller that must
+    tell "the store is unreachable" from "not stored" looks here."""
+
     found: list[bool]
+    unanswered: int = 0
 
     @property
     def leading(self) -> int:
