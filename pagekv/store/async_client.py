@@ -14,7 +14,6 @@ import asyncio
 import collections
 import logging
 import time
-from asyncio import FIRST_COMPLETED
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -123,6 +122,7 @@ class AsyncStoreClient(_Base):
                 link.reader = asyncio.ensure_future(self._read(node, link))
             fut = link.pending[rid] = asyncio.get_running_loop().create_future()
             clock["sending"] += 1
+            clock["wake"]()  # the deadline is now the connection's
             try:
                 async with link.send_lock:
                     frames = [encode_request(call.request), *call.payloads]
@@ -132,6 +132,7 @@ class AsyncStoreClient(_Base):
             if not clock["bytes"]:
                 clock["progress"] = time.monotonic()
             clock["bytes"] += call.nbytes + 1
+            clock["wake"]()  # a send completed: the deadline moves (bytes in flight)
             result = await fut
             clock["bytes"] -= call.nbytes + 1
             clock["progress"] = time.monotonic()
@@ -143,16 +144,31 @@ class AsyncStoreClient(_Base):
             link.release()
 
     async def _node_calls(self, node: int, calls: Batch) -> Results:
+        """Run ``calls`` on ``node``, each request when the window allows, until all are
+        answered or the node's deadline passes (the unanswered ones are None). Waits on one
+        event that completions, sends and the deadline timer set: O(1) work per wake-up (a
+        wait over every task each time cost O(tasks) and took the engine's GIL)."""
         link = self._links.get(node) or self._open(node)
+        loop = asyncio.get_running_loop()
         start = time.monotonic()
-        clock = {"progress": start, "bytes": 0, "sending": 0}
+        waker = asyncio.Event()
+        left_calls = len(calls)
+
+        def finished(_task: asyncio.Future) -> None:
+            nonlocal left_calls
+            left_calls -= 1
+            waker.set()
+
+        clock = {"progress": start, "bytes": 0, "sending": 0, "wake": waker.set}
         tasks = {asyncio.ensure_future(self._request(node, link, c, clock)): c for c in calls}
+        for task in tasks:
+            task.add_done_callback(finished)
         cfg = self.config
         total = sum(c.nbytes for c in calls)
         cap = start + cfg.timeout_for(total) + cfg.timeout_s
         stretch = cfg.timeout_per_mib_s * total / (1 << 20)
         try:
-            while not all(t.done() for t in tasks):
+            while left_calls:
                 if clock["bytes"]:
                     deadline = clock["progress"] + cfg.timeout_for(clock["bytes"])
                 elif clock["sending"]:  # waiting for the connection (stretched by the bytes)
@@ -165,8 +181,12 @@ class AsyncStoreClient(_Base):
                     if clock["bytes"]:  # a request went out: fail the socket's requests
                         self._reset(node, link)
                     break  # (none did: the socket is kept, its age tells the node is down)
-                # short slices: a send that completes moves the deadline (bytes in flight)
-                await asyncio.wait(tasks, timeout=min(left, 0.02), return_when=FIRST_COMPLETED)
+                waker.clear()
+                timer = loop.call_later(left, waker.set)
+                try:
+                    await waker.wait()
+                finally:
+                    timer.cancel()
         finally:
             for task in tasks:
                 task.cancel()
