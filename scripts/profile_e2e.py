@@ -145,20 +145,20 @@ def profiles(eng: Engine, prefix: list[int], rand, n: int, qn: int) -> None:
 
 def decode_variants(eng: Engine, rand, n: int, decode: int) -> None:
     """Decode tok/s after a fresh prefill: no save, a save written back, a save kept in the
-    host tier only, and a save whose write-back polls the copy's event on the loop (before)."""
+    host tier only, and a save whose write-back waits for the copy's event in a thread."""
     conn = eng.connector
     real_submit, real_copied = conn.writeback.submit, conn.writeback._copied
 
     def no_store(pages, event):
         conn.writeback._drop([(pages, event)])
 
-    async def polled(event):
-        while event is not None and not event.query():
-            await asyncio.sleep(0.0005)
+    async def in_thread(event):
+        if event is not None and not event.query():
+            await asyncio.to_thread(event.synchronize)
 
     variants = [("saves off", False, None, None), ("saves on", True, None, None),
                 ("saves on, no store write-back", True, no_store, None),
-                ("saves on, event polled on the loop", True, None, polled)]  # fmt: skip
+                ("saves on, copy awaited in a thread", True, None, in_thread)]  # fmt: skip
     eng.generate(Request(rand(n), decode, reuse=False, save=True))
     eng.flush(300)
     results: dict[str, list[float]] = {v[0]: [] for v in variants}
