@@ -19,6 +19,7 @@ Store trouble never fails a request: a miss, a refused or late fetch means recom
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -259,6 +260,12 @@ class Engine:
             self.policy = policy
         self.generate(Request(prompt.tolist(), 1, reuse=False, save=False))
         self.counters = counters  # warm-up requests are not counted
+        # What is alive now (torch, the model, the connector) lives as long as the engine:
+        # out of the collector's sight, a full collection no longer walks it. One such pass
+        # took 240 ms in a process with torch loaded, stalling a decode step or a write-back
+        # (scripts/bench_writeback_gil.py); serving engines freeze after start-up likewise.
+        gc.collect()
+        gc.freeze()
 
     def flush(self, timeout_s: float = 60.0) -> None:
         """Wait until every saved page has been written to the store."""
