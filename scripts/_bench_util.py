@@ -42,6 +42,9 @@ def results_dir() -> Path:
 
 
 def git_commit() -> str:
+    """PAGEKV_COMMIT when set (a device copy of the tree may carry a stale .git), else git."""
+    if os.environ.get("PAGEKV_COMMIT"):
+        return os.environ["PAGEKV_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
