@@ -117,8 +117,11 @@ class _Base:
         return list(parts.items())
 
     def _link_state(self, node: int) -> Link:
+        """UP only when every stream is connected: a stream replaced after a timeout must
+        complete its handshake (which a stopped node cannot) before the node counts as up
+        again; the streams that were not replaced still look connected to a stopped node."""
         links = [self._link(node, s) for s in range(self.config.streams)]
-        if any(link.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT for link in links):
+        if all(link.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT for link in links):
             return Link.UP
         newest = max(link.created for link in links)
         if time.monotonic() - newest < min(self.config.connect_timeout_s,
