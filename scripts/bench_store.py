@@ -1,8 +1,12 @@
 """Store benchmark on loopback: pagekv against the raw TCP ceiling and peer stores, one run.
 
-* headline: 64 blocks of 2 MiB, put then get into preallocated buffers, fresh keys per round;
-  each round also times the raw TCP socket ceiling (../shared/peers/store_peers.py), and the
-  ratio is the median of per-round ratios;
+* headline: 64 blocks of 2 MiB, put then get into preallocated buffers, fresh keys per round,
+  one stream (``StoreClient(streams=1)``); each round also times the raw 1-stream TCP socket
+  ceiling (scripts/_ceilings.py), and the ratio is the median of per-round ratios;
+* streams: the host's K-stream TCP ceilings (K process pairs) and K-thread memcpy ceilings for
+  K = 1, 2, 4, 8, and ``AsyncStoreClient(streams=K)`` (the connector's client) put/get GB/s of
+  the same 64 x 2 MiB against a node with K I/O threads; ratios to the K-stream and 1-stream
+  ceilings of the same run, the host's core count next to them;
 * peers (Redis, Mooncake Store TCP, a naive ZeroMQ store) on the same workload, in the same run,
   when ../shared/peers/setup.sh has installed them;
 * put/get GB/s over block sizes 256 KiB-8 MiB and batches 1-128;
@@ -14,7 +18,7 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import asyncio
 import json
 import os
 import statistics
@@ -24,23 +28,14 @@ import time
 from pathlib import Path
 
 from _bench_util import environment, parse_args, write_result
+from _ceilings import memcpy_ceiling, tcp_ceiling
 
-from pagekv.store import Status, StoreClient
+from pagekv.store import AsyncStoreClient, Status, StoreClient
 from pagekv.store.launch import NodeProcess
 from pagekv.store.memory import tune_malloc_for_blocks
 
 PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
 MIB = 1 << 20
-
-
-def load_peers():
-    path = PEERS / "store_peers.py"
-    if not path.exists():
-        return None
-    spec = importlib.util.spec_from_file_location("store_peers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def put_get_round(client: StoreClient, blocks: list, into: list, tag: str) -> tuple[float, float]:
@@ -59,17 +54,17 @@ def put_get_round(client: StoreClient, blocks: list, into: list, tag: str) -> tu
     return put, get
 
 
-def headline(args, peers) -> dict:
+def headline(args) -> dict:
     size, n = 2 * MIB, 64
     node = NodeProcess("--capacity", "2GiB").start()
     blocks = [os.urandom(size) for _ in range(n)]
     into = [bytearray(size) for _ in range(n)]
     rows = []
-    with StoreClient(node.address, timeout_s=30) as client:
+    with StoreClient(node.address, timeout_s=30, streams=1) as client:
         put_get_round(client, blocks, into, "warm")
         for r in range(args.rounds):
             put, get = put_get_round(client, blocks, into, f"r{r}")
-            tcp_put, tcp_get = peers.bench_tcp(size, n, 1) if peers else (float("nan"),) * 2
+            tcp_put, tcp_get = tcp_ceiling(1, size, n, 1)
             gb = size * n / 1e9
             rows.append(dict(put_gbps=gb / put, get_gbps=gb / get, tcp_put_gbps=tcp_put,
                              tcp_get_gbps=tcp_get))  # fmt: skip
@@ -79,6 +74,50 @@ def headline(args, peers) -> dict:
     med["get_ratio"] = round(statistics.median(r["get_gbps"] / r["tcp_get_gbps"] for r in rows), 3)
     print(f"headline 2 MiB x 64: {med}", flush=True)
     return dict(median=med, rounds=rows)
+
+
+async def _async_rounds(client, blocks: list, into: list, rounds: int) -> list[tuple]:
+    times = []
+    for r in range(rounds + 1):  # the first round warms the links and the node
+        keys = [f"s{r}-{i}".encode().ljust(16, b".") for i in range(len(blocks))]
+        t = time.perf_counter()
+        status = await client.put_many(keys, blocks)
+        put = time.perf_counter() - t
+        t = time.perf_counter()
+        ok = await client.get_many(keys, into=into)
+        get = time.perf_counter() - t
+        if set(status) - {Status.OK} or not all(ok) or into[-1][-64:] != blocks[-1][-64:]:
+            raise RuntimeError(f"streams round failed: {set(status)}, {ok.count(False)} misses")
+        await client.delete_many(keys)
+        times.append((put, get))
+    return times[1:]
+
+
+def streams_rows(args) -> dict:
+    """K-stream TCP and K-thread memcpy ceilings and pagekv with K streams, same bytes."""
+    size, n, cores = 2 * MIB, 64, os.cpu_count()
+    blocks = [os.urandom(size) for _ in range(n)]
+    into = [bytearray(size) for _ in range(n)]
+    gb, rows = size * n / 1e9, []
+    for k in args.streams:
+        tcp_put, tcp_get = tcp_ceiling(k, size, max(1, n // k), args.rounds)
+        memcpy = memcpy_ceiling(k, 32 * MIB, 4)
+        node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k)).start()
+        client = AsyncStoreClient(node.address, timeout_s=30, streams=k)
+        times = asyncio.run(_async_rounds(client, blocks, into, args.rounds))
+        client.close()
+        node.stop()
+        put = gb / statistics.median(t[0] for t in times)
+        get = gb / statistics.median(t[1] for t in times)
+        rows.append(dict(streams=k, cores=cores, put_gbps=round(put, 3), get_gbps=round(get, 3),
+                         tcp_put_gbps=round(tcp_put, 3), tcp_get_gbps=round(tcp_get, 3),
+                         memcpy_gbps=round(memcpy, 3), put_ratio=round(put / tcp_put, 3),
+                         get_ratio=round(get / tcp_get, 3)))  # fmt: skip
+        first = rows[0]
+        rows[-1]["put_ratio_1stream"] = round(put / first["tcp_put_gbps"], 3)
+        rows[-1]["get_ratio_1stream"] = round(get / first["tcp_get_gbps"], 3)
+        print(f"streams {rows[-1]}", flush=True)
+    return dict(rows=rows)
 
 
 def peer_rows(args) -> dict:
@@ -179,6 +218,9 @@ def main() -> None:
     ap.add_argument("--exists-iters", type=int, default=300)
     ap.add_argument("--rss-capacity", type=int, default=256 * MIB)
     ap.add_argument("--skip-peers", action="store_true")
+    ap.add_argument(
+        "--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8]
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--default-malloc", action="store_true", help="client: glibc defaults")
     args = parse_args(ap)
@@ -189,8 +231,8 @@ def main() -> None:
         tune_malloc_for_blocks()
     env = environment()
     print(f"# {env['device']}, {env['cpu_count']} cpus, commit {env['commit']}", flush=True)
-    peers = load_peers()
-    result = dict(headline=headline(args, peers))
+    result = dict(headline=headline(args))
+    result["streams"] = streams_rows(args)
     result["peers"] = {} if args.skip_peers else peer_rows(args)
     result["exists"] = exists_latency(args)
     result["rss"] = rss_under_stream(args)

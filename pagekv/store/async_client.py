@@ -1,11 +1,13 @@
 """:class:`AsyncStoreClient`: the store client for asyncio (see :mod:`.client` for the contract).
 
-One DEALER socket per node shared by every concurrent call: a reader task per socket hands each
-reply to the request waiting for its id, so calls never wait on each other's replies. Sending a
-request's frames is the only section under a lock, and at most the node's ``window`` requests
-are in flight on a socket. Each call gives up on a node on its own deadline (``timeout_for``
-the bytes it has in flight there), so k concurrent calls to a dead node each finish within one
-timeout; the first to give up resets the socket, which fails the others' requests at once.
+``ClientConfig.streams`` DEALER sockets ("links", one per stream) per node, shared by every
+concurrent call; a call's requests to a node are dealt over the node's links. A reader task per
+link hands each reply to the request waiting for its id, so calls never wait on each other's
+replies. Sending a request's frames is the only section under a (per link) lock, and at most the
+node's ``window`` requests are in flight on a link. Each call gives up on a link on its own
+deadline (``timeout_for`` the bytes it has in flight there), so k concurrent calls to a dead
+node each finish within one timeout; the first to give up resets that link, which fails the
+others' requests on it at once (requests on the node's other links are untouched).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from .client_base import _Base, raise_unavailable
+from .client_base import _Base, raise_unavailable, shared_context
 from .protocol import Op, ProtocolError, Status, decode_reply, encode_request
 from .routing import Batch, Call, ExistsResult, OpGen, Results
 
@@ -32,8 +34,9 @@ log = logging.getLogger("pagekv.store")
 class _AsyncLink:
     """A socket to one node, the replies awaited on it and its window of requests."""
 
-    def __init__(self, sock: zmq.asyncio.Socket) -> None:
+    def __init__(self, sock: zmq.asyncio.Socket, node: int, stream: int) -> None:
         self.sock, self.created = sock, time.monotonic()
+        self.node, self.stream = node, stream
         self.pending: dict[int, asyncio.Future] = {}
         self.send_lock = asyncio.Lock()
         self.inflight = 0
@@ -81,20 +84,21 @@ class AsyncStoreClient(_Base):
 
     def __init__(self, endpoints: str | Sequence[str], **kwargs: Any) -> None:
         super().__init__(endpoints, **kwargs)
-        self.ctx = zmq.asyncio.Context.instance()
+        self.ctx = shared_context(zmq.asyncio.Context, self.config.streams)
 
-    def _open(self, node: int) -> _AsyncLink:
-        link = _AsyncLink(self._new_socket(self.ctx, self.config.endpoints[node]))
-        self._links[node] = link
+    def _open(self, node: int, stream: int) -> _AsyncLink:
+        link = _AsyncLink(self._new_socket(self.ctx, self.config.endpoints[node]), node, stream)
+        self._links.setdefault(node, [None] * self.config.streams)[stream] = link
         return link
 
-    def _reset(self, node: int, link: _AsyncLink) -> None:
-        if self._links.get(node) is link:
-            del self._links[node]
+    def _reset(self, link: _AsyncLink) -> None:
+        """Replace ``link`` (its requests fail at once); the node's other links go on."""
+        node, stream = link.node, link.stream
+        if self._links.get(node, [None] * (stream + 1))[stream] is link:
             link.close()
-            self._open(node)  # reconnecting starts now
+            self._open(node, stream)  # reconnecting starts now
 
-    async def _read(self, node: int, link: _AsyncLink) -> None:
+    async def _read(self, link: _AsyncLink) -> None:
         """Hand each reply to the request waiting for it; a reply that cannot be read
         resets the socket (its requests fail and move on)."""
         while not link.closed:
@@ -103,7 +107,7 @@ class AsyncStoreClient(_Base):
                 reply = decode_reply(frames[0].buffer)
             except ProtocolError:
                 self.router.counters["bad_replies"] += 1
-                self._reset(node, link)
+                self._reset(link)
                 return
             except zmq.ZMQError:
                 return  # socket closed under us
@@ -119,7 +123,7 @@ class AsyncStoreClient(_Base):
             if link.closed:
                 return None
             if link.reader is None:
-                link.reader = asyncio.ensure_future(self._read(node, link))
+                link.reader = asyncio.ensure_future(self._read(link))
             fut = link.pending[rid] = asyncio.get_running_loop().create_future()
             clock["sending"] += 1
             clock["wake"]()  # the deadline is now the connection's
@@ -144,11 +148,18 @@ class AsyncStoreClient(_Base):
             link.release()
 
     async def _node_calls(self, node: int, calls: Batch) -> Results:
-        """Run ``calls`` on ``node``, each request when the window allows, until all are
-        answered or the node's deadline passes (the unanswered ones are None). Waits on one
-        event that completions, sends and the deadline timer set: O(1) work per wake-up (a
-        wait over every task each time cost O(tasks) and took the engine's GIL)."""
-        link = self._links.get(node) or self._open(node)
+        parts = self._spread(node, calls)
+        if len(parts) == 1:
+            return await self._stream_calls(node, *parts[0])
+        done = await asyncio.gather(*(self._stream_calls(node, s, c) for s, c in parts))
+        return {rid: result for part in done for rid, result in part.items()}
+
+    async def _stream_calls(self, node: int, stream: int, calls: Batch) -> Results:
+        """Run ``calls`` on one link of ``node`` until all are answered or their deadline
+        passes (see the module doc; the unanswered ones are None). Waits on one event that
+        completions, sends and the deadline timer set: O(1) work per wake-up (a wait over
+        every task each time cost O(tasks) and took the engine's GIL)."""
+        link = self._link(node, stream)
         loop = asyncio.get_running_loop()
         start = time.monotonic()
         waker = asyncio.Event()
@@ -179,7 +190,7 @@ class AsyncStoreClient(_Base):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     if clock["bytes"]:  # a request went out: fail the socket's requests
-                        self._reset(node, link)
+                        self._reset(link)
                     break  # (none did: the socket is kept, its age tells the node is down)
                 waker.clear()
                 timer = loop.call_later(left, waker.set)
@@ -234,6 +245,6 @@ class AsyncStoreClient(_Base):
         return [s is not None for s in await self._run(self.router.each_node(Op.PING))]
 
     def close(self) -> None:
-        for link in self._links.values():
-            link.close()
-        self._links.clear()
+        """Close every link (pending requests fail); the shared context stays (see
+        :func:`.client_base.shared_context`)."""
+        self._close_links()

@@ -28,7 +28,7 @@ from typing import Any
 
 import zmq
 
-from .client_base import _Base
+from .client_base import _Base, shared_context
 from .config import ClientConfig
 from .protocol import Op, ProtocolError, Status, decode_reply, encode_request
 from .routing import Batch, Call, ExistsResult, OpGen, Results
@@ -59,12 +59,16 @@ class _Link:
     sock: zmq.Socket
     created: float
 
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
 
 @dataclass
 class _Flow:
-    """One node's part of a batch in :meth:`StoreClient._exchange`."""
+    """One link's part of a batch in :meth:`StoreClient._exchange` (a node's stream)."""
 
     node: int
+    stream: int
     link: _Link
     window: int
     progress: float  # last time the node answered (or was first sent to)
@@ -87,30 +91,34 @@ class StoreClient(_Base):
 
     def __init__(self, endpoints: str | Sequence[str], **kwargs: Any) -> None:
         super().__init__(endpoints, **kwargs)
-        self.ctx = zmq.Context.instance()
+        self.ctx = shared_context(zmq.Context, self.config.streams)
 
-    def _open(self, node: int) -> _Link:
+    def _open(self, node: int, stream: int) -> _Link:
         link = _Link(self._new_socket(self.ctx, self.config.endpoints[node]), time.monotonic())
-        self._links[node] = link
+        self._links.setdefault(node, [None] * self.config.streams)[stream] = link
         return link
 
-    def _reset(self, node: int) -> None:
-        link = self._links.pop(node, None)
+    def _reset(self, node: int, stream: int) -> None:
+        link = self._links.get(node, [None] * (stream + 1))[stream]
         if link is not None:
-            link.sock.close(linger=0)
-        self._open(node)  # reconnecting starts now, so recovery shows in the link state
+            link.close()
+        self._open(node, stream)  # reconnecting starts now, so recovery shows in the link state
 
     def _exchange(self, batch: Batch) -> Results:
-        """Send each node its requests (at most its window in flight) and collect the replies;
-        a node that does not answer in time fails all its requests of the batch (None)."""
+        """Send each node its requests, dealt over its streams (at most its window in flight
+        on each), and collect the replies; a stream whose node does not answer in time fails
+        all its requests of the batch (None)."""
         results: Results = {}
         now = time.monotonic()
-        flows: dict[int, _Flow] = {}
+        per_node: dict[int, list[Call]] = {}
         for call in batch:
-            if call.node not in flows:
-                link = self._links.get(call.node) or self._open(call.node)
-                flows[call.node] = _Flow(call.node, link, self._window(call.node), now)
-            flows[call.node].unsent.append(call)
+            per_node.setdefault(call.node, []).append(call)
+        flows: dict[tuple[int, int], _Flow] = {}
+        for node, calls in per_node.items():
+            for stream, part in self._spread(node, calls):
+                link = self._link(node, stream)
+                flow = _Flow(node, stream, link, self._window(node), now, unsent=part)
+                flows[node, stream] = flow
         by_sock = {flow.link.sock: flow for flow in flows.values()}
         while flows:
             poller, now = zmq.Poller(), time.monotonic()
@@ -126,7 +134,7 @@ class StoreClient(_Base):
             wait = min(flow.deadline(self.config) for flow in flows.values()) - now
             for sock, _ in poller.poll(max(0.0, wait) * 1000 + 1):
                 flow = by_sock[sock]
-                if flow.node in flows:
+                if (flow.node, flow.stream) in flows:
                     self._receive(flow, flows, results)
         return results
 
@@ -144,7 +152,7 @@ class StoreClient(_Base):
             flow.outstanding[call.request.id] = call
             flow.out_bytes += call.nbytes
 
-    def _receive(self, flow: _Flow, flows: dict[int, _Flow], results: Results) -> None:
+    def _receive(self, flow: _Flow, flows: dict, results: Results) -> None:
         while flow.outstanding:
             try:
                 frames = flow.link.sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -165,17 +173,17 @@ class StoreClient(_Base):
             if call.on_reply is not None:
                 call.on_reply(reply, frames[1:])
         if not flow.unsent:
-            del flows[flow.node]
+            del flows[flow.node, flow.stream]
 
-    def _fail(self, flow: _Flow, flows: dict[int, _Flow], results: Results) -> None:
-        """Give up on a node for this batch: None for each of its requests. Its socket is
+    def _fail(self, flow: _Flow, flows: dict, results: Results) -> None:
+        """Give up on a stream for this batch: None for each of its requests. Its socket is
         replaced if a request went out (a late reply must never be read as an answer to a
         later one); one that never connected is kept, so its age tells the node is down."""
         for call in [*flow.outstanding.values(), *flow.unsent]:
             results[call.request.id] = None
-        flows.pop(flow.node, None)
+        flows.pop((flow.node, flow.stream), None)
         if flow.sent:
-            self._reset(flow.node)
+            self._reset(flow.node, flow.stream)
 
     def _run(self, gen: OpGen) -> Any:
         try:
@@ -226,9 +234,8 @@ class StoreClient(_Base):
         return [s is not None for s in self._run(self.router.each_node(Op.PING))]
 
     def close(self) -> None:
-        for link in self._links.values():
-            link.sock.close(linger=0)
-        self._links.clear()
+        """Close every link; the shared context stays (:func:`.client_base.shared_context`)."""
+        self._close_links()
 
     def __enter__(self) -> StoreClient:
         return self

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -16,7 +17,23 @@ from .config import ClientConfig, CurveClientKeys
 from .protocol import MAX_KEY_BYTES
 from .routing import Link, OpGen, Router, StoreUnavailable
 
-__all__ = ["raise_unavailable"]
+__all__ = ["raise_unavailable", "shared_context"]
+
+_CONTEXTS: dict[tuple[type, int, int], zmq.Context] = {}
+
+
+def shared_context(kind: type[zmq.Context], io_threads: int) -> zmq.Context:
+    """The process's context of class ``kind`` with ``io_threads`` I/O threads (one I/O thread:
+    ``kind.instance()``). Clients of the same stream count share one, so a client costs
+    sockets, never threads of its own, and closing it (its sockets, linger 0) leaves nothing
+    behind; a forked child gets fresh contexts. Never terminated (like ``instance()``)."""
+    if io_threads == 1:
+        return kind.instance()
+    key = (kind, io_threads, os.getpid())
+    ctx = _CONTEXTS.get(key)
+    if ctx is None or ctx.closed:
+        ctx = _CONTEXTS[key] = kind(io_threads=io_threads)
+    return ctx
 
 
 def _byte_views(value: Any, writable: bool, what: str) -> list[memoryview]:
@@ -57,35 +74,67 @@ class _Base:
         timeout_s: float = 5.0,
         curve: CurveClientKeys | None = None,
         config: ClientConfig | None = None,
+        streams: int | None = None,
     ) -> None:
         self.config = config or ClientConfig(
             tuple([endpoints] if isinstance(endpoints, str) else endpoints),
             replicas=replicas,
             timeout_s=timeout_s,
             curve=curve,
+            streams=streams,
         )
         cfg = self.config
         self.router = Router(
             cfg.endpoints, cfg.replicas, (cfg.backoff_min_s, cfg.backoff_max_s),
             cfg.max_message_bytes, link=self._link_state,
         )  # fmt: skip
-        self._links: dict[int, Any] = {}
+        self._links: dict[int, list[Any]] = {}  # node -> its links, one per stream (or None)
+        self._turn: dict[int, int] = {}  # node -> the stream its next batch starts on
 
     @property
     def counters(self) -> dict[str, int]:
         return self.router.counters
 
-    def _open(self, node: int) -> Any:  # a fresh link (socket) to ``node``; per client kind
+    def _open(self, node: int, stream: int) -> Any:  # a fresh link (socket); per client kind
         raise NotImplementedError
 
+    def _link(self, node: int, stream: int) -> Any:
+        """The link of ``node``'s ``stream``, opened if it has none."""
+        links = self._links.setdefault(node, [None] * self.config.streams)
+        return links[stream] or self._open(node, stream)
+
+    def _spread(self, node: int, calls: list) -> list[tuple[int, list]]:
+        """(stream, calls) pairs: ``calls`` dealt round-robin over the node's streams, starting
+        where the node's previous batch left off (so one-request batches use every stream)."""
+        streams = self.config.streams
+        if streams == 1:
+            return [(0, calls)]
+        first = self._turn.get(node, 0)
+        self._turn[node] = (first + len(calls)) % streams
+        parts: dict[int, list] = {}
+        for j, call in enumerate(calls):
+            parts.setdefault((first + j) % streams, []).append(call)
+        return list(parts.items())
+
     def _link_state(self, node: int) -> Link:
-        link = self._links.get(node) or self._open(node)
-        if link.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+        """UP only when every stream is connected: a stream replaced after a timeout must
+        complete its handshake (which a stopped node cannot) before the node counts as up
+        again; the streams that were not replaced still look connected to a stopped node."""
+        links = [self._link(node, s) for s in range(self.config.streams)]
+        if all(link.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT for link in links):
             return Link.UP
-        if time.monotonic() - link.created < min(self.config.connect_timeout_s,
-                                                 self.config.timeout_s):  # fmt: skip
+        newest = max(link.created for link in links)
+        if time.monotonic() - newest < min(self.config.connect_timeout_s,
+                                           self.config.timeout_s):  # fmt: skip
             return Link.CONNECTING
         return Link.DOWN
+
+    def _close_links(self) -> None:
+        for links in self._links.values():
+            for link in links:
+                if link is not None:
+                    link.close()
+        self._links.clear()
 
     def _window(self, node: int) -> int:
         limits = self.router.limits[node]

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
 from .protocol import MAX_HEADER_BYTES
 
-__all__ = ["ClientConfig", "CurveClientKeys", "NodeConfig", "parse_size"]
+__all__ = ["ClientConfig", "CurveClientKeys", "NodeConfig", "default_streams", "parse_size"]
+
+MAX_STREAMS = 64
+
+
+def default_streams() -> int:
+    """Connections per node a client opens by default: one per 4 cores it may run on, 1 to 4.
+
+    One stream is about one core's worth of work (the zmq I/O thread moving its bytes, the
+    client's thread checking and copying them); a quarter of the cores leaves the rest to the
+    engine and the node, and past 4 streams loopback gains flatten while every stream costs
+    a connection (and a node slot) per client. A 2-core machine keeps a single stream."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return min(4, max(1, cores // 4))
+
 
 CONNECTION_OVERHEAD = 256 << 10  # libzmq session, pipes and buffers of one idle connection
 
@@ -144,6 +162,11 @@ class ClientConfig:
     calls fail for it at once until it connects. Failed nodes are backed off (``backoff_min_s``
     doubling to ``backoff_max_s``) and tried only as a last resort while their connection is
     up again.
+
+    ``streams`` (default :func:`default_streams`) is how many connections the client keeps to
+    each node; a batch's requests to a node are spread over them, each with its own window of
+    ``window`` requests in flight and its own deadline, and the client's zmq context gets as
+    many I/O threads (see docs/protocol.md, "Streams").
     """
 
     endpoints: tuple[str, ...]
@@ -156,6 +179,7 @@ class ClientConfig:
     socket_buffer: int = 0  # 0 keeps the kernel's TCP autotuning
     max_message_bytes: int = 16 << 20  # requests are also cut to each node's advertised limits
     connect_timeout_s: float | None = None  # None: timeout_s
+    streams: int | None = None  # connections per node; None: default_streams()
 
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str):
@@ -172,6 +196,12 @@ class ClientConfig:
             )
         if self.connect_timeout_s is None:
             object.__setattr__(self, "connect_timeout_s", self.timeout_s)
+        if self.streams is None:
+            object.__setattr__(self, "streams", default_streams())
+        if type(self.streams) is not int or not 1 <= self.streams <= MAX_STREAMS:
+            raise ValueError(
+                f"ClientConfig.streams must be an int in [1, {MAX_STREAMS}], got {self.streams!r}"
+            )
         if isinstance(self.timeout_per_mib_s, bool) or not self.timeout_per_mib_s >= 0:
             raise ValueError(
                 f"ClientConfig.timeout_per_mib_s must be >= 0, got {self.timeout_per_mib_s!r}"

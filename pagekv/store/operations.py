@@ -13,6 +13,11 @@ from typing import Any
 
 from xxhash import xxh3_64_intdigest
 
+try:  # numpy comes with pagekv[connector] (engines); a store-only install copies under the GIL
+    import numpy as np
+except ImportError:  # pragma: no cover - the test environment has numpy
+    np = None
+
 from .protocol import Op, Request, Status, checksum_frames
 from .routing import Call, ExistsResult, OpGen, Router
 
@@ -20,6 +25,16 @@ __all__ = ["delete", "exists", "get", "put"]
 
 PUT_KEY_EXTRA, PUT_FRAME_EXTRA = 24, 9  # header bytes per key (bin, count, sum) and per frame
 MAX_DEFERRALS = 64  # a node that keeps deferring a key is treated as failing for it
+COPY_WITHOUT_GIL = 64 << 10  # frames this large are copied by numpy, which releases the GIL
+
+
+def _copy(target: memoryview, frame: memoryview) -> None:
+    """``target[:] = frame`` (same sizes); a large frame without holding the GIL, so copies
+    (and xxhash checksums, which also release it) of several threads run on several cores."""
+    if np is not None and frame.nbytes >= COPY_WITHOUT_GIL:
+        np.copyto(np.frombuffer(target, np.uint8), np.frombuffer(frame, np.uint8))
+    else:
+        target[:] = frame
 
 
 def put(router: Router, keys: Sequence[bytes], values: Sequence[list[memoryview]]) -> OpGen:
@@ -134,7 +149,7 @@ def get(
             router.counters["size_mismatch"] += 1
             return False
         for target, frame in zip(targets, data):
-            target[:] = frame
+            _copy(target, frame)
         out[i] = True
         if on_arrival is not None:
             on_arrival(i)

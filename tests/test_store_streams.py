@@ -1,0 +1,220 @@
+"""Several streams (connections) per node: correctness on random data, concurrent calls, a node
+stopped mid-transfer, no threads left behind by closed clients. Real node processes."""
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
+from pagekv.store.config import MAX_STREAMS, default_streams
+from pagekv.store.launch import NodeProcess
+
+POISON = 0xA5
+
+
+@pytest.fixture
+def node_proc():
+    node = NodeProcess("--capacity", "256MiB", "--io-threads", "2").start()
+    yield node
+    node.proc.send_signal(signal.SIGCONT)
+    node.stop()
+
+
+def random_values(rng: random.Random, count: int) -> list:
+    """Mixed sizes (a few bytes to 300 KiB, both sides of the GIL-free copy threshold); every
+    fifth value has 2-3 frames."""
+    values = []
+    for i in range(count):
+        sizes = [rng.choice([7, 4096, 70_000, 300_000]) for _ in range(2 + i % 2)]
+        frames = [rng.randbytes(s) for s in sizes]
+        values.append(frames if i % 5 == 0 else frames[0])
+    return values
+
+
+def poisoned_like(value) -> object:
+    if isinstance(value, list):
+        return [bytearray([POISON]) * len(f) for f in value]
+    return bytearray([POISON]) * len(value)
+
+
+def as_bytes(value) -> object:
+    return [bytes(f) for f in value] if isinstance(value, list) else bytes(value)
+
+
+def config(node: NodeProcess, **kw) -> ClientConfig:
+    kw = {"streams": 4, "timeout_s": 10.0, "max_message_bytes": 1 << 20, **kw}
+    return ClientConfig((node.address,), **kw)
+
+
+def test_streams_config_is_validated():
+    assert 1 <= default_streams() <= 4
+    assert ClientConfig(("tcp://127.0.0.1:1",)).streams == default_streams()
+    for bad in (0, -1, 1.5, True, "2", MAX_STREAMS + 1):
+        with pytest.raises(ValueError, match="streams"):
+            ClientConfig(("tcp://127.0.0.1:1",), streams=bad)
+
+
+@pytest.mark.asyncio
+async def test_async_streams_round_trip_random_data(node_proc):
+    rng = random.Random(os.urandom(8))
+    keys = [rng.randbytes(16) for _ in range(300)]
+    values = random_values(rng, len(keys))
+    client = AsyncStoreClient(node_proc.address, config=config(node_proc))
+    try:
+        assert await client.put_many(keys, values) == [Status.OK] * len(keys)
+        into = [poisoned_like(v) for v in values]
+        assert await client.get_many(keys, into=into) == [True] * len(keys)
+        assert [as_bytes(b) for b in into] == [as_bytes(v) for v in values]
+        views = await client.get_many(keys)
+        assert [as_bytes(v) for v in views] == [as_bytes(v) for v in values]
+        used = [link for link in client._links[0] if link is not None and link.reader]
+        assert len(used) == 4, "the batch did not use every stream"
+        absent = [rng.randbytes(16) for _ in range(20)]
+        found = await client.exists_many(keys[:50] + absent + keys[50:60])
+        assert found.found == [True] * 50 + [False] * 20 + [True] * 10
+        gone = set(rng.sample(range(len(keys)), 100))
+        deleted = await client.delete_many([keys[i] for i in sorted(gone)])
+        assert deleted == [True] * len(gone)
+        into = [poisoned_like(v) for v in values]
+        got = await client.get_many(keys, into=into)
+        assert got == [i not in gone for i in range(len(keys))]
+        for i, (buf, value) in enumerate(zip(into, values)):
+            want = poisoned_like(value) if i in gone else value
+            assert as_bytes(buf) == as_bytes(want), f"key {i}"
+    finally:
+        client.close()
+
+
+def test_blocking_streams_round_trip_random_data(node_proc):
+    rng = random.Random(os.urandom(8))
+    keys = [rng.randbytes(16) for _ in range(200)]
+    values = random_values(rng, len(keys))
+    with StoreClient(node_proc.address, config=config(node_proc)) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        into = [poisoned_like(v) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert [as_bytes(b) for b in into] == [as_bytes(v) for v in values]
+        assert all(link is not None for link in client._links[0])
+        assert client.delete_many(keys[:10]) == [True] * 10
+        assert client.get_many(keys[:12]) == [None] * 10 + [as_bytes(v) for v in values[10:12]]
+
+
+@pytest.mark.asyncio
+async def test_concurrent_get_many_over_streams(node_proc):
+    rng = random.Random(os.urandom(8))
+    keys = [rng.randbytes(16) for _ in range(160)]
+    values = [rng.randbytes(rng.choice([100, 80_000, 200_000])) for _ in keys]
+    client = AsyncStoreClient(node_proc.address, config=config(node_proc))
+    try:
+        assert await client.put_many(keys, values) == [Status.OK] * len(keys)
+        picks = [rng.sample(range(len(keys)), 60) for _ in range(8)]  # overlapping subsets
+        intos = [[poisoned_like(values[i]) for i in pick] for pick in picks]
+        oks = await asyncio.gather(
+            *(client.get_many([keys[i] for i in pick], into=into)
+              for pick, into in zip(picks, intos))
+        )  # fmt: skip
+        for pick, into, ok in zip(picks, intos, oks):
+            assert ok == [True] * len(pick)
+            assert [bytes(b) for b in into] == [values[i] for i in pick]
+    finally:
+        client.close()
+
+
+@pytest.mark.asyncio
+async def test_node_stopped_mid_transfer_with_streams(node_proc):
+    """Each of three concurrent calls ends within its one timeout; every value it reports is
+    right and every miss leaves its buffer untouched; after SIGCONT the client works again."""
+    rng = random.Random(os.urandom(8))
+    keys = [rng.randbytes(16) for _ in range(96)]
+    values = [rng.randbytes(256 << 10) for _ in keys]
+    cfg = config(node_proc, timeout_s=0.5)
+    client = AsyncStoreClient(node_proc.address, config=cfg)
+    try:
+        assert await client.put_many(keys, values) == [Status.OK] * len(keys)
+        stopped = []
+
+        def stop_node(_i: int) -> None:
+            if not stopped:
+                stopped.append(time.monotonic())
+                node_proc.proc.send_signal(signal.SIGSTOP)
+
+        parts = [range(0, 32), range(32, 64), range(64, 96)]
+        intos = [[bytearray([POISON]) * len(values[i]) for i in part] for part in parts]
+
+        async def timed(part, into, on_arrival):
+            start = time.monotonic()
+            ok = await client.get_many([keys[i] for i in part], into=into, on_arrival=on_arrival)
+            return ok, time.monotonic() - start
+
+        results = await asyncio.gather(
+            timed(parts[0], intos[0], stop_node),
+            timed(parts[1], intos[1], None),
+            timed(parts[2], intos[2], None),
+        )
+        assert stopped, "no value arrived before the node was stopped"
+        bound = cfg.timeout_for(32 * (256 << 10)) + 1.0  # one timeout, plus a loaded machine
+        for part, into, (ok, took) in zip(parts, intos, results):
+            assert took < bound, f"a call took {took:.2f}s with the node stopped"
+            for i, hit, buf in zip(part, ok, into):
+                assert bytes(buf) == (values[i] if hit else bytes([POISON]) * len(buf))
+        assert not all(all(ok) for ok, _ in results), "the stop came after every transfer"
+        node_proc.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while True:
+            into = [bytearray(len(v)) for v in values]
+            if await client.get_many(keys, into=into) == [True] * len(keys):
+                assert [bytes(b) for b in into] == values
+                break
+            assert time.monotonic() < deadline, "the client did not recover after SIGCONT"
+    finally:
+        node_proc.proc.send_signal(signal.SIGCONT)
+        client.close()
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_closed_clients_leave_no_threads_or_sockets(node_proc):
+    StoreClient(node_proc.address, streams=4).close()  # the shared 4-thread context exists
+    before = _threads()
+    for _ in range(20):
+        with StoreClient(node_proc.address, streams=4, timeout_s=5) as client:
+            assert client.ping() == [True]
+        client = AsyncStoreClient(node_proc.address, streams=4, timeout_s=5)
+        client.close()
+    assert _threads() <= before + 4 + 2  # at most the async context's I/O threads (+ reaper)
+    assert client._links == {}
+
+
+@pytest.mark.asyncio
+async def test_reset_of_one_link_fails_only_its_requests(node_proc):
+    """A link reset mid-batch (what a timeout on it does) fails the requests on that link
+    only: the half of the batch dealt to the other link all arrive, right."""
+    rng = random.Random(os.urandom(8))
+    keys = [rng.randbytes(16) for _ in range(64)]
+    values = [rng.randbytes(256 << 10) for _ in keys]
+    client = AsyncStoreClient(node_proc.address, config=config(node_proc, streams=2))
+    try:
+        assert await client.put_many(keys, values) == [Status.OK] * len(keys)
+        resets = []
+
+        def reset_second_link(_i: int) -> None:
+            if not resets:
+                resets.append(client._links[0][1])
+                client._reset(resets[0])
+
+        into = [bytearray([POISON]) * len(v) for v in values]
+        ok = await client.get_many(keys, into=into, on_arrival=reset_second_link)
+        assert resets and resets[0].closed and client._links[0][1] is not resets[0]
+        assert len(keys) // 2 <= ok.count(True) < len(keys)
+        for hit, buf, value in zip(ok, into, values):
+            assert bytes(buf) == (value if hit else bytes([POISON]) * len(buf))
+        assert await client.get_many(keys, into=into) == [True] * len(keys)  # link replaced
+        assert [bytes(b) for b in into] == values
+    finally:
+        client.close()
