@@ -1,6 +1,7 @@
 """Multi-process integration: real `pagekv serve` processes on free loopback ports."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -149,13 +150,13 @@ def test_corrupted_block_is_a_miss_never_data():
 
 
 def test_cli_cluster_and_stats():
-    base = 47000 + os.getpid() % 1000 * 2
+    # free ports (--base-port 0), read from the cluster's announcement once its nodes are ready
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagekv.store.cli", "cluster", "--nodes", "2", "--base-port",
-         str(base), "--capacity", "32MiB"], stderr=subprocess.PIPE, text=True,
+         "0", "--capacity", "32MiB"], stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        eps = [f"tcp://127.0.0.1:{base + i}" for i in range(2)]
+        eps = _announced(proc, 2)
         with StoreClient(eps, timeout_s=10) as client:
             assert client.ping() == [True, True]
             client.put_many([b"cli-key-00000001"], [b"v" * 10])
@@ -170,3 +171,16 @@ def test_cli_cluster_and_stats():
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
         proc.stderr.close()
+
+
+def _announced(proc: subprocess.Popen, nodes: int) -> list[str]:
+    """The node addresses of `pagekv cluster`'s "ready" line (its stderr), within 30 s."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            raise AssertionError(f"cluster exited before it was ready (code {proc.poll()})")
+        found = re.search(rf"pagekv cluster ready: {nodes} nodes: (.+)$", line)
+        if found:
+            return found.group(1).split()
+    raise AssertionError("no 'pagekv cluster ready' line in 30 s")
