@@ -72,7 +72,7 @@ class NodeConfig:
     low_watermark: float = 0.85
     curve_secret_key: str | None = None  # path to a zmq certificate with a secret key
     curve_allow: str | None = None  # directory of allowed client public certificates
-    io_threads: int = 1
+    io_threads: int = 0  # ZeroMQ I/O threads; 0: default_streams() (as many as a client's streams)
     socket_buffer: int = 0  # bytes for SO_SNDBUF/SO_RCVBUF; 0 keeps the kernel's autotuning
     window: int = 8  # requests a client may have outstanding on one connection
     recv_hwm: int = 2  # complete requests queued per connection before TCP pushes back
@@ -84,6 +84,8 @@ class NodeConfig:
     def __post_init__(self) -> None:
         for name in ("capacity", "max_block_size", "max_message_size"):
             object.__setattr__(self, name, parse_size(getattr(self, name)))
+        if self.io_threads == 0:  # one I/O thread per stream a same-host client opens
+            object.__setattr__(self, "io_threads", default_streams())
         _positive("NodeConfig", capacity=self.capacity, max_block_size=self.max_block_size,
                   max_message_size=self.max_message_size, max_keys=self.max_keys,
                   max_frames=self.max_frames, io_threads=self.io_threads, window=self.window,

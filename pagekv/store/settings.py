@@ -61,7 +61,7 @@ _NODE_HELP: dict[str, tuple[str, str]] = {
         "any client key (traffic encrypted, clients not authenticated)",
         "path",
     ),
-    "io_threads": ("ZeroMQ I/O threads", "int"),
+    "io_threads": ("ZeroMQ I/O threads (0: one per 4 cores, 1 to 4)", "int"),
     "socket_buffer": ("SO_SNDBUF/SO_RCVBUF bytes; 0 keeps the kernel's TCP autotuning", "size"),
     "max_frames": ("most payload frames in one request", "int"),
     "window": ("requests a client may have outstanding on one connection", "int"),
