@@ -2,7 +2,7 @@
 bytes of every block, so that clients on the same host and of the same user copy them straight
 out of it (:mod:`.shm_reader`) instead of receiving them over TCP.
 
-Layout of the file: a generation table (one little-endian uint64 per granule of the data area),
+Layout of the file: a generation table (one native-order uint64 per granule of the data area),
 then the data area (``capacity`` bytes rounded up to whole granules) at ``data_offset``. An
 allocation is a run of whole granules; when it is made, every granule it covers gets a fresh
 generation number (a counter that only grows) *before* any byte of its data is written.
@@ -26,6 +26,7 @@ next node started by the same user removes segments whose node process is gone.
 
 from __future__ import annotations
 
+import array
 import bisect
 import contextlib
 import logging
@@ -36,8 +37,6 @@ import secrets
 import socket
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from pagekv.errors import ConfigError
 
@@ -144,8 +143,8 @@ class Segment:
             self.unlink()
             raise
         os.close(fd)
-        self.bytes = np.frombuffer(self._map, dtype=np.uint8)
-        self.gens = np.frombuffer(self._map, dtype="<u8", count=self.granules)
+        self.view = memoryview(self._map)
+        self.gens = self.view[: self.granules * 8].cast("Q")  # native order: same host only
         self.space = FreeSpace(self.granules)
         self._next_gen = 1
 
@@ -163,7 +162,9 @@ class Segment:
         if extent is None:
             return None
         gen, self._next_gen = self._next_gen, self._next_gen + 1
-        self.gens[extent.start : extent.start + extent.count] = gen
+        self.gens[extent.start : extent.start + extent.count] = (
+            array.array("Q", [gen]) * extent.count
+        )
         return extent, gen
 
     def offset(self, extent: Extent) -> int:
@@ -173,12 +174,12 @@ class Segment:
     def write(self, offset: int, frames: tuple[Any, ...]) -> tuple[memoryview, ...]:
         """Copy ``frames`` one after another from ``offset``; returns read-only views of the
         copies (kept by the block; valid while the segment lives)."""
-        views, pos = [], offset
+        views, pos, whole = [], offset, self.view
         for frame in frames:
-            src = np.frombuffer(frame, dtype=np.uint8)
-            self.bytes[pos : pos + src.size] = src
-            views.append(memoryview(self._map)[pos : pos + src.size].toreadonly())
-            pos += src.size
+            n = len(frame)
+            whole[pos : pos + n] = memoryview(frame)  # a zmq.Frame itself crashes pyzmq 27 here
+            views.append(whole[pos : pos + n].toreadonly())
+            pos += n
         return tuple(views)
 
     def used_bytes(self) -> int:

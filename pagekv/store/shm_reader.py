@@ -32,10 +32,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError:  # the store alone (pip install pagekv, no numpy): no shortcut
+    np = None
 
 from .protocol import Code, Op, Request, Status, checksum_frames
-from .routing import FALLBACK_LIMITS, Call, Limits, OpGen, Router
+from .routing import FALLBACK_LIMITS, Call, OpGen, Router
 from .shm import host_id
 
 __all__ = ["COUNTERS", "ShmReader", "disable", "get", "reader_for"]
@@ -43,8 +46,9 @@ __all__ = ["COUNTERS", "ShmReader", "disable", "get", "reader_for"]
 COUNTERS = ("shm_hits", "shm_fallback_not_same_host", "shm_fallback_no_access",
             "shm_fallback_gone", "shm_fallback_mismatch", "shm_fallback_size",
             "shm_fallback_bad_reply", "shm_fallback_not_offered")  # fmt: skip
-RECHECK_S = 30.0  # how long "this node offers no usable segment" is believed
+RECHECK_S = 30.0  # how long "this node failed a LOCATE" is believed
 PARALLEL_BYTES = 4 << 20  # batches smaller than this are copied on the calling thread
+CHUNK_BYTES = 64 << 20  # values are published (on_arrival) after each chunk of copies
 _ADVERT = {"path": str, "size": int, "inode": int, "host": str, "data_offset": int,
            "granule": int, "granules": int}  # fmt: skip
 
@@ -60,6 +64,7 @@ class Mapped:
 
 @dataclass
 class _Node:
+    advert: dict[str, Any] | None = None  # the last one looked at
     mapped: Mapped | None = None
     reason: str = "not_offered"  # why there is no mapping (a fallback counter's suffix)
     until: float = 0.0  # believe this state until then (monotonic)
@@ -78,17 +83,16 @@ class ShmReader:
         self._pool: ThreadPoolExecutor | None = None
 
     # ---- segments --------------------------------------------------------------------------
-    def needs_ping(self, node: int) -> bool:
-        state = self.nodes.get(node)
-        return state is None or (state.mapped is None and time.monotonic() >= state.until)
-
     def learn(self, node: int, advert: dict[str, Any]) -> Mapped | None:
         """Take a node's advertised segment (PING or LOCATE ``shm``); map it unless it is the
-        one already mapped. None (and the reason kept) when it cannot be used."""
+        one already mapped. None (and the reason kept) when it cannot be used: an advert found
+        unusable is looked at again only after ``RECHECK_S`` (not reopened on every call)."""
         state = self.nodes.setdefault(node, _Node())
         if state.mapped is not None and state.mapped.advert == advert:
             return state.mapped
-        state.mapped, state.until = None, time.monotonic() + RECHECK_S
+        if state.advert == advert and time.monotonic() < state.until:
+            return None
+        state.advert, state.mapped, state.until = advert, None, time.monotonic() + RECHECK_S
         if not advert or any(type(advert.get(k)) is not t for k, t in _ADVERT.items()):
             state.reason = "not_offered"
         elif advert["host"] != self.host:
@@ -99,7 +103,8 @@ class ShmReader:
 
     def forget(self, node: int, reason: str) -> None:
         """The node refused or failed a LOCATE: no shortcut for it for a while."""
-        self.nodes[node] = _Node(None, reason, time.monotonic() + RECHECK_S)
+        state = self.nodes.setdefault(node, _Node())
+        state.mapped, state.reason, state.until = None, reason, time.monotonic() + RECHECK_S
 
     def reason(self, node: int) -> str:
         state = self.nodes.get(node)
@@ -138,7 +143,7 @@ def _map(advert: dict[str, Any]) -> tuple[Mapped | None, str]:
     finally:
         os.close(fd)
     data = np.frombuffer(mm, dtype=np.uint8)
-    return Mapped(dict(advert), data, np.frombuffer(mm, dtype="<u8", count=granules)), ""
+    return Mapped(dict(advert), data, np.frombuffer(mm, dtype=np.uint64, count=granules)), ""
 
 
 def _copy_one(job: tuple, targets: list[memoryview]) -> str:
@@ -169,10 +174,10 @@ def _copy_one(job: tuple, targets: list[memoryview]) -> str:
 
 def reader_for(router: Router) -> ShmReader | None:
     """The router's reader, made on first use; None where the shortcut is off
-    (``PAGEKV_SHM_CLIENT=0`` or :func:`disable`)."""
+    (``PAGEKV_SHM_CLIENT=0``, :func:`disable`, or no numpy: the store installed without it)."""
     reader = router.__dict__.get("shm_reader", False)
     if reader is False:
-        on = os.environ.get("PAGEKV_SHM_CLIENT", "1") != "0"
+        on = os.environ.get("PAGEKV_SHM_CLIENT", "1") != "0" and np is not None
         reader = router.__dict__["shm_reader"] = ShmReader(router.counters) if on else None
     return reader
 
@@ -190,7 +195,9 @@ def get(
     on_arrival: Callable[[int], None] | None = None,
 ) -> OpGen:
     """Copy what the shortcut can into ``into``; returns the set of keys done (``out[i]`` set
-    True and ``on_arrival(i)`` called for each). The rest is the caller's (TCP GET)."""
+    True and ``on_arrival(i)`` called for each, as each LOCATE reply's copies complete). The
+    rest is the caller's (TCP GET). Only nodes whose PING advertised a segment are asked: the
+    shortcut adds no round trip for other nodes (the PING is the one the GET sends anyway)."""
     reader = reader_for(router)
     if reader is None or not keys:
         return set()
@@ -198,50 +205,58 @@ def get(
     for i, nodes in enumerate(router.candidates(keys, 1, router.usable())):
         if nodes:
             by_node.setdefault(nodes[0], []).append(i)
-    yield from _learn(router, reader, [n for n in by_node if reader.needs_ping(n)])
+    # the PING the TCP path would send first anyway (nodes not asked yet): it brings "shm"
+    need = {n: sum(t.nbytes for i in idxs for t in into[i]) for n, idxs in by_node.items()}
+    yield from router.learn(need)
+    by_node = {n: idxs for n, idxs in by_node.items() if router.shm_adverts[n]}
     batch: list[Call] = []
+    done: set[int] = set()
     for node, idxs in by_node.items():
-        state = reader.nodes.get(node)
-        if state is None or state.mapped is None:
+        if reader.learn(node, router.shm_adverts[node]) is None:
             reader.counters["shm_fallback_" + reader.reason(node)] += len(idxs)
             continue
         for part in router.cut(keys, idxs, router.limits[node] or FALLBACK_LIMITS):
-            batch.append(Call(node, Request(Op.LOCATE, router.next_id(), [keys[i] for i in part]),
-                              [], part))  # fmt: skip
+            call = Call(node, Request(Op.LOCATE, router.next_id(), [keys[i] for i in part]),
+                        [], part)  # fmt: skip
+            call.on_reply = lambda reply, frames, call=call: _handle(
+                router, reader, call, (reply, frames), into, out, on_arrival, done
+            )
+            batch.append(call)
     if not batch:
-        return set()
+        return done
     results = yield batch
-    jobs = []
     for call in batch:
-        jobs.extend(_located(router, reader, call, results.get(call.request.id)))
-    done = set()
-    for job, why in zip(jobs, reader.copy_all(jobs, into)):
-        if why:
-            reader.counters["shm_fallback_" + why] += 1
-            continue
-        i = job[0]
-        out[i] = True
-        done.add(i)
-        reader.counters["shm_hits"] += 1
-        if on_arrival is not None:
-            on_arrival(i)
+        if not call.handled:
+            _handle(router, reader, call, results.get(call.request.id), into, out, on_arrival, done)
     return done
 
 
-def _learn(router: Router, reader: ShmReader, nodes: list[int]) -> OpGen:
-    """PING the nodes not yet known to offer a segment (also learns their limits)."""
-    if not nodes:
-        return
-    batch = [Call(n, Request(Op.PING, router.next_id()), [], []) for n in nodes]
-    results = yield batch
-    for call in batch:
-        result = results.get(call.request.id)
-        if router.reply_problem(call, result) is not None:
-            reader.forget(call.node, "bad_reply")
-            continue
-        if router.limits[call.node] is None:
-            router.limits[call.node] = Limits.parse(result[0].limits) or FALLBACK_LIMITS
-        reader.learn(call.node, result[0].shm)
+def _handle(
+    router: Router, reader: ShmReader, call: Call, result: Any,
+    into: Sequence[list[memoryview]], out: list[Any],
+    on_arrival: Callable[[int], None] | None, done: set[int],
+) -> None:  # fmt: skip
+    """One LOCATE reply (or None: no answer): copy, verify and publish its values, in chunks
+    of ``CHUNK_BYTES`` so that the first are published before the last are copied."""
+    call.handled = True
+    jobs = _located(router, reader, call, result)
+    start = 0
+    while start < len(jobs):
+        end, nbytes = start, 0
+        while end < len(jobs) and (end == start or nbytes < CHUNK_BYTES):
+            nbytes += sum(jobs[end][3])
+            end += 1
+        chunk, start = jobs[start:end], end
+        for job, why in zip(chunk, reader.copy_all(chunk, into)):
+            if why:
+                reader.counters["shm_fallback_" + why] += 1
+                continue
+            i = job[0]
+            out[i] = True
+            done.add(i)
+            reader.counters["shm_hits"] += 1
+            if on_arrival is not None:
+                on_arrival(i)
 
 
 def _located(router: Router, reader: ShmReader, call: Call, result: Any) -> list[tuple]:
