@@ -8,6 +8,11 @@ overhead per block and per frame (index entry, Python objects, allocator headers
 would take usage over the high watermark, least recently used blocks are evicted down to the
 low watermark. A block being sent stays alive until the send completes: pyzmq holds a reference
 to every zero-copy frame until libzmq has written it, even when the index has dropped it.
+
+With a shared segment (``--shm``, :mod:`.shm`) a block's frames are copied into the segment on
+put and the block holds read-only views of them; its space is freed when it is evicted or
+deleted, but not before every reply that was sending those views has been written
+(:meth:`BlockStore.sent`); space freed is reused only after its granules get a new generation.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections import OrderedDict
 from typing import Any, NamedTuple
 
 from .protocol import MAX_KEY_BYTES, Status
+from .shm import GRANULE, Extent, Segment
 
 __all__ = ["BLOCK_OVERHEAD", "FRAME_OVERHEAD", "Block", "BlockStore", "block_cost"]
 
@@ -24,6 +30,7 @@ __all__ = ["BLOCK_OVERHEAD", "FRAME_OVERHEAD", "Block", "BlockStore", "block_cos
 # and tuple; and per frame its Python object, libzmq message header and malloc rounding.
 BLOCK_OVERHEAD = 320
 FRAME_OVERHEAD = 448
+SHM_FRAME_OVERHEAD = 192  # with --shm: a frame is a memoryview into the segment
 
 
 def block_cost(key: bytes, size: int, nframes: int) -> int:
@@ -39,6 +46,8 @@ class Block(NamedTuple):
     size: int  # bytes over all frames
     checksum: int  # xxh3-64 over all frames in order
     cost: int  # what it counts against capacity (block_cost)
+    extent: Extent | None  # with --shm: where its bytes lie in the segment (frames back to back)
+    gen: int  # with --shm: the generation of its extent (0 without)
 
 
 _new_block = tuple.__new__
@@ -54,6 +63,7 @@ class BlockStore:
         max_block_bytes: int,
         high_watermark: float = 0.95,
         low_watermark: float = 0.85,
+        segment: Segment | None = None,
     ) -> None:
         if capacity_bytes <= 0 or max_block_bytes <= 0:
             raise ValueError("capacity and max block size must be positive")
@@ -67,6 +77,9 @@ class BlockStore:
         self.used = 0  # real cost of the blocks held (block_cost)
         self.payload = 0  # their payload and key bytes (stats "bytes", as before protocol 2)
         self.hits = self.misses = self.evictions = 0
+        self.segment = segment
+        self._sending: dict[int, list[Any]] = {}  # extent start -> trackers of replies
+        self._quarantine: list[tuple[Extent, list[Any]]] = []  # freed, replies still sending
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -89,15 +102,84 @@ class BlockStore:
             return Status.EXISTS
         if size > self.max_block_bytes:
             return Status.TOO_LARGE
+        if self.segment is not None:
+            return self._put_shared(key, frames, size, checksum)
         need = size + len(key) + BLOCK_OVERHEAD + FRAME_OVERHEAD * len(frames)  # block_cost
         if need > self.capacity:
             return Status.NO_SPACE
         if self.used + need > self.high:
             self._evict_to(min(self.low, self.capacity - need))
-        self._blocks[key] = _new_block(Block, (tuple(frames), size, checksum, need))
+        self._blocks[key] = _new_block(Block, (tuple(frames), size, checksum, need, None, 0))
         self.used += need
         self.payload += size + len(key)
         return Status.OK
+
+    def _put_shared(self, key: bytes, frames: tuple[Any, ...], size: int, checksum: int) -> Status:
+        """Copy the value into the segment: evict (LRU) until a free run holds it."""
+        seg = self.segment
+        span = max(1, -(-size // GRANULE)) * GRANULE
+        need = span + len(key) + BLOCK_OVERHEAD + SHM_FRAME_OVERHEAD * len(frames)
+        if need > self.capacity or span > seg.granules * GRANULE:
+            return Status.NO_SPACE
+        if self.used + need > self.high:
+            self._evict_to(min(self.low, self.capacity - need))
+        place = seg.alloc(size)
+        while place is None:
+            if not self._reclaim() and not self._evict_one():
+                return Status.NO_SPACE  # the rest is still being sent: transient
+            place = seg.alloc(size)
+        extent, gen = place
+        views = seg.write(seg.offset(extent), frames)
+        self._blocks[key] = _new_block(Block, (views, size, checksum, need, extent, gen))
+        self.used += need
+        self.payload += size + len(key)
+        return Status.OK
+
+    def sent(self, blocks: list[Block], tracker: Any) -> None:
+        """``blocks``' views are in a reply tracked by ``tracker``: their space is not freed
+        before it is done."""
+        for block in blocks:
+            trackers = self._sending.get(block.extent.start)
+            if trackers is None:
+                self._sending[block.extent.start] = [tracker]
+            else:
+                trackers[:] = [t for t in trackers if not t.done]
+                trackers.append(tracker)
+
+    def _release(self, block: Block) -> None:
+        if block.extent is None:
+            return
+        trackers = [t for t in self._sending.pop(block.extent.start, ()) if not t.done]
+        if trackers:
+            self._quarantine.append((block.extent, trackers))
+        else:
+            self.segment.space.free(block.extent)
+
+    def _reclaim(self) -> bool:
+        """Free the quarantined space whose replies are done; whether any was."""
+        keep, freed = [], False
+        for extent, trackers in self._quarantine:
+            if all(t.done for t in trackers):
+                self.segment.space.free(extent)
+                freed = True
+            else:
+                keep.append((extent, trackers))
+        self._quarantine = keep
+        return freed
+
+    def _evict_one(self) -> bool:
+        if not self._blocks:
+            return False
+        key, block = self._blocks.popitem(last=False)
+        self.used -= block.cost
+        self.payload -= block.size + len(key)
+        self.evictions += 1
+        self._release(block)
+        return True
+
+    def locate(self, key: bytes) -> Block | None:
+        """Like :meth:`get` (LRU touched, hit or miss counted), for a LOCATE."""
+        return self.get(key)
 
     def get(self, key: bytes) -> Block | None:
         """The block (LRU touched), or None; counts a hit or a miss."""
@@ -115,6 +197,7 @@ class BlockStore:
             return False
         self.used -= block.cost
         self.payload -= block.size + len(key)
+        self._release(block)
         return True
 
     def _evict_to(self, target: int) -> None:
@@ -123,9 +206,19 @@ class BlockStore:
             self.used -= block.cost
             self.payload -= block.size + len(key)
             self.evictions += 1
+            self._release(block)
 
     def stats(self) -> dict[str, int]:
+        shared = {}
+        if self.segment is not None:
+            self._reclaim()
+            shared = {
+                "shm_bytes_used": self.segment.used_bytes(),
+                "shm_bytes_free": self.segment.free_bytes(),
+                "shm_bytes_quarantined": sum(e.count for e, _ in self._quarantine) * GRANULE,
+            }
         return {
+            **shared,
             "blocks": len(self._blocks),
             "bytes": self.payload,  # payload + keys
             "used_bytes": self.used,  # their real cost, what capacity limits

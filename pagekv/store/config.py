@@ -80,6 +80,7 @@ class NodeConfig:
     handshake_s: float = 10.0  # a connection that does not complete the ZMTP handshake is closed
     heartbeat_s: float = 10.0  # ZMTP heartbeats; a peer silent for 3x this is dropped; 0: off
     guard_interval_s: float = 0.02  # how often connections and RSS are checked; 0: no guard
+    shm: bool = False  # keep blocks in a shared segment under /dev/shm (same-host shortcut)
 
     def __post_init__(self) -> None:
         for name in ("capacity", "max_block_size", "max_message_size"):

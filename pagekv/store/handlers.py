@@ -14,7 +14,7 @@ from .block_store import BlockStore
 from .config import NodeConfig
 from .protocol import Code, ProtocolError, Reply, Request, Status, checksum_frames
 
-__all__ = ["SHARED_BUFFER_BYTES", "best_effort_id", "get", "put"]
+__all__ = ["SHARED_BUFFER_BYTES", "best_effort_id", "get", "locate", "put"]
 
 SHARED_BUFFER_BYTES = 8192  # libzmq's receive batch: smaller frames may live inside one
 
@@ -52,10 +52,13 @@ def put(store: BlockStore, config: NodeConfig, req: Request, payloads: list[Any]
     return Reply(req.id, status=status)
 
 
-def get(store: BlockStore, room: int, req: Request) -> tuple[Reply, list[Any], int]:
+def get(
+    store: BlockStore, room: int, req: Request, sent: list[Any] | None = None
+) -> tuple[Reply, list[Any], int]:
     """Found values in key order while the reply's payload stays within ``room`` bytes; the
     found ones after that are ``DEFERRED`` (the client asks again). Returns the reply, its
-    payload frames and how many values were deferred."""
+    payload frames and how many values were deferred. ``sent`` (with a segment) gets the
+    blocks whose views the reply carries (see :meth:`BlockStore.sent`)."""
     status, sums, counts, out, deferred = [], [], [], [], 0
     for key in req.keys:
         block = store.get(key)
@@ -70,7 +73,32 @@ def get(store: BlockStore, room: int, req: Request) -> tuple[Reply, list[Any], i
             sums.append(block.checksum)
             counts.append(len(block.frames))
             out.extend(block.frames)
+            if sent is not None:
+                sent.append(block)
     return Reply(req.id, status=status, sums=sums, counts=counts), out, deferred
+
+
+def locate(store: BlockStore, req: Request, advert: dict[str, Any]) -> Reply:
+    """Where each found value lies in the shared segment: per found key, in key order, its byte
+    offset (``offs``), frame count (``counts``) and frame lengths (``sizes``, frames back to
+    back), checksum (``sums``) and generation (``gens``); the segment itself in ``shm``."""
+    if store.segment is None:
+        raise ProtocolError(Code.BAD_OP, "LOCATE: this node keeps no shared segment (--shm)")
+    rep = Reply(req.id, shm=advert)
+    status, ok, missing = rep.status, int(Status.OK), int(Status.NOT_FOUND)
+    offset = store.segment.offset
+    for key in req.keys:
+        block = store.locate(key)
+        if block is None:
+            status.append(missing)
+            continue
+        status.append(ok)
+        rep.offs.append(offset(block.extent))
+        rep.gens.append(block.gen)
+        rep.sums.append(block.checksum)
+        rep.counts.append(len(block.frames))
+        rep.sizes.extend(len(f) for f in block.frames)
+    return rep
 
 
 def own(frame: Any) -> Any:

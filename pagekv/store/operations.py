@@ -18,6 +18,7 @@ try:  # numpy comes with pagekv[connector] (engines); a store-only install copie
 except ImportError:  # pragma: no cover - the test environment has numpy
     np = None
 
+from . import shm_reader
 from .protocol import Op, Request, Status, checksum_frames
 from .routing import Call, ExistsResult, OpGen, Router
 
@@ -155,7 +156,10 @@ def get(
             on_arrival(i)
         return True
 
-    yield from _lookup(router, Op.GET, keys, on_hit, expected)
+    done: set[int] = set()
+    if into is not None:  # same-host shortcut (--shm nodes): what it copied is done
+        done = yield from shm_reader.get(router, keys, into, out, on_arrival)
+    yield from _lookup(router, Op.GET, keys, on_hit, expected, done)
     return out if into is None else [bool(x) for x in out]
 
 
@@ -200,14 +204,15 @@ def _lookup(
     keys: Sequence[bytes],
     on_hit: Callable[[int, Any, list[Any]], bool],
     expected: list[int] | None,
+    done: set[int] = frozenset(),
 ) -> OpGen:
-    """Ask each key's nodes in turn until ``on_hit`` accepts a node's answer for it; returns
-    the number of keys no node answered for."""
+    """Ask each key's nodes in turn until ``on_hit`` accepts a node's answer for it (keys in
+    ``done`` are answered already); returns the number of keys no node answered for."""
     usable = router.usable()
     cands = router.candidates(keys, router.replicas + 1, usable)
     pos, deferred = [0] * len(keys), [0] * len(keys)
-    answered = [False] * len(keys)
-    pending = {i for i, nodes in enumerate(cands) if nodes}
+    answered = [i in done for i in range(len(keys))] if done else [False] * len(keys)
+    pending = {i for i, nodes in enumerate(cands) if nodes and i not in done}
 
     def advance(i: int) -> None:
         pos[i] += 1

@@ -39,6 +39,7 @@ class Outbox:
         self.counters = counters
         self._peers: dict[bytes, _Peer] = {}
         self.parked = 0  # requests parked over all peers
+        self.last_tracker: Any = None  # of the last reply with payload sent (done: written)
 
     def sweep(self) -> None:
         """Forget connections with nothing in flight and nothing parked (call now and then)."""
@@ -100,11 +101,13 @@ class Outbox:
             self.sock.send(header, 0, copy=True)
             return True
         parts = [header, *payloads]
-        for part in parts[:-1]:
-            self.sock.send(part, zmq.SNDMORE, copy=not isinstance(part, zmq.Frame))
+        for part in parts[:-1]:  # large frames of a shared segment (memoryviews): zero-copy
+            zero = isinstance(part, zmq.Frame) or (type(part) is memoryview and len(part) > 65536)
+            self.sock.send(part, zmq.SNDMORE, copy=not zero)
         last = parts[-1]
         view = last.buffer if isinstance(last, zmq.Frame) else memoryview(last)
         tracker = self.sock.send(view, 0, copy=False, track=True)
+        self.last_tracker = tracker
         nbytes = len(header) + sum(len(p) for p in payloads)
         peer = self._peers.setdefault(ident, _Peer())
         peer.inflight.append((tracker, nbytes))

@@ -4,7 +4,7 @@ A message is one msgpack header frame followed by raw payload frames, sent and r
 ``copy=False``. A value may be several frames (e.g. a page's K and V regions): one key, one
 checksum over all its frames in order, frames kept and returned as they were sent. Request::
 
-    {"v": 2, "id": <uint>, "op": "PUT"|"GET"|"EXISTS"|"DELETE"|"STATS"|"PING",
+    {"v": 2, "id": <uint>, "op": "PUT"|"GET"|"EXISTS"|"DELETE"|"STATS"|"PING"|"LOCATE",
      "keys": [bytes...],
      "counts": [frames per key...], "sizes": [bytes per frame...], "sums": [xxh3 per key...]}
                                                                   # counts/sizes/sums: PUT only
@@ -14,6 +14,10 @@ Reply header::
     {"v": 2, "id": <same>, "code": <Code>, "error": str, "status": [Status per key],
      "sums": [int per found key], "counts": [frames per found key], "hits": <leading hits>,
      "stats": {...}}                       # GET: the found values' frames follow, in key order
+
+A node started with ``--shm`` advertises its shared segment in PING replies (``shm``: path,
+size, inode, host id, ...) and answers LOCATE: per found key where its frames lie in the segment
+(``offs``, ``counts``, ``sizes`` per frame, ``sums``, ``gens``); see docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class Op(str, enum.Enum):
     DELETE = "DELETE"
     STATS = "STATS"
     PING = "PING"
+    LOCATE = "LOCATE"  # --shm nodes: where found values lie in the shared segment
 
 
 class Code(enum.IntEnum):
@@ -124,6 +129,10 @@ class Reply:
     stats: dict[str, Any] = field(default_factory=dict)
     counts: list[int] = field(default_factory=list)  # GET: frames of each found value
     limits: dict[str, int] = field(default_factory=dict)  # PING: what requests may carry
+    shm: dict[str, Any] = field(default_factory=dict)  # PING, LOCATE: the node's segment
+    offs: list[int] = field(default_factory=list)  # LOCATE: byte offset of each found value
+    gens: list[int] = field(default_factory=list)  # LOCATE: generation of each found value
+    sizes: list[int] = field(default_factory=list)  # LOCATE: bytes of each found frame
 
 
 def encode_request(req: Request) -> bytes:
@@ -196,6 +205,10 @@ def encode_reply(rep: Reply) -> bytes:
         head["stats"] = rep.stats
     if rep.limits:
         head["limits"] = rep.limits
+    if rep.shm:
+        head["shm"] = rep.shm
+    if rep.offs:
+        head["offs"], head["gens"], head["sizes"] = rep.offs, rep.gens, rep.sizes
     return msgpack.packb(head, use_bin_type=True)
 
 
@@ -221,8 +234,9 @@ def decode_reply(frame: bytes | memoryview) -> Reply:
     if code not in Code._value2member_map_:
         raise ProtocolError(Code.BAD_HEADER, f"reply code {code} unknown")
     error, stats, limits = head.get("error", ""), head.get("stats", {}), head.get("limits", {})
-    if not isinstance(error, str) or not isinstance(stats, dict) or not isinstance(limits, dict):
-        raise ProtocolError(Code.BAD_HEADER, "reply error/stats/limits of the wrong type")
+    shm = head.get("shm", {})
+    if not isinstance(error, str) or not all(isinstance(d, dict) for d in (stats, limits, shm)):
+        raise ProtocolError(Code.BAD_HEADER, "reply error/stats/limits/shm of the wrong type")
     return Reply(
         id=rid,
         code=Code(code),
@@ -233,4 +247,8 @@ def decode_reply(frame: bytes | memoryview) -> Reply:
         stats=stats,
         counts=_uint_list(head, "counts"),
         limits=limits,
+        shm=shm,
+        offs=_uint_list(head, "offs"),
+        gens=_uint_list(head, "gens"),
+        sizes=_uint_list(head, "sizes"),
     )

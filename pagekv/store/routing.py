@@ -157,6 +157,7 @@ class Router:
         self.link = link or (lambda node: Link.UP)
         self.health = [NodeHealth(*backoff) for _ in self.endpoints]
         self.limits: list[Limits | None] = [None] * len(self.endpoints)
+        self.shm_adverts: list[dict] = [{}] * len(self.endpoints)  # PING "shm" (same-host)
         self._salt = [ep.encode() for ep in self.endpoints]
         self._ids = itertools.count(1)
         self.counters = dict.fromkeys(
@@ -252,6 +253,7 @@ class Router:
             result = results.get(call.request.id)
             if self.reply_problem(call, result) is None:
                 self.limits[call.node] = Limits.parse(result[0].limits) or FALLBACK_LIMITS
+                self.shm_adverts[call.node] = result[0].shm
 
     def cut(
         self,
@@ -303,6 +305,7 @@ class Router:
                 out[call.node] = result[0].stats
                 if op is Op.PING:
                     self.limits[call.node] = Limits.parse(result[0].limits) or FALLBACK_LIMITS
+                    self.shm_adverts[call.node] = result[0].shm
         return out
 
 

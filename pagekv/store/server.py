@@ -41,6 +41,7 @@ from .protocol import (
     decode_request,
     encode_reply,
 )
+from .shm import Segment, host_id
 
 if TYPE_CHECKING:
     from .auth import ZapAuthenticator
@@ -77,6 +78,7 @@ class StoreNode:
                              dropped_replies=0, dropped_requests=0, deferred=0)  # fmt: skip
         budget = config.max_message_size + MAX_HEADER_BYTES
         self.outbox = Outbox(self.sock, budget, config.window, self.counters)
+        self._sent_blocks: list[Any] | None = None  # blocks whose views the next reply sends
         # libzmq gives a socket one monitor: the guard owns it and feeds the connection
         # counts of the metrics; without a guard the counter watches the socket itself
         self.guard: ConnectionGuard | None = None
@@ -86,6 +88,15 @@ class StoreNode:
                                          self.connections.on_event, MONITOR_EVENTS)  # fmt: skip
         else:
             self.connections = ConnectionMonitor(self.sock)
+        self.segment: Segment | None = None
+        self.shm_advert: dict[str, Any] = {}  # PING and LOCATE replies' ``shm``
+        if config.shm:  # last: a node that fails to start leaves no segment file behind
+            try:
+                self.segment = self.store.segment = Segment(config.capacity)
+            except BaseException:
+                self.close()
+                raise
+            self.shm_advert = self.segment.advert(host_id())
 
     def _make_socket(self) -> zmq.Socket:
         cfg = self.config
@@ -175,6 +186,8 @@ class StoreNode:
             self.guard.close()
         self.connections.stop()
         self.sock.close(linger=0)
+        if self.segment is not None:
+            self.segment.unlink()  # clients' mappings stay valid; the memory goes with them
 
     def _read_some(self, most: int) -> None:
         """Read up to ``most`` requests, part by part: the header first, then each payload
@@ -266,8 +279,10 @@ class StoreNode:
             self.observe(op, rep, time.perf_counter() - start)
 
     def _get(self, req: Request) -> tuple[Reply, list[Any]]:
-        rep, out, deferred = handlers.get(self.store, self.config.max_message_size, req)
+        sent = [] if self.segment is not None else None
+        rep, out, deferred = handlers.get(self.store, self.config.max_message_size, req, sent)
         self.counters["deferred"] += deferred
+        self._sent_blocks = sent
         return rep, out
 
     def _serve_parked(self) -> None:
@@ -280,8 +295,11 @@ class StoreNode:
                 self.observe(Op.GET, rep, time.perf_counter() - start)
 
     def _send(self, ident: bytes, rep: Reply, payloads: list[Any]) -> None:
+        sent, self._sent_blocks = self._sent_blocks, None
         if self.outbox.send(ident, encode_reply(rep), payloads):
             self.counters["bytes_out"] += sum(len(p) for p in payloads)
+            if sent and payloads:  # views of the segment: its space waits for this reply
+                self.store.sent(sent, self.outbox.last_tracker)
 
     def _dispatch(self, req: Request, payloads: list[zmq.Frame]) -> tuple[Reply, list[Any]]:
         self.counters[f"op_{req.op.value.lower()}"] += 1
@@ -300,9 +318,11 @@ class StoreNode:
                 int(Status.OK if self.store.delete(k) else Status.NOT_FOUND) for k in req.keys
             ]
             return Reply(req.id, status=status), []
+        if req.op is Op.LOCATE:
+            return handlers.locate(self.store, req, self.shm_advert), []
         if req.op is Op.STATS:
             return Reply(req.id, stats=self.stats()), []
-        return Reply(req.id, limits=self.config.limits()), []  # PING
+        return Reply(req.id, limits=self.config.limits(), shm=self.shm_advert), []  # PING
 
     def stats(self) -> dict[str, Any]:
         guard, auth = self.guard, self._auth.stats() if self._auth is not None else {}

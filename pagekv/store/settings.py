@@ -73,6 +73,11 @@ _NODE_HELP: dict[str, tuple[str, str]] = {
         "float",
     ),
     "guard_interval_s": ("seconds between connection and memory checks; 0: no guard", "float"),
+    "shm": (
+        "keep blocks in a shared-memory file under /dev/shm (mode 0600, its space reserved at "
+        "start) that clients of the same user on this host read directly (LOCATE)",
+        "bool",
+    ),
 }
 
 

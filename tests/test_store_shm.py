@@ -1,0 +1,318 @@
+"""The same-host shortcut (``pagekv serve --shm``): values copied out of the node's shared
+segment are exactly the stored ones or misses, under concurrency, eviction, a killed node,
+refused access and a vanished file; the TCP path of a --shm node stays correct."""
+
+import multiprocessing
+import os
+import random
+import stat
+import subprocess
+import threading
+import time
+
+import pytest
+
+from pagekv.store import AsyncStoreClient, Status, StoreClient, shm_reader
+from pagekv.store.launch import NodeProcess
+from pagekv.store.shm import FreeSpace
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def node():
+    proc = NodeProcess("--shm", "--capacity", "32MiB", "--max-block-size", "4MiB",
+                       "--max-message-size", "8MiB").start()  # fmt: skip
+    yield proc
+    proc.stop()
+
+
+def segment_of(client: StoreClient) -> dict:
+    """The segment the node advertises (a PING answered through the client's reader)."""
+    client.get_many([b"probe"], into=[bytearray(1)])
+    mapped = shm_reader.reader_for(client.router).nodes[0].mapped
+    assert mapped is not None, client.counters
+    return mapped.advert
+
+
+def values_for(rng: random.Random, n: int, frames: int, most: int) -> list[list[bytes]]:
+    return [[rng.randbytes(rng.randint(1, most)) for _ in range(frames)] for _ in range(n)]
+
+
+def poisoned(value: list[bytes]) -> list[bytearray]:
+    return [bytearray(b"\xa5" * len(f)) for f in value]
+
+
+def test_free_space_never_overlaps_and_coalesces():
+    rng, total = random.Random(7), 1000
+    space, owner, live = FreeSpace(total), [None] * total, []
+    for step in range(20_000):
+        if live and (rng.random() < 0.5 or space.free_granules < 50):
+            extent = live.pop(rng.randrange(len(live)))
+            for g in range(extent.start, extent.start + extent.count):
+                owner[g] = None
+            space.free(extent)
+            continue
+        extent = space.alloc(rng.randint(1, 40))
+        if extent is None:
+            continue
+        assert all(owner[g] is None for g in range(extent.start, extent.start + extent.count))
+        for g in range(extent.start, extent.start + extent.count):
+            owner[g] = step
+        live.append(extent)
+        assert space.free_granules == owner.count(None)
+    for extent in live:
+        space.free(extent)
+    assert space.alloc(total) is not None  # every free run merged back into one
+
+
+@pytest.mark.parametrize("frames,most", [(1, 3 * MIB), (3, 200_000), (16, 5000)])
+def test_shortcut_reads_exact_values(node, frames, most):
+    rng = random.Random(frames)
+    keys = [rng.randbytes(16) for _ in range(12)]
+    values = values_for(rng, len(keys), frames, most)
+    with StoreClient(node.address, timeout_s=5) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        into = [poisoned(v) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert [[bytes(f) for f in v] for v in into] == values
+        assert client.counters["shm_hits"] == len(keys)
+        missing = rng.randbytes(16)
+        assert client.get_many([missing], into=[bytearray(10)]) == [False]
+        stats = client.stats()[0]
+        assert stats["op_locate"] >= 2 and stats["shm_bytes_used"] >= sum(map(len, values[0]))
+
+
+def test_tcp_path_of_a_shm_node(node):
+    """Values sent from the segment over TCP (zero-copy views), with and without ``into``."""
+    rng = random.Random(3)
+    keys = [rng.randbytes(16) for _ in range(8)]
+    values = values_for(rng, len(keys), 3, 300_000)
+    with StoreClient(node.address, timeout_s=5) as client:
+        shm_reader.disable(client.router)
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        into = [poisoned(v) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert [[bytes(f) for f in v] for v in into] == values
+        got = client.get_many(keys)
+        assert [[bytes(f) for f in v] for v in got] == values
+        assert "shm_hits" not in client.counters
+
+
+def test_segment_file_is_private_and_removed_at_exit():
+    proc = NodeProcess("--shm", "--capacity", "8MiB").start()
+    try:
+        with StoreClient(proc.address, timeout_s=5) as client:
+            advert = segment_of(client)
+        st = os.stat(advert["path"])
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+        assert st.st_size == advert["size"] >= 8 * MIB
+        assert advert["path"].startswith("/dev/shm/pagekv-seg-")
+    finally:
+        proc.stop()
+    assert not os.path.exists(advert["path"])
+
+
+def _read_as_nobody(address: str, keys: list, sizes: list, conn) -> None:  # a forked child
+    try:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+        with StoreClient(address, timeout_s=5) as client:
+            into = [bytearray(n) for n in sizes]
+            ok = client.get_many(keys, into=into)
+            conn.send((ok, [bytes(b) for b in into], dict(client.counters)))
+    except BaseException as e:  # report, never hang the parent
+        conn.send(repr(e))
+
+
+def test_another_user_cannot_map_the_segment_and_falls_back_to_tcp(node):
+    keys = [os.urandom(16) for _ in range(4)]
+    values = [os.urandom(100_000) for _ in keys]
+    with StoreClient(node.address, timeout_s=5) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        path = segment_of(client)["path"]
+    if os.getuid() != 0:
+        pytest.skip("needs root to act as another user (nobody); the file is 0600 (checked)")
+    denied = subprocess.run(["head", "-c1", path], user=65534, capture_output=True, timeout=10)
+    assert denied.returncode != 0 and b"denied" in denied.stderr
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_read_as_nobody, args=(node.address, keys, [len(v) for v in values],
+                                                      child))  # fmt: skip
+    proc.start()
+    try:
+        assert parent.poll(30), "the child did not report"
+        result = parent.recv()
+    finally:
+        proc.join(10)
+    assert not isinstance(result, str), result
+    ok, got, counters = result
+    assert ok == [True] * len(keys) and got == values  # over TCP
+    assert counters["shm_fallback_no_access"] == len(keys) and counters["shm_hits"] == 0
+
+
+def test_segment_gone_falls_back_to_tcp(node):
+    keys = [os.urandom(16) for _ in range(6)]
+    values = [os.urandom(70_000) for _ in keys]
+    with StoreClient(node.address, timeout_s=5) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        os.unlink(segment_of(client)["path"])  # e.g. a tmpfs cleaner
+    with StoreClient(node.address, timeout_s=5) as client:
+        into = [bytearray(len(v)) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert [bytes(b) for b in into] == values
+        assert client.counters["shm_fallback_gone"] == len(keys)
+
+
+def test_other_host_falls_back_to_tcp(node):
+    keys = [os.urandom(16) for _ in range(3)]
+    values = [os.urandom(5000) for _ in keys]
+    with StoreClient(node.address, timeout_s=5) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        shm_reader.reader_for(client.router).host = "another-machine:boot"
+        into = [bytearray(len(v)) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert [bytes(b) for b in into] == values
+        assert client.counters["shm_fallback_not_same_host"] == len(keys)
+
+
+def test_space_reused_during_the_copy_is_caught(node, monkeypatch):
+    """Between LOCATE and the copy, another client fills the node: every located block is
+    evicted and its space rewritten. The copies must all fail the check (misses, no bytes)."""
+    keys = [os.urandom(16) for _ in range(8)]
+    values = [os.urandom(1 * MIB) for _ in keys]
+    real, evicted, lock = shm_reader._copy_one, [], threading.Lock()
+
+    def evict_first(job, targets):  # copies may run on the reader's threads
+        with lock:
+            if not evicted:
+                with StoreClient(node.address, timeout_s=5) as other:
+                    filler = [os.urandom(16) for _ in range(40)]
+                    other.put_many(filler, [os.urandom(1 * MIB) for _ in filler])
+                    evicted.append(other.exists_many(keys).found)
+        return real(job, targets)
+
+    with StoreClient(node.address, timeout_s=5) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        monkeypatch.setattr(shm_reader, "_copy_one", evict_first)
+        into = [bytearray(b"\xa5" * len(v)) for v in values]
+        got = client.get_many(keys, into=into)
+    assert evicted == [[False] * len(keys)]
+    assert got == [False] * len(keys)
+    assert client.counters["shm_fallback_mismatch"] == len(keys)
+    assert client.counters["shm_hits"] == 0
+
+
+def test_readers_racing_an_evicting_writer_get_exact_bytes_or_misses():
+    """A tiny node, a writer that keeps evicting, shortcut and TCP readers: every True is
+    the exact value; TCP readers never see a checksum mismatch (space is not reused while a
+    reply still sends it)."""
+    proc = NodeProcess("--shm", "--capacity", "2MiB", "--max-block-size", "256KiB",
+                       "--max-message-size", "1MiB").start()  # fmt: skip
+    rng, stop = random.Random(11), threading.Event()
+    keys = [rng.randbytes(16) for _ in range(64)]
+    values = {k: rng.randbytes(rng.choice((4096, 65536, 200_000))) for k in keys}
+    stats = {"hits": 0, "wrong": 0, "tcp_mismatch": 0}
+    clients: list[StoreClient] = []
+
+    def write() -> None:
+        with StoreClient(proc.address, timeout_s=5) as client:
+            while not stop.is_set():
+                batch = rng.sample(keys, 8)
+                client.delete_many(batch)
+                client.put_many(batch, [values[k] for k in batch])
+
+    def read(seed: int, tcp: bool) -> None:
+        r = random.Random(seed)
+        with StoreClient(proc.address, timeout_s=5) as client:
+            if tcp:
+                shm_reader.disable(client.router)
+            clients.append(client)
+            while not stop.is_set():
+                batch = r.sample(keys, 6)
+                into = [bytearray(b"\x5a" * len(values[k])) for k in batch]
+                for k, ok, buf in zip(batch, client.get_many(batch, into=into), into):
+                    stats["hits"] += ok
+                    stats["wrong"] += ok and bytes(buf) != values[k]
+            stats["tcp_mismatch"] += client.counters["checksum_mismatch"]
+
+    def caught() -> int:  # copies whose block was evicted and its space reused meanwhile
+        return sum(c.counters.get("shm_fallback_mismatch", 0) for c in list(clients))
+
+    threads = [threading.Thread(target=write)]
+    threads += [threading.Thread(target=read, args=(s, s == 0)) for s in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and (stats["hits"] < 2000 or not caught()):
+            time.sleep(0.05)  # the load runs until it has done enough, bounded; no sync
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(20)
+        proc.stop()
+    stats["caught"] = caught()
+    assert stats["hits"] > 0 and stats["wrong"] == 0 and stats["tcp_mismatch"] == 0, stats
+    assert stats["caught"] > 0, f"the race never happened: {stats}"
+
+
+def test_node_killed_while_mapped_is_a_miss_and_its_segment_is_cleaned_up():
+    proc = NodeProcess("--shm", "--capacity", "8MiB").start()
+    keys = [os.urandom(16) for _ in range(4)]
+    values = [os.urandom(50_000) for _ in keys]
+    with StoreClient(proc.address, timeout_s=1) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        path = segment_of(client)["path"]
+        proc.kill()  # SIGKILL: the segment stays mapped here, and on disk
+        into = [bytearray(b"\xa5" * len(v)) for v in values]
+        assert client.get_many(keys, into=into) == [False] * len(keys)
+        assert all(bytes(b) == b"\xa5" * len(b) for b in into)
+        assert client.counters["shm_hits"] == 0
+    assert os.path.exists(path)
+    fresh = NodeProcess("--shm", "--capacity", "8MiB").start()  # removes dead nodes' segments
+    try:
+        assert not os.path.exists(path)
+    finally:
+        fresh.stop()
+
+
+def test_concurrent_clients_blocking_and_async(node):
+    import asyncio
+
+    rng = random.Random(5)
+    keys = [rng.randbytes(16) for _ in range(24)]
+    values = values_for(rng, len(keys), 2, 300_000)
+    with StoreClient(node.address, timeout_s=5) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+    wrong, hits = [], []
+
+    def read(seed: int) -> None:
+        r = random.Random(seed)
+        with StoreClient(node.address, timeout_s=5) as client:
+            for _ in range(10):
+                idx = r.sample(range(len(keys)), 8)
+                into = [poisoned(values[i]) for i in idx]
+                ok = client.get_many([keys[i] for i in idx], into=into)
+                wrong.extend(i for i, b in zip(idx, into) if [bytes(f) for f in b] != values[i])
+                assert ok == [True] * 8
+            hits.append(client.counters["shm_hits"])
+
+    async def read_async() -> int:
+        client = AsyncStoreClient(node.address, timeout_s=5)
+        try:
+            into = [poisoned(v) for v in values]
+            assert await client.get_many(keys, into=into) == [True] * len(keys)
+            wrong.extend(i for i, b in enumerate(into) if [bytes(f) for f in b] != values[i])
+            return client.counters["shm_hits"]
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=read, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    async_hits = asyncio.run(read_async())
+    for t in threads:
+        t.join(30)
+    assert wrong == [] and hits == [80] * 4 and async_hits == len(keys)
