@@ -6,7 +6,7 @@ one node and from three (store -> pinned host pages), load (host -> device, all 
 in the same run a raw ``StoreClient.get_many`` of the same bytes and a contiguous host->device
 copy of the same bytes.
 
-    python scripts/bench_connector.py [--tokens 32768] [--layers 32]
+    python scripts/bench_connector.py [--tokens 32768] [--layers 32] [--shm]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def run(args, num_nodes: int) -> dict:
     n_pages = args.tokens // geo.page_size
     slots = args.tokens + 64
     cap = f"{int(n_pages * geo.page_bytes * 1.2 / num_nodes) + (256 << 20)}"
-    nodes = start_nodes(num_nodes, "--capacity", cap)
+    nodes = start_nodes(num_nodes, "--capacity", cap, *(["--shm"] if args.shm else []))
     try:
         cfg = ClientConfig(tuple(n.address for n in nodes), timeout_s=60)
         shape = (geo.num_layers, slots, *geo.device_layer_shape)
@@ -109,12 +109,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--nodes", default="1,3")
+    ap.add_argument("--shm", action="store_true", help="nodes with --shm (same-host shortcut)")
     args = parse_args(ap)
     tune_malloc_for_blocks()
     env = environment()
     print(f"# {env['device']}, {env['cpu_count']} cpus, commit {env['commit']}", flush=True)
     rows = [run(args, int(n)) for n in args.nodes.split(",")]
-    print(f"wrote {write_result('bench_connector', dict(args=vars(args), rows=rows))}")
+    name = "bench_connector_shm" if args.shm else "bench_connector"
+    print(f"wrote {write_result(name, dict(args=vars(args), rows=rows))}")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--decode-tokens", type=int, default=0)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--nodes", type=int, default=1, help="store nodes (this machine, TCP)")
+    ap.add_argument("--shm", action="store_true", help="nodes with --shm (same-host shortcut)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", help="also write the JSON result to this file")
     args = _bench_util.parse_args(ap)  # adds --save
@@ -168,7 +169,8 @@ def run_model(model: str, args: argparse.Namespace) -> dict:
     geo_bytes = EngineConfig(PRESETS[model], page_size=args.page_size, dtype="bf16").geometry
     host_pages = (max(args.tokens) + args.question_tokens) // args.page_size + 256
     capacity = 6 * max(args.tokens) * geo_bytes.bytes_per_token * (2 if args.quick else 1)
-    nodes = start_nodes(args.nodes, "--capacity", str(max(capacity, 1 << 30)))
+    shm = ["--shm"] if args.shm else []
+    nodes = start_nodes(args.nodes, "--capacity", str(max(capacity, 1 << 30)), *shm)
     engines: dict[str, Engine] = {}
     try:
         store = ClientConfig(tuple(n.address for n in nodes), timeout_s=30.0)
