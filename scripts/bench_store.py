@@ -30,7 +30,7 @@ from pathlib import Path
 from _bench_util import environment, parse_args, write_result
 from _ceilings import memcpy_ceiling, tcp_ceiling
 
-from pagekv.store import AsyncStoreClient, Status, StoreClient
+from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
 from pagekv.store.launch import NodeProcess
 from pagekv.store.memory import tune_malloc_for_blocks
 
@@ -95,7 +95,7 @@ async def _async_rounds(client, blocks: list, into: list, rounds: int) -> list[t
 
 def streams_rows(args) -> dict:
     """K-stream TCP and K-thread memcpy ceilings and pagekv with K streams, same bytes."""
-    size, n, cores = 2 * MIB, 64, os.cpu_count()
+    size, n, cores = 2 * MIB, args.stream_blocks, os.cpu_count()
     blocks = [os.urandom(size) for _ in range(n)]
     into = [bytearray(size) for _ in range(n)]
     gb, rows = size * n / 1e9, []
@@ -103,13 +103,17 @@ def streams_rows(args) -> dict:
         tcp_put, tcp_get = tcp_ceiling(k, size, max(1, n // k), args.rounds)
         memcpy = memcpy_ceiling(k, 32 * MIB, 4)
         node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k)).start()
-        client = AsyncStoreClient(node.address, timeout_s=30, streams=k)
+        cfg = ClientConfig((node.address,), timeout_s=30, streams=k,
+                           copy_threads=args.copy_threads)  # fmt: skip
+        client = AsyncStoreClient(node.address, config=cfg)
+        copy_threads = client.config.copy_threads
         times = asyncio.run(_async_rounds(client, blocks, into, args.rounds))
         client.close()
         node.stop()
         put = gb / statistics.median(t[0] for t in times)
         get = gb / statistics.median(t[1] for t in times)
-        rows.append(dict(streams=k, cores=cores, put_gbps=round(put, 3), get_gbps=round(get, 3),
+        rows.append(dict(streams=k, cores=cores, copy_threads=copy_threads,
+                         put_gbps=round(put, 3), get_gbps=round(get, 3),
                          tcp_put_gbps=round(tcp_put, 3), tcp_get_gbps=round(tcp_get, 3),
                          memcpy_gbps=round(memcpy, 3), put_ratio=round(put / tcp_put, 3),
                          get_ratio=round(get / tcp_get, 3)))  # fmt: skip
@@ -221,6 +225,11 @@ def main() -> None:
     ap.add_argument(
         "--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8]
     )
+    ap.add_argument("--stream-blocks", type=int, default=256, help="2 MiB blocks per round")
+    ap.add_argument("--copy-threads", type=int, default=None, help="client copy pool (streams)")
+    ap.add_argument("--only", type=lambda s: s.split(","),
+                    default=["headline", "streams", "peers", "exists", "rss", "grid"],
+                    help="sections to run, comma-separated")  # fmt: skip
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--default-malloc", action="store_true", help="client: glibc defaults")
     args = parse_args(ap)
@@ -231,12 +240,10 @@ def main() -> None:
         tune_malloc_for_blocks()
     env = environment()
     print(f"# {env['device']}, {env['cpu_count']} cpus, commit {env['commit']}", flush=True)
-    result = dict(headline=headline(args))
-    result["streams"] = streams_rows(args)
-    result["peers"] = {} if args.skip_peers else peer_rows(args)
-    result["exists"] = exists_latency(args)
-    result["rss"] = rss_under_stream(args)
-    result["grid"] = grid(args)
+    peers = (lambda a: {}) if args.skip_peers else peer_rows
+    sections = {"headline": headline, "streams": streams_rows, "peers": peers,
+                "exists": exists_latency, "rss": rss_under_stream, "grid": grid}  # fmt: skip
+    result = {name: fn(args) for name, fn in sections.items() if name in args.only}
     reason = "no raw-TCP peer measured (peers not installed or --skip-peers)"
     print(f"wrote {write_result('bench_store', result, nan_reason=reason)}")
 

@@ -130,7 +130,6 @@ def test_flipped_byte_in_second_frame_is_a_miss():
             assert client.get_many([b"tampered-key-001"]) == [None]
             into = poisoned_like(frames)
             assert client.get_many([b"tampered-key-001"], into=[into]) == [False]
-            assert all(set(b) == {0xA5} for b in into)
             assert client.counters["checksum_mismatch"] == 2
     finally:
         running.stop()

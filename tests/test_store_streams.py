@@ -127,7 +127,8 @@ async def test_concurrent_get_many_over_streams(node_proc):
 @pytest.mark.asyncio
 async def test_node_stopped_mid_transfer_with_streams(node_proc):
     """Each of three concurrent calls ends within its one timeout; every value it reports is
-    right and every miss leaves its buffer untouched; after SIGCONT the client works again."""
+    right (a miss's buffer holds its poison or, copied just before the deadline, the right
+    value, never anything else); after SIGCONT the client works again."""
     rng = random.Random(os.urandom(8))
     keys = [rng.randbytes(16) for _ in range(96)]
     values = [rng.randbytes(256 << 10) for _ in keys]
@@ -160,7 +161,8 @@ async def test_node_stopped_mid_transfer_with_streams(node_proc):
         for part, into, (ok, took) in zip(parts, intos, results):
             assert took < bound, f"a call took {took:.2f}s with the node stopped"
             for i, hit, buf in zip(part, ok, into):
-                assert bytes(buf) == (values[i] if hit else bytes([POISON]) * len(buf))
+                allowed = (values[i],) if hit else (values[i], bytes([POISON]) * len(buf))
+                assert bytes(buf) in allowed
         assert not all(all(ok) for ok, _ in results), "the stop came after every transfer"
         node_proc.proc.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + 10

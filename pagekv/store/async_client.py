@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -140,6 +141,13 @@ class AsyncStoreClient(_Base):
             result = await fut
             clock["bytes"] -= call.nbytes + 1
             clock["progress"] = time.monotonic()
+            if result is not None and call.prepare is not None and self.router.pool is not None:
+                job = self.router.pool.submit(call.prepare, *result)
+                clock["jobs"].append(job)  # waited for by _stream_calls, even if cancelled
+                try:
+                    await asyncio.wrap_future(job)
+                except Exception:  # a bug in a prepare: on_reply does its work instead
+                    log.exception("pagekv store: a reply's copies failed")
             if result is not None and call.on_reply is not None:
                 call.on_reply(*result)
             return result
@@ -170,7 +178,7 @@ class AsyncStoreClient(_Base):
             left_calls -= 1
             waker.set()
 
-        clock = {"progress": start, "bytes": 0, "sending": 0, "wake": waker.set}
+        clock = {"progress": start, "bytes": 0, "sending": 0, "wake": waker.set, "jobs": []}
         tasks = {asyncio.ensure_future(self._request(node, link, c, clock)): c for c in calls}
         for task in tasks:
             task.add_done_callback(finished)
@@ -201,6 +209,12 @@ class AsyncStoreClient(_Base):
         finally:
             for task in tasks:
                 task.cancel()
+            # A prepare running on the copy pool writes into the caller's buffers: the call is
+            # over only when none is left (a queued one is cancelled with its task; a running
+            # one finishes within a copy of one reply, milliseconds)
+            running = [job for job in clock["jobs"] if not job.cancel() and not job.done()]
+            if running:
+                concurrent.futures.wait(running)
         return {
             c.request.id: t.result() if t.done() and not t.cancelled() else None
             for t, c in tasks.items()

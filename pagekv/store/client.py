@@ -21,6 +21,8 @@ thread-safe: use one per thread (or per event loop).
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +36,8 @@ from .protocol import Op, ProtocolError, Status, decode_reply, encode_request
 from .routing import Batch, Call, ExistsResult, OpGen, Results
 
 __all__ = ["StoreClient"]
+
+log = logging.getLogger("pagekv.store")
 
 
 _MORE, _MORE_NOW, _NOW = int(zmq.SNDMORE), int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)
@@ -86,6 +90,27 @@ class _Flow:
         return self.progress + connect + config.timeout_per_mib_s * waiting / (1 << 20)
 
 
+@dataclass
+class _Job:
+    """A reply whose ``prepare`` runs on the copy pool; ``on_reply`` follows on this thread."""
+
+    future: concurrent.futures.Future
+    call: Call
+    reply: Any
+    frames: list[Any]
+
+    def finish(self, block: bool) -> bool:
+        """Hand the reply on once its prepare is done (waiting for it if ``block``); True
+        when handed on. A prepare that raised (a bug) leaves its work to ``on_reply``."""
+        if not block and not self.future.done():
+            return False
+        if self.future.exception() is not None:
+            log.error("pagekv store: a reply's copies failed", exc_info=self.future.exception())
+        if self.call.on_reply is not None:
+            self.call.on_reply(self.reply, self.frames)
+        return True
+
+
 class StoreClient(_Base):
     """Blocking client. See the module docstring for what raises and what does not."""
 
@@ -120,7 +145,11 @@ class StoreClient(_Base):
                 flow = _Flow(node, stream, link, self._window(node), now, unsent=part)
                 flows[node, stream] = flow
         by_sock = {flow.link.sock: flow for flow in flows.values()}
-        while flows:
+        jobs: list[_Job] = []  # replies whose prepare runs on the copy pool
+        while flows or jobs:
+            jobs[:] = [job for job in jobs if not job.finish(block=not flows)]
+            if not flows:
+                continue
             poller, now = zmq.Poller(), time.monotonic()
             for flow in list(flows.values()):
                 self._send_some(flow, now)
@@ -132,10 +161,11 @@ class StoreClient(_Base):
             if not flows:
                 break
             wait = min(flow.deadline(self.config) for flow in flows.values()) - now
-            for sock, _ in poller.poll(max(0.0, wait) * 1000 + 1):
+            wait_ms = 1 if jobs else max(0.0, wait) * 1000 + 1  # jobs: look at them often
+            for sock, _ in poller.poll(wait_ms):
                 flow = by_sock[sock]
                 if (flow.node, flow.stream) in flows:
-                    self._receive(flow, flows, results)
+                    self._receive(flow, flows, results, jobs)
         return results
 
     def _send_some(self, flow: _Flow, now: float) -> None:
@@ -152,7 +182,7 @@ class StoreClient(_Base):
             flow.outstanding[call.request.id] = call
             flow.out_bytes += call.nbytes
 
-    def _receive(self, flow: _Flow, flows: dict, results: Results) -> None:
+    def _receive(self, flow: _Flow, flows: dict, results: Results, jobs: list[_Job]) -> None:
         while flow.outstanding:
             try:
                 frames = flow.link.sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -170,7 +200,10 @@ class StoreClient(_Base):
             flow.progress = time.monotonic()
             flow.out_bytes -= call.nbytes
             results[reply.id] = (reply, frames[1:])
-            if call.on_reply is not None:
+            if call.prepare is not None and self.router.pool is not None:
+                jobs.append(_Job(self.router.pool.submit(call.prepare, reply, frames[1:]),
+                                 call, reply, frames[1:]))  # fmt: skip
+            elif call.on_reply is not None:
                 call.on_reply(reply, frames[1:])
         if not flow.unsent:
             del flows[flow.node, flow.stream]
@@ -210,10 +243,12 @@ class StoreClient(_Base):
     ) -> list[Any]:
         """With ``into``: scatter each found value's frames into ``into[i]`` (a writable
         buffer, or a sequence of them, one per frame with matching sizes) and return a bool
-        per key; a size or frame-count mismatch or a bad checksum is a miss (counted) and
-        leaves ``into[i]`` untouched. Without: per found key a read-only memoryview (a
-        single-frame value) or a list of them (one per frame), None per miss; the views
-        hold the received frames and stay valid as long as they are referenced.
+        per key; a size or frame-count mismatch or a bad checksum is a miss (counted). A
+        value is checked as it is copied (one pass over memory), so after a miss ``into[i]``
+        holds unspecified bytes (untouched, partly or wholly written): use it only on True.
+        Without: per found key a read-only memoryview (a single-frame value) or a list of
+        them (one per frame), None per miss; the views hold the received frames and stay
+        valid as long as they are referenced.
         ``on_arrival(i)``, if given, is called (on the calling thread) as soon as key i's value
         is verified and in place, while later keys are still on their way; it must not raise."""
         return self._run(self._plan_get(keys, into, on_arrival))

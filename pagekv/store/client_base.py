@@ -14,6 +14,7 @@ from pagekv.errors import AuthenticationFailed
 
 from . import operations
 from .config import ClientConfig, CurveClientKeys
+from .copies import shared_pool
 from .protocol import MAX_KEY_BYTES
 from .routing import Link, OpGen, Router, StoreUnavailable
 
@@ -88,6 +89,7 @@ class _Base:
             cfg.endpoints, cfg.replicas, (cfg.backoff_min_s, cfg.backoff_max_s),
             cfg.max_message_bytes, link=self._link_state,
         )  # fmt: skip
+        self.router.pool = shared_pool(cfg.copy_threads)  # None: copies on the client's thread
         self._links: dict[int, list[Any]] = {}  # node -> its links, one per stream (or None)
         self._turn: dict[int, int] = {}  # node -> the stream its next batch starts on
 

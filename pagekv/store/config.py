@@ -6,6 +6,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from .copies import default_copy_threads
 from .protocol import MAX_HEADER_BYTES
 
 __all__ = ["ClientConfig", "CurveClientKeys", "NodeConfig", "default_streams", "parse_size"]
@@ -81,15 +82,19 @@ class NodeConfig:
     heartbeat_s: float = 10.0  # ZMTP heartbeats; a peer silent for 3x this is dropped; 0: off
     guard_interval_s: float = 0.02  # how often connections and RSS are checked; 0: no guard
     shm: bool = False  # keep blocks in a shared segment under /dev/shm (same-host shortcut)
+    verify_threads: int = 0  # threads checking large PUTs; 0: default_copy_threads(); 1: none
 
     def __post_init__(self) -> None:
         for name in ("capacity", "max_block_size", "max_message_size"):
             object.__setattr__(self, name, parse_size(getattr(self, name)))
         if self.io_threads == 0:  # one I/O thread per stream a same-host client opens
             object.__setattr__(self, "io_threads", default_streams())
+        if self.verify_threads == 0:
+            object.__setattr__(self, "verify_threads", default_copy_threads())
         _positive("NodeConfig", capacity=self.capacity, max_block_size=self.max_block_size,
                   max_message_size=self.max_message_size, max_keys=self.max_keys,
                   max_frames=self.max_frames, io_threads=self.io_threads, window=self.window,
+                  verify_threads=self.verify_threads,
                   recv_hwm=self.recv_hwm, max_connections=self.max_connections,
                   handshake_s=self.handshake_s)  # fmt: skip
         if self.max_block_size > self.max_message_size:
@@ -169,7 +174,10 @@ class ClientConfig:
     ``streams`` (default :func:`default_streams`) is how many connections the client keeps to
     each node; a batch's requests to a node are spread over them, each with its own window of
     ``window`` requests in flight and its own deadline, and the client's zmq context gets as
-    many I/O threads (see docs/protocol.md, "Streams").
+    many I/O threads (see docs/protocol.md, "Streams"). ``copy_threads`` (default
+    :func:`.copies.default_copy_threads`) check and copy the values of GET replies into the
+    caller's buffers and checksum large put batches, on a pool shared by the process's
+    clients; 1 does that work on the client's own thread.
     """
 
     endpoints: tuple[str, ...]
@@ -183,6 +191,7 @@ class ClientConfig:
     max_message_bytes: int = 16 << 20  # requests are also cut to each node's advertised limits
     connect_timeout_s: float | None = None  # None: timeout_s
     streams: int | None = None  # connections per node; None: default_streams()
+    copy_threads: int | None = None  # None: default_copy_threads(); 1: no pool
 
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str):
@@ -204,6 +213,13 @@ class ClientConfig:
         if type(self.streams) is not int or not 1 <= self.streams <= MAX_STREAMS:
             raise ValueError(
                 f"ClientConfig.streams must be an int in [1, {MAX_STREAMS}], got {self.streams!r}"
+            )
+        if self.copy_threads is None:
+            object.__setattr__(self, "copy_threads", default_copy_threads())
+        if type(self.copy_threads) is not int or not 1 <= self.copy_threads <= MAX_STREAMS:
+            raise ValueError(
+                f"ClientConfig.copy_threads must be an int in [1, {MAX_STREAMS}], "
+                f"got {self.copy_threads!r}"
             )
         if isinstance(self.timeout_per_mib_s, bool) or not self.timeout_per_mib_s >= 0:
             raise ValueError(

@@ -4,6 +4,7 @@ whose frames do not match its header, and nothing else on input."""
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from typing import Any
 
 import msgpack
@@ -12,6 +13,7 @@ from xxhash import xxh3_64_intdigest
 
 from .block_store import BlockStore
 from .config import NodeConfig
+from .copies import PARALLEL_BYTES
 from .protocol import Code, ProtocolError, Reply, Request, Status, checksum_frames
 
 __all__ = ["SHARED_BUFFER_BYTES", "best_effort_id", "get", "locate", "put"]
@@ -19,9 +21,13 @@ __all__ = ["SHARED_BUFFER_BYTES", "best_effort_id", "get", "locate", "put"]
 SHARED_BUFFER_BYTES = 8192  # libzmq's receive batch: smaller frames may live inside one
 
 
-def put(store: BlockStore, config: NodeConfig, req: Request, payloads: list[Any]) -> Reply:
+def put(
+    store: BlockStore, config: NodeConfig, req: Request, payloads: list[Any],
+    pool: Executor | None = None,
+) -> Reply:  # fmt: skip
     """Store a PUT's values. The frames are checked against the header as a whole first (count,
-    every size: ``BAD_FRAMES``, nothing stored); then each key gets its own status."""
+    every size: ``BAD_FRAMES``, nothing stored); then each key gets its own status. With a
+    ``pool``, the checksums of a large request are computed on several threads first."""
     if len(payloads) != len(req.sizes):
         raise ProtocolError(
             Code.BAD_FRAMES, f"header declares {len(req.sizes)} frames, got {len(payloads)}"
@@ -33,9 +39,10 @@ def put(store: BlockStore, config: NodeConfig, req: Request, payloads: list[Any]
     status = []
     if len(payloads) == len(req.keys):  # one frame per value: the common case, made lean
         bad = int(Status.BAD_CHECKSUM)
-        for key, frame, size, cs in zip(req.keys, payloads, req.sizes, req.sums):
-            data = own(frame)
-            if verify and size <= most and xxh3_64_intdigest(data) != cs:
+        datas = [own(frame) for frame in payloads]
+        sums = _parallel_sums(datas, pool) if verify else None
+        for j, (key, data, size, cs) in enumerate(zip(req.keys, datas, req.sizes, req.sums)):
+            if verify and size <= most and (sums[j] if sums else xxh3_64_intdigest(data)) != cs:
                 status.append(bad)
             else:
                 status.append(store_put(key, (data,), size, cs))
@@ -50,6 +57,14 @@ def put(store: BlockStore, config: NodeConfig, req: Request, payloads: list[Any]
             continue
         status.append(store_put(key, tuple(frames), size, cs))
     return Reply(req.id, status=status)
+
+
+def _parallel_sums(datas: list[Any], pool: Executor | None) -> list[int] | None:
+    """The frames' xxh3-64 on ``pool`` when they are many and large enough to gain (xxhash
+    releases the GIL); None: let the caller hash them one by one."""
+    if pool is None or len(datas) < 2 or sum(map(len, datas)) < PARALLEL_BYTES:
+        return None
+    return list(pool.map(xxh3_64_intdigest, datas))
 
 
 def get(

@@ -9,39 +9,24 @@ moves the key on to its next node, and a key no node could answer is ``Status.UN
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from typing import Any
 
-from xxhash import xxh3_64_intdigest
-
-try:  # numpy comes with pagekv[connector] (engines); a store-only install copies under the GIL
-    import numpy as np
-except ImportError:  # pragma: no cover - the test environment has numpy
-    np = None
-
 from . import shm_reader
-from .protocol import Op, Request, Status, checksum_frames
-from .routing import Call, ExistsResult, OpGen, Router
+from .copies import PARALLEL_BYTES, copy_checksum
+from .protocol import Code, Op, Request, Status, checksum_frames
+from .routing import Call, ExistsResult, OpGen, Router, reply_shape_problem
 
 __all__ = ["delete", "exists", "get", "put"]
 
 PUT_KEY_EXTRA, PUT_FRAME_EXTRA = 24, 9  # header bytes per key (bin, count, sum) and per frame
 MAX_DEFERRALS = 64  # a node that keeps deferring a key is treated as failing for it
-COPY_WITHOUT_GIL = 64 << 10  # frames this large are copied by numpy, which releases the GIL
-
-
-def _copy(target: memoryview, frame: memoryview) -> None:
-    """``target[:] = frame`` (same sizes); a large frame without holding the GIL, so copies
-    (and xxhash checksums, which also release it) of several threads run on several cores."""
-    if np is not None and frame.nbytes >= COPY_WITHOUT_GIL:
-        np.copyto(np.frombuffer(target, np.uint8), np.frombuffer(frame, np.uint8))
-    else:
-        target[:] = frame
 
 
 def put(router: Router, keys: Sequence[bytes], values: Sequence[list[memoryview]]) -> OpGen:
     """``values[i]``: the frames of key i. Stores each on ``replicas`` nodes, replacing a node
     that fails by the key's next one; returns a status per key."""
-    sums, sizes, nframes = _describe(values)
+    sums, sizes, nframes = _describe(values, router.pool)
     cands = router.candidates(keys, router.replicas + 1, router.usable())
     statuses: list[list[int]] = [[] for _ in keys]
     want, nxt = [router.replicas] * len(keys), [0] * len(keys)
@@ -89,18 +74,17 @@ def put(router: Router, keys: Sequence[bytes], values: Sequence[list[memoryview]
     return out
 
 
-def _describe(values: Sequence[list[memoryview]]) -> tuple[list[int], list[int], list[int]]:
-    """Checksum, byte size and frame count of each value."""
-    sums, sizes, nframes = [], [], []
-    for v in values:
-        if len(v) == 1:
-            sums.append(xxh3_64_intdigest(v[0]))
-            sizes.append(v[0].nbytes)
-            nframes.append(1)
-        else:
-            sums.append(checksum_frames(v))
-            sizes.append(sum(f.nbytes for f in v))
-            nframes.append(len(v))
+def _describe(
+    values: Sequence[list[memoryview]], pool: Executor | None = None
+) -> tuple[list[int], list[int], list[int]]:
+    """Checksum, byte size and frame count of each value; the checksums of a large batch on
+    ``pool`` (xxhash releases the GIL: several cores)."""
+    sizes = [v[0].nbytes if len(v) == 1 else sum(f.nbytes for f in v) for v in values]
+    nframes = [len(v) for v in values]
+    if pool is not None and len(values) > 1 and sum(sizes) >= PARALLEL_BYTES:
+        sums = list(pool.map(checksum_frames, values, chunksize=max(1, len(values) // 64)))
+    else:
+        sums = [checksum_frames(v) for v in values]
     return sums, sizes, nframes
 
 
@@ -130,36 +114,55 @@ def get(
 ) -> OpGen:
     """``into[i]``: the byte views key i's frames are scattered into, or None for views.
     ``on_arrival(i)`` is called as soon as key i's value is verified and in place (before the
-    batch ends); it must not raise."""
+    batch ends); it must not raise. With ``into`` and a client copy pool (``router.pool``),
+    each GET call carries a ``prepare`` that checks and copies its reply's values on a pool
+    thread before the reply is handled (see :class:`.routing.Call`)."""
     out: list[Any] = [None] * len(keys)
     expected = None if into is None else [sum(t.nbytes for t in targets) for targets in into]
+    checked: dict[int, str] = {}  # key -> outcome of its copy done by a prepare (pool thread)
 
-    def on_hit(i: int, cs: int, frames: list[Any]) -> bool:
+    def check(i: int, cs: int, frames: list[Any]) -> str:
+        """Copy and verify key i's value: "" when in place, else the failed counter's name.
+        Touches only ``into[i]``: safe on any thread."""
         data = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
-        if checksum_frames(data) != cs:
-            router.counters["checksum_mismatch"] += 1
-            return False
         if into is None:
+            if checksum_frames(data) != cs:
+                return "checksum_mismatch"
             views = [d.toreadonly() for d in data]
             out[i] = views[0] if len(views) == 1 else views
-            if on_arrival is not None:
-                on_arrival(i)
-            return True
+            return ""
         targets = into[i]
         if len(targets) != len(data) or any(t.nbytes != d.nbytes for t, d in zip(targets, data)):
-            router.counters["size_mismatch"] += 1
+            return "size_mismatch"
+        return "" if copy_checksum(targets, data) == cs else "checksum_mismatch"
+
+    def on_hit(i: int, cs: int, frames: list[Any]) -> bool:
+        problem = checked.pop(i) if i in checked else check(i, cs, frames)
+        if problem:
+            router.counters[problem] += 1
             return False
-        for target, frame in zip(targets, data):
-            _copy(target, frame)
-        out[i] = True
+        if into is not None:
+            out[i] = True
         if on_arrival is not None:
             on_arrival(i)
         return True
 
+    def prepare(call: Call, reply: Any, frames: list[Any]) -> None:
+        """The copies and checks of one well-formed reply, off the client's thread."""
+        if reply.code is not Code.OK or reply_shape_problem(call, reply, frames) is not None:
+            return  # handled (and refused) on the client's thread
+        j = start = 0
+        for i, st in zip(call.idxs, reply.status):
+            if st == Status.OK:
+                count = reply.counts[j]
+                checked[i] = check(i, reply.sums[j], frames[start : start + count])
+                j, start = j + 1, start + count
+
     done: set[int] = set()
     if into is not None:  # same-host shortcut (--shm nodes): what it copied is done
         done = yield from shm_reader.get(router, keys, into, out, on_arrival)
-    yield from _lookup(router, Op.GET, keys, on_hit, expected, done)
+    parallel = prepare if into is not None and router.pool is not None else None
+    yield from _lookup(router, Op.GET, keys, on_hit, expected, done, parallel)
     return out if into is None else [bool(x) for x in out]
 
 
@@ -205,9 +208,11 @@ def _lookup(
     on_hit: Callable[[int, Any, list[Any]], bool],
     expected: list[int] | None,
     done: set[int] = frozenset(),
+    prepare: Callable[[Call, Any, list[Any]], None] | None = None,
 ) -> OpGen:
     """Ask each key's nodes in turn until ``on_hit`` accepts a node's answer for it (keys in
-    ``done`` are answered already); returns the number of keys no node answered for."""
+    ``done`` are answered already); returns the number of keys no node answered for.
+    ``prepare(call, reply, frames)`` becomes each call's ``prepare`` (see ``Call``)."""
     usable = router.usable()
     cands = router.candidates(keys, router.replicas + 1, usable)
     pos, deferred = [0] * len(keys), [0] * len(keys)
@@ -267,6 +272,8 @@ def _lookup(
                 nbytes = sum(expected[i] for i in part) if expected is not None else 0
                 call = Call(node, req, [], part, nbytes)
                 call.on_reply = lambda reply, frames, call=call: handle(call, (reply, frames))
+                if prepare is not None:
+                    call.prepare = lambda reply, frames, call=call: prepare(call, reply, frames)
                 batch.append(call)
         if not batch:
             continue

@@ -28,6 +28,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -49,6 +50,7 @@ __all__ = [
     "Router",
     "StoreError",
     "StoreUnavailable",
+    "reply_shape_problem",
 ]
 
 Results = dict[int, "tuple[Reply, list[Any]] | None"]
@@ -63,6 +65,10 @@ class Call:
     idxs: list[int]  # positions of the request's keys in the caller's key list
     nbytes: int = 0  # bytes this request moves (payload out + expected reply): its timeout
     on_reply: Callable[[Reply, list[Any]], None] | None = None
+    # The reply's heavy work (copies, checksums), run by a client with a copy pool on a pool
+    # thread before ``on_reply``; it writes only into the caller's buffers of this call's keys
+    # and must be finished before the call counts as over (the client waits for it).
+    prepare: Callable[[Reply, list[Any]], None] | None = None
     handled: bool = False
 
 
@@ -158,6 +164,7 @@ class Router:
         self.health = [NodeHealth(*backoff) for _ in self.endpoints]
         self.limits: list[Limits | None] = [None] * len(self.endpoints)
         self.shm_adverts: list[dict] = [{}] * len(self.endpoints)  # PING "shm" (same-host)
+        self.pool: Executor | None = None  # the client's copy pool (see .copies); None: inline
         self._salt = [ep.encode() for ep in self.endpoints]
         self._ids = itertools.count(1)
         self.counters = dict.fromkeys(
@@ -307,6 +314,12 @@ class Router:
                     self.limits[call.node] = Limits.parse(result[0].limits) or FALLBACK_LIMITS
                     self.shm_adverts[call.node] = result[0].shm
         return out
+
+
+def reply_shape_problem(call: Call, reply: Reply, frames: list[Any]) -> str | None:
+    """What is wrong with the shape of ``call``'s reply (None: its statuses, checksums and
+    frame counts agree with the request and the frames). Pure: no counters, no health."""
+    return _shape_problem(call.request.op, len(call.idxs), reply, len(frames))
 
 
 def _shape_problem(op: Op, nkeys: int, reply: Reply, nframes: int) -> str | None:

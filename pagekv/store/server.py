@@ -25,6 +25,7 @@ import zmq
 from . import handlers
 from .block_store import BlockStore
 from .config import NodeConfig
+from .copies import shared_pool
 from .guard import ConnectionGuard, wire_bytes
 from .memory import tune_malloc_for_blocks
 from .monitor import EVENTS as MONITOR_EVENTS
@@ -79,6 +80,7 @@ class StoreNode:
         budget = config.max_message_size + MAX_HEADER_BYTES
         self.outbox = Outbox(self.sock, budget, config.window, self.counters)
         self._sent_blocks: list[Any] | None = None  # blocks whose views the next reply sends
+        self.verify_pool = shared_pool(config.verify_threads)  # checksums of large PUTs
         # libzmq gives a socket one monitor: the guard owns it and feeds the connection
         # counts of the metrics; without a guard the counter watches the socket itself
         self.guard: ConnectionGuard | None = None
@@ -306,7 +308,7 @@ class StoreNode:
         if req.op is not Op.PUT and payloads:
             raise ProtocolError(Code.BAD_FRAMES, f"{req.op.value} takes no payload frames")
         if req.op is Op.PUT:
-            return handlers.put(self.store, self.config, req, payloads), []
+            return handlers.put(self.store, self.config, req, payloads, self.verify_pool), []
         if req.op is Op.GET:
             return self._get(req)
         if req.op is Op.EXISTS:

@@ -62,6 +62,7 @@ _NODE_HELP: dict[str, tuple[str, str]] = {
         "path",
     ),
     "io_threads": ("ZeroMQ I/O threads (0: one per 4 cores, 1 to 4)", "int"),
+    "verify_threads": ("threads checking large PUTs' checksums (0: half the cores, 1 to 8)", "int"),
     "socket_buffer": ("SO_SNDBUF/SO_RCVBUF bytes; 0 keeps the kernel's TCP autotuning", "size"),
     "max_frames": ("most payload frames in one request", "int"),
     "window": ("requests a client may have outstanding on one connection", "int"),

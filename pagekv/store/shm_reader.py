@@ -37,7 +37,8 @@ try:
 except ImportError:  # the store alone (pip install pagekv, no numpy): no shortcut
     np = None
 
-from .protocol import Code, Op, Request, Status, checksum_frames
+from .copies import copy_checksum
+from .protocol import Code, Op, Request, Status
 from .routing import FALLBACK_LIMITS, Call, OpGen, Router
 from .shm import host_id
 
@@ -158,16 +159,17 @@ def _copy_one(job: tuple, targets: list[memoryview]) -> str:
     last = first + max(1, -(-total // granule))
     if offset < adv["data_offset"] or rem or last > adv["granules"]:
         return "bad_reply"
-    pos = offset
-    try:
-        for target, n in zip(targets, sizes):
-            np.copyto(np.frombuffer(target, dtype=np.uint8), mapped.bytes[pos : pos + n])
-            pos += n
+    sources, pos = [], offset
+    for n in sizes:
+        sources.append(mapped.bytes[pos : pos + n])
+        pos += n
+    try:  # one pass: each chunk hashed as it lands (pagekv.store.copies)
+        copied = copy_checksum(targets, sources)
     except ValueError:  # a frame past the file's end: a lying reply
         return "bad_reply"
     if not (mapped.gens[first:last] == gen).all():  # after the copy: see pagekv.store.shm
         return "mismatch"
-    if checksum_frames(targets) != cs:
+    if copied != cs:
         return "mismatch"
     return ""
 

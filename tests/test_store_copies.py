@@ -1,0 +1,241 @@
+"""Checked copies (pagekv.store.copies) and the clients' copy pool: values checked and copied on
+pool threads are right on fresh random data, misses are counted, a node verifies large PUTs on
+its pool, and a call never returns while a pool thread still writes into the caller's buffers.
+Real node processes."""
+
+import asyncio
+import concurrent.futures
+import os
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from pagekv.store import (
+    AsyncStoreClient,
+    ClientConfig,
+    Status,
+    StoreClient,
+    async_client,
+    copies,
+    operations,
+)
+from pagekv.store.config import NodeConfig
+from pagekv.store.copies import copy_checksum, default_copy_threads, shared_pool
+from pagekv.store.launch import NodeProcess
+from pagekv.store.protocol import checksum_frames
+
+POISON = 0xA5
+
+
+@pytest.fixture
+def node_proc():
+    node = NodeProcess("--capacity", "256MiB", "--verify-threads", "4").start()
+    yield node
+    node.stop()
+
+
+def random_values(rng: random.Random, count: int) -> list:
+    """Sizes on both sides of the chunk (256 KiB) and small-frame (64 KiB) thresholds, some
+    not multiples of anything; every fourth value has two or three frames."""
+    values = []
+    for i in range(count):
+        sizes = [rng.choice([5, 60_000, 65_536, 262_145, 1 << 20, 700_001]) for _ in range(3)]
+        frames = [rng.randbytes(s) for s in sizes[: 1 + i % 3]]
+        values.append(frames if i % 4 == 0 else frames[0])
+    return values
+
+
+def poisoned_like(value) -> object:
+    if isinstance(value, list):
+        return [bytearray([POISON]) * len(f) for f in value]
+    return bytearray([POISON]) * len(value)
+
+
+def as_bytes(value) -> object:
+    return [bytes(f) for f in value] if isinstance(value, list) else bytes(value)
+
+
+def test_copy_checksum_matches_a_plain_copy_and_hash():
+    rng = np.random.default_rng(int.from_bytes(os.urandom(8)))
+    for sizes in ([1], [65_535], [65_536], [262_144 * 3 + 17], [5, 1 << 20, 300_001]):
+        sources = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+        targets = [memoryview(bytearray([POISON]) * n) for n in sizes]
+        got = copy_checksum(targets, sources)
+        assert got == checksum_frames([s.tobytes() for s in sources])
+        assert [bytes(t) for t in targets] == [s.tobytes() for s in sources]
+
+
+def test_copy_checksum_refuses_sizes_that_differ():
+    with pytest.raises(ValueError):
+        copy_checksum([memoryview(bytearray(1 << 20))], [bytes((1 << 20) - 1)])
+    with pytest.raises(ValueError):
+        copy_checksum([memoryview(bytearray(10))], [bytes(11)])
+    with pytest.raises(ValueError):
+        copy_checksum([memoryview(bytearray(10))], [])
+
+
+def test_copy_threads_config():
+    assert 1 <= default_copy_threads() <= 8
+    assert ClientConfig(("tcp://127.0.0.1:1",)).copy_threads == default_copy_threads()
+    assert NodeConfig(port=0).verify_threads == default_copy_threads()
+    for bad in (0, -1, 1.5, True, "2", 65):
+        with pytest.raises(ValueError, match="copy_threads"):
+            ClientConfig(("tcp://127.0.0.1:1",), copy_threads=bad)
+    with pytest.raises(ValueError, match="verify_threads"):
+        NodeConfig(port=0, verify_threads=-1)
+    assert shared_pool(1) is None and shared_pool(3) is shared_pool(3)
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_blocking_client_checks_on_its_pool(node_proc, streams):
+    rng = random.Random(os.urandom(8))
+    keys = [rng.randbytes(16) for _ in range(40)]
+    values = random_values(rng, len(keys))
+    cfg = ClientConfig((node_proc.address,), streams=streams, copy_threads=4, timeout_s=10)
+    with StoreClient(node_proc.address, config=cfg) as client:
+        assert client.router.pool is shared_pool(4)
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        missing = rng.randbytes(16)
+        into = [poisoned_like(v) for v in values] + [bytearray(8)]
+        arrived: list[int] = []
+        got = client.get_many([*keys, missing], into=into, on_arrival=arrived.append)
+        assert got == [True] * len(keys) + [False]
+        assert [as_bytes(b) for b in into[:-1]] == [as_bytes(v) for v in values]
+        assert sorted(arrived) == list(range(len(keys)))  # each once, never the miss
+        assert client.counters["checksum_mismatch"] == 0
+
+
+@pytest.mark.asyncio
+async def test_async_client_checks_on_its_pool_concurrently(node_proc):
+    rng = random.Random(os.urandom(8))
+    keys = [rng.randbytes(16) for _ in range(48)]
+    values = random_values(rng, len(keys))
+    cfg = ClientConfig((node_proc.address,), streams=2, copy_threads=4, timeout_s=10,
+                       max_message_bytes=2 << 20)  # fmt: skip
+    client = AsyncStoreClient(node_proc.address, config=cfg)
+    try:
+        assert await client.put_many(keys, values) == [Status.OK] * len(keys)
+        picks = [rng.sample(range(len(keys)), 20) for _ in range(4)]
+        intos = [[poisoned_like(values[i]) for i in pick] for pick in picks]
+        oks = await asyncio.gather(
+            *(client.get_many([keys[i] for i in p], into=b) for p, b in zip(picks, intos))
+        )
+        for pick, into, ok in zip(picks, intos, oks):
+            assert ok == [True] * len(pick)
+            assert [as_bytes(b) for b in into] == [as_bytes(values[i]) for i in pick]
+    finally:
+        client.close()
+
+
+def test_a_bad_checksum_on_the_pool_is_a_counted_miss(monkeypatch):
+    """A node that does not verify PUTs stores a value whose checksum does not match; the
+    client's pool finds it as it copies, reports a miss and counts it."""
+    node = NodeProcess("--capacity", "64MiB", "--no-verify-puts").start()
+    try:
+        rng = random.Random(os.urandom(8))
+        keys = [rng.randbytes(16) for _ in range(6)]
+        values = [rng.randbytes(1 << 20) for _ in keys]
+        cfg = ClientConfig((node.address,), copy_threads=4, timeout_s=10)
+        with StoreClient(node.address, config=cfg) as client:
+            real = operations.checksum_frames
+            bad = {bytes(values[2][:64])}
+
+            def lie_about_one(frames):  # the checksum sent with value 2 is off by one
+                value = real(frames)
+                return value ^ 1 if bytes(frames[0][:64]) in bad else value
+
+            monkeypatch.setattr(operations, "checksum_frames", lie_about_one)
+            assert client.put_many(keys, values) == [Status.OK] * len(keys)
+            monkeypatch.setattr(operations, "checksum_frames", real)
+            into = [bytearray(len(v)) for v in values]
+            assert client.get_many(keys, into=into) == [i != 2 for i in range(len(keys))]
+            assert [bytes(b) for i, b in enumerate(into) if i != 2] == values[:2] + values[3:]
+            assert client.counters["checksum_mismatch"] == 1
+    finally:
+        node.stop()
+
+
+def test_node_verifies_large_puts_on_its_pool():
+    """With verify threads, a large PUT whose checksums are wrong for some values stores the
+    right ones and refuses exactly the wrong ones."""
+    node = NodeProcess("--capacity", "64MiB", "--verify-threads", "4").start()
+    try:
+        rng = random.Random(os.urandom(8))
+        keys = [rng.randbytes(16) for _ in range(12)]
+        values = [rng.randbytes(1 << 20) for _ in keys]
+        wrong = {1, 7}
+        real = operations.checksum_frames
+        marks = {bytes(values[i][:64]) for i in wrong}
+
+        def lie(frames):
+            value = real(frames)
+            return value ^ 1 if bytes(frames[0][:64]) in marks else value
+
+        with StoreClient(node.address, timeout_s=10) as client:
+            orig, operations.checksum_frames = operations.checksum_frames, lie
+            try:
+                got = client.put_many(keys, values)
+            finally:
+                operations.checksum_frames = orig
+            expected = [Status.BAD_CHECKSUM if i in wrong else Status.OK for i in range(12)]
+            assert got == expected
+            into = [bytearray(len(v)) for v in values]
+            assert client.get_many(keys, into=into) == [i not in wrong for i in range(12)]
+            assert [bytes(into[i]) for i in range(12) if i not in wrong] == [
+                values[i] for i in range(12) if i not in wrong
+            ]
+    finally:
+        node.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_call_never_returns_while_its_pool_still_copies(node_proc, monkeypatch):
+    """The call's deadline passes while a pool thread is copying a reply into the caller's
+    buffer: get_many must wait for that copy before returning (the caller reuses the buffer
+    at once). The copy is held until the client waits on it, so without that wait the call
+    returns with the copy still pending and the test fails."""
+    rng = random.Random(os.urandom(8))
+    keys = [rng.randbytes(16) for _ in range(4)]
+    values = [rng.randbytes(1 << 20) for _ in keys]
+    cfg = ClientConfig((node_proc.address,), streams=1, copy_threads=2, timeout_s=0.3,
+                       timeout_per_mib_s=0.0)  # fmt: skip
+    client = AsyncStoreClient(node_proc.address, config=cfg)
+    gate, state, lock = threading.Event(), {"started": 0, "finished": 0}, threading.Lock()
+    real_copy, real_wait = operations.copy_checksum, concurrent.futures.wait
+
+    def held_copy(targets, sources):
+        with lock:
+            state["started"] += 1
+        gate.wait(30)  # released only when the client waits for its running copies
+        try:
+            return real_copy(targets, sources)
+        finally:
+            with lock:
+                state["finished"] += 1
+
+    def waiting(futures, *args, **kwargs):
+        gate.set()
+        return real_wait(futures, *args, **kwargs)
+
+    try:
+        assert await client.put_many(keys, values) == [Status.OK] * len(keys)
+        monkeypatch.setattr(operations, "copy_checksum", held_copy)
+        monkeypatch.setattr(async_client.concurrent.futures, "wait", waiting)
+        into = [bytearray([POISON]) * len(v) for v in values]
+        got = await client.get_many(keys, into=into)
+        with lock:
+            assert state["started"] >= 1 and state["finished"] == state["started"]
+        assert gate.is_set(), "the deadline did not pass during a copy"
+        for ok, buf, value in zip(got, into, values):
+            assert bytes(buf) in ((value,) if ok else (value, bytes([POISON]) * len(value)))
+    finally:
+        gate.set()
+        client.close()
+
+
+def test_copies_module_has_no_store_imports():
+    """copies is a leaf (config imports it): it must not import the rest of the store."""
+    source = open(copies.__file__).read()
+    assert "from ." not in source and "import pagekv" not in source
