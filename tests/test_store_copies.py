@@ -239,3 +239,105 @@ def test_copies_module_has_no_store_imports():
     """copies is a leaf (config imports it): it must not import the rest of the store."""
     source = open(copies.__file__).read()
     assert "from ." not in source and "import pagekv" not in source
+
+
+# ---- per-stream ports: each stream served by its own node I/O thread ----------------------
+
+
+def test_node_advertises_a_port_per_io_thread_and_streams_use_them():
+    node = NodeProcess("--capacity", "128MiB", "--io-threads", "3").start()
+    try:
+        rng = random.Random(os.urandom(8))
+        keys = [rng.randbytes(16) for _ in range(24)]
+        values = [rng.randbytes(256 << 10) for _ in keys]
+        cfg = ClientConfig((node.address,), streams=3, copy_threads=1, timeout_s=10)
+        with StoreClient(node.address, config=cfg) as client:
+            assert client.put_many(keys, values) == [Status.OK] * len(keys)  # PINGs first
+            ports = client.stats()[0]["stream_ports"]
+            assert len(ports) == 3 and len(set(ports)) == 3
+            assert client.router.stream_ports[0] == ports
+            endpoints = sorted(link.endpoint for link in client._links[0])
+            assert endpoints == sorted(f"tcp://127.0.0.1:{p}" for p in ports)
+            into = [bytearray([POISON]) * len(v) for v in values]
+            assert client.get_many(keys, into=into) == [True] * len(keys)
+            assert [bytes(b) for b in into] == values
+    finally:
+        node.stop()
+
+
+def test_no_stream_ports_when_turned_off():
+    node = NodeProcess("--capacity", "16MiB", "--io-threads", "3", "--no-stream-ports").start()
+    try:
+        cfg = ClientConfig((node.address,), streams=3, timeout_s=10)
+        with StoreClient(node.address, config=cfg) as client:
+            assert client.stats()[0]["stream_ports"] == []
+            assert client.put_many([b"k" * 16], [b"v" * 100]) == [Status.OK]
+            assert {link.endpoint for link in client._links[0]} == {node.address}
+    finally:
+        node.stop()
+
+
+@pytest.mark.asyncio
+async def test_unreachable_stream_ports_fall_back_to_the_main_port():
+    """A node whose advertised stream ports cannot be reached (a firewall; here ports nobody
+    listens on) is still served through its main port after the connect timeout."""
+    node = NodeProcess("--capacity", "16MiB", "--io-threads", "2", "--no-stream-ports").start()
+    try:
+        cfg = ClientConfig((node.address,), streams=2, timeout_s=1.0, connect_timeout_s=0.5)
+        client = AsyncStoreClient(node.address, config=cfg)
+        try:
+            assert await client.ping() == [True]
+            dead = [free_port(), free_port()]
+            client.router._learn_ports(0, dead)  # as if the node had advertised them
+            assert {link.endpoint for link in client._links[0]} == {
+                f"tcp://127.0.0.1:{p}" for p in dead
+            }
+            deadline = asyncio.get_running_loop().time() + 15
+            while await client.put_many([b"k" * 16], [b"v" * 64]) != [Status.OK]:
+                assert asyncio.get_running_loop().time() < deadline, "no fallback"
+            assert client.router.stream_ports[0] == []
+            assert {link.endpoint for link in client._links[0]} == {node.address}
+        finally:
+            client.close()
+    finally:
+        node.stop()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.asyncio
+async def test_a_retired_link_is_closed_only_when_idle():
+    """Streams moved to new ports while a call still uses the old link: that call's requests
+    complete on it, and the old link is closed once released."""
+    node = NodeProcess("--capacity", "64MiB", "--io-threads", "2").start()
+    try:
+        cfg = ClientConfig((node.address,), streams=2, copy_threads=1, timeout_s=10,
+                           max_message_bytes=1 << 20)  # fmt: skip
+        client = AsyncStoreClient(node.address, config=cfg)
+        try:
+            rng = random.Random(os.urandom(8))
+            keys = [rng.randbytes(16) for _ in range(32)]
+            values = [rng.randbytes(512 << 10) for _ in keys]
+            assert await client.put_many(keys, values) == [Status.OK] * len(keys)
+            old = list(client._links[0])
+            into = [bytearray(len(v)) for v in values]
+            call = asyncio.ensure_future(client.get_many(keys, into=into))
+            while not any(link.inflight for link in old):  # the get holds the old links
+                await asyncio.sleep(0)
+            client.router._learn_ports(0, list(reversed(client.router.stream_ports[0])))
+            assert all(link.retired for link in old)
+            assert await call == [True] * len(keys)
+            assert [bytes(b) for b in into] == values
+            await asyncio.sleep(0)
+            assert all(link.closed for link in old)
+            assert await client.get_many(keys[:2], into=into[:2]) == [True, True]
+        finally:
+            client.close()
+    finally:
+        node.stop()

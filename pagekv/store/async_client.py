@@ -44,6 +44,8 @@ class _AsyncLink:
         self.waiters: collections.deque[asyncio.Future] = collections.deque()
         self.reader: asyncio.Task | None = None
         self.closed = False
+        self.retired = False  # replaced by a link to another endpoint: close once idle
+        self.endpoint = ""
 
     async def acquire(self, window: int) -> None:
         while self.inflight >= window and not self.closed:
@@ -56,8 +58,14 @@ class _AsyncLink:
                     self.waiters.remove(waiter)
         self.inflight += 1
 
+    def close_if_idle(self) -> None:
+        if self.retired and not self.closed and not self.inflight and not self.pending:
+            self.close()
+
     def release(self) -> None:
         self.inflight -= 1
+        if self.retired:
+            self.close_if_idle()
         while self.waiters:
             waiter = self.waiters.popleft()
             if not waiter.done():
@@ -88,9 +96,20 @@ class AsyncStoreClient(_Base):
         self.ctx = shared_context(zmq.asyncio.Context, self.config.streams)
 
     def _open(self, node: int, stream: int) -> _AsyncLink:
-        link = _AsyncLink(self._new_socket(self.ctx, self.config.endpoints[node]), node, stream)
+        endpoint = self._endpoint(node, stream)
+        link = _AsyncLink(self._new_socket(self.ctx, endpoint, stream), node, stream)
+        link.endpoint = endpoint
         self._links.setdefault(node, [None] * self.config.streams)[stream] = link
         return link
+
+    def _retire(self, link: _AsyncLink) -> None:
+        """A call that already holds ``link`` may still send on it: it is closed when its
+        last request is released, or on the next turn of the loop if nothing takes it."""
+        link.retired = True
+        try:
+            asyncio.get_running_loop().call_soon(link.close_if_idle)
+        except RuntimeError:  # no running loop: nothing can be using it
+            link.close_if_idle()
 
     def _reset(self, link: _AsyncLink) -> None:
         """Replace ``link`` (its requests fail at once); the node's other links go on."""

@@ -62,6 +62,7 @@ def _send_request(sock: zmq.Socket, call: Call) -> None:
 class _Link:
     sock: zmq.Socket
     created: float
+    endpoint: str = ""
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -119,9 +120,13 @@ class StoreClient(_Base):
         self.ctx = shared_context(zmq.Context, self.config.streams)
 
     def _open(self, node: int, stream: int) -> _Link:
-        link = _Link(self._new_socket(self.ctx, self.config.endpoints[node]), time.monotonic())
+        endpoint = self._endpoint(node, stream)
+        link = _Link(self._new_socket(self.ctx, endpoint, stream), time.monotonic(), endpoint)
         self._links.setdefault(node, [None] * self.config.streams)[stream] = link
         return link
+
+    def _retire(self, link: _Link) -> None:
+        link.close()  # between exchanges: nothing is in flight on it
 
     def _reset(self, node: int, stream: int) -> None:
         link = self._links.get(node, [None] * (stream + 1))[stream]

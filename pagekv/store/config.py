@@ -83,6 +83,7 @@ class NodeConfig:
     guard_interval_s: float = 0.02  # how often connections and RSS are checked; 0: no guard
     shm: bool = False  # keep blocks in a shared segment under /dev/shm (same-host shortcut)
     verify_threads: int = 0  # threads checking large PUTs; 0: default_copy_threads(); 1: none
+    stream_ports: bool = True  # a TCP port per I/O thread, advertised to clients (see server)
 
     def __post_init__(self) -> None:
         for name in ("capacity", "max_block_size", "max_message_size"):

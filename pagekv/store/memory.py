@@ -29,7 +29,9 @@ _tuned_trim_threshold = 0  # set by tune_malloc_for_blocks
 def tune_malloc_for_blocks(
     mmap_threshold: int = 32 << 20, trim_threshold: int = _TRIM_THRESHOLD, arena_max: int = 2
 ) -> bool:
-    """Apply the settings above to this process (glibc only). Returns whether they took."""
+    """Apply the settings above to this process (glibc only). Returns whether they took.
+    ``PAGEKV_MALLOC_ARENAS`` overrides ``arena_max`` (an operator's or a benchmark's knob)."""
+    arena_max = int(os.environ.get("PAGEKV_MALLOC_ARENAS", arena_max))
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return False

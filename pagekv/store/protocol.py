@@ -133,6 +133,7 @@ class Reply:
     offs: list[int] = field(default_factory=list)  # LOCATE: byte offset of each found value
     gens: list[int] = field(default_factory=list)  # LOCATE: generation of each found value
     sizes: list[int] = field(default_factory=list)  # LOCATE: bytes of each found frame
+    ports: list[int] = field(default_factory=list)  # PING: the node's per-stream TCP ports
 
 
 def encode_request(req: Request) -> bytes:
@@ -209,6 +210,8 @@ def encode_reply(rep: Reply) -> bytes:
         head["shm"] = rep.shm
     if rep.offs:
         head["offs"], head["gens"], head["sizes"] = rep.offs, rep.gens, rep.sizes
+    if rep.ports:
+        head["ports"] = rep.ports
     return msgpack.packb(head, use_bin_type=True)
 
 
@@ -251,4 +254,5 @@ def decode_reply(frame: bytes | memoryview) -> Reply:
         offs=_uint_list(head, "offs"),
         gens=_uint_list(head, "gens"),
         sizes=_uint_list(head, "sizes"),
+        ports=_uint_list(head, "ports"),
     )

@@ -165,6 +165,8 @@ class Router:
         self.limits: list[Limits | None] = [None] * len(self.endpoints)
         self.shm_adverts: list[dict] = [{}] * len(self.endpoints)  # PING "shm" (same-host)
         self.pool: Executor | None = None  # the client's copy pool (see .copies); None: inline
+        self.stream_ports: list[list[int]] = [[] for _ in self.endpoints]  # PING "ports"
+        self.on_ports: Callable[[int], None] | None = None  # the client moves its streams
         self._salt = [ep.encode() for ep in self.endpoints]
         self._ids = itertools.count(1)
         self.counters = dict.fromkeys(
@@ -261,6 +263,28 @@ class Router:
             if self.reply_problem(call, result) is None:
                 self.limits[call.node] = Limits.parse(result[0].limits) or FALLBACK_LIMITS
                 self.shm_adverts[call.node] = result[0].shm
+                self._learn_ports(call.node, result[0].ports)
+
+    def _learn_ports(self, node: int, ports: list[int]) -> None:
+        """Take a node's advertised per-stream ports (valid TCP ports only, else none) and
+        let the client move its streams to them."""
+        ports = [p for p in ports if 0 < p < 65536] if self.endpoints[node].startswith(
+            "tcp://") else []  # fmt: skip
+        if ports != self.stream_ports[node]:
+            self.stream_ports[node] = ports
+            if self.on_ports is not None:
+                self.on_ports(node)
+
+    def forget_ports(self, node: int) -> None:
+        """The node's stream ports do not connect (a firewall, a restarted node): use its
+        main endpoint, and learn its limits and ports again (PING) before the next request."""
+        if self.stream_ports[node]:
+            log.warning("pagekv store: %s: its stream ports do not connect; using its main port",
+                        self.endpoints[node])  # fmt: skip
+            self.stream_ports[node] = []
+            self.limits[node] = None
+            if self.on_ports is not None:
+                self.on_ports(node)
 
     def cut(
         self,
@@ -313,6 +337,7 @@ class Router:
                 if op is Op.PING:
                     self.limits[call.node] = Limits.parse(result[0].limits) or FALLBACK_LIMITS
                     self.shm_adverts[call.node] = result[0].shm
+                    self._learn_ports(call.node, result[0].ports)
         return out
 
 

@@ -72,6 +72,7 @@ class StoreNode:
             self._setup_curve()
         self.sock.bind(config.bind_address)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.stream_ports = self._bind_stream_ports()
         self._stop = threading.Event()
         self.started = time.time()
         self.counters: dict[str, int] = {f"op_{op.value.lower()}": 0 for op in Op}
@@ -121,6 +122,29 @@ class StoreNode:
         for option, value in options.items():
             sock.setsockopt(option, value)
         return sock
+
+    def _bind_stream_ports(self) -> list[int]:
+        """One more TCP port per I/O thread, each served by its thread, for clients' streams.
+
+        libzmq gives an accepted connection to the least loaded I/O thread, but a thread's load
+        is counted only once a connection is set up: a client's streams, which connect
+        together, mostly landed on one or two threads. A listener keeps the ``ZMQ_AFFINITY``
+        the socket had when it was bound, so port i's connections are all served by I/O thread
+        i. Same socket: same CURVE, guard, limits and outbox. Advertised in PING replies
+        (``ports``); clients that ignore them use the main port as before."""
+        cfg = self.config
+        if not cfg.stream_ports or cfg.io_threads < 2 or not self.address.startswith("tcp://"):
+            return []
+        host = self.address[len("tcp://") :].rsplit(":", 1)[0]
+        ports = []
+        try:
+            for thread in range(cfg.io_threads):
+                self.sock.setsockopt(zmq.AFFINITY, 1 << thread)
+                self.sock.bind(f"tcp://{host}:0")
+                ports.append(int(self.sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]))
+        finally:
+            self.sock.setsockopt(zmq.AFFINITY, 0)
+        return ports
 
     def _setup_curve(self) -> None:
         from .auth import ZapAuthenticator, load_allowed_keys, load_secret_cert
@@ -324,7 +348,8 @@ class StoreNode:
             return handlers.locate(self.store, req, self.shm_advert), []
         if req.op is Op.STATS:
             return Reply(req.id, stats=self.stats()), []
-        return Reply(req.id, limits=self.config.limits(), shm=self.shm_advert), []  # PING
+        return Reply(req.id, limits=self.config.limits(), shm=self.shm_advert,
+                     ports=self.stream_ports), []  # PING  # fmt: skip
 
     def stats(self) -> dict[str, Any]:
         guard, auth = self.guard, self._auth.stats() if self._auth is not None else {}
@@ -332,4 +357,4 @@ class StoreNode:
                 "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
                 "connections": len(guard.conns) if guard else -1,
                 "reply_bytes_in_flight": self.outbox.inflight_bytes(),
-                "parked": self.outbox.parked}  # fmt: skip
+                "parked": self.outbox.parked, "stream_ports": self.stream_ports}  # fmt: skip

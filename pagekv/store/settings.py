@@ -62,6 +62,11 @@ _NODE_HELP: dict[str, tuple[str, str]] = {
         "path",
     ),
     "io_threads": ("ZeroMQ I/O threads (0: one per 4 cores, 1 to 4)", "int"),
+    "stream_ports": (
+        "also listen on one ephemeral TCP port per I/O thread and advertise them (PING), so a "
+        "client's streams are served by different threads; off: the one port only",
+        "bool",
+    ),
     "verify_threads": ("threads checking large PUTs' checksums (0: half the cores, 1 to 8)", "int"),
     "socket_buffer": ("SO_SNDBUF/SO_RCVBUF bytes; 0 keeps the kernel's TCP autotuning", "size"),
     "max_frames": ("most payload frames in one request", "int"),
