@@ -14,7 +14,7 @@ import torch
 from pagekv.connector import KeyNamespace, KVConnector, KVGeometry, streaming_load
 from pagekv.errors import InvalidSlotError
 from pagekv.store import StoreClient
-from tests.helpers import as_bits, bits_equal, poison_, random_tensor, wait_until
+from tests.helpers import GatedStore, as_bits, bits_equal, poison_, random_tensor, wait_until
 
 GEO = KVGeometry(3, 4, 2, 16, "bf16")  # 1.5 KiB pages
 NUM_SLOTS = 1024
@@ -73,37 +73,6 @@ def poisoned_except(dst, slots, pages):
     keep = torch.ones(NUM_SLOTS, dtype=torch.bool)
     keep[slots[: pages * GEO.page_size]] = False
     return all((as_bits(d[:, keep]).view(torch.uint8) == 0xA5).all() for d in dst)
-
-
-class GatedStore:
-    """The connector's store client with each fetched page's arrival held back until the test
-    allows it: the bytes land at once, the pages are published (key order) one by one as
-    allowed. ``allow(n)``: the first ``n`` arrivals may go (any thread)."""
-
-    def __init__(self, conn, allowed=0):
-        self.store, self.loop = conn.store, conn._loop.loop
-        self.allowed, self.arrived, self.calls = allowed, 0, 0
-        self._changed = asyncio.Event()
-        conn.fetcher.store = self
-
-    def allow(self, n):
-        def update():
-            self.allowed = n
-            self._changed.set()
-
-        self.loop.call_soon_threadsafe(update)
-
-    async def get_many(self, keys, into=None, on_arrival=None):
-        self.calls += 1
-        got = []
-        result = await self.store.get_many(keys, into=into, on_arrival=got.append)
-        for i in sorted(got):
-            while self.arrived >= self.allowed:
-                self._changed.clear()
-                await self._changed.wait()
-            self.arrived += 1
-            on_arrival(i)
-        return result
 
 
 def test_prefetch_loads_every_page_bit_exact(stored):
