@@ -1,4 +1,7 @@
-"""Test helpers: fresh random bytes of any dtype, poisoning, bitwise comparison."""
+"""Test helpers: fresh random bytes of any dtype, poisoning, bitwise comparison, waiting on a
+condition, a store client whose pages arrive when a test allows."""
+
+import asyncio
 
 import torch
 
@@ -41,3 +44,34 @@ def wait_until(predicate, timeout=10.0, what="condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.005)
+
+
+class GatedStore:
+    """The connector's store client with each fetched page's arrival held back until the test
+    allows it: the bytes land at once, the pages are published (key order) one by one as
+    allowed. ``allow(n)``: the first ``n`` arrivals may go (any thread)."""
+
+    def __init__(self, conn, allowed=0):
+        self.store, self.loop = conn.store, conn._loop.loop
+        self.allowed, self.arrived, self.calls = allowed, 0, 0
+        self._changed = asyncio.Event()
+        conn.fetcher.store = self
+
+    def allow(self, n):
+        def update():
+            self.allowed = n
+            self._changed.set()
+
+        self.loop.call_soon_threadsafe(update)
+
+    async def get_many(self, keys, into=None, on_arrival=None):
+        self.calls += 1
+        got = []
+        result = await self.store.get_many(keys, into=into, on_arrival=got.append)
+        for i in sorted(got):
+            while self.arrived >= self.allowed:
+                self._changed.clear()
+                await self._changed.wait()
+            self.arrived += 1
+            on_arrival(i)
+        return result

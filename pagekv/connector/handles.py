@@ -14,8 +14,12 @@ class Prefetch:
 
     ``num_tokens`` (a multiple of the page size) is what is ready to load: the leading
     ``len(page_ids)`` pages of ``keys``. ``loads`` are the completion events of the copies that
-    read the pages (``load``/``load_async``); a release waits for them before the pages can be
-    evicted or refilled.
+    read the pages (``load``/``load_async``, the chunks of a prefetch with ``device_slots``); a
+    release waits for them before the pages can be evicted or refilled.
+
+    Prefetched with ``device_slots``: ``streaming`` (a :class:`.StreamingLoad`) has queued the
+    copies of the leading ``loaded_tokens`` into those slots; the engine's stream calls
+    :meth:`wait_loaded` before reading or writing the slots, whatever ``num_tokens`` is.
     """
 
     keys: list[bytes]
@@ -24,10 +28,35 @@ class Prefetch:
     released: bool = False
     fetched: int = 0  # pages that came from the store (the rest were in the host tier)
     loads: list[Any] = field(default_factory=list)
+    streaming: Any = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return len(self.page_ids) * self.page_size
+
+    @property
+    def loaded_tokens(self) -> int:
+        """Leading tokens whose copy into ``device_slots`` has been launched (done on CPU);
+        equal to ``num_tokens`` when the prefetch got what it asked for. 0 without
+        ``device_slots`` and when nothing is held (``num_tokens`` 0)."""
+        if self.streaming is None:
+            return 0
+        return min(self.streaming.loaded, len(self.page_ids)) * self.page_size
+
+    @property
+    def loaded_event(self) -> Any:
+        """CUDA event that completes once every chunk launched into ``device_slots`` has landed
+        (one stream: the last event covers all). None on CPU, without ``device_slots``, or when
+        no chunk was launched."""
+        return None if self.streaming is None else self.streaming.last_event
+
+    def wait_loaded(self, stream: Any = None) -> None:
+        """Make ``stream`` (default: the current stream) wait, on the GPU, until every chunk
+        launched into ``device_slots`` has landed: no host sync. Call it before the engine
+        reads or writes those slots in every case: a prefetch that came short (deadline,
+        miss, ``min_tokens``) may have chunks still landing. Nothing to do on CPU."""
+        if self.streaming is not None:
+            self.streaming.wait(stream)
 
     @property
     def num_pages(self) -> int:

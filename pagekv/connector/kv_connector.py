@@ -27,6 +27,11 @@ The contract with the engine (tested in tests/gpu/test_engine_contract_gpu.py):
    misses and counters (``stats()['store_errors']``), never exceptions in the engine's step.
 7. **Pool pressure.** A prefetch takes the longest prefix that fits; fetched pages are handed
    to their prefetch under the cache lock (see :mod:`.fetch`); eviction is O(1) per page.
+8. **Prefetch into device slots.** ``prefetch(..., device_slots=)`` loads the leading pages on
+   the load stream while later ones still arrive (:mod:`.streaming_load`), after the caller's
+   stream as it was at the call. Chunks may still be landing when it returns, short or not
+   (``num_tokens`` 0 included): the engine's stream calls ``handle.wait_loaded()`` before
+   reading or writing those slots (tests/gpu/test_streaming_load_gpu.py).
 
 The connector runs its own asyncio loop in a daemon thread (store I/O never runs on the
 engine's thread); ``prefetch``/``flush`` can be awaited from any loop, ``prefetch_sync`` and
@@ -60,6 +65,7 @@ from .lifecycle import close_connector, register_exit_flush
 from .loop import LoopThread
 from .page_cache import PageCache
 from .staging import IndexStaging
+from .streaming_load import StreamingLoad
 from .writeback import WriteBack
 
 __all__ = ["KVConnector", "Prefetch", "SaveHandle"]
@@ -178,6 +184,7 @@ class KVConnector:
         keys: Sequence[bytes] | None = None,
         deadline: float | None = None,
         min_tokens: int = 0,
+        device_slots: Any = None,
     ) -> Prefetch:
         """Bring the prefix's pages into pinned host pages and hold them.
 
@@ -186,11 +193,23 @@ class KVConnector:
         (``time.monotonic()`` seconds): return the leading pages that arrived by then. Fewer
         than ``min_tokens`` ready: nothing is held and ``num_tokens`` is 0. Cancelling releases
         the pages this call held.
+
+        ``device_slots`` (as for :meth:`load`, for every full page of the prompt; copied at the
+        call): also load the leading pages there while later pages still arrive, in chunks on
+        the load stream (contract 8). ``handle.loaded_tokens`` says how many tokens were
+        loaded; the engine's stream calls ``handle.wait_loaded()`` before it reads or writes
+        those slots, in every case. Cancelling then stops further chunks and makes the current
+        stream of the cancelled caller wait on those launched.
         """
-        done = self._loop.submit(self._prefetch(self._keys(token_ids, keys), deadline, min_tokens))
+        keys = self._keys(token_ids, keys)
+        loader = self._streaming(device_slots, len(keys))
+        done = self._loop.submit(self._prefetch(keys, deadline, min_tokens, loader))
         try:  # shielded: the fetch finishes on the connector loop whatever happens here
             return await asyncio.shield(asyncio.wrap_future(done))
         except asyncio.CancelledError:
+            if loader is not None:
+                loader.stop()
+                loader.wait()
             done.add_done_callback(self._release_orphan)  # its holds go when it is done
             raise
 
@@ -201,31 +220,49 @@ class KVConnector:
         keys: Sequence[bytes] | None = None,
         timeout_s: float,
         min_tokens: int = 0,
+        device_slots: Any = None,
     ) -> Prefetch:
         """:meth:`prefetch` from a synchronous caller (any thread), returning within about
         ``timeout_s`` with the leading pages that arrived by then."""
         keys = self._keys(token_ids, keys)
-        done = self._loop.submit(self._prefetch(keys, time.monotonic() + timeout_s, min_tokens))
+        loader = self._streaming(device_slots, len(keys))
+        deadline = time.monotonic() + timeout_s
+        done = self._loop.submit(self._prefetch(keys, deadline, min_tokens, loader))
         try:
             return done.result(timeout_s + 1.0)
         except (
             concurrent.futures.TimeoutError
         ):  # the loop is stuck: never block the engine, release later
+            if loader is not None:
+                loader.stop()  # wait_loaded on the handle below covers every chunk launched
             done.add_done_callback(self._release_orphan)
-            return Prefetch(keys, [], self.geometry.page_size, released=True)
+            return Prefetch(keys, [], self.geometry.page_size, released=True, streaming=loader)
+
+    def _streaming(self, device_slots: Any, num_pages: int) -> StreamingLoad | None:
+        if device_slots is None:
+            return None
+        table = self._slot_table(device_slots, num_pages)
+        return StreamingLoad(self.kv, self.pool.buffer, self.cache, table, self._load_stream,
+                             self._staging)  # fmt: skip
 
     def _release_orphan(self, done: Any) -> None:
         if not done.cancelled() and done.exception() is None:
             self.release(done.result())
 
     async def _prefetch(
-        self, keys: list[bytes], deadline: float | None, min_tokens: int
+        self,
+        keys: list[bytes],
+        deadline: float | None,
+        min_tokens: int,
+        loader: StreamingLoad | None = None,
     ) -> Prefetch:
         start = time.monotonic()
-        handle = Prefetch(keys, self.cache.acquire(keys), self.geometry.page_size)
+        handle = Prefetch(keys, self.cache.acquire(keys), self.geometry.page_size, streaming=loader)
         local = len(handle.page_ids)
         waiter = Waiter()
         try:
+            if loader is not None:
+                loader.advance(handle)
             rest = keys[local:]
             futures = self.fetcher.want(rest, waiter) if rest else []
             for key, fut in zip(rest, futures):
@@ -242,8 +279,14 @@ class KVConnector:
                     break
                 handle.page_ids.append(page)
                 handle.fetched += 1
+                if loader is not None:
+                    loader.advance(handle)
+            if loader is not None and handle.num_tokens >= min_tokens:
+                loader.advance(handle, final=True)
         except BaseException:
-            self.cache.release(handle.page_ids)
+            if loader is not None:
+                loader.stop()
+            self.cache.release(handle.page_ids, after=handle.loads)
             handle.page_ids, handle.released = [], True
             raise
         finally:
