@@ -12,19 +12,11 @@ import time
 
 import pytest
 
-from pagekv.store import AsyncStoreClient, Status, StoreClient, config, shm_reader
+from pagekv.store import AsyncStoreClient, Status, StoreClient, shm_reader
 from pagekv.store.launch import NodeProcess
 from pagekv.store.shm import FreeSpace
 
 MIB = 1 << 20
-
-
-@pytest.fixture(autouse=True, params=[1, 4], ids=["inline", "pool"])
-def copy_threads(request, monkeypatch):
-    """Every test twice: copies on the client's thread, and on a 4-thread copy pool (each
-    LOCATE reply's copies as a Call.prepare), whatever this machine's default is."""
-    monkeypatch.setattr(config, "default_copy_threads", lambda: request.param)
-    return request.param
 
 
 @pytest.fixture

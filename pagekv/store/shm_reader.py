@@ -213,86 +213,35 @@ def get(
     by_node = {n: idxs for n, idxs in by_node.items() if router.shm_adverts[n]}
     batch: list[Call] = []
     done: set[int] = set()
-    copied: dict[int, str] = {}  # key -> outcome of its copy made by a prepare (pool thread)
-    sizes = [sum(t.nbytes for t in targets) for targets in into]
     for node, idxs in by_node.items():
         if reader.learn(node, router.shm_adverts[node]) is None:
             reader.counters["shm_fallback_" + reader.reason(node)] += len(idxs)
             continue
-        # LOCATEs of at most a request's worth of bytes: with a copy pool, each reply's copies
-        # run on a pool thread (Call.prepare) while the client's thread goes on
-        for part in router.cut(keys, idxs, router.limits[node] or FALLBACK_LIMITS, nbytes=sizes):
+        for part in router.cut(keys, idxs, router.limits[node] or FALLBACK_LIMITS):
             call = Call(node, Request(Op.LOCATE, router.next_id(), [keys[i] for i in part]),
                         [], part)  # fmt: skip
             call.on_reply = lambda reply, frames, call=call: _handle(
-                router, reader, call, (reply, frames), into, out, on_arrival, done, copied
+                router, reader, call, (reply, frames), into, out, on_arrival, done
             )
-            if router.pool is not None:
-                call.prepare = lambda reply, frames, call=call: _prepare(
-                    reader, call, reply, frames, into, copied
-                )
             batch.append(call)
     if not batch:
         return done
     results = yield batch
     for call in batch:
         if not call.handled:
-            result = results.get(call.request.id)
-            _handle(router, reader, call, result, into, out, on_arrival, done, copied)
+            _handle(router, reader, call, results.get(call.request.id), into, out, on_arrival, done)
     return done
-
-
-def _prepare(
-    reader: ShmReader, call: Call, reply: Any, frames: list[Any],
-    into: Sequence[list[memoryview]], copied: dict[int, str],
-) -> None:  # fmt: skip
-    """The copies of one LOCATE reply, on a pool thread: only when the reply is well formed
-    and names the segment already mapped (anything else is left to :func:`_handle`). Writes
-    only into ``into`` of the call's keys and their ``copied`` outcome."""
-    state = reader.nodes.get(call.node)
-    mapped = state.mapped if state is not None else None
-    if reply.code is not Code.OK or mapped is None or mapped.advert != reply.shm:
-        return
-    if _shape_problem(call, reply, frames):
-        return
-    for job in _jobs(call, reply, mapped):
-        copied[job[0]] = _copy_one(job, into[job[0]])
-
-
-def _shape_problem(call: Call, reply: Any, frames: list[Any]) -> bool:
-    found = reply.status.count(Status.OK)
-    return (len(reply.status) != len(call.idxs) or len(reply.offs) != found
-            or len(reply.gens) != found or len(reply.sums) != found
-            or len(reply.counts) != found or sum(reply.counts) != len(reply.sizes)
-            or bool(frames))  # fmt: skip
-
-
-def _jobs(call: Call, reply: Any, mapped: Mapped) -> list[tuple]:
-    """Copy jobs ``(i, mapped, offset, sizes, checksum, gen)`` of a well-formed reply."""
-    jobs, j, start = [], 0, 0
-    for i, st in zip(call.idxs, reply.status):
-        if st != Status.OK:
-            continue  # not on this node: TCP asks it and the key's other nodes
-        count = reply.counts[j]
-        sizes = reply.sizes[start : start + count]
-        jobs.append((i, mapped, reply.offs[j], sizes, reply.sums[j], reply.gens[j]))
-        j, start = j + 1, start + count
-    return jobs
 
 
 def _handle(
     router: Router, reader: ShmReader, call: Call, result: Any,
     into: Sequence[list[memoryview]], out: list[Any],
-    on_arrival: Callable[[int], None] | None, done: set[int], copied: dict[int, str],
+    on_arrival: Callable[[int], None] | None, done: set[int],
 ) -> None:  # fmt: skip
-    """One LOCATE reply (or None: no answer): publish the values its prepare copied; copy,
-    verify and publish the others, in chunks of ``CHUNK_BYTES`` so that the first are
-    published before the last are copied."""
+    """One LOCATE reply (or None: no answer): copy, verify and publish its values, in chunks
+    of ``CHUNK_BYTES`` so that the first are published before the last are copied."""
     call.handled = True
     jobs = _located(router, reader, call, result)
-    ready = [(job, copied.pop(job[0])) for job in jobs if job[0] in copied]
-    jobs = [job for job in jobs if job[0] not in {r[0][0] for r in ready}] if ready else jobs
-    _publish(reader, ready, out, on_arrival, done)
     start = 0
     while start < len(jobs):
         end, nbytes = start, 0
@@ -300,23 +249,16 @@ def _handle(
             nbytes += sum(jobs[end][3])
             end += 1
         chunk, start = jobs[start:end], end
-        _publish(reader, list(zip(chunk, reader.copy_all(chunk, into))), out, on_arrival, done)
-
-
-def _publish(
-    reader: ShmReader, outcomes: list[tuple[tuple, str]], out: list[Any],
-    on_arrival: Callable[[int], None] | None, done: set[int],
-) -> None:  # fmt: skip
-    for job, why in outcomes:
-        if why:
-            reader.counters["shm_fallback_" + why] += 1
-            continue
-        i = job[0]
-        out[i] = True
-        done.add(i)
-        reader.counters["shm_hits"] += 1
-        if on_arrival is not None:
-            on_arrival(i)
+        for job, why in zip(chunk, reader.copy_all(chunk, into)):
+            if why:
+                reader.counters["shm_fallback_" + why] += 1
+                continue
+            i = job[0]
+            out[i] = True
+            done.add(i)
+            reader.counters["shm_hits"] += 1
+            if on_arrival is not None:
+                on_arrival(i)
 
 
 def _located(router: Router, reader: ShmReader, call: Call, result: Any) -> list[tuple]:
@@ -332,7 +274,9 @@ def _located(router: Router, reader: ShmReader, call: Call, result: Any) -> list
         reader.counters["shm_fallback_bad_reply"] += n
         return []
     found = reply.status.count(Status.OK)
-    if _shape_problem(call, reply, result[1]):
+    if (len(reply.status) != n or len(reply.offs) != found or len(reply.gens) != found
+            or len(reply.sums) != found or len(reply.counts) != found
+            or sum(reply.counts) != len(reply.sizes) or result[1]):  # fmt: skip
         reader.counters["shm_fallback_bad_reply"] += n
         return []
     router.succeeded(call.node)
@@ -340,4 +284,12 @@ def _located(router: Router, reader: ShmReader, call: Call, result: Any) -> list
     if mapped is None:
         reader.counters["shm_fallback_" + reader.reason(call.node)] += found
         return []
-    return _jobs(call, reply, mapped)
+    jobs, j, start = [], 0, 0
+    for i, st in zip(call.idxs, reply.status):
+        if st != Status.OK:
+            continue  # not on this node: TCP asks it and the key's other nodes
+        count = reply.counts[j]
+        sizes = reply.sizes[start : start + count]
+        jobs.append((i, mapped, reply.offs[j], sizes, reply.sums[j], reply.gens[j]))
+        j, start = j + 1, start + count
+    return jobs
