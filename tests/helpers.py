@@ -75,3 +75,27 @@ class GatedStore:
             self.arrived += 1
             on_arrival(i)
         return result
+
+
+POISON = 0xA5  # a store test's destination bytes before a get
+
+
+def poisoned_like(value) -> object:
+    """Destination buffers for a value (bytes, or a list of frames), filled with POISON."""
+    if isinstance(value, list):
+        return [bytearray([POISON]) * len(f) for f in value]
+    return bytearray([POISON]) * len(value)
+
+
+def as_bytes(value) -> object:
+    """A value (one buffer or a list of frames) as bytes, for comparison."""
+    return [bytes(f) for f in value] if isinstance(value, list) else bytes(value)
+
+
+def kv_caches(geo, slots: int, device: str, poisoned: bool = False) -> list:
+    """An engine's K and V caches, layer-first ``[layers, slots, *device_layer_shape]``: fresh
+    random bits, or poisoned (a destination before a load)."""
+    shape = (geo.num_layers, slots, *geo.device_layer_shape)
+    if poisoned:
+        return [poison_(torch.empty(shape, dtype=geo.dtype, device=device)) for _ in range(2)]
+    return [random_tensor(shape, geo.dtype, device) for _ in range(2)]

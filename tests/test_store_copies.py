@@ -21,12 +21,11 @@ from pagekv.store import (
     copies,
     operations,
 )
-from pagekv.store.config import NodeConfig
-from pagekv.store.copies import copy_checksum, default_copy_threads, shared_pool
+from pagekv.store.config import NodeConfig, default_copy_threads
+from pagekv.store.copies import copy_checksum, shared_pool
 from pagekv.store.launch import NodeProcess
 from pagekv.store.protocol import checksum_frames
-
-POISON = 0xA5
+from tests.helpers import POISON, as_bytes, poisoned_like
 
 
 @pytest.fixture
@@ -45,16 +44,6 @@ def random_values(rng: random.Random, count: int) -> list:
         frames = [rng.randbytes(s) for s in sizes[: 1 + i % 3]]
         values.append(frames if i % 4 == 0 else frames[0])
     return values
-
-
-def poisoned_like(value) -> object:
-    if isinstance(value, list):
-        return [bytearray([POISON]) * len(f) for f in value]
-    return bytearray([POISON]) * len(value)
-
-
-def as_bytes(value) -> object:
-    return [bytes(f) for f in value] if isinstance(value, list) else bytes(value)
 
 
 def test_copy_checksum_matches_a_plain_copy_and_hash():

@@ -12,8 +12,7 @@ import pytest
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
 from pagekv.store.config import MAX_STREAMS, default_streams
 from pagekv.store.launch import NodeProcess
-
-POISON = 0xA5
+from tests.helpers import POISON, as_bytes, poisoned_like
 
 
 @pytest.fixture
@@ -33,16 +32,6 @@ def random_values(rng: random.Random, count: int) -> list:
         frames = [rng.randbytes(s) for s in sizes]
         values.append(frames if i % 5 == 0 else frames[0])
     return values
-
-
-def poisoned_like(value) -> object:
-    if isinstance(value, list):
-        return [bytearray([POISON]) * len(f) for f in value]
-    return bytearray([POISON]) * len(value)
-
-
-def as_bytes(value) -> object:
-    return [bytes(f) for f in value] if isinstance(value, list) else bytes(value)
 
 
 def config(node: NodeProcess, **kw) -> ClientConfig:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 import xxhash
@@ -26,7 +26,7 @@ try:  # numpy comes with pagekv[connector] (engines); a store-only install copie
 except ImportError:  # pragma: no cover - the test environment has numpy
     np = None
 
-__all__ = ["PARALLEL_BYTES", "copy_checksum", "default_copy_threads", "shared_pool"]
+__all__ = ["PARALLEL_BYTES", "copy_checksum", "parallel_map", "shared_pool"]
 
 # A frame is copied then hashed in pieces of at most this: 2 MiB pages whole. Smaller pieces
 # keep the hash in L2 but cost a GIL hand-off each, and with 8 copy threads those dominate:
@@ -40,17 +40,6 @@ _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def default_copy_threads() -> int:
-    """Threads that check and copy received values: half the cores this process may run on,
-    1 to 8 (1: on the calling thread, no pool). A 2-core machine copies on its one client
-    thread, as before; 8 threads reach the host's memcpy ceiling on a 16-core H100 host."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return min(8, max(1, cores // 2))
-
-
 def shared_pool(threads: int) -> ThreadPoolExecutor | None:
     """The process's pool of ``threads`` copy threads (None for fewer than 2: copy inline).
     Never shut down (idle threads cost nothing); a forked child gets a fresh one."""
@@ -62,6 +51,16 @@ def shared_pool(threads: int) -> ThreadPoolExecutor | None:
         if pool is None:
             pool = _POOLS[key] = ThreadPoolExecutor(threads, thread_name_prefix="pagekv-copy")
         return pool
+
+
+def parallel_map(
+    fn: Callable[[Any], int], items: Sequence[Any], nbytes: int, pool: Executor | None
+) -> list[int]:
+    """``[fn(x) for x in items]`` (checksums: xxhash releases the GIL), on ``pool`` when there
+    is one and the items are several and ``nbytes`` (their total) is worth spreading."""
+    if pool is None or len(items) < 2 or nbytes < PARALLEL_BYTES:
+        return [fn(x) for x in items]
+    return list(pool.map(fn, items, chunksize=max(1, len(items) // 64)))
 
 
 def copy_checksum(targets: Sequence[memoryview], sources: Sequence[Any]) -> int:

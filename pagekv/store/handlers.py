@@ -13,7 +13,7 @@ from xxhash import xxh3_64_intdigest
 
 from .block_store import BlockStore
 from .config import NodeConfig
-from .copies import PARALLEL_BYTES
+from .copies import parallel_map
 from .protocol import Code, ProtocolError, Reply, Request, Status, checksum_frames
 
 __all__ = ["SHARED_BUFFER_BYTES", "best_effort_id", "get", "locate", "put"]
@@ -40,9 +40,9 @@ def put(
     if len(payloads) == len(req.keys):  # one frame per value: the common case, made lean
         bad = int(Status.BAD_CHECKSUM)
         datas = [own(frame) for frame in payloads]
-        sums = _parallel_sums(datas, pool) if verify else None
+        sums = parallel_map(xxh3_64_intdigest, datas, sum(req.sizes), pool) if verify else None
         for j, (key, data, size, cs) in enumerate(zip(req.keys, datas, req.sizes, req.sums)):
-            if verify and size <= most and (sums[j] if sums else xxh3_64_intdigest(data)) != cs:
+            if verify and size <= most and sums[j] != cs:
                 status.append(bad)
             else:
                 status.append(store_put(key, (data,), size, cs))
@@ -57,14 +57,6 @@ def put(
             continue
         status.append(store_put(key, tuple(frames), size, cs))
     return Reply(req.id, status=status)
-
-
-def _parallel_sums(datas: list[Any], pool: Executor | None) -> list[int] | None:
-    """The frames' xxh3-64 on ``pool`` when they are many and large enough to gain (xxhash
-    releases the GIL); None: let the caller hash them one by one."""
-    if pool is None or len(datas) < 2 or sum(map(len, datas)) < PARALLEL_BYTES:
-        return None
-    return list(pool.map(xxh3_64_intdigest, datas))
 
 
 def get(

@@ -13,7 +13,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from . import shm_reader
-from .copies import PARALLEL_BYTES, copy_checksum
+from .copies import copy_checksum, parallel_map
 from .protocol import Code, Op, Request, Status, checksum_frames
 from .routing import Call, ExistsResult, OpGen, Router, reply_shape_problem
 
@@ -81,10 +81,7 @@ def _describe(
     ``pool`` (xxhash releases the GIL: several cores)."""
     sizes = [v[0].nbytes if len(v) == 1 else sum(f.nbytes for f in v) for v in values]
     nframes = [len(v) for v in values]
-    if pool is not None and len(values) > 1 and sum(sizes) >= PARALLEL_BYTES:
-        sums = list(pool.map(checksum_frames, values, chunksize=max(1, len(values) // 64)))
-    else:
-        sums = [checksum_frames(v) for v in values]
+    sums = parallel_map(checksum_frames, values, sum(sizes), pool)
     return sums, sizes, nframes
 
 

@@ -8,7 +8,7 @@ import torch
 
 from pagekv.connector import KeyNamespace, KVConnector, KVGeometry
 from pagekv.store.launch import NodeProcess
-from tests.helpers import bits_equal, poison_, random_tensor
+from tests.helpers import bits_equal, kv_caches
 
 pytestmark = pytest.mark.cuda
 GEO = KVGeometry(8, 16, 8, 128, "bf16")
@@ -23,10 +23,7 @@ def node():
 
 
 def caches(poisoned=False):
-    shape = (GEO.num_layers, SLOTS, *GEO.device_layer_shape)
-    if poisoned:
-        return [poison_(torch.empty(shape, dtype=GEO.dtype, device="cuda")) for _ in range(2)]
-    return [random_tensor(shape, GEO.dtype, "cuda") for _ in range(2)]
+    return kv_caches(GEO, SLOTS, "cuda", poisoned=poisoned)
 
 
 def test_round_trip_on_cuda_kernels(node):

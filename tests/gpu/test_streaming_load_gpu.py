@@ -10,7 +10,7 @@ import torch
 
 from pagekv.connector import KeyNamespace, KVConnector, KVGeometry
 from pagekv.store.launch import NodeProcess
-from tests.helpers import GatedStore, bits_equal, poison_, random_tensor, wait_until
+from tests.helpers import GatedStore, bits_equal, kv_caches, poison_, random_tensor, wait_until
 
 pytestmark = pytest.mark.cuda
 GEO = KVGeometry(4, 16, 8, 128, "bf16")  # 256 KiB pages: 64-page (16 MiB) chunks
@@ -28,10 +28,7 @@ def node():
 
 
 def caches(poisoned=False):
-    shape = (GEO.num_layers, SLOTS, *GEO.device_layer_shape)
-    if poisoned:
-        return [poison_(torch.empty(shape, dtype=GEO.dtype, device="cuda")) for _ in range(2)]
-    return [random_tensor(shape, GEO.dtype, "cuda") for _ in range(2)]
+    return kv_caches(GEO, SLOTS, "cuda", poisoned=poisoned)
 
 
 def connector(node, kv):
