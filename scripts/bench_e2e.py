@@ -46,6 +46,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--question-tokens", type=int, default=0, help="suffix after the prefix")
     ap.add_argument("--reps", type=int, default=0)
     ap.add_argument("--decode-tokens", type=int, default=0)
+    ap.add_argument("--decode-pairs", type=int, default=0, help="saves off/on pairs (default 5)")
+    ap.add_argument("--eager-decode", action="store_true",
+                    help="launch decode steps from Python (no CUDA graphs)")  # fmt: skip
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--nodes", type=int, default=1, help="store nodes (this machine, TCP)")
     ap.add_argument("--shm", action="store_true", help="nodes with --shm (same-host shortcut)")
@@ -64,6 +67,7 @@ def parse_args() -> argparse.Namespace:
     args.question_tokens = args.question_tokens or (32 if quick else 128)
     args.reps = args.reps or (1 if quick else 3)
     args.decode_tokens = args.decode_tokens or (8 if quick else 128)
+    args.decode_pairs = args.decode_pairs or (1 if quick else 5)
     if args.device == "cpu" and "tiny" in args.models:
         torch.set_num_threads(1)  # a tiny model's matmuls are too small to split
     return args
@@ -72,8 +76,10 @@ def parse_args() -> argparse.Namespace:
 def engine_config(model: str, args: argparse.Namespace, host_pages: int) -> EngineConfig:
     longest = max(args.tokens) + args.decode_tokens + args.page_size
     dtype = "bf16" if args.device == "cuda" else "fp32"
+    graphs = args.device == "cuda" and not args.eager_decode
     return EngineConfig(PRESETS[model], page_size=args.page_size, num_slots=longest,
-                        host_pages=host_pages, dtype=dtype, device=args.device)  # fmt: skip
+                        host_pages=host_pages, dtype=dtype, device=args.device,
+                        decode_graphs=graphs)  # fmt: skip
 
 
 def ms(seconds: list[float]) -> float:
@@ -147,22 +153,29 @@ def run_length(engines: dict, length: int, args: argparse.Namespace, rand: Promp
 def run_decode(writer: Engine, length: int, args: argparse.Namespace, rand: Prompts) -> dict:
     """Decode tokens/s after a fresh prefill, with its save running in the background (device
     -> host copy and write-back to the store) and without a save; after one untimed warm-up
-    (its first decode pays one-time costs: 9 s against 1.4 s in the first H100 run), alternated,
-    three times each."""
+    (its first decode pays one-time costs, and captures the decode graph of this length),
+    ``--decode-pairs`` alternated pairs. The slowdown is the median over pairs of each pair's
+    own ratio: this host drifts between minutes, far less within one pair."""
     runs: dict[str, list[dict]] = {"saves_off": [], "saves_on": []}
     writer.generate(Request(rand(length), args.decode_tokens, reuse=False, save=True))
     writer.flush(timeout_s=300)
-    for save in (False, True) * 3:
+    for save in (False, True) * args.decode_pairs:
         r = writer.generate(Request(rand(length), args.decode_tokens, reuse=False, save=save))
         pending = writer.connector.stats()["writeback_queue_pages"]
+        start = time.perf_counter()
+        writer.flush(timeout_s=300)
         runs["saves_on" if save else "saves_off"].append(
             {"tokens_per_s": round(r.decode_tokens_per_s, 2), "saved_pages": r.saved_pages,
-             "decode_ms": round(r.decode_s * 1e3, 2), "writeback_pages_pending_after": pending}
+             "decode_ms": round(r.decode_s * 1e3, 2), "writeback_pages_pending_after": pending,
+             "writeback_left_ms": round((time.perf_counter() - start) * 1e3, 2)}
         )  # fmt: skip
-        writer.flush(timeout_s=300)
     tps = {k: statistics.median(x["tokens_per_s"] for x in v) for k, v in runs.items()}
-    return {"tokens_per_s": tps, "runs": runs,
-            "slowdown": round(1 - tps["saves_on"] / tps["saves_off"], 4)}  # fmt: skip
+    pairs = [1 - on["tokens_per_s"] / off["tokens_per_s"]
+             for off, on in zip(runs["saves_off"], runs["saves_on"])]  # fmt: skip
+    graphs = writer.graphs
+    return {"tokens_per_s": tps, "runs": runs, "pair_slowdowns": [round(x, 4) for x in pairs],
+            "slowdown": round(statistics.median(pairs), 4), "decode_graphs": graphs is not None,
+            "graph_captures": graphs.captures if graphs is not None else 0}  # fmt: skip
 
 
 def run_model(model: str, args: argparse.Namespace) -> dict:

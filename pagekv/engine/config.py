@@ -170,7 +170,9 @@ class EngineConfig:
     reading keys up to the chunk's end (zeros past the prompt): every token's computation then
     has the same shapes whether its prefix was recomputed or loaded, so reuse is bit-exact.
     Otherwise one chunk per ``prefill_chunk`` tokens of the suffix (fast; reuse matches
-    recompute within rounding). ``seed`` makes random weights; ``weights`` loads a
+    recompute within rounding). ``decode_graphs`` (default: on CUDA) replays decode steps from
+    CUDA graphs (:mod:`pagekv.engine.decode_graph`), as serving engines do; off, every step
+    is launched from Python. ``seed`` makes random weights; ``weights`` loads a
     transformers-format directory instead. ``model_id`` names the weights in page keys
     (default: preset name and seed, or the weights directory's full path).
     """
@@ -183,6 +185,7 @@ class EngineConfig:
     device: str = "cpu"
     prefill_chunk: int = 0
     batch_invariant: bool | None = None
+    decode_graphs: bool | None = None
     seed: int = 0
     weights: str | None = None
     model_id: str = ""
@@ -199,6 +202,10 @@ class EngineConfig:
             raise ConfigError("EngineConfig.device is cuda but CUDA is not available")
         if self.batch_invariant is None:
             object.__setattr__(self, "batch_invariant", device.type == "cpu")
+        if self.decode_graphs is None:
+            object.__setattr__(self, "decode_graphs", device.type == "cuda")
+        elif self.decode_graphs and device.type != "cuda":
+            raise ConfigError("EngineConfig.decode_graphs needs a CUDA device")
         chunk = self.prefill_chunk or (4 * self.page_size if self.batch_invariant else 16384)
         _positive("EngineConfig", prefill_chunk=chunk)
         object.__setattr__(self, "prefill_chunk", chunk)

@@ -33,6 +33,7 @@ from pagekv.store import ClientConfig
 
 from .attention import PagedAttention
 from .config import EngineConfig
+from .decode_graph import DecodeGraphs
 from .kv_cache import PagedKVCache, SlotTable
 from .layer_waits import LayerWaits, cuda_event
 from .model import Llama
@@ -65,6 +66,7 @@ class Engine:
         )  # fmt: skip
         self.geometry = config.geometry
         self.cache = PagedKVCache(self.geometry, config.num_pages, self.device)
+        self.graphs = DecodeGraphs(self.model, self.cache) if config.decode_graphs else None
         self.positions = torch.arange(max_position, device=self.device)
         # prompt ids go up through this pinned buffer, made once (see _token_ids)
         self._ids = torch.zeros(max_position, dtype=torch.int64, pin_memory=self.cuda)
@@ -214,7 +216,10 @@ class Engine:
 
     def _decode(self, token: torch.Tensor, n: int, table: SlotTable, steps: int) -> list[int]:
         """``steps`` greedy tokens after ``token`` (``[1]`` on the device, at position ``n``);
-        one host sync at the end."""
+        one host sync at the end. Replayed from a CUDA graph where it can be (see
+        :mod:`.decode_graph`), else launched step by step."""
+        if self.graphs is not None and self.graphs.usable(table, steps):
+            return self.graphs.decode(token, n, table, steps)
         out = []
         for pos in range(n, n + steps):
             attend = PagedAttention(self.cache, table, table.device[pos : pos + 1],
