@@ -237,7 +237,7 @@ def main() -> None:
     payload = {"args": {k: v for k, v in vars(args).items()},
                "wall_s": round(time.perf_counter() - started, 1), "models": models}  # fmt: skip
     path = _bench_util.write_result("bench_e2e", payload)  # $RESULTS_DIR, --save or a temp dir
-    if args.out:
+    if args.out and Path(args.out).resolve() != Path(path).resolve():
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, args.out)
     print(f"wrote {args.out or path} ({payload['wall_s']} s)")
