@@ -16,7 +16,8 @@ Attention reads the request's rows of the cache as one view ``cache[base : base 
 :attr:`SlotTable.base`) with an additive mask hiding positions ``> pos``: the rows it hides are
 the request's own, zeroed before the first step, so no NaN left there by an earlier user of
 the slots can leak through the softmax's zero weights. Query heads sharing a K/V head attend as
-rows of one block (``[kv_heads, heads / kv_heads, head_dim]``), so K/V are read once.
+rows of one query block (``[1, kv_heads, heads / kv_heads, head_dim]``), so the kernel needs no
+GQA support and reads K/V once.
 
 A graph is captured per (base, L) and kept (a few, least recently used first out): the
 benchmark's requests of one length reuse theirs. Capture runs on a side stream in thread-local
@@ -29,6 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from pagekv.kernels import store_kv
 
@@ -54,20 +56,13 @@ class _Static:
 
 
 class _MaskedAttention:
-    """The ``attend`` of one captured step: store the new row, attend over ``L`` rows.
-
-    Scores are two batched matmuls over the rows as they lie (one batch per K/V head, its
-    query heads as rows): cuBLAS spreads the ``L`` keys over the whole GPU, where a fused
-    attention kernel without split-K gives one block per K/V head (8 blocks for Llama: the
-    first H100 run decoded 8B at 32k at 35 tok/s that way). Scores and softmax in float32
-    (bf16 inputs, float32 products on CUDA), weights rounded to the cache's dtype for the
-    second product, as flash attention does."""
+    """The ``attend`` of one captured step: store the new row, attend over ``L`` rows."""
 
     def __init__(self, cache: PagedKVCache, st: _Static, out_loc: torch.Tensor) -> None:
         self.cache, self.st, self.out_loc = cache, st, out_loc
-        zero = torch.zeros((), dtype=torch.float32, device=cache.k.device)
-        # [L]: 0 for positions <= pos, -inf after (made once per step, shared by all layers)
-        self.mask = torch.where(st.rows <= st.pos, zero, float("-inf"))
+        zero = torch.zeros((), dtype=cache.k.dtype, device=cache.k.device)
+        # [1, 1, 1, L]: 0 for positions <= pos, -inf after (made once per step, all layers)
+        self.mask = torch.where(st.rows <= st.pos, zero, float("-inf")).view(1, 1, 1, -1)
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -76,20 +71,12 @@ class _MaskedAttention:
         store_kv(k, v, k_cache, v_cache, self.out_loc, validate=False)
         lo, n = self.st.base, self.st.rows.numel()
         heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
-        qg = q.reshape(kv_heads, heads // kv_heads, dim)  # [KVH, G, D]
-        kt = k_cache[lo : lo + n].permute(1, 2, 0)  # [KVH, D, L], a view
-        scores = torch.add(self.mask, _scores(qg, kt), alpha=dim**-0.5)  # [KVH, G, L] fp32
-        weights = torch.softmax(scores, dim=-1).to(v_cache.dtype)
-        out = torch.bmm(weights, v_cache[lo : lo + n].transpose(0, 1))  # [KVH, G, D]
+        qh = q.reshape(1, kv_heads, heads // kv_heads, dim)
+        kh = k_cache[lo : lo + n].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D], a view
+        vh = v_cache[lo : lo + n].transpose(0, 1).unsqueeze(0)
+        mask = self.mask.expand(1, kv_heads, heads // kv_heads, n)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
         return out.reshape(1, heads, dim)
-
-
-def _scores(q: torch.Tensor, kt: torch.Tensor) -> torch.Tensor:
-    """``q @ kt`` in float32: on CUDA straight from the cache's dtype (cuBLAS accumulates
-    and writes float32), elsewhere (the CPU test) on float32 copies."""
-    if q.is_cuda and q.dtype != torch.float32:
-        return torch.bmm(q, kt, out_dtype=torch.float32)
-    return torch.bmm(q.float(), kt.float())
 
 
 class DecodeGraphs:
