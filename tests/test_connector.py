@@ -179,6 +179,28 @@ def test_store_down_is_a_miss_not_an_error():
         conn.close()
 
 
+def test_connect_opens_the_nodes_before_the_first_lookup(node):
+    conn = connector(node, caches())
+    try:
+        assert conn.connect(timeout_s=10.0) is True
+        stats = conn.stats()
+        assert stats["lookup_timeouts"] == 0 and stats["store_errors"] == 0
+        assert conn.lookup(prompt(8)) == 0  # a plain miss: connected, nothing stored
+    finally:
+        conn.close()
+
+
+def test_connect_to_a_dead_store_says_so_and_changes_nothing():
+    dead = ClientConfig(("tcp://127.0.0.1:9",), timeout_s=0.2)
+    conn = KVConnector(GEO, caches(), dead, host_pages=16, namespace=KeyNamespace("m", GEO))
+    try:
+        assert conn.connect(timeout_s=5.0) is False
+        stats = conn.stats()
+        assert stats["lookup_timeouts"] == 0 and stats["lookups"] == 0
+    finally:
+        conn.close()
+
+
 def test_layerwise_load_cpu(node):
     a = connector(node, caches())
     try:

@@ -273,3 +273,29 @@ def test_guard_accounts_for_every_wire_byte(certs, curve):
         assert unexplained and all(0 <= u < 1024 for u in unexplained), unexplained
     finally:
         running.stop()
+
+
+def test_signal_handler_takes_no_lock_and_stops_the_node():
+    """A second SIGTERM can run its handler inside the first one's: a handler that takes the
+    stop event's lock then waits on itself forever. Here another thread runs the installed
+    handler while this thread holds that lock: it must return at once, and the node stop."""
+    import signal
+
+    node = StoreNode(NodeConfig(port=0, capacity="16MiB"))
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        node.install_signal_handlers()
+        handler = signal.getsignal(signal.SIGTERM)
+        serving = threading.Thread(target=node.serve_forever, daemon=True)
+        serving.start()
+        with node._stop._cond:  # what the main thread holds inside Event.set()
+            caller = threading.Thread(target=handler, args=(signal.SIGTERM, None), daemon=True)
+            caller.start()
+            caller.join(timeout=5)
+            assert not caller.is_alive(), "the signal handler blocked on the stop event's lock"
+        serving.join(timeout=10)
+        assert not serving.is_alive()
+    finally:
+        for sig, old in saved.items():
+            signal.signal(sig, old)
+        node.stop()

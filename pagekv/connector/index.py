@@ -12,6 +12,7 @@ dead node costs one bound per period instead of one per request.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -161,6 +162,26 @@ class KVIndex:
                     self._why.warning("pagekv: store node %s: %s", ep, result)
         finally:
             self._diagnosing.clear()
+
+    def connect(self, timeout_s: float) -> bool:
+        """Open the connections to every node (and learn its limits) before the first lookup,
+        which is otherwise bounded by ``lookup_timeout_s`` and would pay for them: an engine
+        calls this at start-up. Asks about random keys spread over the nodes; True when every
+        one was answered. Counts nothing, backs off nothing, never raises on store trouble."""
+        if self._closed:
+            raise ConnectorClosed("KVIndex is closed")
+        probes = [os.urandom(16) for _ in range(16 * len(self.store.config.endpoints))]
+
+        async def ask() -> bool:
+            try:
+                return not (await self.store.exists_many(probes)).unanswered
+            except StoreError:
+                return False
+
+        try:
+            return self.loop.call(ask(), timeout_s)
+        except TimeoutError:
+            return False
 
     async def _exists(self, keys: list[bytes]) -> list[bool] | None:
         """Found flags, or None when the store could not answer (counted and logged): an

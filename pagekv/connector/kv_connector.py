@@ -163,6 +163,12 @@ class KVConnector:
         return check_slots(s[:need], num_pages, self.geometry.page_size, self.kv.num_slots)
 
     # ---- lookup ----------------------------------------------------------------------------
+    def connect(self, timeout_s: float = 5.0) -> bool:
+        """Connect to the store's nodes now (see :meth:`KVIndex.connect`), so that the first
+        bounded lookup does not pay for the connections. True when every node answered;
+        never raises on store trouble. Call at start-up, not per request."""
+        return self.index.connect(timeout_s)
+
     def lookup(
         self, token_ids: Tokens | None = None, *, keys: Sequence[bytes] | None = None
     ) -> int:

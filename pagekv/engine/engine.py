@@ -254,7 +254,8 @@ class Engine:
     # ---- lifetime and stats ----------------------------------------------------------------
     def warmup(self, num_tokens: int = 1024) -> None:
         """Two prefills of ``num_tokens`` random tokens, nothing reused or saved: kernels and
-        allocators warm up on the first, the second gives the policy a prefill speed."""
+        allocators warm up on the first, the second gives the policy a prefill speed. Then
+        the connections to the store are opened (:meth:`KVConnector.connect`)."""
         num_tokens = max(1, min(num_tokens, self.cache.num_slots - 1))
         gen = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, self.config.model.vocab_size, (num_tokens,), generator=gen)
@@ -265,6 +266,8 @@ class Engine:
             self.policy = policy
         self.generate(Request(prompt.tolist(), 1, reuse=False, save=False))
         self.counters = counters  # warm-up requests are not counted
+        if self.connector is not None:  # the first lookup's 50 ms bound is not for connecting
+            self.connector.connect(timeout_s=10.0)
         # What is alive now (torch, the model, the connector) lives as long as the engine:
         # out of the collector's sight, a full collection no longer walks it. One such pass
         # took 240 ms in a process with torch loaded, stalling a decode step or a write-back
