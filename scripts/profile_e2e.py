@@ -63,11 +63,19 @@ def attention_variants(cfg: EngineConfig, t: int, s: int) -> None:
         w1, w2 = (l1 - lse).exp().unsqueeze(-1), (l2 - lse).exp().unsqueeze(-1)
         return (o1 * w1 + o2 * w2).to(q.dtype)
 
+    def flash_gqa():
+        # flash-attention's own GQA and lower-right causal mask, [B, S, H, D] as our rows lie
+        op = torch.ops.aten._flash_attention_forward
+        out = op(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, None, t, s, 0.0, True,
+                 False)  # fmt: skip
+        return out[0].squeeze(0)
+
     ref = attention(q, k, v).float()
     variants = [
         ("current (CausalBias + repeat)", lambda: attention(q, k, v)),
         ("bool mask + enable_gqa", masked),
         ("split + LSE merge", split_lse),
+        ("flash forward, GQA, causal", flash_gqa),
     ]
     for name, fn in variants:
         try:

@@ -31,6 +31,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
         kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))
         out = _decode_attention(qh, kh, vh, heads != kv_heads)
     else:
+        out = _flash_prefill(q, k, v)
+        if out is not None:
+            return out
         if heads != kv_heads:  # the lower-right causal kernels need as many K/V heads as Q
             k = k.repeat_interleave(heads // kv_heads, dim=1)
             v = v.repeat_interleave(heads // kv_heads, dim=1)
@@ -43,6 +46,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 
 
 _DECODE_BACKENDS: list | None = None  # CUDA decode: flash / efficient, never cuDNN
+_FLASH_PREFILL = True  # until the installed torch refuses it once
+
+
+def _flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """Prefill attention by torch's flash-attention forward, or None where it cannot run.
+
+    It takes the rows as they lie (``[1, S, heads, D]``), K/V heads shared by several query
+    heads as they are, and aligns the causal mask lower-right when ``T < S``: no repeated K/V
+    and no mask object. On the H100 (1B shape, 128 queries over 16k keys) 0.038 ms of host
+    time and 0.093 ms on the GPU per call, against 0.117 / 0.232 for SDPA with a CausalBias
+    over repeated K/V (scripts/profile_e2e.py). Half precision on CUDA only."""
+    global _FLASH_PREFILL
+    if not (_FLASH_PREFILL and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        return None
+    t, s = q.shape[0], k.shape[0]
+    try:
+        out = torch.ops.aten._flash_attention_forward(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, None, t, s, 0.0, True, False
+        )[0]
+    except (RuntimeError, AttributeError, TypeError):  # not in this build, or these shapes
+        _FLASH_PREFILL = False
+        return None
+    return out.squeeze(0)
 
 
 def _decode_attention(
