@@ -14,6 +14,7 @@ import zmq
 
 from pagekv.store import NodeConfig, Status, StoreClient
 from pagekv.store.launch import NodeProcess
+from tests.helpers import wait_until
 from tests.store_fakes import pack
 from tests.zmtp_raw import RawPeer
 
@@ -100,7 +101,8 @@ def test_huge_multipart_message_is_cut_off(watched, terminated):
     report("multipart 256 MiB" + ("" if terminated else ", never terminated"), watched,
            sent_mib=sent)  # fmt: skip
     assert watched.peak <= watched.bound(2)
-    assert watched.sample() <= 16 * MIB  # what libzmq held is given back
+    # what libzmq held is given back: the guard trims for 1 s after closing the connection
+    wait_until(lambda: watched.sample() <= 16 * MIB, 5.0, "RSS back within 16 MiB of start")
     assert watched.serves()
 
 

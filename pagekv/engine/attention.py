@@ -31,7 +31,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
         kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))
         out = _decode_attention(qh, kh, vh, heads != kv_heads)
     else:
-        out = _flash_prefill(q, k, v)
+        out = _flash_prefill(q, k, v) if t < s else None  # square: cuDNN's is faster
         if out is not None:
             return out
         if heads != kv_heads:  # the lower-right causal kernels need as many K/V heads as Q
@@ -50,7 +50,9 @@ _FLASH_PREFILL = True  # until the installed torch refuses it once
 
 
 def _flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """Prefill attention by torch's flash-attention forward, or None where it cannot run.
+    """Attention of a suffix over a longer prefix (``T < S``) by torch's flash-attention
+    forward, or None where it cannot run. (A whole prompt, ``T == S``, stays with SDPA: its
+    choice, cuDNN on the H100, was 13% faster for 16k tokens than this op.)
 
     It takes the rows as they lie (``[1, S, heads, D]``), K/V heads shared by several query
     heads as they are, and aligns the causal mask lower-right when ``T < S``: no repeated K/V
