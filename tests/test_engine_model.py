@@ -155,3 +155,19 @@ def test_allocator_gives_lowest_pages_and_refuses_when_full():
     cache.free(c)
     cache.free(c)  # a second free of the same table is a no-op
     assert cache.free_pages == 8 and cache.allocate(32).base == 0
+
+
+def test_fused_weights_are_the_parameters():
+    """Q/K/V and gate/up are one product each; the HF-named parameters are views of the fused
+    weights, so loading a state dict (or any in-place write) reaches the forward."""
+    engine = Engine(EngineConfig(TINY, num_slots=256))
+    attn, mlp = engine.model.model.layers[1].self_attn, engine.model.model.layers[1].mlp
+    stacked = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert torch.equal(attn.qkv_weight, stacked)
+    assert torch.equal(mlp.gate_up_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    state = {k: torch.randn_like(v) for k, v in engine.model.state_dict().items()}
+    engine.model.load_state_dict(state)
+    assert torch.equal(attn.qkv_weight[: attn.q_proj.weight.shape[0]],
+                       state["model.layers.1.self_attn.q_proj.weight"])  # fmt: skip
+    assert torch.equal(mlp.gate_up_weight[mlp.gate_proj.weight.shape[0] :],
+                       state["model.layers.1.mlp.up_proj.weight"])  # fmt: skip

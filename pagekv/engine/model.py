@@ -38,8 +38,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # one kernel on CUDA, not five
         return self.weight * h.to(x.dtype)
 
 
@@ -79,12 +78,22 @@ class Rotary(nn.Module):
         and shared by every layer (per layer it cost four more kernel launches each)."""
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
-    @staticmethod
-    def apply(
-        q: torch.Tensor, k: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = tables
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+def _rope(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """RoPE of ``x [T, heads, head_dim]`` (any heads: Q, K or both at once)."""
+    cos, sin = tables
+    return x * cos + _rotate_half(x) * sin
+
+
+def _fused(*linears: nn.Linear) -> torch.Tensor:
+    """The weights of ``linears`` stacked into one tensor; each weight becomes a view of it."""
+    fused = torch.cat([lin.weight.data for lin in linears])
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = fused[start : start + rows]
+        start += rows
+    return fused
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -106,15 +115,29 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """One ``[(heads + 2 kv_heads) * head_dim, hidden]`` weight for Q, K and V: the three
+        parameters become views into it (state dicts, loading and init write through them),
+        and a forward makes one product and one RoPE launch for Q and K instead of two each:
+        the engine's host time per layer is mostly launches."""
+        self.qkv_weight = _fused(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        q, k = Rotary.apply(q, k, rope)
+        t, heads, kv_heads, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        if self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight)
+            qk = _rope(qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d), rope)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
+        else:
+            q = self.q_proj(x).view(t, heads, d)
+            k = self.k_proj(x).view(t, kv_heads, d)
+            v = self.v_proj(x).view(t, kv_heads, d)
+            q, k = _rope(q, rope), _rope(k, rope)
         out = attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(t, self.heads * self.head_dim))
 
@@ -126,9 +149,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """One weight for the gate and up products (see :meth:`SelfAttention.fuse`)."""
+        self.gate_up_weight = _fused(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -164,6 +195,13 @@ class Llama(nn.Module):
         self.model = Body(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: Rotary | None = None
+
+    def fuse(self) -> None:
+        """Fuse each layer's Q/K/V and gate/up weights (parameters stay, as views): call once
+        the model is on its device, before its weights are filled."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

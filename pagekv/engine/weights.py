@@ -110,6 +110,7 @@ def build_model(
     with torch.device("meta"):
         model = Llama(config)
     model = model.to(dtype).to_empty(device=device)
+    model.fuse()  # before the weights are written: they go through the views
     model.tie_weights()
     if weights is None:
         model.init_random(seed)
