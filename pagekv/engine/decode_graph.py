@@ -6,8 +6,7 @@ the prompt just saved) slows decode. Serving engines capture decode in CUDA grap
 this one. A step is one :meth:`DecodeGraphs._step` over static device buffers:
 
     token   [1] int64      the input token; the step writes the next one here
-    pos     [1] int64      the input's position; the step adds 1
-    slots   [L] int64      slot of each position of the request (a copy of its SlotTable)
+    pos     [1] int64      the input's position; the step adds 1 (its slot: base + pos)
     out     [L] int64      tokens made, at index ``pos - start``
     start   [1] int64      the first decode position of the request
 
@@ -49,7 +48,6 @@ class _Static:
     token: torch.Tensor
     pos: torch.Tensor
     start: torch.Tensor
-    slots: torch.Tensor
     out: torch.Tensor
     rows: torch.Tensor  # [L] int64: 0..L-1, the positions of the request's rows
     base: int
@@ -128,8 +126,8 @@ class DecodeGraphs:
         i64 = {"dtype": torch.int64, "device": self.device}
         return _Static(
             token=torch.zeros(1, **i64), pos=torch.zeros(1, **i64),
-            start=torch.zeros(1, **i64), slots=torch.zeros(length, **i64),
-            out=torch.zeros(length, **i64), rows=torch.arange(length, **i64), base=base,
+            start=torch.zeros(1, **i64), out=torch.zeros(length, **i64),
+            rows=torch.arange(length, **i64), base=base,
         )  # fmt: skip
 
     def _begin(self, st: _Static, token: torch.Tensor, n: int, table: SlotTable) -> None:
@@ -138,13 +136,12 @@ class DecodeGraphs:
         st.token.copy_(token.view(1))
         st.pos.fill_(n)
         st.start.fill_(n)
-        st.slots.copy_(table.device[:length])
         lo = table.base + n  # the rows the mask hides at first: zeroed (see module docstring)
         self.cache.k[:, lo : table.base + length].zero_()
         self.cache.v[:, lo : table.base + length].zero_()
 
     def _step(self, st: _Static) -> None:
-        out_loc = st.slots.index_select(0, st.pos)
+        out_loc = st.pos + st.base  # the table is one run: position p is in slot base + p
         hidden = self.model(st.token, st.pos, _MaskedAttention(self.cache, st, out_loc))
         nxt = self.model.logits(hidden).argmax(-1)
         st.out.index_copy_(0, st.pos - st.start, nxt)

@@ -128,16 +128,10 @@ class SelfAttention(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend
     ) -> torch.Tensor:
         t, heads, kv_heads, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight)
-            qk = _rope(qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d), rope)
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
-        else:
-            q = self.q_proj(x).view(t, heads, d)
-            k = self.k_proj(x).view(t, kv_heads, d)
-            v = self.v_proj(x).view(t, kv_heads, d)
-            q, k = _rope(q, rope), _rope(k, rope)
+        qkv = F.linear(x, self.qkv_weight)
+        qk = _rope(qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d), rope)
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
         out = attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(t, self.heads * self.head_dim))
 
@@ -156,8 +150,6 @@ class MLP(nn.Module):
         self.gate_up_weight = _fused(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -187,7 +179,8 @@ class Body(nn.Module):
 
 class Llama(nn.Module):
     """Built on the meta device by :func:`pagekv.engine.weights.build_model`, which places it,
-    fills its weights and sets :attr:`rotary` (RoPE tables on the model's device)."""
+    fuses its projections (:meth:`fuse`), fills its weights and sets :attr:`rotary` (RoPE
+    tables on the model's device)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
