@@ -183,3 +183,23 @@ def _announced(proc: subprocess.Popen, nodes: int) -> list[str]:
         if found:
             return found.group(1).split()
     raise AssertionError("no 'pagekv cluster ready' line in 30 s")
+
+
+def test_a_node_that_never_reports_ready_is_killed_not_waited_for(tmp_path):
+    fifo = tmp_path / "config.toml"
+    os.mkfifo(fifo)  # the node blocks opening its config: it never gets to report ready
+    node = NodeProcess("--config", str(fifo))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not report ready in 2 s") as excinfo:
+        node.start(timeout=2)
+    assert time.monotonic() - start < 15
+    assert node.proc.poll() == -signal.SIGABRT
+    assert "Current thread" in str(excinfo.value) and "settings.py" in str(excinfo.value)
+
+
+def test_a_node_that_exits_before_ready_says_so_with_its_log():
+    node = NodeProcess("--capacity", "not-a-size")
+    with pytest.raises(
+        RuntimeError, match=r"(?s)node exited \(status [1-9]\d*\).*--capacity: not a size"
+    ):
+        node.start()

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 READY = re.compile(r"pagekv node ready (tcp://\S+)")
 
@@ -33,6 +32,8 @@ class NodeProcess:
     def start(self, timeout: float = 20.0) -> NodeProcess:
         cmd = [
             sys.executable,
+            "-X",
+            "faulthandler",  # SIGABRT (see below) prints where each of its threads is
             "-m",
             "pagekv.store.cli",
             "serve",
@@ -49,23 +50,35 @@ class NodeProcess:
 
         preexec = cap_descriptors if limit is not None else None
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stderr.readline()
-            if not line and self.proc.poll() is not None:
-                raise RuntimeError(f"node exited with {self.proc.returncode}")
-            match = READY.search(line)
+        self._ready = threading.Event()
+        drain = threading.Thread(target=self._drain, daemon=True)
+        drain.start()
+        # wait on the reader's event, never on the pipe: a node that hangs before it reports
+        # ready (or writes a partial line) must not block the caller past ``timeout``
+        if self._ready.wait(timeout) and self.address:
+            return self
+        why = "exited" if self._ready.is_set() else f"did not report ready in {timeout:g} s"
+        if self.proc.poll() is None:  # hung: its faulthandler writes every thread's stack
+            self.proc.send_signal(signal.SIGABRT)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        code = self.proc.wait()
+        drain.join(timeout=5)  # the rest of its log, the stacks included
+        raise RuntimeError(f"node {why} (status {code}); its log:\n" + "".join(self.log))
+
+    def _drain(self) -> None:
+        """Read the node's log to its end (a full pipe never blocks the node), keeping the last
+        lines; set ``_ready`` at the ready line with ``address`` and ``port`` set, or at EOF."""
+        for line in self.proc.stderr:
+            self.log.append(line)
+            match = None if self._ready.is_set() else READY.search(line)
             if match:
                 self.address = match.group(1)
                 self.port = int(self.address.rsplit(":", 1)[1])
-                threading.Thread(target=self._drain, daemon=True).start()
-                return self
-        raise RuntimeError("node did not report ready")
-
-    def _drain(self) -> None:
-        """Keep reading the node's log so a full pipe never blocks it; keep the last lines."""
-        for line in self.proc.stderr:
-            self.log.append(line)
+                self._ready.set()
+        self._ready.set()  # EOF: the node exited (``address`` stays empty if it never was ready)
 
     def kill(self, sig: int = signal.SIGKILL) -> int:
         if self.proc is None:

