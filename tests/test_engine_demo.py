@@ -42,7 +42,14 @@ def test_demo_runs_and_checks_its_output():
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_stops_everything_the_demo_started(sig):
     cmd = [sys.executable, str(DEMO), *SMALL, "--new-tokens", "4000"]  # a long decode
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    # A shell's background job (`make test &`, nohup) starts with SIGINT ignored, and ignored
+    # signals stay ignored across exec: the demo would be deaf to this test's Ctrl-C. Start it
+    # as a terminal would: a handled signal is reset to its default in the child.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     pids = []
     try:
         deadline = time.monotonic() + 120
