@@ -13,6 +13,7 @@ class                      builtin base            raised when
 ``InvalidSlotError``       ``IndexError``, ``V..``  a device slot is outside the cache
 ``PoolExhausted``          ``RuntimeError``        the host pool cannot supply the pages asked
 ``KernelsUnavailable``     ``RuntimeError``        the CUDA kernels cannot run here (says why)
+``NativeCopyUnavailable``  ``RuntimeError``        the native checked copy cannot be built here
 ``ProtocolError``          ``ValueError``          a store message is malformed (has ``code``)
 ``StoreError``             ``RuntimeError``        the store could not serve a request
 ``StoreUnavailable``       ``StoreError``          no node could be reached at all
@@ -31,6 +32,7 @@ __all__ = [
     "InvalidPageError",
     "InvalidSlotError",
     "KernelsUnavailable",
+    "NativeCopyUnavailable",
     "PagekvError",
     "PoolExhausted",
     "ProtocolError",
@@ -63,6 +65,11 @@ class PoolExhausted(PagekvError, RuntimeError):
 
 class KernelsUnavailable(PagekvError, RuntimeError):
     """The CUDA kernels cannot be used here; the message says why and what to do."""
+
+
+class NativeCopyUnavailable(PagekvError, RuntimeError):
+    """The store's native checked copy (``PAGEKV_NATIVE_COPY=on``) could not be built or
+    loaded; the message names the compiler, holds its output and says what to do."""
 
 
 class ProtocolError(PagekvError, ValueError):

@@ -4,11 +4,16 @@ memcpy ceilings of this host (numpy copies of the same bytes, 1 thread and the r
 count), all in the same run, round after round; medians reported.
 
     python scripts/bench_shm.py [--blocks 64] [--block-size 2MiB] [--rounds 7] [--save]
-                                [--chunks-kib 256,1024,2048]
+                                [--chunks-kib 256,1024,2048] [--native on|off|both]
+                                [--batch on|off|both]
 
 ``--chunks-kib``: the checked copy's chunk (``pagekv.store.copies.CHUNK_BYTES``) to compare,
 shm and TCP rows per chunk size (the first is the headline), plus a "copy+hash" ceiling (the
 reader's threads copying then hashing each block: the two-pass work with no store around it).
+``--native``: the checked copy in C (``pagekv.store.native``, ``PAGEKV_NATIVE_COPY=on``), the
+numpy path (``off``) or both, rows ``shm_<native|numpy>_c<chunk>`` (the chunk applies to the
+numpy path only); ``--batch``: with native, a chunk of values in one call on the reader's
+threads (``on``, the default) or one call per value on the reader's pool (``off``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import numpy as np
 from _bench_util import parse_args, write_result
 from xxhash import xxh3_64_intdigest
 
-from pagekv.store import Status, StoreClient, copies, parse_size, shm_reader
+from pagekv.store import Status, StoreClient, copies, native, parse_size, shm_reader
 from pagekv.store.launch import NodeProcess
 
 
@@ -63,7 +68,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--chunks-kib", type=lambda s: [int(x) for x in s.split(",")],
                     default=[copies.CHUNK_BYTES >> 10])  # fmt: skip
+    ap.add_argument("--native", choices=["on", "off", "both"], default="both")
+    ap.add_argument("--batch", choices=["on", "off", "both"], default="on")
     args = parse_args(ap)
+    natives = {"on": ["native"], "off": ["numpy"], "both": ["native", "numpy"]}[args.native]
+    batches = {"on": [True], "off": [False], "both": [True, False]}[args.batch]
+    variants = [(m, b) for m in natives for b in (batches if m == "native" else [True])]
+    label = {(m, b): m + ("" if b or m == "numpy" else "_nobatch") for m, b in variants}
+    if "native" in natives:
+        os.environ["PAGEKV_NATIVE_COPY"] = "on"
+        native.load()  # built before anything is timed
     size, n = parse_size(args.block_size), args.blocks
     total = size * n
     node = NodeProcess("--shm", "--capacity", str(2 * total + (64 << 20))).start()
@@ -77,8 +91,9 @@ def main() -> None:
     threads = shm_reader.reader_for(fast.router).workers
     pool = ThreadPoolExecutor(threads)
     rows: dict[str, list[float]] = {"memcpy_1": [], f"memcpy_{threads}": [], "copy+hash": []}
-    for chunk in args.chunks_kib:
-        rows.update({f"shm_c{chunk}": [], f"tcp_c{chunk}": []})
+    for name in label.values():
+        for chunk in args.chunks_kib:
+            rows.update({f"shm_{name}_c{chunk}": [], f"tcp_{name}_c{chunk}": []})
     try:
         if set(fast.put_many(keys, blocks)) != {Status.OK}:
             raise RuntimeError("put failed")
@@ -88,13 +103,16 @@ def main() -> None:
             rows["memcpy_1"].append(memcpy_seconds(blocks, dst, None))
             rows[f"memcpy_{threads}"].append(memcpy_seconds(blocks, dst, pool))
             rows["copy+hash"].append(copy_hash_seconds(blocks, dst, pool))
-            for chunk in args.chunks_kib:
-                copies.CHUNK_BYTES = chunk << 10
-                into[0][:8] = b"\0" * 8
-                rows[f"shm_c{chunk}"].append(get_seconds(fast, keys, into))
-                if bytes(into[0][:64]) != blocks[0][:64].tobytes():
-                    raise RuntimeError("shm get returned wrong bytes")
-                rows[f"tcp_c{chunk}"].append(get_seconds(tcp, keys, into))
+            for (mode, batch), name in label.items():
+                os.environ["PAGEKV_NATIVE_COPY"] = "on" if mode == "native" else "off"
+                shm_reader.BATCH = batch
+                for chunk in args.chunks_kib:
+                    copies.CHUNK_BYTES = chunk << 10
+                    into[0][:8] = b"\0" * 8
+                    rows[f"shm_{name}_c{chunk}"].append(get_seconds(fast, keys, into))
+                    if bytes(into[0][:64]) != blocks[0][:64].tobytes():
+                        raise RuntimeError("shm get returned wrong bytes")
+                    rows[f"tcp_{name}_c{chunk}"].append(get_seconds(tcp, keys, into))
         hits = fast.counters["shm_hits"]
         node_stats = fast.stats()[0]
     finally:
@@ -103,18 +121,25 @@ def main() -> None:
         pool.shutdown()
         node.stop()
     gbps = {name: total / statistics.median(times) / 1e9 for name, times in rows.items()}
-    first = args.chunks_kib[0]
-    gbps["shm"], gbps["tcp"] = gbps[f"shm_c{first}"], gbps[f"tcp_c{first}"]
+    first, head = args.chunks_kib[0], next(iter(label.values()))
+    gbps["shm"], gbps["tcp"] = gbps[f"shm_{head}_c{first}"], gbps[f"tcp_{head}_c{first}"]
+    over = {f"{name}_over_memcpy_{k}": gbps[name] / gbps[f"memcpy_{k}"]
+            for name in gbps if name.startswith("shm_") for k in (1, threads)}  # fmt: skip
     result = {"blocks": n, "block_size": size, "rounds": args.rounds, "reader_threads": threads,
               "copy_threads": tcp.config.copy_threads, "chunks_kib": args.chunks_kib,
               "cpu_count": os.cpu_count(), "get_gbps": gbps, "shm_hits": hits,
               "shm_over_memcpy_n": gbps["shm"] / gbps[f"memcpy_{threads}"],
               "shm_over_tcp": gbps["shm"] / gbps["tcp"],
-              "node_locates": node_stats["op_locate"]}  # fmt: skip
+              "node_locates": node_stats["op_locate"], "native": args.native,
+              "batch": args.batch, "over_memcpy": over}  # fmt: skip
     print(f"{n} x {size >> 10} KiB, {os.cpu_count()} cores, reader threads {threads}, "
           f"median of {args.rounds} rounds (GB/s):")  # fmt: skip
     for name, value in gbps.items():
-        print(f"  {name:>10}  {value:6.2f}")
+        ratios = ""
+        if name.startswith("shm_"):
+            ratios = "".join(f"  /memcpy_{k} {over[f'{name}_over_memcpy_{k}']:.2f}"
+                             for k in (1, threads))  # fmt: skip
+        print(f"  {name:>24}  {value:6.2f}{ratios}")
     print(f"  shm / memcpy_{threads} = {result['shm_over_memcpy_n']:.2f}, "
           f"shm / tcp = {result['shm_over_tcp']:.2f}")  # fmt: skip
     print(write_result("bench_shm", result))

@@ -3,6 +3,7 @@ wheel contents and metadata, a wheel installed in a fresh venv, `make` printing 
 and benchmarks that write outside the tree with no NaN in their JSON."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import pagekv
 from pagekv.store.settings import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
+NATIVE_SOURCES = tuple(f"pagekv/store/csrc/{name}" for name in (
+    "copy_verify.c", "third_party/xxhash/xxhash.h", "third_party/xxhash/LICENSE"))  # fmt: skip
 NO_TORCH = "import sys; sys.modules['torch'] = None\n"
 
 
@@ -74,7 +77,7 @@ def test_sdist_and_wheel_contents_and_no_build_warnings(dist):
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     for needed in ("LICENSE", "tests/conftest.py", "tests/helpers.py", "tests/cli_helpers.py",
                    "docs/protocol.md", "scripts/demo.py", "scripts/_bench_util.py",
-                   "pagekv/kernels/csrc/pagekv_kernels.cu"):  # fmt: skip
+                   "pagekv/kernels/csrc/pagekv_kernels.cu", *NATIVE_SOURCES):  # fmt: skip
         assert needed in names, needed
     assert not any("__pycache__" in n or n.startswith("benchmarks/results") for n in names)
     (wheel,) = out.glob("*.whl")
@@ -83,6 +86,7 @@ def test_sdist_and_wheel_contents_and_no_build_warnings(dist):
         info = next(n for n in files if n.endswith(".dist-info/METADATA"))
         metadata = whl.read(info).decode()
     assert "pagekv/kernels/csrc/pagekv_kernels.cu" in files
+    assert set(NATIVE_SOURCES) <= files  # the store's native checked copy builds from these
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in files)
     assert "License-Expression: Apache-2.0" in metadata
     requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist: torch")]
@@ -105,6 +109,12 @@ def test_wheel_installs_and_runs_without_torch(dist, tmp_path):
     version = subprocess.run([str(tmp_path / "env" / "bin" / "pagekv"), "--version"],
                              capture_output=True, text=True, timeout=60)  # fmt: skip
     assert version.stdout.strip() == f"pagekv {pagekv.__version__}"
+    if shutil.which(os.environ.get("CC") or "cc"):  # the native copy builds from the wheel's files
+        build = subprocess.run([str(py), "-c", "import sys, pathlib; from pagekv.store import "
+                                "native; print(native.build_library(directory=pathlib.Path("
+                                "sys.argv[1])))", str(tmp_path / "cache")], capture_output=True,
+                               text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+        assert build.returncode == 0 and Path(build.stdout.strip()).is_file(), build.stderr
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pagekv.store import AsyncStoreClient, Status, StoreClient, shm_reader
+from pagekv.store import AsyncStoreClient, Status, StoreClient, shm_copy, shm_reader
 from pagekv.store.launch import NodeProcess
 from pagekv.store.shm import FreeSpace
 
@@ -66,8 +66,10 @@ def test_free_space_never_overlaps_and_coalesces():
     assert space.alloc(total) is not None  # every free run merged back into one
 
 
+@pytest.mark.parametrize("native_copy", ["off", "auto"])
 @pytest.mark.parametrize("frames,most", [(1, 3 * MIB), (3, 200_000), (16, 5000)])
-def test_shortcut_reads_exact_values(node, frames, most):
+def test_shortcut_reads_exact_values(node, frames, most, native_copy, monkeypatch):
+    monkeypatch.setenv("PAGEKV_NATIVE_COPY", native_copy)
     rng = random.Random(frames)
     keys = [rng.randbytes(16) for _ in range(12)]
     values = values_for(rng, len(keys), frames, most)
@@ -177,14 +179,17 @@ def test_other_host_falls_back_to_tcp(node):
         assert client.counters["shm_fallback_not_same_host"] == len(keys)
 
 
-def test_space_reused_during_the_copy_is_caught(node, monkeypatch):
+@pytest.mark.parametrize("native_copy", ["off", "auto"])
+def test_space_reused_during_the_copy_is_caught(node, monkeypatch, native_copy):
     """Between LOCATE and the copy, another client fills the node: every located block is
-    evicted and its space rewritten. The copies must all fail the check (misses, no bytes)."""
+    evicted and its space rewritten. The copies must all fail the check (misses, no bytes),
+    on the pool (numpy) and in one native call alike."""
+    monkeypatch.setenv("PAGEKV_NATIVE_COPY", native_copy)
     keys = [os.urandom(16) for _ in range(8)]
     values = [os.urandom(1 * MIB) for _ in keys]
-    real, evicted, lock = shm_reader._copy_one, [], threading.Lock()
+    real, evicted, lock = shm_copy._prepare, [], threading.Lock()
 
-    def evict_first(job, targets):  # copies may run on the reader's threads
+    def evict_first(job, targets):  # right before the copies (some on the reader's threads)
         with lock:
             if not evicted:
                 with StoreClient(node.address, timeout_s=5) as other:
@@ -195,7 +200,7 @@ def test_space_reused_during_the_copy_is_caught(node, monkeypatch):
 
     with StoreClient(node.address, timeout_s=5) as client:
         assert client.put_many(keys, values) == [Status.OK] * len(keys)
-        monkeypatch.setattr(shm_reader, "_copy_one", evict_first)
+        monkeypatch.setattr(shm_copy, "_prepare", evict_first)
         into = [bytearray(b"\xa5" * len(v)) for v in values]
         got = client.get_many(keys, into=into)
     assert evicted == [[False] * len(keys)]

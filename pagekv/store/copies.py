@@ -3,9 +3,10 @@
 A value read from the store (a TCP reply's frames, or its bytes in a ``--shm`` node's segment)
 is copied into its destination chunk by chunk, each chunk hashed right after it is written,
 while it is still in the core's cache: memory is read once, not twice (a copy, then a checksum
-pass over the same bytes, was half the cost of the same-host shortcut). numpy's copy and
-xxhash both release the GIL, so values checked by several pool threads use several cores
-while the client's own thread goes on receiving.
+pass over the same bytes, was half the cost of the same-host shortcut). The work is done by
+the native checked copy (:mod:`.native`: C, one call per value, no GIL) when it is available,
+else by numpy's copy and xxhash's update per chunk; both release the GIL, so values checked by
+several pool threads use several cores while the client's own thread goes on receiving.
 
 The pool is shared by every client of a process with the same thread count (a client costs no
 threads of its own) and is made again in a forked child.
@@ -20,6 +21,8 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 import xxhash
+
+from . import native
 
 try:  # numpy comes with pagekv[connector] (engines); a store-only install copies under the GIL
     import numpy as np
@@ -70,10 +73,17 @@ def copy_checksum(targets: Sequence[memoryview], sources: Sequence[Any]) -> int:
 
     Mutates ``targets`` whatever the checksum turns out to be: a caller that finds a mismatch
     must treat the destination's contents as unspecified. Sources may be any buffer (zmq frame
-    buffers, numpy arrays over a mapped segment). Raises ``ValueError`` for sizes that differ.
+    buffers, numpy arrays over a mapped segment). Raises ``ValueError`` for sizes that differ
+    (before anything is copied on the native path). Native (:mod:`.native`) for values of at
+    least ``SMALL_BYTES`` when it is available (``PAGEKV_NATIVE_COPY``; ``on`` and not
+    buildable raises ``NativeCopyUnavailable``); the same digest either way.
     """
     if len(targets) != len(sources):
         raise ValueError(f"{len(sources)} source frames for {len(targets)} targets")
+    if np is not None and sum(memoryview(t).nbytes for t in targets) >= SMALL_BYTES:
+        lib = native.load()
+        if lib is not None:
+            return lib.copy_verify([(targets, sources)])[0]
     state = xxhash.xxh3_64()
     for target, source in zip(targets, sources):
         n = memoryview(target).nbytes

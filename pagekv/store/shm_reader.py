@@ -18,7 +18,8 @@ did not make sense), ``shm_fallback_not_offered`` (node has no segment).
 Mappings are cached per segment file and dropped when a node advertises another one (a node
 restarted). A segment the node has unlinked stays mapped and readable, but is only read after a
 fresh LOCATE from a live node, so a dead node's keys are misses. Copies of large values run on
-a small thread pool (numpy copies release the GIL): several cores copy at once.
+several threads: a chunk's values in one call of the native checked copy (:mod:`.native`) on
+its own threads, or on a small thread pool (numpy copies release the GIL) without it.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ try:
 except ImportError:  # the store alone (pip install pagekv, no numpy): no shortcut
     np = None
 
-from .copies import copy_checksum
+from . import native
 from .protocol import Code, Op, Request, Status
 from .routing import FALLBACK_LIMITS, Call, OpGen, Router
 from .shm import host_id
+from .shm_copy import copy_batch, copy_one
 
 __all__ = ["COUNTERS", "ShmReader", "disable", "get", "reader_for"]
 
@@ -50,6 +52,7 @@ COUNTERS = ("shm_hits", "shm_fallback_not_same_host", "shm_fallback_no_access",
 RECHECK_S = 30.0  # how long "this node failed a LOCATE" is believed
 PARALLEL_BYTES = 4 << 20  # batches smaller than this are copied on the calling thread
 CHUNK_BYTES = 64 << 20  # values are published (on_arrival) after each chunk of copies
+BATCH = True  # a chunk's copies in one native call (bench_shm --batch compares)
 _ADVERT = {"path": str, "size": int, "inode": int, "host": str, "data_offset": int,
            "granule": int, "granules": int}  # fmt: skip
 
@@ -114,14 +117,19 @@ class ShmReader:
     # ---- copies ----------------------------------------------------------------------------
     def copy_all(self, jobs: list[tuple], into: Sequence[list[memoryview]]) -> list[str]:
         """Copy each job ``(i, mapped, offset, sizes, checksum, gen)`` into ``into[i]``;
-        returns per job "" (copied and verified) or the fallback reason."""
+        returns per job "" (copied and verified) or the fallback reason. Several jobs worth
+        spreading go to the native checked copy in one call on ``workers`` threads when it is
+        available (one GIL hand-off for the lot), else to the pool, one job per task."""
         total = sum(sum(job[3]) for job in jobs)
         if len(jobs) < 2 or total < PARALLEL_BYTES or self.workers < 2:
-            return [_copy_one(job, into[job[0]]) for job in jobs]
+            return [copy_one(job, into[job[0]]) for job in jobs]
+        lib = native.load() if BATCH else None
+        if lib is not None:
+            return copy_batch(lib, jobs, into, self.workers)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="pagekv-shm")
             weakref.finalize(self, self._pool.shutdown, wait=False)
-        return list(self._pool.map(lambda job: _copy_one(job, into[job[0]]), jobs))
+        return list(self._pool.map(lambda job: copy_one(job, into[job[0]]), jobs))
 
 
 def _map(advert: dict[str, Any]) -> tuple[Mapped | None, str]:
@@ -145,33 +153,6 @@ def _map(advert: dict[str, Any]) -> tuple[Mapped | None, str]:
         os.close(fd)
     data = np.frombuffer(mm, dtype=np.uint8)
     return Mapped(dict(advert), data, np.frombuffer(mm, dtype=np.uint64, count=granules)), ""
-
-
-def _copy_one(job: tuple, targets: list[memoryview]) -> str:
-    """Copy one value out of the segment into ``targets``, then verify it (generation of
-    every granule it covers, then checksum of the copy). Never raises."""
-    _i, mapped, offset, sizes, cs, gen = job
-    adv = mapped.advert
-    if len(targets) != len(sizes) or any(t.nbytes != n for t, n in zip(targets, sizes)):
-        return "size"
-    total, granule = sum(sizes), adv["granule"]
-    first, rem = divmod(offset - adv["data_offset"], granule)
-    last = first + max(1, -(-total // granule))
-    if offset < adv["data_offset"] or rem or last > adv["granules"]:
-        return "bad_reply"
-    sources, pos = [], offset
-    for n in sizes:
-        sources.append(mapped.bytes[pos : pos + n])
-        pos += n
-    try:  # one pass: each chunk hashed as it lands (pagekv.store.copies)
-        copied = copy_checksum(targets, sources)
-    except ValueError:  # a frame past the file's end: a lying reply
-        return "bad_reply"
-    if not (mapped.gens[first:last] == gen).all():  # after the copy: see pagekv.store.shm
-        return "mismatch"
-    if copied != cs:
-        return "mismatch"
-    return ""
 
 
 def reader_for(router: Router) -> ShmReader | None:

@@ -1,0 +1,231 @@
+"""The native checked copy (pagekv.store.native): digests equal xxhash's XXH3-64 of the bytes
+written, on fresh random data of many sizes, pieces and threads; bad buffers raise typed errors
+before anything is copied; PAGEKV_NATIVE_COPY off / on / auto with a broken compiler; two
+processes building into one fresh cache end with one library."""
+
+import logging
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+import zmq
+
+from pagekv.errors import NativeCopyUnavailable
+from pagekv.store import copies, native
+from tests.helpers import POISON
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler ($CC or cc)"
+)
+BLOCK = native.BLOCK_BYTES
+SIZES = [0, 1, 3, 63, 4096, 65_537, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 17, (5 << 20) + 3]
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    return native.NativeCopy(native.build_library(directory=tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(int.from_bytes(os.urandom(8)))
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("CC", raising=False)
+    return tmp_path / "cache"
+
+
+def xxh3(*frames) -> int:
+    state = xxhash.xxh3_64()
+    for frame in frames:
+        state.update(frame)
+    return state.intdigest()
+
+
+def poisoned(n: int) -> bytearray:
+    return bytearray([POISON]) * n
+
+
+def test_digest_and_bytes_match_xxhash_on_many_sizes(lib, rng):
+    for n in SIZES:
+        src = rng.integers(0, 256, n, dtype=np.uint8)
+        dst = poisoned(n)
+        assert lib.copy_verify([([dst], [src])]) == [xxh3(src)], n
+        assert dst == src.tobytes(), n
+
+
+@pytest.mark.parametrize("block", [1, 7, 4096, BLOCK, 8 << 20])
+def test_multi_piece_values_any_block_size(lib, rng, block):
+    values, expected = [], []
+    for count in (1, 2, 3, 5):
+        sizes = rng.choice(SIZES[:-1], count)
+        sources = [rng.integers(0, 256, int(n), dtype=np.uint8) for n in sizes]
+        values.append(([poisoned(len(s)) for s in sources], sources))
+        expected.append(xxh3(*sources))
+    assert lib.copy_verify(values, block_bytes=block) == expected
+    for targets, sources in values:
+        assert [bytes(t) for t in targets] == [s.tobytes() for s in sources]
+
+
+def test_all_kinds_of_buffers(lib, rng, tmp_path):
+    """Sources: bytes, a read-only mapping, a zmq frame, a float memoryview; targets: a
+    bytearray, a memoryview slice, a numpy array, a torch tensor's memory."""
+    data = rng.integers(0, 256, 4 * BLOCK + 5, dtype=np.uint8).tobytes()
+    (tmp_path / "seg").write_bytes(data)
+    with open(tmp_path / "seg", "rb") as f:
+        mapped = np.frombuffer(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), np.uint8)
+    floats = memoryview(np.frombuffer(data[:4096], np.float32))
+    sources = [data[:1000], mapped[7 : 7 + 2 * BLOCK], zmq.Frame(data[5:BLOCK]).buffer, floats]
+    big = poisoned(BLOCK + 10)
+    tensor = torch.full((len(floats) * 4,), POISON, dtype=torch.uint8)
+    targets = [poisoned(1000), memoryview(big)[10:], np.full(BLOCK - 5, POISON, np.uint8),
+               tensor.numpy()]  # fmt: skip
+    for i, (target, source) in enumerate(zip(targets, sources)):
+        if i == 1:  # the mapping: twice the block, a target to match
+            target = np.full(2 * BLOCK, POISON, np.uint8)
+            targets[1] = target
+        assert lib.copy_verify([([target], [source])]) == [xxh3(source)], i
+        assert bytes(memoryview(target).cast("B")) == bytes(source), i
+
+
+def test_threads_give_the_same_digests(lib, rng):
+    values, expected = [], []
+    for i in range(40):
+        sources = [rng.integers(0, 256, int(n), dtype=np.uint8)
+                   for n in rng.integers(0, 3 * BLOCK, 1 + i % 3)]  # fmt: skip
+        values.append(([poisoned(len(s)) for s in sources], sources))
+        expected.append(xxh3(*sources))
+    for threads in (2, 3, 8, 64):
+        for targets, _ in values:
+            for t in targets:
+                t[:] = poisoned(len(t))
+        assert lib.copy_verify(values, threads=threads) == expected, threads
+        assert all(bytes(t) == s.tobytes() for ts, ss in values for t, s in zip(ts, ss))
+    assert lib.copy_verify([], threads=4) == []
+
+
+def test_bad_input_raises_typed_errors_before_copying(lib):
+    good = ([poisoned(10)], [bytes(10)])
+    cases = [
+        (ValueError, "source 0 has 11 bytes", ([poisoned(10)], [bytes(11)])),
+        (ValueError, "1 sources for 2 targets", ([poisoned(1), poisoned(1)], [b"x"])),
+        (TypeError, "read-only", ([b"0123456789"], [bytes(10)])),
+        (TypeError, "read-only", ([memoryview(poisoned(10)).toreadonly()], [bytes(10)])),
+        (TypeError, "not a buffer", ([poisoned(10)], [12345])),
+        (ValueError, "not C-contiguous", ([poisoned(5)], [np.zeros(10, np.uint8)[::2]])),
+        (ValueError, "not C-contiguous", ([np.zeros(10, np.uint8)[::2]], [bytes(5)])),
+    ]
+    for kind, message, bad in cases:
+        with pytest.raises(kind, match=message):
+            lib.copy_verify([good, bad])
+        assert good[0][0] == poisoned(10), message  # nothing was copied
+    for threads in (0, 65, 1.0, True):
+        with pytest.raises(ValueError, match="threads"):
+            lib.copy_verify([good], threads=threads)
+    with pytest.raises(ValueError, match="block_bytes"):
+        lib.copy_verify([good], block_bytes=0)
+
+
+def test_copy_checksum_same_digest_native_and_off(fresh_cache, monkeypatch, rng):
+    values = [[rng.integers(0, 256, int(n), dtype=np.uint8) for n in sizes]
+              for sizes in ([5], [70_000], [BLOCK + 3, 1, 9 << 20], [6 << 20])]  # fmt: skip
+    results = {}
+    for how in ("off", "on"):
+        monkeypatch.setenv("PAGEKV_NATIVE_COPY", how)
+        assert (native.load() is None) == (how == "off")
+        digests = []
+        for sources in values:
+            targets = [memoryview(poisoned(s.size)) for s in sources]
+            digests.append(copies.copy_checksum(targets, sources))
+            assert [bytes(t) for t in targets] == [s.tobytes() for s in sources]
+        results[how] = digests
+    assert results["on"] == results["off"] == [xxh3(*s) for s in values]
+    assert len(list(fresh_cache.glob("*.so"))) == 1  # built by "on" only
+
+
+def test_on_with_a_broken_compiler_raises_naming_it(fresh_cache, monkeypatch):
+    monkeypatch.setenv("PAGEKV_NATIVE_COPY", "on")
+    monkeypatch.setenv("CC", "/bin/false")
+    with pytest.raises(NativeCopyUnavailable, match="/bin/false") as info:
+        native.load()
+    assert "PAGEKV_NATIVE_COPY" in str(info.value) and isinstance(info.value, RuntimeError)
+    with pytest.raises(NativeCopyUnavailable):
+        copies.copy_checksum([memoryview(poisoned(1 << 20))], [bytes(1 << 20)])
+    monkeypatch.setenv("CC", str(fresh_cache / "no-such-cc"))
+    with pytest.raises(NativeCopyUnavailable, match="no-such-cc"):
+        native.load()
+
+
+def test_a_compile_error_is_reported_with_the_compilers_output(fresh_cache, tmp_path):
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo 'fake cc 1.0' && exit 0\n"
+                  "echo 'copy_verify.c:1: error: nope' >&2; exit 3\n")  # fmt: skip
+    cc.chmod(0o755)
+    with pytest.raises(NativeCopyUnavailable, match=r"(?s)exit 3.*error: nope.*PAGEKV_NATIVE"):
+        native.build_library(cc=[str(cc)])
+    assert not list(fresh_cache.glob("*.so")) and not list(fresh_cache.glob("tmp*"))
+
+
+def test_auto_with_a_broken_compiler_falls_back_and_says_so_once(fresh_cache, monkeypatch,
+                                                                  caplog):  # fmt: skip
+    monkeypatch.setenv("PAGEKV_NATIVE_COPY", "auto")
+    monkeypatch.setenv("CC", "/bin/false")
+    native._log_once.cache_clear()
+    src = os.urandom(3 << 20)
+    with caplog.at_level(logging.WARNING, logger="pagekv.store.native"):
+        assert native.load() is None and native.load() is None
+        target = memoryview(poisoned(len(src)))
+        assert copies.copy_checksum([target], [src]) == xxh3(src) and target == src
+    warnings = [r for r in caplog.records if "native checked copy unavailable" in r.message]
+    assert len(warnings) == 1 and "/bin/false" in warnings[0].message
+    assert "/bin/false" in native.unavailable_reason()
+    monkeypatch.setenv("PAGEKV_NATIVE_COPY", "sometimes")
+    with pytest.raises(ValueError, match="PAGEKV_NATIVE_COPY"):
+        native.load()
+
+
+def test_build_is_cached(fresh_cache):
+    first = native.build_library()
+    stamp = first.stat().st_mtime_ns
+    assert native.build_library() == first and first.stat().st_mtime_ns == stamp
+    assert sorted(p.name for p in fresh_cache.iterdir()) == [first.name, first.name + ".lock"]
+
+
+BUILDER = textwrap.dedent("""
+    import sys
+    from pagekv.store import native
+    print("ready", flush=True)
+    sys.stdin.readline()  # the parent starts both builds together
+    lib = native.load()
+    data = bytes(range(256)) * 4099
+    out = bytearray(len(data))
+    print(lib.path, lib.copy_verify([([out], [data])])[0], out == data, flush=True)
+""")
+
+
+def test_two_processes_building_at_once_end_with_one_library(fresh_cache, monkeypatch):
+    monkeypatch.setenv("PAGEKV_NATIVE_COPY", "on")
+    procs = [subprocess.Popen([sys.executable, "-c", BUILDER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
+    for proc in procs:
+        assert proc.stdout.readline() == "ready\n"
+    for proc in procs:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    outs = [proc.communicate(timeout=120)[0].split() for proc in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    expected = str(xxh3(bytes(range(256)) * 4099))
+    assert outs[0] == outs[1] and outs[0][1:] == [expected, "True"]
+    libs = list(fresh_cache.glob("*.so"))
+    assert [str(p) for p in libs] == [outs[0][0]]
+    assert not list(fresh_cache.glob("tmp*"))  # no half-built leftovers
