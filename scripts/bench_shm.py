@@ -70,6 +70,9 @@ def main() -> None:
                     default=[copies.CHUNK_BYTES >> 10])  # fmt: skip
     ap.add_argument("--native", choices=["on", "off", "both"], default="both")
     ap.add_argument("--batch", choices=["on", "off", "both"], default="on")
+    ap.add_argument("--more-threads", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                    help="also time the shortcut with these reader thread counts (native, "
+                    "first chunk), each against the memcpy ceiling of as many threads")  # fmt: skip
     args = parse_args(ap)
     natives = {"on": ["native"], "off": ["numpy"], "both": ["native", "numpy"]}[args.native]
     batches = {"on": [True], "off": [False], "both": [True, False]}[args.batch]
@@ -94,6 +97,9 @@ def main() -> None:
     for name in label.values():
         for chunk in args.chunks_kib:
             rows.update({f"shm_{name}_c{chunk}": [], f"tcp_{name}_c{chunk}": []})
+    more = [t for t in args.more_threads if t != threads]
+    for t in more:
+        rows.update({f"memcpy_{t}": [], f"shm_native_t{t}": []})
     try:
         if set(fast.put_many(keys, blocks)) != {Status.OK}:
             raise RuntimeError("put failed")
@@ -113,6 +119,15 @@ def main() -> None:
                     if bytes(into[0][:64]) != blocks[0][:64].tobytes():
                         raise RuntimeError("shm get returned wrong bytes")
                     rows[f"tcp_{name}_c{chunk}"].append(get_seconds(tcp, keys, into))
+            reader, shm_reader.BATCH = shm_reader.reader_for(fast.router), True
+            os.environ["PAGEKV_NATIVE_COPY"] = "on"
+            copies.CHUNK_BYTES = args.chunks_kib[0] << 10
+            for t in more:
+                with ThreadPoolExecutor(t) as t_pool:
+                    rows[f"memcpy_{t}"].append(memcpy_seconds(blocks, dst, t_pool))
+                reader.workers = t
+                rows[f"shm_native_t{t}"].append(get_seconds(fast, keys, into))
+            reader.workers = threads
         hits = fast.counters["shm_hits"]
         node_stats = fast.stats()[0]
     finally:
@@ -125,6 +140,8 @@ def main() -> None:
     gbps["shm"], gbps["tcp"] = gbps[f"shm_{head}_c{first}"], gbps[f"tcp_{head}_c{first}"]
     over = {f"{name}_over_memcpy_{k}": gbps[name] / gbps[f"memcpy_{k}"]
             for name in gbps if name.startswith("shm_") for k in (1, threads)}  # fmt: skip
+    over.update({f"shm_native_t{t}_over_memcpy_{k}": gbps[f"shm_native_t{t}"] / gbps[f"memcpy_{k}"]
+                 for t in more for k in (8, t) if f"memcpy_{k}" in gbps})  # fmt: skip
     result = {"blocks": n, "block_size": size, "rounds": args.rounds, "reader_threads": threads,
               "copy_threads": tcp.config.copy_threads, "chunks_kib": args.chunks_kib,
               "cpu_count": os.cpu_count(), "get_gbps": gbps, "shm_hits": hits,
@@ -137,8 +154,10 @@ def main() -> None:
     for name, value in gbps.items():
         ratios = ""
         if name.startswith("shm_"):
-            ratios = "".join(f"  /memcpy_{k} {over[f'{name}_over_memcpy_{k}']:.2f}"
-                             for k in (1, threads))  # fmt: skip
+            mine = {
+                k.split("_over_")[1]: r for k, r in over.items() if k.startswith(name + "_over")
+            }
+            ratios = "".join(f"  /{k} {r:.2f}" for k, r in mine.items())
         print(f"  {name:>24}  {value:6.2f}{ratios}")
     print(f"  shm / memcpy_{threads} = {result['shm_over_memcpy_n']:.2f}, "
           f"shm / tcp = {result['shm_over_tcp']:.2f}")  # fmt: skip
