@@ -138,8 +138,9 @@ def main() -> None:
     gbps = {name: total / statistics.median(times) / 1e9 for name, times in rows.items()}
     first, head = args.chunks_kib[0], next(iter(label.values()))
     gbps["shm"], gbps["tcp"] = gbps[f"shm_{head}_c{first}"], gbps[f"tcp_{head}_c{first}"]
+    ks = sorted({1, threads} | ({8} if "memcpy_8" in gbps else set()))  # 8: issue 13's bound
     over = {f"{name}_over_memcpy_{k}": gbps[name] / gbps[f"memcpy_{k}"]
-            for name in gbps if name.startswith("shm_") for k in (1, threads)}  # fmt: skip
+            for name in gbps if name.startswith("shm_") for k in ks}  # fmt: skip
     over.update({f"shm_native_t{t}_over_memcpy_{k}": gbps[f"shm_native_t{t}"] / gbps[f"memcpy_{k}"]
                  for t in more for k in (8, t) if f"memcpy_{k}" in gbps})  # fmt: skip
     result = {"blocks": n, "block_size": size, "rounds": args.rounds, "reader_threads": threads,

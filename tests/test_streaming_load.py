@@ -230,3 +230,53 @@ def test_prefetch_sync_past_its_timeout_loads_nothing_later(stored):
     wait_until(lambda: b.stats()["prefetches"] == 2, what="the late prefetch")
     wait_until(lambda: b.cache.num_held == 0, what="the orphan's release")
     assert poisoned_except(dst, slots, 0)
+
+
+class BurstStore:
+    """The connector's store client with every fetched page published in one synchronous burst
+    once all have landed, as the same-host shortcut publishes a chunk of copied values from
+    one callback: the prefetch's coroutine cannot run between those arrivals. Records, per
+    arrival, how many chunks had been launched by then."""
+
+    def __init__(self, conn):
+        self.store = conn.store
+        self.launched_at: list[int] = []
+        conn.fetcher.store = self
+
+    async def get_many(self, keys, into=None, on_arrival=None):
+        got = []
+        result = await self.store.get_many(keys, into=into, on_arrival=got.append)
+        for i in sorted(got):
+            self.launched_at.append(LAUNCHES[0])
+            on_arrival(i)
+        return result
+
+
+LAUNCHES = [0]
+
+
+def test_pages_published_in_one_burst_load_between_arrivals(stored, small_chunks, monkeypatch):
+    """A chunk is launched as soon as it is leading, from the arrival that completes it, not
+    once the whole burst has been handed over (which left the same-host shortcut's prefetch
+    with its load after the fetch instead of beside it)."""
+    tokens, kv, b, dst = stored
+    launch = streaming_load.StreamingLoad._launch
+
+    def counting(self, *args):
+        LAUNCHES[0] += 1
+        return launch(self, *args)
+
+    monkeypatch.setattr(streaming_load.StreamingLoad, "_launch", counting)
+    LAUNCHES[0] = 0
+    burst = BurstStore(b)
+    slots = out_slots()
+    h = b.prefetch_sync(tokens, device_slots=slots, timeout_s=30)
+    assert h.fetched == PAGES and h.loaded_tokens == PAGES * GEO.page_size
+    assert len(burst.launched_at) == PAGES
+    # the arrival after page k*CHUNK found k chunks launched: each as soon as it was complete
+    assert [burst.launched_at[k * CHUNK] for k in range(PAGES // CHUNK)] == list(
+        range(PAGES // CHUNK)
+    )
+    assert h.streaming.chunks == PAGES // CHUNK + 1
+    assert loaded(dst, slots, kv, PAGES) and poisoned_except(dst, slots, PAGES)
+    b.release(h)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +29,14 @@ log = logging.getLogger("pagekv.connector")
 
 @dataclass(eq=False)
 class Waiter:
-    """One prefetch's claim on in-flight keys: ``held`` gets a held page per key handed over."""
+    """One prefetch's claim on in-flight keys: ``held`` gets a held page per key handed over.
+    ``on_handed`` (loop thread, must not raise) runs right after pages were handed over, from
+    inside the store client's arrival callback: a prefetch takes its leading pages and starts
+    their load there, between the arrivals of a burst (the same-host shortcut publishes a
+    whole chunk of values from one callback, during which no coroutine runs)."""
 
     held: dict[bytes, int] = field(default_factory=dict)
+    on_handed: Callable[[], None] | None = None
 
 
 @dataclass(eq=False)
@@ -117,19 +123,23 @@ class Fetcher:
 
     def _resolve(self, key: bytes, page: int | None, *, existing: bool = False) -> None:
         """End ``key``'s fetch: give each waiter its own hold on ``page`` (or, ``existing``,
-        on the page cached under ``key`` by someone else), then wake them."""
+        on the page cached under ``key`` by someone else), then wake them and run their
+        ``on_handed``."""
         entry = self.inflight.pop(key)
-        handed = False
+        told: list[Waiter] = []  # those handed a page
         for waiter in entry.waiters:
             if page is not None:
                 self.cache.hold(page)
                 waiter.held[key] = page
-                handed = True
+                told.append(waiter)
             elif existing and (held := self.cache.acquire([key])):
                 waiter.held[key] = held[0]
-                handed = True
+                told.append(waiter)
         if not entry.future.done():
-            entry.future.set_result(True if handed or page is not None else None)
+            entry.future.set_result(True if told or page is not None else None)
+        for waiter in told:
+            if waiter.on_handed is not None:
+                waiter.on_handed()
 
     async def cancel(self) -> None:
         for task in list(self._tasks):

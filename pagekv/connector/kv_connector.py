@@ -53,7 +53,7 @@ from pagekv.errors import ConnectorClosed, PoolExhausted
 from pagekv.geometry import KVGeometry
 from pagekv.kernels import DeviceKV, load, save
 from pagekv.kernels.layout import check_slots
-from pagekv.store import ClientConfig
+from pagekv.store import ClientConfig, native
 
 from .fetch import Fetcher, Waiter
 from .handles import Prefetch, SaveHandle
@@ -165,8 +165,11 @@ class KVConnector:
     # ---- lookup ----------------------------------------------------------------------------
     def connect(self, timeout_s: float = 5.0) -> bool:
         """Connect to the store's nodes now (see :meth:`KVIndex.connect`), so that the first
-        bounded lookup does not pay for the connections. True when every node answered;
-        never raises on store trouble. Call at start-up, not per request."""
+        bounded lookup does not pay for the connections, and load (or build, ~1 s) the store's
+        native checked copy, so that the first fetch does not pay for that. True when every
+        node answered; never raises on store trouble (``NativeCopyUnavailable`` only with
+        ``PAGEKV_NATIVE_COPY=on`` and no library). Call at start-up, not per request."""
+        native.load()
         return self.index.connect(timeout_s)
 
     def lookup(
@@ -265,13 +268,36 @@ class KVConnector:
         start = time.monotonic()
         handle = Prefetch(keys, self.cache.acquire(keys), self.geometry.page_size, streaming=loader)
         local = len(handle.page_ids)
-        waiter = Waiter()
+        rest = keys[local:]
+        failed: list[Exception] = []
+
+        def take() -> None:
+            """Move the leading pages handed over so far into the handle (key order) and
+            launch the chunk they complete. Also run by ``waiter.on_handed``, from inside the
+            store's arrival callbacks, where what it raises waits for this coroutine."""
+            while handle.fetched < len(rest):
+                page = waiter.held.pop(rest[handle.fetched], None)
+                if page is None:
+                    break
+                handle.page_ids.append(page)
+                handle.fetched += 1
+            if loader is not None:
+                loader.advance(handle)
+
+        def on_handed() -> None:
+            if not failed:
+                try:
+                    take()
+                except Exception as e:  # a failed load launch: the prefetch raises it
+                    failed.append(e)
+
+        waiter = Waiter(on_handed=on_handed)
         try:
             if loader is not None:
                 loader.advance(handle)
-            rest = keys[local:]
             futures = self.fetcher.want(rest, waiter) if rest else []
-            for key, fut in zip(rest, futures):
+            while handle.fetched < len(futures) and not failed:
+                at, fut = handle.fetched, futures[handle.fetched]
                 if not fut.done():
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
@@ -280,13 +306,11 @@ class KVConnector:
                         await asyncio.wait_for(asyncio.shield(fut), left)
                     except asyncio.TimeoutError:
                         break
-                page = waiter.held.pop(key, None)
-                if page is None:
+                take()
+                if handle.fetched == at:  # key ``at`` is missing: the leading run ends there
                     break
-                handle.page_ids.append(page)
-                handle.fetched += 1
-                if loader is not None:
-                    loader.advance(handle)
+            if failed:
+                raise failed[0]
             if loader is not None and handle.num_tokens >= min_tokens:
                 loader.advance(handle, final=True)
         except BaseException:

@@ -13,6 +13,7 @@ __all__ = [
     "CurveClientKeys",
     "NodeConfig",
     "default_copy_threads",
+    "default_shm_threads",
     "default_streams",
     "parse_size",
 ]
@@ -35,6 +36,14 @@ def default_copy_threads() -> int:
     process may run on, 1 to 8 (1: on the calling thread, no pool). A 2-core machine copies on
     its one client thread; 8 threads reach the host's memcpy ceiling on a 16-core H100 host."""
     return min(8, max(1, _usable_cores() // 2))
+
+
+def default_shm_threads() -> int:
+    """Threads of the same-host shortcut's copies (one native call per chunk of values): the
+    cores this process may run on, up to 16. On the 16-core H100 host (bench_shm, bc1855d)
+    8 threads read 17.6 GB/s out of a segment, 12 19.2 and 16 21.4: the copies are bound by
+    memory, and more threads keep more of it busy."""
+    return min(16, _usable_cores())
 
 
 def _usable_cores() -> int:

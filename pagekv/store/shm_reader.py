@@ -39,6 +39,7 @@ except ImportError:  # the store alone (pip install pagekv, no numpy): no shortc
     np = None
 
 from . import native
+from .config import default_shm_threads
 from .protocol import Code, Op, Request, Status
 from .routing import FALLBACK_LIMITS, Call, OpGen, Router
 from .shm import host_id
@@ -83,7 +84,7 @@ class ShmReader:
             counters.setdefault(name, 0)
         self.host = host_id()
         self.nodes: dict[int, _Node] = {}
-        self.workers = workers or min(8, os.cpu_count() or 1)
+        self.workers = workers or default_shm_threads()
         self._pool: ThreadPoolExecutor | None = None
 
     # ---- segments --------------------------------------------------------------------------
