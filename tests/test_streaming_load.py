@@ -238,15 +238,15 @@ class BurstStore:
     one callback: the prefetch's coroutine cannot run between those arrivals. Records, per
     arrival, how many chunks had been launched by then."""
 
-    def __init__(self, conn):
-        self.store = conn.store
+    def __init__(self, conn, reverse=False):
+        self.store, self.reverse = conn.store, reverse
         self.launched_at: list[int] = []
         conn.fetcher.store = self
 
     async def get_many(self, keys, into=None, on_arrival=None):
         got = []
         result = await self.store.get_many(keys, into=into, on_arrival=got.append)
-        for i in sorted(got):
+        for i in sorted(got, reverse=self.reverse):
             self.launched_at.append(LAUNCHES[0])
             on_arrival(i)
         return result
@@ -277,6 +277,20 @@ def test_pages_published_in_one_burst_load_between_arrivals(stored, small_chunks
     assert [burst.launched_at[k * CHUNK] for k in range(PAGES // CHUNK)] == list(
         range(PAGES // CHUNK)
     )
+    assert h.streaming.chunks == PAGES // CHUNK + 1
+    assert loaded(dst, slots, kv, PAGES) and poisoned_except(dst, slots, PAGES)
+    b.release(h)
+
+
+def test_pages_arriving_last_first_still_load_in_chunks(stored, small_chunks):
+    """Replies from several streams arrive out of order: the first page, last, releases every
+    page at once, which is still loaded one chunk per launch (the chunk size is the launch
+    size the load path is tuned for)."""
+    tokens, kv, b, dst = stored
+    BurstStore(b, reverse=True)
+    slots = out_slots()
+    h = b.prefetch_sync(tokens, device_slots=slots, timeout_s=30)
+    assert h.fetched == PAGES and h.loaded_tokens == PAGES * GEO.page_size
     assert h.streaming.chunks == PAGES // CHUNK + 1
     assert loaded(dst, slots, kv, PAGES) and poisoned_except(dst, slots, PAGES)
     b.release(h)

@@ -272,17 +272,19 @@ class KVConnector:
         failed: list[Exception] = []
 
         def take() -> None:
-            """Move the leading pages handed over so far into the handle (key order) and
-            launch the chunk they complete. Also run by ``waiter.on_handed``, from inside the
-            store's arrival callbacks, where what it raises waits for this coroutine."""
+            """Move the leading pages handed over so far into the handle (key order), each
+            launching the chunk it completes (a gap filled late, replies arriving out of order,
+            releases many pages at once: still one launch per chunk). Also run by
+            ``waiter.on_handed``, inside the store's arrival callbacks, where what it raises
+            waits for this coroutine."""
             while handle.fetched < len(rest):
                 page = waiter.held.pop(rest[handle.fetched], None)
                 if page is None:
                     break
                 handle.page_ids.append(page)
                 handle.fetched += 1
-            if loader is not None:
-                loader.advance(handle)
+                if loader is not None:
+                    loader.advance(handle)
 
         def on_handed() -> None:
             if not failed:
