@@ -85,6 +85,69 @@ def test_shortcut_reads_exact_values(node, frames, most, native_copy, monkeypatc
         assert stats["op_locate"] >= 2 and stats["shm_bytes_used"] >= sum(map(len, values[0]))
 
 
+@pytest.mark.parametrize("native_copy", ["off", "auto"])
+def test_next_chunk_is_copied_while_the_last_is_published(node, native_copy, monkeypatch):
+    """Chunks of one LOCATE reply: chunk k+1's copy runs (driver thread) while chunk k's values
+    are announced; every value exact; and the call never returns while a copy ahead still
+    writes into its buffers, also when announcing raises."""
+    monkeypatch.setenv("PAGEKV_NATIVE_COPY", native_copy)
+    monkeypatch.setattr(shm_reader, "CHUNK_BYTES", 1)  # one value per chunk
+    rng = random.Random(11)
+    keys = [rng.randbytes(16) for _ in range(6)]
+    values = values_for(rng, len(keys), 2, 100_000)
+    copy_all = shm_reader.ShmReader.copy_all
+    announced, overlapped, copying = threading.Event(), [], []
+
+    def watched(self, jobs, into):
+        copying.append(jobs[0][0])
+        if threading.current_thread() is not threading.main_thread():  # a copy ahead
+            overlapped.append(announced.wait(timeout=10))  # the last chunk is being announced
+            announced.clear()
+        return copy_all(self, jobs, into)
+
+    monkeypatch.setattr(shm_reader.ShmReader, "copy_all", watched)
+    with StoreClient(node.address, timeout_s=30) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        into = [poisoned(v) for v in values]
+        arrived = []
+
+        def on_arrival(i):
+            arrived.append(i)
+            announced.set()
+
+        assert client.get_many(keys, into=into, on_arrival=on_arrival) == [True] * len(keys)
+        assert [[bytes(f) for f in v] for v in into] == values
+        assert sorted(arrived) == list(range(len(keys))) and sorted(copying) == sorted(arrived)
+        assert overlapped == [True] * (len(keys) - 1)
+
+        gate, looked, landed = threading.Event(), threading.Event(), threading.Event()
+
+        def held_back(self, jobs, into):
+            """A copy ahead starts once announcing has failed, and is held until the test has
+            looked (at most 1 s: a client that waits for it, as it must, cannot let the test
+            look first, so the copy goes on when that bound runs out)."""
+            if threading.current_thread() is not threading.main_thread():
+                assert gate.wait(timeout=10)
+                looked.wait(timeout=1)
+                result = copy_all(self, jobs, into)
+                landed.set()
+                return result
+            return copy_all(self, jobs, into)
+
+        def refuse(i):
+            gate.set()
+            raise RuntimeError("announcing failed")
+
+        monkeypatch.setattr(shm_reader.ShmReader, "copy_all", held_back)
+        into = [poisoned(v) for v in values]
+        with pytest.raises(RuntimeError, match="announcing failed"):
+            client.get_many(keys, into=into, on_arrival=refuse)
+        early = not landed.is_set()
+        looked.set()
+        assert not early, "returned while a copy ahead was still to write into the buffers"
+        assert [bytes(f) for f in into[1]] == values[1]
+
+
 def test_tcp_path_of_a_shm_node(node):
     """Values sent from the segment over TCP (zero-copy views), with and without ``into``."""
     rng = random.Random(3)

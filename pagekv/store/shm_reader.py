@@ -19,11 +19,15 @@ Mappings are cached per segment file and dropped when a node advertises another 
 restarted). A segment the node has unlinked stays mapped and readable, but is only read after a
 fresh LOCATE from a live node, so a dead node's keys are misses. Copies of large values run on
 several threads: a chunk's values in one call of the native checked copy (:mod:`.native`) on
-its own threads, or on a small thread pool (numpy copies release the GIL) without it.
+its own threads, or on a small thread pool (numpy copies release the GIL) without it. A LOCATE
+reply's chunks are pipelined: the next chunk is copied on the reader's driver thread while the
+client's thread announces the last one (``on_arrival``), and the reply is not done until that
+copy is (it writes into the caller's buffers).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import mmap
 import os
 import time
@@ -86,6 +90,7 @@ class ShmReader:
         self.nodes: dict[int, _Node] = {}
         self.workers = workers or default_shm_threads()
         self._pool: ThreadPoolExecutor | None = None
+        self._driver: ThreadPoolExecutor | None = None  # copy_ahead's one thread
 
     # ---- segments --------------------------------------------------------------------------
     def learn(self, node: int, advert: dict[str, Any]) -> Mapped | None:
@@ -116,6 +121,17 @@ class ShmReader:
         return state.reason if state is not None else "not_offered"
 
     # ---- copies ----------------------------------------------------------------------------
+    def copy_ahead(
+        self, jobs: list[tuple], into: Sequence[list[memoryview]]
+    ) -> concurrent.futures.Future:
+        """:meth:`copy_all` on the reader's driver thread, so that the caller can publish the
+        previous chunk meanwhile. The caller owns the future and must wait for it before it
+        returns (the copy writes into ``into``)."""
+        if self._driver is None:
+            self._driver = ThreadPoolExecutor(1, thread_name_prefix="pagekv-shm-driver")
+            weakref.finalize(self, self._driver.shutdown, wait=False)
+        return self._driver.submit(self.copy_all, jobs, into)
+
     def copy_all(self, jobs: list[tuple], into: Sequence[list[memoryview]]) -> list[str]:
         """Copy each job ``(i, mapped, offset, sizes, checksum, gen)`` into ``into[i]``;
         returns per job "" (copied and verified) or the fallback reason. Several jobs worth
@@ -223,24 +239,46 @@ def _handle(
     """One LOCATE reply (or None: no answer): copy, verify and publish its values, in chunks
     of ``CHUNK_BYTES`` so that the first are published before the last are copied."""
     call.handled = True
-    jobs = _located(router, reader, call, result)
-    start = 0
-    while start < len(jobs):
-        end, nbytes = start, 0
-        while end < len(jobs) and (end == start or nbytes < CHUNK_BYTES):
-            nbytes += sum(jobs[end][3])
-            end += 1
-        chunk, start = jobs[start:end], end
-        for job, why in zip(chunk, reader.copy_all(chunk, into)):
-            if why:
-                reader.counters["shm_fallback_" + why] += 1
-                continue
-            i = job[0]
-            out[i] = True
-            done.add(i)
-            reader.counters["shm_hits"] += 1
-            if on_arrival is not None:
-                on_arrival(i)
+    chunks = _chunks(_located(router, reader, call, result))
+    ahead = None  # the next chunk's copy, running while this thread publishes the last one
+    try:
+        for k, chunk in enumerate(chunks):
+            whys = ahead.result() if ahead is not None else reader.copy_all(chunk, into)
+            ahead = reader.copy_ahead(chunks[k + 1], into) if k + 1 < len(chunks) else None
+            _publish(reader, chunk, whys, out, on_arrival, done)
+    finally:  # never return while a copy still writes into the caller's buffers
+        if ahead is not None:
+            concurrent.futures.wait([ahead])
+
+
+def _chunks(jobs: list[tuple]) -> list[list[tuple]]:
+    """Consecutive runs of jobs of about ``CHUNK_BYTES`` each (at least one job)."""
+    chunks: list[list[tuple]] = []
+    nbytes = CHUNK_BYTES
+    for job in jobs:
+        if nbytes >= CHUNK_BYTES:
+            chunks.append([])
+            nbytes = 0
+        chunks[-1].append(job)
+        nbytes += sum(job[3])
+    return chunks
+
+
+def _publish(
+    reader: ShmReader, chunk: list[tuple], whys: list[str], out: list[Any],
+    on_arrival: Callable[[int], None] | None, done: set[int],
+) -> None:  # fmt: skip
+    """Count each copied job's outcome; mark the verified ones done and announce them."""
+    for job, why in zip(chunk, whys):
+        if why:
+            reader.counters["shm_fallback_" + why] += 1
+            continue
+        i = job[0]
+        out[i] = True
+        done.add(i)
+        reader.counters["shm_hits"] += 1
+        if on_arrival is not None:
+            on_arrival(i)
 
 
 def _located(router: Router, reader: ShmReader, call: Call, result: Any) -> list[tuple]:
