@@ -14,7 +14,7 @@ from typing import Any
 from . import native
 from .copies import copy_checksum
 
-__all__ = ["copy_batch", "copy_one"]
+__all__ = ["copy_batch", "copy_one", "in_chunks"]
 
 
 def _prepare(job: tuple, targets: list[memoryview]) -> tuple[list[Any], int, int] | str:
@@ -75,3 +75,16 @@ def copy_batch(
     for (k, _, first, last), copied in zip(plans, digests):
         why[k] = _verify(jobs[k], first, last, copied)
     return why
+
+
+def in_chunks(jobs: list[tuple], chunk_bytes: int) -> list[list[tuple]]:
+    """Consecutive runs of jobs of about ``chunk_bytes`` each (at least one job a run)."""
+    chunks: list[list[tuple]] = []
+    nbytes = chunk_bytes
+    for job in jobs:
+        if nbytes >= chunk_bytes:
+            chunks.append([])
+            nbytes = 0
+        chunks[-1].append(job)
+        nbytes += sum(job[3])
+    return chunks

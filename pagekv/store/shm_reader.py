@@ -47,7 +47,7 @@ from .config import default_shm_threads
 from .protocol import Code, Op, Request, Status
 from .routing import FALLBACK_LIMITS, Call, OpGen, Router
 from .shm import host_id
-from .shm_copy import copy_batch, copy_one
+from .shm_copy import copy_batch, copy_one, in_chunks
 
 __all__ = ["COUNTERS", "ShmReader", "disable", "get", "reader_for"]
 
@@ -239,7 +239,7 @@ def _handle(
     """One LOCATE reply (or None: no answer): copy, verify and publish its values, in chunks
     of ``CHUNK_BYTES`` so that the first are published before the last are copied."""
     call.handled = True
-    chunks = _chunks(_located(router, reader, call, result))
+    chunks = in_chunks(_located(router, reader, call, result), CHUNK_BYTES)
     ahead = None  # the next chunk's copy, running while this thread publishes the last one
     try:
         for k, chunk in enumerate(chunks):
@@ -249,19 +249,6 @@ def _handle(
     finally:  # never return while a copy still writes into the caller's buffers
         if ahead is not None:
             concurrent.futures.wait([ahead])
-
-
-def _chunks(jobs: list[tuple]) -> list[list[tuple]]:
-    """Consecutive runs of jobs of about ``CHUNK_BYTES`` each (at least one job)."""
-    chunks: list[list[tuple]] = []
-    nbytes = CHUNK_BYTES
-    for job in jobs:
-        if nbytes >= CHUNK_BYTES:
-            chunks.append([])
-            nbytes = 0
-        chunks[-1].append(job)
-        nbytes += sum(job[3])
-    return chunks
 
 
 def _publish(
