@@ -137,6 +137,7 @@ def test_reader_that_never_reads_pins_a_bounded_amount(watched):
     slow.setsockopt(zmq.LINGER, 0)
     slow.setsockopt(zmq.RCVHWM, 1)  # takes one reply, then its TCP window closes
     slow.setsockopt(zmq.RCVBUF, 64 << 10)
+    slow.setsockopt(zmq.SNDTIMEO, 10_000)  # a send that cannot go out fails, never hangs
     slow.connect(watched.node.address)
     with StoreClient(watched.node.address, timeout_s=10) as writer:
         for round_ in range(60):
@@ -161,15 +162,24 @@ def test_unread_small_replies_are_bounded(watched):
     slow.setsockopt(zmq.LINGER, 0)
     slow.setsockopt(zmq.RCVHWM, 1)
     slow.setsockopt(zmq.RCVBUF, 64 << 10)
+    # Bounded: a blocking send here once waited forever in a full suite (CI, and 1 of ~10 runs
+    # here). A node that stops taking the requests of a peer that reads none of its replies is
+    # pushing back, which is allowed: what matters is its memory and that it serves the others.
+    slow.setsockopt(zmq.SNDTIMEO, 10_000)
     slow.connect(watched.node.address)
     keys = [os.urandom(16) for _ in range(64)]
+    sent = 0
     for i in range(50_000):
-        slow.send(pack(id=i + 1, op="GET", keys=keys))
+        try:
+            slow.send(pack(id=i + 1, op="GET", keys=keys))
+        except zmq.Again:
+            break
+        sent += 1
         if i % 1000 == 0:
             watched.sample()
     watched.hold_for(0.5)
     slow.close(linger=0)
-    report("50,000 unread GETs", watched)
+    report("50,000 unread GETs", watched, sent=sent)
     assert watched.peak <= watched.bound(1) - int(1.1 * CONFIG.capacity) + 8 * MIB
     assert watched.serves()
 

@@ -2,6 +2,7 @@
 
 import os
 import random
+import struct
 import threading
 import time
 
@@ -20,7 +21,7 @@ from pagekv.store import (
     StoreUnavailable,
 )
 from pagekv.store.protocol import checksum
-from tests.helpers import bits_equal
+from tests.helpers import bits_equal, wait_until
 
 
 class Running:
@@ -235,6 +236,51 @@ def test_curve_allowed_client_served_others_not(certs):
             assert plain.put_many([b"x"], [b"y"]) == [Status.UNAVAILABLE]
         assert b"x" not in running.node.store
     finally:
+        running.stop()
+
+
+@pytest.mark.timeout(60)
+def test_probe_after_a_refused_handshake_says_so_and_never_blocks(certs):
+    """A handshake refused before the PING is sent (a CURVE key not allowed; the race is won
+    here by waiting for it) leaves the socket no pipe to the node, for good: a blocking send
+    there waited until the test run's timeout. The probe reports the refusal instead."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    from pagekv.store import probe as probe_module
+
+    running = Running(curve_secret_key=certs["server_sec"], curve_allow=certs["allow"])
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        rogue = CurveClientKeys.from_files(certs["server_pub"], certs["rogue"])
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.curve_serverkey, sock.curve_publickey = rogue.server_public, rogue.public
+        sock.curve_secretkey = rogue.secret
+        monitor = sock.get_monitor_socket()
+        sock.connect(running.address)
+        events = []
+        while zmq.EVENT_HANDSHAKE_FAILED_AUTH not in [e for e, _ in events]:
+            assert monitor.poll(10_000), f"no refusal seen: {events}"
+            event = recv_monitor_message(monitor)
+            events.append((int(event["event"]), int(event["value"])))
+        # the refusal ends the session (a protocol error: no reconnect) and with it the
+        # socket's one pipe: from then on nothing can be sent on it
+        wait_until(lambda: not sock.poll(50, zmq.POLLOUT), 10, "the socket's pipe to go")
+        # the probe reads the same events, replayed on a pair in the monitor's wire format
+        replay, feed = (
+            zmq.Context.instance().socket(zmq.PAIR),
+            zmq.Context.instance().socket(zmq.PAIR),
+        )
+        replay.bind(f"inproc://replay-{id(replay)}")
+        feed.connect(f"inproc://replay-{id(replay)}")
+        for kind, value in events:
+            feed.send_multipart([struct.pack("=hi", kind, value), running.address.encode()])
+        result = probe_module._watch(running.address, sock, replay, True, 2.0)
+        assert result.outcome is probe_module.Outcome.AUTH_FAILED, result
+        sock.disable_monitor()
+        for s in (monitor, replay, feed):
+            s.close(linger=0)
+    finally:
+        sock.close(linger=0)
         running.stop()
 
 

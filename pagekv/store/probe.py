@@ -95,7 +95,12 @@ def probe(
 def _watch(endpoint: str, sock, monitor, curve: bool, timeout_s: float) -> ProbeResult:
     start = time.monotonic()
     deadline = start + timeout_s
-    sock.send_multipart([encode_request(Request(Op.PING, 1))])
+    try:  # never a blocking send: a handshake refused (a CURVE key not allowed) before this
+        # line leaves the socket no pipe to the node and none ever again, so a blocking send
+        # would wait forever; the monitor's events then say what happened
+        sock.send(encode_request(Request(Op.PING, 1)), zmq.NOBLOCK)
+    except zmq.Again:
+        pass
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
