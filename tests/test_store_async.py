@@ -5,6 +5,8 @@ import os
 import socket
 
 import pytest
+import zmq
+import zmq.asyncio
 
 from pagekv.store import AsyncStoreClient, Status, StoreUnavailable
 
@@ -62,4 +64,29 @@ async def test_cancellation_leaves_client_usable(node):
     assert await client.put_many([b"small-block-key1"], [small]) == [Status.OK]
     got = await client.get_many([b"small-block-key1", b"big-block-key-01"])
     assert bytes(got[0]) == small and bytes(got[1]) == big
+    client.close()
+
+
+@pytest.mark.asyncio
+async def test_a_failed_send_is_a_failed_request_never_an_exception(node, monkeypatch):
+    """zmq.Again from a send (a writable event that did not last: seen under load against a
+    node that had just stopped) once escaped as the caller's exception, through KVIndex's
+    lookup into an engine's scheduler. It is a failed request, and the link is replaced."""
+    client = AsyncStoreClient(node.address, timeout_s=3)
+    keys = [os.urandom(16) for _ in range(3)]
+    assert await client.put_many(keys, [b"v"] * 3) == [Status.OK] * 3
+    real, fails = zmq.asyncio.Socket.send_multipart, [1]
+
+    def flaky(self, frames, *args, **kwargs):
+        if fails[0]:
+            fails[0] -= 1
+            raise zmq.Again()
+        return real(self, frames, *args, **kwargs)
+
+    monkeypatch.setattr(zmq.asyncio.Socket, "send_multipart", flaky)
+    found = await client.exists_many(keys)
+    assert found.found == [False] * 3 and found.unanswered == 3
+    assert client.counters["send_errors"] == 1
+    client.router.health[0].down_until = 0.0  # its back-off over: the next call goes to it
+    assert (await client.exists_many(keys)).leading == 3
     client.close()

@@ -11,6 +11,7 @@ import pytest
 
 from pagekv.store import Status, StoreClient
 from pagekv.store.launch import NodeProcess
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -203,3 +204,19 @@ def test_a_node_that_exits_before_ready_says_so_with_its_log():
         RuntimeError, match=r"(?s)node exited \(status [1-9]\d*\).*--capacity: not a size"
     ):
         node.start()
+
+
+def test_sigusr1_writes_every_threads_stack_and_the_node_serves_on():
+    node = NodeProcess("--capacity", "16MiB").start()
+    try:
+        before = len(node.log)
+        node.proc.send_signal(signal.SIGUSR1)
+        # the node may not have entered serve_forever yet: its ready line comes just before
+        wait_until(lambda: "run_serve" in "".join(list(node.log)[before:]), 10,
+                   "the stacks in the node's log")  # fmt: skip
+        assert "most recent call first" in "".join(list(node.log)[before:])
+        with StoreClient(node.address, timeout_s=5) as client:
+            assert client.put_many([b"after-the-dump!!"], [b"v"]) == [Status.OK]
+        assert node.proc.poll() is None
+    finally:
+        node.stop()

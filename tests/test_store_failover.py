@@ -6,12 +6,14 @@ the real data from the healthy replica and raise nothing.
 """
 
 import asyncio
+import errno
 import os
 import random
 import time
 
 import msgpack
 import pytest
+import zmq
 
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
 from pagekv.store.routing import Router
@@ -250,3 +252,27 @@ def test_unknown_status_from_the_only_node_is_a_miss_not_an_exception(healthy):
             assert client.counters["bad_replies"] >= 4
     finally:
         proxy.close()
+
+
+def test_a_socket_failing_mid_send_is_a_failed_request_never_an_exception(node, monkeypatch):
+    """A send that fails past its first frame (the peer gone mid-message: EFAULT from libzmq)
+    may leave part of a message in the socket: the request fails, the socket is replaced, and
+    the next call goes through on the new one."""
+    from pagekv.store import client as client_module
+
+    real, fails = client_module._send_request, [1]
+
+    def breaking(sock, call):
+        if fails[0]:
+            fails[0] -= 1
+            raise zmq.ZMQError(errno.EFAULT)
+        return real(sock, call)
+
+    keys = [os.urandom(16) for _ in range(3)]
+    with StoreClient(node.address, timeout_s=3) as client:
+        assert client.put_many(keys, [b"v"] * 3) == [Status.OK] * 3
+        monkeypatch.setattr(client_module, "_send_request", breaking)
+        assert client.get_many(keys) == [None] * 3
+        assert client.counters["send_errors"] == 1
+        client.router.health[0].down_until = 0.0  # its back-off over: the next call goes to it
+        assert [bytes(v) for v in client.get_many(keys)] == [b"v"] * 3

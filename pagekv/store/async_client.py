@@ -151,6 +151,12 @@ class AsyncStoreClient(_Base):
                 async with link.send_lock:
                     frames = [encode_request(call.request), *call.payloads]
                     await link.sock.send_multipart(frames, copy=False)
+            except zmq.ZMQError:  # e.g. Again after a writable event that did not last (the
+                # peer went), or the socket reset meanwhile: it may hold part of a message,
+                # so it is replaced, and this request failed (never raised to the caller)
+                self.router.counters["send_errors"] += 1
+                self._reset(link)
+                return None
             finally:
                 clock["sending"] -= 1
             if not clock["bytes"]:

@@ -9,10 +9,12 @@ allowed client keys, messages too small for the largest block.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import ipaddress
 import logging
 import os
 import re
+import signal
 import sys
 from typing import Any
 
@@ -154,6 +156,7 @@ def run_serve(values: dict[str, Any]) -> int:
 
     if values["parent_pid"] is not None:
         die_with_parent(values["parent_pid"])
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where it is stuck
     config = node_config(values)
     for warning in check_node(config, force=values["force"]):
         log.warning("pagekv node: %s", warning)

@@ -157,8 +157,7 @@ class StoreClient(_Base):
                 continue
             poller, now = zmq.Poller(), time.monotonic()
             for flow in list(flows.values()):
-                self._send_some(flow, now)
-                if now >= flow.deadline(self.config):
+                if not self._send_some(flow, now) or now >= flow.deadline(self.config):
                     self._fail(flow, flows, results)
                     continue
                 blocked = flow.unsent and len(flow.outstanding) < flow.window
@@ -173,19 +172,25 @@ class StoreClient(_Base):
                     self._receive(flow, flows, results, jobs)
         return results
 
-    def _send_some(self, flow: _Flow, now: float) -> None:
+    def _send_some(self, flow: _Flow, now: float) -> bool:
+        """Send what the window allows; False when the socket failed (the flow must fail)."""
         while flow.unsent and len(flow.outstanding) < flow.window:
             call = flow.unsent[0]
             try:
                 _send_request(flow.link.sock, call)
             except zmq.Again:
-                return  # not connected (yet): POLLOUT tells when
+                return True  # not connected (yet): POLLOUT tells when
+            except zmq.ZMQError:  # failed mid-message (the peer went): the socket may hold
+                self.router.counters["send_errors"] += 1  # part of one, so _fail replaces it
+                flow.sent = True
+                return False
             if not flow.outstanding:
                 flow.progress = now
             flow.unsent.pop(0)
             flow.sent = True
             flow.outstanding[call.request.id] = call
             flow.out_bytes += call.nbytes
+        return True
 
     def _receive(self, flow: _Flow, flows: dict, results: Results, jobs: list[_Job]) -> None:
         while flow.outstanding:

@@ -171,7 +171,7 @@ class Router:
         self._ids = itertools.count(1)
         self.counters = dict.fromkeys(
             ("checksum_mismatch", "node_failures", "size_mismatch", "bad_replies",
-             "error_replies", "unanswered_keys"), 0,
+             "error_replies", "send_errors", "unanswered_keys"), 0,
         )  # fmt: skip
 
     def next_id(self) -> int:
