@@ -86,12 +86,14 @@ def test_shortcut_reads_exact_values(node, frames, most, native_copy, monkeypatc
 
 
 @pytest.mark.parametrize("native_copy", ["off", "auto"])
-def test_next_chunk_is_copied_while_the_last_is_published(node, native_copy, monkeypatch):
+@pytest.mark.parametrize("pipeline", [2, 3])
+def test_next_chunk_is_copied_while_the_last_is_published(node, native_copy, monkeypatch, pipeline):
     """Chunks of one LOCATE reply: chunk k+1's copy runs (driver thread) while chunk k's values
     are announced; every value exact; and the call never returns while a copy ahead still
-    writes into its buffers, also when announcing raises."""
+    writes into its buffers, also when announcing raises (with 2 or 3 chunks copied at once)."""
     monkeypatch.setenv("PAGEKV_NATIVE_COPY", native_copy)
     monkeypatch.setattr(shm_reader, "CHUNK_BYTES", 1)  # one value per chunk
+    monkeypatch.setattr(shm_reader, "PIPELINE", pipeline)
     rng = random.Random(11)
     keys = [rng.randbytes(16) for _ in range(6)]
     values = values_for(rng, len(keys), 2, 100_000)

@@ -20,13 +20,16 @@ restarted). A segment the node has unlinked stays mapped and readable, but is on
 fresh LOCATE from a live node, so a dead node's keys are misses. Copies of large values run on
 several threads: a chunk's values in one call of the native checked copy (:mod:`.native`) on
 its own threads, or on a small thread pool (numpy copies release the GIL) without it. A LOCATE
-reply's chunks are pipelined: the next chunk is copied on the reader's driver thread while the
-client's thread announces the last one (``on_arrival``), and the reply is not done until that
-copy is (it writes into the caller's buffers).
+reply's chunks are pipelined: ``PIPELINE`` chunks are copied at once (the next ones on the
+reader's driver threads, each call on its share of the threads), so that no core idles while
+one call's last values finish, and while the client's thread announces a chunk's values
+(``on_arrival``) the next ones are being copied; the reply is not done until every copy it
+started is (they write into the caller's buffers).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import mmap
 import os
@@ -57,6 +60,12 @@ COUNTERS = ("shm_hits", "shm_fallback_not_same_host", "shm_fallback_no_access",
 RECHECK_S = 30.0  # how long "this node failed a LOCATE" is believed
 PARALLEL_BYTES = 4 << 20  # batches smaller than this are copied on the calling thread
 CHUNK_BYTES = 64 << 20  # values are published (on_arrival) after each chunk of copies
+# Chunks copied at once (at least 2: the next chunk is copied while this one is announced).
+# Each native call ends with its threads waiting for its last values: with one call at a time,
+# smaller chunks were slower (H100 host, bench_connector --shm, 4 GiB: 32 MiB chunks 15-16
+# GB/s, 64 MiB 18-20) and larger ones announce later. Two at once, same call: prefetch
+# 0.199-0.221 s against 0.248-0.261 s one at a time; three were no better than two.
+PIPELINE = 2
 BATCH = True  # a chunk's copies in one native call (bench_shm --batch compares)
 _ADVERT = {"path": str, "size": int, "inode": int, "host": str, "data_offset": int,
            "granule": int, "granules": int}  # fmt: skip
@@ -90,7 +99,7 @@ class ShmReader:
         self.nodes: dict[int, _Node] = {}
         self.workers = workers or default_shm_threads()
         self._pool: ThreadPoolExecutor | None = None
-        self._driver: ThreadPoolExecutor | None = None  # copy_ahead's one thread
+        self._driver: ThreadPoolExecutor | None = None  # copy_ahead's threads
 
     # ---- segments --------------------------------------------------------------------------
     def learn(self, node: int, advert: dict[str, Any]) -> Mapped | None:
@@ -124,25 +133,26 @@ class ShmReader:
     def copy_ahead(
         self, jobs: list[tuple], into: Sequence[list[memoryview]]
     ) -> concurrent.futures.Future:
-        """:meth:`copy_all` on the reader's driver thread, so that the caller can publish the
-        previous chunk meanwhile. The caller owns the future and must wait for it before it
-        returns (the copy writes into ``into``)."""
+        """:meth:`copy_all` on one of the reader's ``PIPELINE`` driver threads, so that the
+        caller can copy or publish other chunks meanwhile. The caller owns the future and must
+        wait for it before it returns (the copy writes into ``into``)."""
         if self._driver is None:
-            self._driver = ThreadPoolExecutor(1, thread_name_prefix="pagekv-shm-driver")
+            self._driver = ThreadPoolExecutor(PIPELINE, thread_name_prefix="pagekv-shm-driver")
             weakref.finalize(self, self._driver.shutdown, wait=False)
         return self._driver.submit(self.copy_all, jobs, into)
 
     def copy_all(self, jobs: list[tuple], into: Sequence[list[memoryview]]) -> list[str]:
         """Copy each job ``(i, mapped, offset, sizes, checksum, gen)`` into ``into[i]``;
         returns per job "" (copied and verified) or the fallback reason. Several jobs worth
-        spreading go to the native checked copy in one call on ``workers`` threads when it is
-        available (one GIL hand-off for the lot), else to the pool, one job per task."""
+        spreading go to the native checked copy in one call on ``workers // PIPELINE``
+        threads when it is available (one GIL hand-off for the lot; ``PIPELINE`` such calls
+        run at once), else to the pool, one job per task."""
         total = sum(sum(job[3]) for job in jobs)
         if len(jobs) < 2 or total < PARALLEL_BYTES or self.workers < 2:
             return [copy_one(job, into[job[0]]) for job in jobs]
         lib = native.load() if BATCH else None
         if lib is not None:
-            return copy_batch(lib, jobs, into, self.workers)
+            return copy_batch(lib, jobs, into, max(1, self.workers // PIPELINE))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="pagekv-shm")
             weakref.finalize(self, self._pool.shutdown, wait=False)
@@ -240,15 +250,18 @@ def _handle(
     of ``CHUNK_BYTES`` so that the first are published before the last are copied."""
     call.handled = True
     chunks = in_chunks(_located(router, reader, call, result), CHUNK_BYTES)
-    ahead = None  # the next chunk's copy, running while this thread publishes the last one
+    ahead: collections.deque = collections.deque()  # copies of chunks[k : started], k > 0
+    started = 1  # chunk 0 is copied on this thread
     try:
         for k, chunk in enumerate(chunks):
-            whys = ahead.result() if ahead is not None else reader.copy_all(chunk, into)
-            ahead = reader.copy_ahead(chunks[k + 1], into) if k + 1 < len(chunks) else None
+            while started < len(chunks) and started < k + PIPELINE:  # the next ones start
+                ahead.append(reader.copy_ahead(chunks[started], into))
+                started += 1
+            whys = reader.copy_all(chunk, into) if k == 0 else ahead.popleft().result()
             _publish(reader, chunk, whys, out, on_arrival, done)
     finally:  # never return while a copy still writes into the caller's buffers
-        if ahead is not None:
-            concurrent.futures.wait([ahead])
+        if ahead:
+            concurrent.futures.wait(ahead)
 
 
 def _publish(
