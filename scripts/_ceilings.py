@@ -11,7 +11,6 @@ Servers bind port 0 and report the port they got: no fixed ports.
 
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 import subprocess
@@ -24,48 +23,61 @@ import numpy as np
 _HEADER = 16  # b"P" or b"G" then the byte count, space-padded
 
 
-def _serve() -> None:
+def _touched(nbytes: int) -> memoryview:
+    """``nbytes`` of memory with every page written (faulted in before any clock starts)."""
+    return memoryview(np.ones(nbytes, np.uint8)).cast("B")
+
+
+def _serve(cold: bool = False) -> None:
     """One connection: ``P n`` reads n bytes then acks; ``G n`` sends n bytes; EOF ends.
-    Prints the port it listens on (bound to port 0) first."""
+    Prints the port it listens on (bound to port 0) first. ``cold``: the bytes of a round go
+    to / come from distinct memory as large as the round (as a store's blocks do), not one
+    4 MiB buffer that stays in the cache."""
     lsock = socket.create_server(("127.0.0.1", 0))
     print(lsock.getsockname()[1], flush=True)
     conn, _ = lsock.accept()
-    buf = bytearray(4 << 20)
-    view = memoryview(buf)
-    data = os.urandom(4 << 20)
+    view = data = _touched(4 << 20)
     while True:
         header = conn.recv(_HEADER, socket.MSG_WAITALL)
         if len(header) < _HEADER:
             return
         left = int(header[1:])
+        if cold and len(view) < left:
+            view = data = _touched(left)
+        at = 0
         if header[:1] == b"P":
             while left > 0:
-                left -= conn.recv_into(view[: min(len(buf), left)])
+                got = conn.recv_into(view[at : at + min(4 << 20, left)])
+                left -= got
+                at = at + got if cold else 0
             conn.sendall(b"k")
         else:
             while left > 0:
-                step = min(len(data), left)
-                conn.sendall(data[:step])
+                step = min(4 << 20, left, len(data) - at)
+                conn.sendall(data[at : at + step])
                 left -= step
+                at = (at + step) % len(data)
 
 
-def _client(port: int, block: int, blocks: int) -> None:
+def _client(port: int, block: int, blocks: int, cold: bool = False) -> None:
     """Per line on stdin (``P`` or ``G``): one put or get of ``block * blocks`` bytes, its
-    seconds printed; EOF ends."""
+    seconds printed; EOF ends. ``cold``: each block from / into its own memory."""
     sock = socket.create_connection(("127.0.0.1", port))
-    data, buf = os.urandom(block), bytearray(block)
-    view, total = memoryview(buf), block * blocks
+    total = block * blocks
+    data = view = _touched(total if cold else block)
     for line in sys.stdin:
         t = time.perf_counter()
         sock.sendall(line[:1].encode() + str(total).rjust(_HEADER - 1).encode())
         if line.startswith("P"):
-            for _ in range(blocks):
-                sock.sendall(data)
+            for i in range(blocks):
+                at = i * block if cold else 0
+                sock.sendall(data[at : at + block])
             sock.recv(1)
         else:
             got = 0
             while got < total:
-                got += sock.recv_into(view[: min(block, total - got)])
+                at = got if cold else got % block
+                got += sock.recv_into(view[at : at + min(block - got % block, total - got)])
         print(time.perf_counter() - t, flush=True)
     sock.close()
 
@@ -77,13 +89,17 @@ def _spawn(*args: object) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
-def tcp_ceiling(streams: int, block: int, blocks: int, rounds: int) -> tuple[float, float]:
-    """Median over rounds of (put, get) GB/s with ``streams`` parallel TCP streams."""
-    servers = [_spawn("serve") for _ in range(streams)]
+def tcp_ceiling(
+    streams: int, block: int, blocks: int, rounds: int, cold: bool = False
+) -> tuple[float, float]:
+    """Median over rounds of (put, get) GB/s with ``streams`` parallel TCP streams; ``cold``:
+    every block sent from and received into its own memory on both sides (as a store moves
+    blocks), instead of one buffer per side that stays in the cache."""
+    servers = [_spawn("serve", int(cold)) for _ in range(streams)]
     procs = list(servers)
     try:
         ports = [int(server.stdout.readline()) for server in servers]
-        clients = [_spawn("client", port, block, blocks) for port in ports]
+        clients = [_spawn("client", port, block, blocks, int(cold)) for port in ports]
         procs += clients
         gb, put, get = streams * block * blocks / 1e9, [], []
         for _ in range(rounds):
@@ -128,6 +144,6 @@ def memcpy_ceiling(threads: int, nbytes: int = 64 << 20, repeats: int = 8) -> fl
 
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
-        _serve()
+        _serve(bool(int(sys.argv[2])))
     else:
-        _client(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        _client(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), bool(int(sys.argv[5])))

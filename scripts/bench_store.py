@@ -6,7 +6,9 @@
 * streams: the host's K-stream TCP ceilings (K process pairs) and K-thread memcpy ceilings for
   K = 1, 2, 4, 8, and ``AsyncStoreClient(streams=K)`` (the connector's client) put/get GB/s of
   the same 64 x 2 MiB against a node with K I/O threads; ratios to the K-stream and 1-stream
-  ceilings of the same run, the host's core count next to them;
+  ceilings of the same run, the host's core count next to them; the ceilings also "cold"
+  (each block from / into its own memory on both sides, as a store's blocks are, instead of
+  one buffer per side that stays in the cache);
 * peers (Redis, Mooncake Store TCP, a naive ZeroMQ store) on the same workload, in the same run,
   when ../shared/peers/setup.sh has installed them;
 * put/get GB/s over block sizes 256 KiB-8 MiB and batches 1-128;
@@ -101,8 +103,10 @@ def streams_rows(args) -> dict:
     gb, rows = size * n / 1e9, []
     for k in args.streams:
         tcp_put, tcp_get = tcp_ceiling(k, size, max(1, n // k), args.rounds)
+        cold_put, cold_get = tcp_ceiling(k, size, max(1, n // k), args.rounds, cold=True)
         memcpy = memcpy_ceiling(k, 32 * MIB, 4)
-        node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k)).start()
+        node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k),
+                           *args.node_args).start()  # fmt: skip
         cfg = ClientConfig((node.address,), timeout_s=30, streams=k,
                            copy_threads=args.copy_threads)  # fmt: skip
         client = AsyncStoreClient(node.address, config=cfg)
@@ -115,8 +119,12 @@ def streams_rows(args) -> dict:
         rows.append(dict(streams=k, cores=cores, copy_threads=copy_threads,
                          put_gbps=round(put, 3), get_gbps=round(get, 3),
                          tcp_put_gbps=round(tcp_put, 3), tcp_get_gbps=round(tcp_get, 3),
+                         tcp_cold_put_gbps=round(cold_put, 3),
+                         tcp_cold_get_gbps=round(cold_get, 3),
                          memcpy_gbps=round(memcpy, 3), put_ratio=round(put / tcp_put, 3),
-                         get_ratio=round(get / tcp_get, 3)))  # fmt: skip
+                         get_ratio=round(get / tcp_get, 3),
+                         put_ratio_cold=round(put / cold_put, 3),
+                         get_ratio_cold=round(get / cold_get, 3)))  # fmt: skip
         first = rows[0]
         rows[-1]["put_ratio_1stream"] = round(put / first["tcp_put_gbps"], 3)
         rows[-1]["get_ratio_1stream"] = round(get / first["tcp_get_gbps"], 3)
@@ -230,6 +238,8 @@ def main() -> None:
     ap.add_argument("--only", type=lambda s: s.split(","),
                     default=["headline", "streams", "peers", "exists", "rss", "grid"],
                     help="sections to run, comma-separated")  # fmt: skip
+    ap.add_argument("--node-args", type=str.split, default=[],
+                    help="extra `pagekv serve` flags for the streams nodes")  # fmt: skip
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--default-malloc", action="store_true", help="client: glibc defaults")
     args = parse_args(ap)
