@@ -105,8 +105,7 @@ def streams_rows(args) -> dict:
         tcp_put, tcp_get = tcp_ceiling(k, size, max(1, n // k), args.rounds)
         cold_put, cold_get = tcp_ceiling(k, size, max(1, n // k), args.rounds, cold=True)
         memcpy = memcpy_ceiling(k, 32 * MIB, 4)
-        node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k),
-                           *args.node_args).start()  # fmt: skip
+        node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k)).start()
         cfg = ClientConfig((node.address,), timeout_s=30, streams=k,
                            copy_threads=args.copy_threads)  # fmt: skip
         client = AsyncStoreClient(node.address, config=cfg)
@@ -238,8 +237,6 @@ def main() -> None:
     ap.add_argument("--only", type=lambda s: s.split(","),
                     default=["headline", "streams", "peers", "exists", "rss", "grid"],
                     help="sections to run, comma-separated")  # fmt: skip
-    ap.add_argument("--node-args", type=str.split, default=[],
-                    help="extra `pagekv serve` flags for the streams nodes")  # fmt: skip
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--default-malloc", action="store_true", help="client: glibc defaults")
     args = parse_args(ap)
