@@ -53,10 +53,10 @@ def _serve(cold: bool = False) -> None:
             conn.sendall(b"k")
         else:
             while left > 0:
-                step = min(4 << 20, left, len(data) - at)
+                step = min(4 << 20, left)
                 conn.sendall(data[at : at + step])
                 left -= step
-                at = (at + step) % len(data)
+                at = at + step if cold else 0
 
 
 def _client(port: int, block: int, blocks: int, cold: bool = False) -> None:
