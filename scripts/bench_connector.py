@@ -19,6 +19,7 @@ import time
 
 import torch
 from _bench_util import environment, parse_args, write_result
+from _ceilings import memcpy_ceiling, tcp_ceiling
 
 from pagekv.connector import KeyNamespace, KVConnector, KVGeometry
 from pagekv.store import ClientConfig, StoreClient
@@ -129,9 +130,21 @@ def main() -> None:
     tune_malloc_for_blocks()
     env = environment()
     print(f"# {env['device']}, {env['cpu_count']} cpus, commit {env['commit']}", flush=True)
+    # the ceilings, measured in this run: 8-stream loopback TCP (hot: one buffer per
+    # side; cold: every block from and into its own memory) and 8-thread memcpy
+    mib2 = 2 << 20
+    ceilings = dict(tcp8_gbps=tcp_ceiling(8, mib2, 32, 3)[1],
+                    tcp8_cold_gbps=tcp_ceiling(8, mib2, 32, 3, cold=True)[1],
+                    memcpy8_gbps=memcpy_ceiling(8, 32 << 20, 4))  # fmt: skip
+    ceilings = {k: round(v, 3) for k, v in ceilings.items()}
+    print(f"ceilings {ceilings}", flush=True)
     rows = [run(args, int(n)) for n in args.nodes.split(",")]
+    for r in rows:
+        for name, value in ceilings.items():
+            r["prefetch_vs_" + name.removesuffix("_gbps")] = round(r["prefetch_gbps"] / value, 3)
     name = "bench_connector_shm" if args.shm else "bench_connector"
-    print(f"wrote {write_result(name, dict(args=vars(args), rows=rows))}")
+    result = dict(args=vars(args), ceilings=ceilings, rows=rows)
+    print(f"wrote {write_result(name, result)}")
 
 
 if __name__ == "__main__":

@@ -105,29 +105,30 @@ def streams_rows(args) -> dict:
         tcp_put, tcp_get = tcp_ceiling(k, size, max(1, n // k), args.rounds)
         cold_put, cold_get = tcp_ceiling(k, size, max(1, n // k), args.rounds, cold=True)
         memcpy = memcpy_ceiling(k, 32 * MIB, 4)
-        node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k)).start()
-        cfg = ClientConfig((node.address,), timeout_s=30, streams=k,
-                           copy_threads=args.copy_threads)  # fmt: skip
-        client = AsyncStoreClient(node.address, config=cfg)
-        copy_threads = client.config.copy_threads
-        times = asyncio.run(_async_rounds(client, blocks, into, args.rounds))
-        client.close()
-        node.stop()
-        put = gb / statistics.median(t[0] for t in times)
-        get = gb / statistics.median(t[1] for t in times)
-        rows.append(dict(streams=k, cores=cores, copy_threads=copy_threads,
-                         put_gbps=round(put, 3), get_gbps=round(get, 3),
-                         tcp_put_gbps=round(tcp_put, 3), tcp_get_gbps=round(tcp_get, 3),
-                         tcp_cold_put_gbps=round(cold_put, 3),
-                         tcp_cold_get_gbps=round(cold_get, 3),
-                         memcpy_gbps=round(memcpy, 3), put_ratio=round(put / tcp_put, 3),
-                         get_ratio=round(get / tcp_get, 3),
-                         put_ratio_cold=round(put / cold_put, 3),
-                         get_ratio_cold=round(get / cold_get, 3)))  # fmt: skip
-        first = rows[0]
-        rows[-1]["put_ratio_1stream"] = round(put / first["tcp_put_gbps"], 3)
-        rows[-1]["get_ratio_1stream"] = round(get / first["tcp_get_gbps"], 3)
-        print(f"streams {rows[-1]}", flush=True)
+        for path in args.paths:  # the same ceilings for each data path
+            node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k)).start()
+            cfg = ClientConfig((node.address,), timeout_s=30, streams=k, bulk=path == "bulk",
+                               copy_threads=args.copy_threads)  # fmt: skip
+            client = AsyncStoreClient(node.address, config=cfg)
+            copy_threads = client.config.copy_threads
+            times = asyncio.run(_async_rounds(client, blocks, into, args.rounds))
+            client.close()
+            node.stop()
+            put = gb / statistics.median(t[0] for t in times)
+            get = gb / statistics.median(t[1] for t in times)
+            rows.append(dict(streams=k, path=path, cores=cores, copy_threads=copy_threads,
+                             put_gbps=round(put, 3), get_gbps=round(get, 3),
+                             tcp_put_gbps=round(tcp_put, 3), tcp_get_gbps=round(tcp_get, 3),
+                             tcp_cold_put_gbps=round(cold_put, 3),
+                             tcp_cold_get_gbps=round(cold_get, 3),
+                             memcpy_gbps=round(memcpy, 3), put_ratio=round(put / tcp_put, 3),
+                             get_ratio=round(get / tcp_get, 3),
+                             put_ratio_cold=round(put / cold_put, 3),
+                             get_ratio_cold=round(get / cold_get, 3)))  # fmt: skip
+            first = rows[0]
+            rows[-1]["put_ratio_1stream"] = round(put / first["tcp_put_gbps"], 3)
+            rows[-1]["get_ratio_1stream"] = round(get / first["tcp_get_gbps"], 3)
+            print(f"streams {rows[-1]}", flush=True)
     return dict(rows=rows)
 
 
@@ -233,6 +234,12 @@ def main() -> None:
         "--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8]
     )
     ap.add_argument("--stream-blocks", type=int, default=256, help="2 MiB blocks per round")
+    ap.add_argument(
+        "--paths",
+        type=lambda s: s.split(","),
+        default=["bulk", "zmq"],
+        help="client data paths the streams section compares (bulk lane, ZeroMQ)",
+    )
     ap.add_argument("--copy-threads", type=int, default=None, help="client copy pool (streams)")
     ap.add_argument("--only", type=lambda s: s.split(","),
                     default=["headline", "streams", "peers", "exists", "rss", "grid"],

@@ -1,7 +1,8 @@
 """Checked copies (pagekv.store.copies) and the clients' copy pool: values checked and copied on
 pool threads are right on fresh random data, misses are counted, a node verifies large PUTs on
 its pool, and a call never returns while a pool thread still writes into the caller's buffers.
-Real node processes."""
+Real node processes. The clients here use ZeroMQ only (``bulk=False``): it is the path these
+copies serve (the bulk lane receives in place; tests/test_store_bulk.py)."""
 
 import asyncio
 import concurrent.futures
@@ -83,7 +84,9 @@ def test_blocking_client_checks_on_its_pool(node_proc, streams):
     rng = random.Random(os.urandom(8))
     keys = [rng.randbytes(16) for _ in range(40)]
     values = random_values(rng, len(keys))
-    cfg = ClientConfig((node_proc.address,), streams=streams, copy_threads=4, timeout_s=10)
+    cfg = ClientConfig(
+        (node_proc.address,), bulk=False, streams=streams, copy_threads=4, timeout_s=10
+    )
     with StoreClient(node_proc.address, config=cfg) as client:
         assert client.router.pool is shared_pool(4)
         assert client.put_many(keys, values) == [Status.OK] * len(keys)
@@ -102,7 +105,7 @@ async def test_async_client_checks_on_its_pool_concurrently(node_proc):
     rng = random.Random(os.urandom(8))
     keys = [rng.randbytes(16) for _ in range(48)]
     values = random_values(rng, len(keys))
-    cfg = ClientConfig((node_proc.address,), streams=2, copy_threads=4, timeout_s=10,
+    cfg = ClientConfig((node_proc.address,), bulk=False, streams=2, copy_threads=4, timeout_s=10,
                        max_message_bytes=2 << 20)  # fmt: skip
     client = AsyncStoreClient(node_proc.address, config=cfg)
     try:
@@ -127,7 +130,7 @@ def test_a_bad_checksum_on_the_pool_is_a_counted_miss(monkeypatch):
         rng = random.Random(os.urandom(8))
         keys = [rng.randbytes(16) for _ in range(6)]
         values = [rng.randbytes(1 << 20) for _ in keys]
-        cfg = ClientConfig((node.address,), copy_threads=4, timeout_s=10)
+        cfg = ClientConfig((node.address,), bulk=False, copy_threads=4, timeout_s=10)
         with StoreClient(node.address, config=cfg) as client:
             real = operations.checksum_frames
             bad = {bytes(values[2][:64])}
@@ -189,7 +192,7 @@ async def test_a_call_never_returns_while_its_pool_still_copies(node_proc, monke
     rng = random.Random(os.urandom(8))
     keys = [rng.randbytes(16) for _ in range(4)]
     values = [rng.randbytes(1 << 20) for _ in keys]
-    cfg = ClientConfig((node_proc.address,), streams=1, copy_threads=2, timeout_s=0.3,
+    cfg = ClientConfig((node_proc.address,), bulk=False, streams=1, copy_threads=2, timeout_s=0.3,
                        timeout_per_mib_s=0.0)  # fmt: skip
     client = AsyncStoreClient(node_proc.address, config=cfg)
     gate, state, lock = threading.Event(), {"started": 0, "finished": 0}, threading.Lock()
@@ -243,7 +246,7 @@ def test_node_advertises_a_port_per_io_thread_and_streams_use_them():
         rng = random.Random(os.urandom(8))
         keys = [rng.randbytes(16) for _ in range(24)]
         values = [rng.randbytes(256 << 10) for _ in keys]
-        cfg = ClientConfig((node.address,), streams=3, copy_threads=1, timeout_s=10)
+        cfg = ClientConfig((node.address,), bulk=False, streams=3, copy_threads=1, timeout_s=10)
         with StoreClient(node.address, config=cfg) as client:
             assert client.put_many(keys, values) == [Status.OK] * len(keys)  # PINGs first
             ports = client.stats()[0]["stream_ports"]
@@ -261,7 +264,7 @@ def test_node_advertises_a_port_per_io_thread_and_streams_use_them():
 def test_no_stream_ports_when_turned_off():
     node = NodeProcess("--capacity", "16MiB", "--io-threads", "3", "--no-stream-ports").start()
     try:
-        cfg = ClientConfig((node.address,), streams=3, timeout_s=10)
+        cfg = ClientConfig((node.address,), bulk=False, streams=3, timeout_s=10)
         with StoreClient(node.address, config=cfg) as client:
             assert client.stats()[0]["stream_ports"] == []
             assert client.put_many([b"k" * 16], [b"v" * 100]) == [Status.OK]
@@ -276,7 +279,9 @@ async def test_unreachable_stream_ports_fall_back_to_the_main_port():
     listens on) is still served through its main port after the connect timeout."""
     node = NodeProcess("--capacity", "16MiB", "--io-threads", "2", "--no-stream-ports").start()
     try:
-        cfg = ClientConfig((node.address,), streams=2, timeout_s=1.0, connect_timeout_s=0.5)
+        cfg = ClientConfig(
+            (node.address,), bulk=False, streams=2, timeout_s=1.0, connect_timeout_s=0.5
+        )
         client = AsyncStoreClient(node.address, config=cfg)
         try:
             assert await client.ping() == [True]
@@ -310,7 +315,7 @@ async def test_a_retired_link_is_closed_only_when_idle():
     complete on it, and the old link is closed once released."""
     node = NodeProcess("--capacity", "64MiB", "--io-threads", "2").start()
     try:
-        cfg = ClientConfig((node.address,), streams=2, copy_threads=1, timeout_s=10,
+        cfg = ClientConfig((node.address,), bulk=False, streams=2, copy_threads=1, timeout_s=10,
                            max_message_bytes=1 << 20)  # fmt: skip
         client = AsyncStoreClient(node.address, config=cfg)
         try:

@@ -74,7 +74,7 @@ class Pair:
     def __init__(self, healthy, breakage, timeout_s=0.5):
         self.proxy = TamperingProxy(healthy.address, BREAKAGES[breakage])
         self.endpoints = (self.proxy.address, healthy.address)
-        self.config = ClientConfig(self.endpoints, replicas=2, timeout_s=timeout_s)
+        self.config = ClientConfig(self.endpoints, replicas=2, timeout_s=timeout_s, bulk=False)
         router = Router(self.endpoints, 2, (0.1, 1))
         keys = (os.urandom(16) for _ in range(1000))
         self.keys = [k for k in keys if router.ranking(k)[0] == 0][:24]
@@ -241,7 +241,8 @@ def test_unknown_status_from_the_only_node_is_a_miss_not_an_exception(healthy):
     proxy = TamperingProxy(healthy.address, lambda r: with_head(r, status=[77] * len(
         head_of(r).get("status", [0]))))  # fmt: skip
     try:
-        with StoreClient(proxy.address, timeout_s=0.5) as client:
+        cfg = ClientConfig((proxy.address,), timeout_s=0.5, bulk=False)  # proxied: ZeroMQ
+        with StoreClient(proxy.address, config=cfg) as client:
             client.ping()
             proxy.tampering = True
             keys = [os.urandom(16) for _ in range(5)]
@@ -269,7 +270,8 @@ def test_a_socket_failing_mid_send_is_a_failed_request_never_an_exception(node, 
         return real(sock, call)
 
     keys = [os.urandom(16) for _ in range(3)]
-    with StoreClient(node.address, timeout_s=3) as client:
+    cfg = ClientConfig((node.address,), timeout_s=3, bulk=False)  # a ZeroMQ socket's failure
+    with StoreClient(node.address, config=cfg) as client:
         assert client.put_many(keys, [b"v"] * 3) == [Status.OK] * 3
         monkeypatch.setattr(client_module, "_send_request", breaking)
         assert client.get_many(keys) == [None] * 3

@@ -52,7 +52,9 @@ async def test_async_streams_round_trip_random_data(node_proc):
     rng = random.Random(os.urandom(8))
     keys = [rng.randbytes(16) for _ in range(300)]
     values = random_values(rng, len(keys))
-    client = AsyncStoreClient(node_proc.address, config=config(node_proc))
+    client = AsyncStoreClient(
+        node_proc.address, config=config(node_proc, bulk=False)
+    )  # its ZeroMQ links
     try:
         assert await client.put_many(keys, values) == [Status.OK] * len(keys)
         into = [poisoned_like(v) for v in values]
@@ -189,7 +191,7 @@ async def test_reset_of_one_link_fails_only_its_requests(node_proc):
     rng = random.Random(os.urandom(8))
     keys = [rng.randbytes(16) for _ in range(64)]
     values = [rng.randbytes(256 << 10) for _ in keys]
-    client = AsyncStoreClient(node_proc.address, config=config(node_proc, streams=2))
+    client = AsyncStoreClient(node_proc.address, config=config(node_proc, streams=2, bulk=False))
     try:
         assert await client.put_many(keys, values) == [Status.OK] * len(keys)
         resets = []

@@ -23,6 +23,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from .bulk_client import FALLBACK
 from .client_base import _Base, raise_unavailable, shared_context
 from .protocol import Op, ProtocolError, Status, decode_reply, encode_request
 from .routing import Batch, Call, ExistsResult, OpGen, Results
@@ -181,6 +182,51 @@ class AsyncStoreClient(_Base):
             link.release()
 
     async def _node_calls(self, node: int, calls: Batch) -> Results:
+        """A node's calls of a batch: PUTs and GETs over its bulk lane when it offers one, the
+        rest (and the calls whose lane cannot be reached) over ZeroMQ."""
+        bulk, calls = self._bulk_split(calls)
+        jobs = [self._bulk_calls(node, bulk)] if bulk else []
+        if calls:
+            jobs.append(self._zmq_calls(node, calls))
+        parts = await asyncio.gather(*jobs)
+        return {rid: result for part in parts for rid, result in part.items()}
+
+    async def _bulk_calls(
+        self, node: int, bulk: list[tuple[Call, concurrent.futures.Future]]
+    ) -> Results:
+        """Await the bulk calls, handing each result on as it arrives. Cancelled, it stops
+        the node's transfers (they write into the caller's buffers) and waits for them."""
+        results: Results = {}
+        fallback: Batch = []
+        failed: Batch = []
+
+        async def one(call: Call, fut: concurrent.futures.Future) -> None:
+            result = await asyncio.wrap_future(fut)
+            self.bulk.count(call, result)
+            if result is FALLBACK:
+                fallback.append(call)
+                return
+            if result is None and not failed:  # as after a ZeroMQ timeout: the node must
+                failed.append(call)  # connect again (a handshake a stopped node cannot
+                for link in self._links.get(node, []):  # complete) before it is used, even
+                    if link is not None:  # as a last resort
+                        self._reset(link)
+            results[call.request.id] = result
+            if result is not None and call.on_reply is not None:
+                call.on_reply(*result)
+
+        try:
+            await asyncio.gather(*(one(call, fut) for call, fut in bulk))
+        finally:
+            running = [fut for _, fut in bulk if not fut.done()]
+            if running:
+                self.bulk.abort({node})
+                concurrent.futures.wait(running)
+        if fallback:
+            results.update(await self._zmq_calls(node, fallback))
+        return results
+
+    async def _zmq_calls(self, node: int, calls: Batch) -> Results:
         parts = self._spread(node, calls)
         if len(parts) == 1:
             return await self._stream_calls(node, *parts[0])

@@ -30,6 +30,7 @@ from typing import Any
 
 import zmq
 
+from .bulk_client import FALLBACK
 from .client_base import _Base, shared_context
 from .config import ClientConfig
 from .protocol import Op, ProtocolError, Status, decode_reply, encode_request
@@ -135,6 +136,47 @@ class StoreClient(_Base):
         self._open(node, stream)  # reconnecting starts now, so recovery shows in the link state
 
     def _exchange(self, batch: Batch) -> Results:
+        """Run a batch: its PUTs and GETs over the bulk lanes of the nodes that offer one (and
+        over ZeroMQ where a lane cannot be reached), the rest over ZeroMQ."""
+        bulk, rest = self._bulk_split(batch)
+        results = self._exchange_zmq(rest) if rest else {}
+        if bulk:
+            fallback = self._collect_bulk(bulk, results)
+            if fallback:
+                results.update(self._exchange_zmq(fallback))
+        return results
+
+    def _collect_bulk(self, bulk: list[tuple[Call, concurrent.futures.Future]],
+                      results: Results) -> Batch:  # fmt: skip
+        """Hand each bulk call's result on as it completes (``on_reply`` on this thread);
+        returns the calls whose lane could not be reached. Every connection ends each call
+        within its socket timeouts; if this thread is interrupted, the transfers (which write
+        into the caller's buffers) are stopped and waited for before it goes on."""
+        futures = {fut: call for call, fut in bulk}
+        fallback: Batch = []
+        failed: set[int] = set()
+        try:
+            for fut in concurrent.futures.as_completed(futures):
+                call, result = futures[fut], fut.result()
+                self.bulk.count(call, result)
+                if result is FALLBACK:
+                    fallback.append(call)
+                    continue
+                if result is None:
+                    failed.add(call.node)
+                results[call.request.id] = result
+                if result is not None and call.on_reply is not None:
+                    call.on_reply(*result)
+        except BaseException:
+            self.bulk.abort({call.node for call in futures.values()})
+            concurrent.futures.wait(futures)
+            raise
+        for node in failed:  # as after a ZeroMQ timeout: the node must connect again (a
+            for stream in range(self.config.streams):  # handshake a stopped node cannot
+                self._reset(node, stream)  # complete) before it is used even as a last resort
+        return fallback
+
+    def _exchange_zmq(self, batch: Batch) -> Results:
         """Send each node its requests, dealt over its streams (at most its window in flight
         on each), and collect the replies; a stream whose node does not answer in time fails
         all its requests of the batch (None)."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import zmq
@@ -13,10 +15,11 @@ import zmq
 from pagekv.errors import AuthenticationFailed
 
 from . import operations
+from .bulk_client import BulkLanes
 from .config import ClientConfig, CurveClientKeys
 from .copies import shared_pool
 from .protocol import MAX_KEY_BYTES
-from .routing import Link, OpGen, Router, StoreUnavailable
+from .routing import Batch, Call, Link, OpGen, Router, StoreUnavailable
 
 __all__ = ["raise_unavailable", "shared_context"]
 
@@ -93,6 +96,8 @@ class _Base:
         self.router.on_ports = self._move_streams
         self._links: dict[int, list[Any]] = {}  # node -> its links, one per stream (or None)
         self._turn: dict[int, int] = {}  # node -> the stream its next batch starts on
+        self.bulk = BulkLanes(cfg, self.router)  # PUT/GET over nodes' bulk lanes
+        weakref.finalize(self, self.bulk.close)  # its connection threads end with the client
 
     @property
     def counters(self) -> dict[str, int]:
@@ -139,6 +144,22 @@ class _Base:
             parts.setdefault((first + j) % streams, []).append(call)
         return list(parts.items())
 
+    def _bulk_split(self, batch: Batch) -> tuple[list[tuple[Call, Future]], Batch]:
+        """Send the calls the bulk lane takes (dealt over each node's connections like
+        streams) and return them with their futures, and the rest (for ZeroMQ)."""
+        rest: Batch = []
+        per_node: dict[int, list[Call]] = {}
+        for call in batch:
+            if self.bulk.takes(call):
+                per_node.setdefault(call.node, []).append(call)
+            else:
+                rest.append(call)
+        sent = []
+        for node, calls in per_node.items():
+            for stream, part in self._spread(node, calls):
+                sent.extend((call, self.bulk.submit(node, stream, call)) for call in part)
+        return sent, rest
+
     def _link_state(self, node: int) -> Link:
         """UP only when every stream is connected: a stream replaced after a timeout must
         complete its handshake (which a stopped node cannot) before the node counts as up
@@ -156,6 +177,7 @@ class _Base:
         return Link.DOWN
 
     def _close_links(self) -> None:
+        self.bulk.close()
         for links in self._links.values():
             for link in links:
                 if link is not None:

@@ -109,6 +109,9 @@ class NodeConfig:
     shm: bool = False  # keep blocks in a shared segment under /dev/shm (same-host shortcut)
     verify_threads: int = 0  # threads checking large PUTs; 0: default_copy_threads(); 1: none
     stream_ports: bool = True  # a TCP port per I/O thread, advertised to clients (see server)
+    bulk: bool = True  # the bulk lane (plain TCP for PUT/GET payloads); never with CURVE
+    bulk_port: int = 0  # its TCP port; 0: any free port (clients learn it from PING)
+    bulk_connections: int = 64  # bulk connections served at once; more are closed at once
 
     def __post_init__(self) -> None:
         for name in ("capacity", "max_block_size", "max_message_size"):
@@ -122,7 +125,8 @@ class NodeConfig:
                   max_frames=self.max_frames, io_threads=self.io_threads, window=self.window,
                   verify_threads=self.verify_threads,
                   recv_hwm=self.recv_hwm, max_connections=self.max_connections,
-                  handshake_s=self.handshake_s)  # fmt: skip
+                  handshake_s=self.handshake_s,
+                  bulk_connections=self.bulk_connections)  # fmt: skip
         if self.max_block_size > self.max_message_size:
             raise ValueError(
                 f"NodeConfig.max_block_size ({self.max_block_size}) must be <= "
@@ -131,8 +135,10 @@ class NodeConfig:
         for name in ("socket_buffer", "heartbeat_s", "guard_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"NodeConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"NodeConfig.port must be in [0, 65536), got {self.port}")
+        for name in ("port", "bulk_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"NodeConfig.{name} must be in [0, 65536), got "
+                                 f"{getattr(self, name)}")  # fmt: skip
         if self.endpoint is not None and not self.endpoint.startswith(("tcp://", "ipc://")):
             raise ValueError(f"NodeConfig.endpoint must be tcp:// or ipc://, got {self.endpoint}")
         if (self.curve_secret_key is None) != (self.curve_allow is None):
@@ -203,7 +209,9 @@ class ClientConfig:
     many I/O threads (see docs/protocol.md, "Streams"). ``copy_threads`` (default
     :func:`default_copy_threads`) check and copy the values of GET replies into the
     caller's buffers and checksum large put batches, on a pool shared by the process's
-    clients; 1 does that work on the client's own thread.
+    clients; 1 does that work on the client's own thread. ``bulk``: PUT and GET payloads go
+    over the node's bulk lane (plain TCP, received straight into place; :mod:`.bulk_client`)
+    when the node offers one, ``streams`` connections per node, ZeroMQ otherwise.
     """
 
     endpoints: tuple[str, ...]
@@ -218,6 +226,7 @@ class ClientConfig:
     connect_timeout_s: float | None = None  # None: timeout_s
     streams: int | None = None  # connections per node; None: default_streams()
     copy_threads: int | None = None  # None: default_copy_threads(); 1: no pool
+    bulk: bool | None = None  # PUT/GET over nodes' bulk lanes; None: unless PAGEKV_BULK_CLIENT=0
 
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str):
@@ -242,6 +251,8 @@ class ClientConfig:
             )
         if self.copy_threads is None:
             object.__setattr__(self, "copy_threads", default_copy_threads())
+        if self.bulk is None:
+            object.__setattr__(self, "bulk", os.environ.get("PAGEKV_BULK_CLIENT", "1") != "0")
         if type(self.copy_threads) is not int or not 1 <= self.copy_threads <= MAX_STREAMS:
             raise ValueError(
                 f"ClientConfig.copy_threads must be an int in [1, {MAX_STREAMS}], "

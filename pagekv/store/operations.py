@@ -129,6 +129,9 @@ def get(
             out[i] = views[0] if len(views) == 1 else views
             return ""
         targets = into[i]
+        if len(frames) == len(targets) and all(f is t for f, t in zip(frames, targets)):
+            # received in place (the bulk lane hands back the destination views themselves)
+            return "" if checksum_frames(targets) == cs else "checksum_mismatch"
         if len(targets) != len(data) or any(t.nbytes != d.nbytes for t, d in zip(targets, data)):
             return "size_mismatch"
         return "" if copy_checksum(targets, data) == cs else "checksum_mismatch"
@@ -158,8 +161,10 @@ def get(
     done: set[int] = set()
     if into is not None:  # same-host shortcut (--shm nodes): what it copied is done
         done = yield from shm_reader.get(router, keys, into, out, on_arrival)
-    parallel = prepare if into is not None and router.pool is not None else None
-    yield from _lookup(router, Op.GET, keys, on_hit, expected, done, parallel)
+    # the ZeroMQ clients run a prepare only with a copy pool; the bulk lane always does
+    sinks = into
+    yield from _lookup(router, Op.GET, keys, on_hit, expected, done,
+                       prepare if into is not None else None, sinks)  # fmt: skip
     return out if into is None else [bool(x) for x in out]
 
 
@@ -206,10 +211,12 @@ def _lookup(
     expected: list[int] | None,
     done: set[int] = frozenset(),
     prepare: Callable[[Call, Any, list[Any]], None] | None = None,
+    sinks: Sequence[list[memoryview]] | None = None,
 ) -> OpGen:
     """Ask each key's nodes in turn until ``on_hit`` accepts a node's answer for it (keys in
     ``done`` are answered already); returns the number of keys no node answered for.
-    ``prepare(call, reply, frames)`` becomes each call's ``prepare`` (see ``Call``)."""
+    ``prepare(call, reply, frames)`` becomes each call's ``prepare`` (see ``Call``); ``sinks``
+    (a GET's destinations, per key) give each call its ``sinks``."""
     usable = router.usable()
     cands = router.candidates(keys, router.replicas + 1, usable)
     pos, deferred = [0] * len(keys), [0] * len(keys)
@@ -271,6 +278,8 @@ def _lookup(
                 call.on_reply = lambda reply, frames, call=call: handle(call, (reply, frames))
                 if prepare is not None:
                     call.prepare = lambda reply, frames, call=call: prepare(call, reply, frames)
+                if sinks is not None:
+                    call.sinks = [sinks[i] for i in part]
                 batch.append(call)
         if not batch:
             continue

@@ -134,6 +134,7 @@ class Reply:
     gens: list[int] = field(default_factory=list)  # LOCATE: generation of each found value
     sizes: list[int] = field(default_factory=list)  # LOCATE: bytes of each found frame
     ports: list[int] = field(default_factory=list)  # PING: the node's per-stream TCP ports
+    bulk: int = 0  # PING: the TCP port of the node's bulk lane (0: none)
 
 
 def encode_request(req: Request) -> bytes:
@@ -212,6 +213,8 @@ def encode_reply(rep: Reply) -> bytes:
         head["offs"], head["gens"], head["sizes"] = rep.offs, rep.gens, rep.sizes
     if rep.ports:
         head["ports"] = rep.ports
+    if rep.bulk:
+        head["bulk"] = rep.bulk
     return msgpack.packb(head, use_bin_type=True)
 
 
@@ -232,8 +235,9 @@ def decode_reply(frame: bytes | memoryview) -> Reply:
     if not isinstance(head, dict) or head.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(Code.BAD_VERSION, "reply has no supported protocol version")
     rid, code, hits = head.get("id"), head.get("code", 0), head.get("hits", 0)
-    if type(rid) is not int or type(code) is not int or type(hits) is not int:
-        raise ProtocolError(Code.BAD_HEADER, "reply id, code and hits must be ints")
+    bulk = head.get("bulk", 0)
+    if any(type(x) is not int for x in (rid, code, hits, bulk)) or not 0 <= bulk < 65536:
+        raise ProtocolError(Code.BAD_HEADER, "reply id, code, hits and bulk must be ints")
     if code not in Code._value2member_map_:
         raise ProtocolError(Code.BAD_HEADER, f"reply code {code} unknown")
     error, stats, limits = head.get("error", ""), head.get("stats", {}), head.get("limits", {})
@@ -255,4 +259,5 @@ def decode_reply(frame: bytes | memoryview) -> Reply:
         gens=_uint_list(head, "gens"),
         sizes=_uint_list(head, "sizes"),
         ports=_uint_list(head, "ports"),
+        bulk=bulk,
     )

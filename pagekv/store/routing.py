@@ -70,6 +70,10 @@ class Call:
     # and must be finished before the call counts as over (the client waits for it).
     prepare: Callable[[Reply, list[Any]], None] | None = None
     handled: bool = False
+    # GET with destinations: per key of the request, the views its frames go to. The bulk
+    # lane receives a reply's frames straight into them and hands those same view objects
+    # back as the frames (``prepare``/``on_reply`` then only verify them).
+    sinks: list[list[memoryview]] | None = None
 
 
 Batch = list[Call]
@@ -166,6 +170,7 @@ class Router:
         self.shm_adverts: list[dict] = [{}] * len(self.endpoints)  # PING "shm" (same-host)
         self.pool: Executor | None = None  # the client's copy pool (see .copies); None: inline
         self.stream_ports: list[list[int]] = [[] for _ in self.endpoints]  # PING "ports"
+        self.bulk_ports: list[int] = [0] * len(self.endpoints)  # PING "bulk" (0: none)
         self.on_ports: Callable[[int], None] | None = None  # the client moves its streams
         self._salt = [ep.encode() for ep in self.endpoints]
         self._ids = itertools.count(1)
@@ -261,9 +266,14 @@ class Router:
         for call in batch:
             result = results.get(call.request.id)
             if self.reply_problem(call, result) is None:
-                self.limits[call.node] = Limits.parse(result[0].limits) or FALLBACK_LIMITS
-                self.shm_adverts[call.node] = result[0].shm
-                self._learn_ports(call.node, result[0].ports)
+                self._learn_ping(call.node, result[0])
+
+    def _learn_ping(self, node: int, reply: Reply) -> None:
+        """What a PING reply tells of a node: limits, segment, stream ports, bulk port."""
+        self.limits[node] = Limits.parse(reply.limits) or FALLBACK_LIMITS
+        self.shm_adverts[node] = reply.shm
+        self._learn_ports(node, reply.ports)
+        self.bulk_ports[node] = reply.bulk if self.endpoints[node].startswith("tcp://") else 0
 
     def _learn_ports(self, node: int, ports: list[int]) -> None:
         """Take a node's advertised per-stream ports (valid TCP ports only, else none) and
@@ -335,9 +345,7 @@ class Router:
             if self.reply_problem(call, result) is None:
                 out[call.node] = result[0].stats
                 if op is Op.PING:
-                    self.limits[call.node] = Limits.parse(result[0].limits) or FALLBACK_LIMITS
-                    self.shm_adverts[call.node] = result[0].shm
-                    self._learn_ports(call.node, result[0].ports)
+                    self._learn_ping(call.node, result[0])
         return out
 
 

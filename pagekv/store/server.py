@@ -24,6 +24,7 @@ import zmq
 
 from . import handlers
 from .block_store import BlockStore
+from .bulk_server import BulkServer
 from .config import NodeConfig
 from .copies import shared_pool
 from .guard import ConnectionGuard, wire_bytes
@@ -73,6 +74,9 @@ class StoreNode:
         self.sock.bind(config.bind_address)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.stream_ports = self._bind_stream_ports()
+        # The store is used by this loop and by the bulk lane's connection threads: each
+        # request is answered (and a reply's blocks marked as being sent) under this lock
+        self.lock = threading.Lock()
         self._stop = threading.Event()
         self._signalled = False  # set by the signal handlers: a plain store, no lock
         self.started = time.time()
@@ -94,6 +98,12 @@ class StoreNode:
             self.connections = ConnectionMonitor(self.sock)
         self.segment: Segment | None = None
         self.shm_advert: dict[str, Any] = {}  # PING and LOCATE replies' ``shm``
+        self.bulk: BulkServer | None = None
+        try:
+            self.bulk = self._make_bulk()
+        except BaseException:
+            self.close()
+            raise
         if config.shm:  # last: a node that fails to start leaves no segment file behind
             try:
                 self.segment = self.store.segment = Segment(config.capacity)
@@ -147,6 +157,15 @@ class StoreNode:
             self.sock.setsockopt(zmq.AFFINITY, 0)
         return ports
 
+    def _make_bulk(self) -> BulkServer | None:
+        """The bulk lane (:mod:`.bulk_server`) on the node's TCP host, when it is on and safe:
+        never beside CURVE (the lane is neither encrypted nor authenticated) nor on ipc://."""
+        cfg = self.config
+        if not cfg.bulk or cfg.curve_secret_key or not self.address.startswith("tcp://"):
+            return None
+        host = self.address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+        return BulkServer(self, host, cfg.bulk_port)
+
     def _setup_curve(self) -> None:
         from .auth import ZapAuthenticator, load_allowed_keys, load_secret_cert
 
@@ -189,6 +208,8 @@ class StoreNode:
             "pagekv node serving on %s (capacity %d bytes, pid %d)",
             self.address, self.config.capacity, os.getpid(),
         )  # fmt: skip
+        if self.bulk is not None:
+            self.bulk.start()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         if self.guard is not None:
@@ -221,6 +242,8 @@ class StoreNode:
         if self.guard is not None:
             self.guard.close()
         self.connections.stop()
+        if self.bulk is not None:
+            self.bulk.close()
         self.sock.close(linger=0)
         if self.segment is not None:
             self.segment.unlink()  # clients' mappings stay valid; the memory goes with them
@@ -287,6 +310,13 @@ class StoreNode:
         payloads: list[Any], extra_frames: int,
     ) -> None:  # fmt: skip
         """Answer one request; malformed input gets an error reply, never an exception."""
+        with self.lock:
+            self._answer_locked(ident, header, parsed, payloads, extra_frames)
+
+    def _answer_locked(
+        self, ident: bytes, header: zmq.Frame, parsed: Request | ProtocolError,
+        payloads: list[Any], extra_frames: int,
+    ) -> None:  # fmt: skip
         start, op = time.perf_counter(), None
         size = sum(map(len, payloads))
         self.counters["bytes_in"] += size + len(header)
@@ -324,11 +354,36 @@ class StoreNode:
     def _serve_parked(self) -> None:
         for ident, req in self.outbox.ready():
             start = time.perf_counter()
-            self.counters["op_get"] += 1
-            rep, out = self._get(req)
-            self._send(ident, rep, out)
-            if self.observe is not None:
-                self.observe(Op.GET, rep, time.perf_counter() - start)
+            with self.lock:
+                self.counters["op_get"] += 1
+                rep, out = self._get(req)
+                self._send(ident, rep, out)
+                if self.observe is not None:
+                    self.observe(Op.GET, rep, time.perf_counter() - start)
+
+    def dispatch_locked(
+        self, req: Request, payloads: list[Any]
+    ) -> tuple[Reply, list[Any], list[Any] | None]:
+        """Answer a well-formed request from another transport (the bulk lane), with
+        :attr:`lock` held by the caller: the reply, its payload frames (views of stored
+        blocks, valid while referenced) and, on a ``--shm`` node, the blocks the caller must
+        pass to ``store.sent`` before it releases the lock. Never raises on input."""
+        size = sum(map(len, payloads))
+        self.counters["bytes_in"] += size
+        try:
+            if size > self.config.max_message_size:
+                raise ProtocolError(Code.TOO_LARGE, f"payload of {size} bytes is over the limit")
+            rep, out = self._dispatch(req, payloads)
+        except ProtocolError as e:
+            self.counters["bad_requests"] += 1
+            rep, out = Reply(id=req.id, code=e.code, error=str(e)), []
+        except Exception as e:  # a bug, not bad input: log it, answer, keep serving
+            log.exception("pagekv node: internal error on a request")
+            self.counters["internal_errors"] += 1
+            rep, out = Reply(id=req.id, code=Code.INTERNAL, error=repr(e)), []
+        sent, self._sent_blocks = self._sent_blocks, None
+        self.counters["bytes_out"] += sum(len(p) for p in out)
+        return rep, out, sent
 
     def _send(self, ident: bytes, rep: Reply, payloads: list[Any]) -> None:
         sent, self._sent_blocks = self._sent_blocks, None
@@ -358,8 +413,9 @@ class StoreNode:
             return handlers.locate(self.store, req, self.shm_advert), []
         if req.op is Op.STATS:
             return Reply(req.id, stats=self.stats()), []
+        bulk = self.bulk.port if self.bulk is not None else 0  # PING from here on
         return Reply(req.id, limits=self.config.limits(), shm=self.shm_advert,
-                     ports=self.stream_ports), []  # PING  # fmt: skip
+                     ports=self.stream_ports, bulk=bulk), []  # fmt: skip
 
     def stats(self) -> dict[str, Any]:
         guard, auth = self.guard, self._auth.stats() if self._auth is not None else {}
@@ -367,4 +423,7 @@ class StoreNode:
                 "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
                 "connections": len(guard.conns) if guard else -1,
                 "reply_bytes_in_flight": self.outbox.inflight_bytes(),
-                "parked": self.outbox.parked, "stream_ports": self.stream_ports}  # fmt: skip
+                "parked": self.outbox.parked, "stream_ports": self.stream_ports,
+                "bulk_port": self.bulk.port if self.bulk else 0,
+                "bulk_open": self.bulk.open_connections if self.bulk else 0,
+                **(self.bulk.counters if self.bulk else {})}  # fmt: skip

@@ -84,6 +84,13 @@ _NODE_HELP: dict[str, tuple[str, str]] = {
         "start) that clients of the same user on this host read directly (LOCATE)",
         "bool",
     ),
+    "bulk": (
+        "serve PUT and GET payloads on a second, plain TCP port too (the bulk lane: frames "
+        "received straight into place; off with CURVE); off: ZeroMQ only",
+        "bool",
+    ),
+    "bulk_port": ("TCP port of the bulk lane (0: any free port, advertised by PING)", "int"),
+    "bulk_connections": ("bulk lane connections served at once; more are closed", "int"),
 }
 
 

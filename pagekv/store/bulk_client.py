@@ -1,0 +1,278 @@
+"""Client side of the bulk lane (:mod:`.bulk_server`): a client's PUT and GET requests to a node
+that advertises one (PING ``bulk``) go over plain TCP connections, one thread per connection.
+
+Each connection's thread sends a request (its payload gathered straight from the caller's
+buffers), and reads the reply's frames straight into the GET's destinations (``Call.sinks``)
+when their sizes match, one ``recv_into`` per frame with the GIL released, then runs the call's
+``prepare`` there (the checksum of what landed, while it is still in the cache). Up to
+``DEPTH`` requests are out on a connection, so the node starts the next reply while this thread
+checks the last. The result goes back through a ``concurrent.futures.Future``: ``(reply,
+frames)``, ``None`` (the node failed this request: no answer in time, a reset, a malformed
+reply; its keys move on like any node failure) or :data:`FALLBACK` (the lane cannot be reached
+at all: the client sends the call over ZeroMQ instead, and leaves the lane alone for
+``RECHECK_S``).
+
+Ownership: a call's ``sinks`` and ``payloads`` are used by its connection's thread until its
+future is done; a client that stops waiting early (cancelled, interrupted) must
+:meth:`BulkLanes.abort` the node's connections and wait for the futures before it returns (an
+aborted connection ends its calls at once). Not thread-safe apart from the futures: one
+``BulkLanes`` per client, used on the client's thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import queue
+import socket
+import threading
+import time
+from typing import Any
+
+from pagekv.errors import ProtocolError
+
+from .bulk_wire import new_buffer, read_head, recv_exact, send_message, timeval
+from .config import ClientConfig
+from .protocol import Code, Op, Status, decode_reply, encode_request
+from .routing import FALLBACK_LIMITS, Call, Router
+
+__all__ = ["COUNTERS", "DEPTH", "FALLBACK", "BulkLanes"]
+
+log = logging.getLogger("pagekv.store")
+DEPTH = 2  # requests out on one connection: the next reply streams while the last is checked
+RECHECK_S = 30.0  # a lane that could not be reached is left alone this long
+FALLBACK: Any = type("Fallback", (), {"__repr__": lambda self: "FALLBACK"})()
+COUNTERS = ("bulk_requests", "bulk_bytes_in", "bulk_bytes_out", "bulk_failures",
+            "bulk_fallbacks")  # fmt: skip
+_LANE_OPS = (Op.PUT, Op.GET)
+
+
+class _Conn:
+    """One connection of a client to a node's bulk lane and the thread that works it."""
+
+    def __init__(self, address: tuple[str, int], config: ClientConfig, router: Router,
+                 node: int, lanes: BulkLanes) -> None:  # fmt: skip
+        self.address, self.config, self.router, self.node = address, config, router, node
+        self.lanes = lanes
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.sock: socket.socket | None = None
+        self.thread = threading.Thread(target=self._run, name="pagekv-bulk-client", daemon=True)
+        self.thread.start()
+
+    def submit(self, call: Call) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.queue.put((call, fut))
+        return fut
+
+    def abort(self) -> None:
+        """End the calls on this connection now (each gets None); the next call reconnects."""
+        sock = self.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread in recv/send
+            except OSError:
+                pass  # not connected (any more): nothing to wake
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.abort()
+
+    # ---- the connection's thread -----------------------------------------------------------
+    def _run(self) -> None:
+        out: collections.deque = collections.deque()  # (call, future): requests sent
+        closing = False
+        while out or not closing:
+            while len(out) < DEPTH and not closing:
+                try:
+                    item = self.queue.get(block=not out)
+                except queue.Empty:
+                    break
+                if item is None:
+                    closing = True
+                    break
+                call, fut = item
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                outcome = self._send(call)
+                if outcome is not True:
+                    fut.set_result(outcome)
+                    self._fail(out, queued=outcome is None)
+                    continue
+                out.append((call, fut))
+            if not out:
+                continue
+            call, fut = out.popleft()
+            try:
+                result = self._receive(call)
+            except (OSError, ProtocolError) as e:
+                log.debug("pagekv store: bulk lane to %s failed: %s", self.address, e)
+                self._fail(out, queued=True)
+                result = None
+            except Exception:  # a bug: this call fails like a node failure, the lane goes on
+                log.exception("pagekv store: bulk lane reply could not be handled")
+                self._fail(out, queued=True)
+                result = None
+            if self.sock is None:  # dropped while answering: the rest sent on it are lost
+                self._fail(out)
+            fut.set_result(result)
+        self._drop()
+
+    def _fail(self, out: collections.deque, queued: bool = False) -> None:
+        """The connection is unusable: drop it and fail the calls whose requests went out and,
+        with ``queued`` (the node did not answer in time), those waiting to be sent: each
+        would otherwise wait one more timeout on a new connection to the same node (the
+        ZeroMQ path fails a stream's whole part of a batch the same way)."""
+        self._drop()
+        while out:
+            out.popleft()[1].set_result(None)
+        while queued:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                self.queue.put(None)  # closing: leave the sentinel for the loop
+                return
+            if item[1].set_running_or_notify_cancel():
+                item[1].set_result(None)
+
+    def _drop(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def _connect(self) -> bool:
+        if self.lanes.down(self.node):
+            return False
+        cfg = self.config
+        try:
+            sock = socket.create_connection(self.address, timeout=cfg.connect_timeout_s)
+        except OSError as e:
+            self.lanes.mark_down(self.node, f"{self.address[0]}:{self.address[1]}: {e}")
+            return False
+        sock.settimeout(None)  # blocking: MSG_WAITALL waits for whole frames
+        limits = self.router.limits[self.node] or FALLBACK_LIMITS
+        wait = timeval(cfg.timeout_for(limits.max_message_size))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, wait)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, wait)
+        self.sock = sock
+        return True
+
+    def _send(self, call: Call) -> Any:
+        """Send ``call``'s request: True, else its result (FALLBACK: no connection; None)."""
+        if self.sock is None and not self._connect():
+            return FALLBACK
+        try:
+            send_message(self.sock, encode_request(call.request), call.payloads)
+        except OSError as e:
+            log.debug("pagekv store: bulk send to %s failed: %s", self.address, e)
+            return None
+        return True
+
+    def _receive(self, call: Call) -> tuple[Any, list[Any]]:
+        """Read ``call``'s reply, its frames into the call's sinks where they fit, and run its
+        ``prepare``. Raises ``ProtocolError`` for a reply to another request or over the
+        node's limits (the connection is then dropped), ``OSError`` for the rest."""
+        limits = self.router.limits[self.node] or FALLBACK_LIMITS
+        wait = timeval(self.config.timeout_for(call.nbytes))  # as the ZeroMQ path's deadline
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, wait)
+        head = read_head(self.sock, max_frames=max(1, len(call.request.keys)) * limits.max_frames,
+                         max_frame_bytes=limits.max_message_size,
+                         max_payload_bytes=limits.max_message_size)  # fmt: skip
+        reply = decode_reply(head.header)
+        if reply.id != call.request.id:
+            if reply.id == 0 and reply.code is not Code.OK and not head.sizes:
+                self._drop()  # the node refused the message and hung up: its answer stands
+                return reply, []
+            raise ProtocolError(Code.BAD_HEADER, f"reply {reply.id} to request {call.request.id}")
+        frames = _places(call, reply, head.sizes)
+        for frame in frames:
+            recv_exact(self.sock, memoryview(frame).cast("B"))
+        if call.prepare is not None:
+            call.prepare(reply, frames)
+        return reply, frames
+
+
+def _places(call: Call, reply: Any, sizes: tuple[int, ...]) -> list[Any]:
+    """Where each frame of a reply goes: the call's own sink views (the same objects) for a
+    found key whose frame count and sizes match its destination, else new buffers."""
+    sinks = call.sinks
+    found = [k for k, st in enumerate(reply.status) if st == Status.OK]
+    if (sinks is None or reply.code is not Code.OK or len(reply.status) != len(sinks)
+            or len(reply.counts) != len(found) or sum(reply.counts) != len(sizes)):  # fmt: skip
+        return [new_buffer(n) for n in sizes]
+    frames: list[Any] = []
+    for k, count in zip(found, reply.counts):
+        targets, mine = sinks[k], sizes[len(frames) : len(frames) + count]
+        if len(targets) == count and all(t.nbytes == n for t, n in zip(targets, mine)):
+            frames.extend(targets)
+        else:
+            frames.extend(new_buffer(n) for n in mine)
+    return frames
+
+
+class BulkLanes:
+    """A client's bulk connections: ``streams`` per node that advertises a lane, made on first
+    use and moved when the node advertises another port (a restarted node)."""
+
+    def __init__(self, config: ClientConfig, router: Router) -> None:
+        self.config, self.router = config, router
+        self.on = config.bulk
+        self._conns: dict[int, tuple[int, list[_Conn]]] = {}  # node -> (port, connections)
+        self._down: dict[int, float] = {}  # node -> monotonic time until which it is not tried
+        for name in COUNTERS:
+            router.counters.setdefault(name, 0)
+
+    def down(self, node: int) -> bool:
+        return time.monotonic() < self._down.get(node, 0.0)
+
+    def mark_down(self, node: int, why: str) -> None:
+        """Called from a connection's thread: the lane cannot be reached."""
+        if not self.down(node):
+            log.warning("pagekv store: bulk lane %s not reachable (%s); using ZeroMQ for %.0f s",
+                        self.router.endpoints[node], why, RECHECK_S)  # fmt: skip
+        self._down[node] = time.monotonic() + RECHECK_S
+
+    def takes(self, call: Call) -> bool:
+        """Whether ``call`` goes over the lane: a PUT or GET to a node offering one."""
+        return (self.on and call.request.op in _LANE_OPS and self.router.bulk_ports[call.node] > 0
+                and not self.down(call.node))  # fmt: skip
+
+    def submit(self, node: int, stream: int, call: Call) -> concurrent.futures.Future:
+        port = self.router.bulk_ports[node]
+        have = self._conns.get(node)
+        if have is None or have[0] != port:
+            if have is not None:
+                for conn in have[1]:
+                    conn.close()
+            host = self.router.endpoints[node][len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+            conns = [_Conn((host, port), self.config, self.router, node, self)
+                     for _ in range(self.config.streams)]  # fmt: skip
+            have = self._conns[node] = (port, conns)
+        return have[1][stream % len(have[1])].submit(call)
+
+    def count(self, call: Call, result: Any) -> None:
+        """Count one finished call (on the client's thread)."""
+        counters = self.router.counters
+        if result is FALLBACK:
+            counters["bulk_fallbacks"] += 1
+        elif result is None:
+            counters["bulk_failures"] += 1
+        else:
+            counters["bulk_requests"] += 1
+            counters["bulk_bytes_out"] += sum(memoryview(p).nbytes for p in call.payloads)
+            counters["bulk_bytes_in"] += sum(memoryview(f).nbytes for f in result[1])
+
+    def abort(self, nodes: set[int]) -> None:
+        for node in nodes:
+            for conn in self._conns.get(node, (0, []))[1]:
+                conn.abort()
+
+    def close(self) -> None:
+        for _, conns in self._conns.values():
+            for conn in conns:
+                conn.close()
+        self._conns.clear()

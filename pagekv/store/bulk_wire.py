@@ -1,0 +1,151 @@
+"""Framing of the bulk lane: pagekv messages over a plain TCP connection (see :mod:`.bulk_server`
+and :mod:`.bulk_client`; docs/protocol.md, "Bulk lane").
+
+The bulk lane carries the same messages as the ZeroMQ socket (a msgpack header, then payload
+frames; :mod:`.protocol`), framed so that the receiver knows every frame's size before it reads
+a byte of payload, and can therefore read each frame straight into its final place (a client's
+destination page, a node's new block) with one ``recv_into`` that waits for all of it::
+
+    prefix   "<4sIIQ": magic b"PKB1", header bytes, frame count, payload bytes (sum of sizes)
+    sizes    "<{count}Q": bytes of each payload frame
+    header   msgpack (a protocol Request or Reply)
+    frames   the payload frames, back to back
+
+Both ends check the prefix and the sizes against their limits before reading on
+(:func:`read_head`); a message that breaks them is answered (node) or dropped (client) and the
+connection closed: a stream cannot be resynchronised without reading what it declared.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pagekv.errors import ProtocolError
+
+try:  # buffers for large frames without zero-filling them (bytearray writes every byte first)
+    import numpy as np
+except ImportError:  # pragma: no cover - a store-only install
+    np = None
+
+from .protocol import MAX_HEADER_BYTES, Code
+
+__all__ = ["MAGIC", "Head", "PeerClosed", "new_buffer", "read_head", "recv_exact", "send_message",
+           "timeval"]  # fmt: skip
+
+MAGIC = b"PKB1"
+PREFIX = struct.Struct("<4sIIQ")
+
+
+class PeerClosed(ConnectionError):
+    """The peer closed the connection (or it was shut down), possibly mid-message."""
+
+
+@dataclass(frozen=True)
+class Head:
+    """A message's prefix, sizes and header, read and checked; its frames are still to read."""
+
+    header: bytes
+    sizes: tuple[int, ...]
+    payload_bytes: int
+
+
+def new_buffer(size: int) -> Any:
+    """A new writable buffer of ``size`` bytes for a frame to be received into (numpy's, not
+    zero-filled, for large frames when numpy is there)."""
+    if np is not None and size > 8192:
+        return np.empty(size, np.uint8)
+    return bytearray(size)
+
+
+def timeval(seconds: float) -> bytes:
+    """``seconds`` as the ``struct timeval`` of ``SO_RCVTIMEO`` / ``SO_SNDTIMEO``."""
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` (writable bytes) from ``sock``: one ``recv_into`` that waits for all of it
+    (``MSG_WAITALL``, the GIL released for the whole frame), repeated only when the kernel
+    returns early (a signal, the socket's ``SO_RCVTIMEO`` with part of it read). Raises
+    ``PeerClosed`` at end of stream, ``TimeoutError`` when a wait ends with nothing read
+    (``SO_RCVTIMEO``), ``OSError`` for the rest."""
+    got, n = 0, view.nbytes
+    while got < n:
+        try:
+            step = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        except BlockingIOError:  # SO_RCVTIMEO ran out with nothing read
+            raise TimeoutError(f"no data for the socket's receive timeout ({got}/{n})") from None
+        if step == 0:
+            raise PeerClosed(f"connection closed after {got} of {n} bytes")
+        got += step
+
+
+def send_message(sock: socket.socket, header: bytes, frames: Sequence[Any]) -> int:
+    """Send one message (prefix, sizes, header, frames) with as few system calls as the kernel
+    allows (``sendmsg`` gathers the frames straight from their memory: no copy in user space);
+    returns the payload bytes sent. Raises ``OSError`` (``TimeoutError`` on ``SO_SNDTIMEO``)."""
+    views = [memoryview(f).cast("B") if not isinstance(f, bytes) else f for f in frames]
+    sizes = [len(v) if isinstance(v, bytes) else v.nbytes for v in views]
+    total = sum(sizes)
+    head = PREFIX.pack(MAGIC, len(header), len(sizes), total)
+    parts: list[Any] = [head + struct.pack(f"<{len(sizes)}Q", *sizes) + header, *views]
+    while parts:
+        try:
+            sent = sock.sendmsg(parts[:64])  # IOV_MAX is 1024; fewer keeps each call short
+        except BlockingIOError:
+            raise TimeoutError("the peer did not read for the socket's send timeout") from None
+        while sent:  # drop what went out; a part sent in part is kept from where it stopped
+            first = len(parts[0]) if isinstance(parts[0], bytes) else parts[0].nbytes
+            if sent >= first:
+                sent -= first
+                parts.pop(0)
+            else:
+                parts[0] = memoryview(parts[0])[sent:]
+                sent = 0
+    return total
+
+
+def read_head(
+    sock: socket.socket,
+    *,
+    max_frames: int,
+    max_frame_bytes: int,
+    max_payload_bytes: int,
+    idle_ok: bool = False,
+) -> Head | None:
+    """Read and check a message's prefix, sizes and header. Returns None, with ``idle_ok``,
+    when the receive timeout passes with no byte of a new message (the caller decides whether
+    to wait on). Raises ``PeerClosed`` at the end of the stream (also between messages),
+    ``ProtocolError`` (``BAD_HEADER``: not a bulk message; ``TOO_LARGE``: over a limit; nothing
+    more is read) or the errors of :func:`recv_exact`."""
+    prefix = bytearray(PREFIX.size)
+    view = memoryview(prefix)
+    try:
+        first = sock.recv_into(view, PREFIX.size, socket.MSG_WAITALL)
+    except BlockingIOError:
+        if idle_ok:
+            return None
+        raise TimeoutError("no message for the socket's receive timeout") from None
+    if first == 0:
+        raise PeerClosed("connection closed")
+    if first < PREFIX.size:
+        recv_exact(sock, view[first:])
+    magic, header_bytes, count, payload = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise ProtocolError(Code.BAD_HEADER, "not a pagekv bulk message")
+    if header_bytes > MAX_HEADER_BYTES or count > max_frames or payload > max_payload_bytes:
+        raise ProtocolError(
+            Code.TOO_LARGE,
+            f"message of {header_bytes} header bytes, {count} frames, {payload} payload bytes "
+            f"is over the limits ({MAX_HEADER_BYTES}, {max_frames}, {max_payload_bytes})",
+        )
+    raw = bytearray(8 * count + header_bytes)
+    recv_exact(sock, memoryview(raw))
+    sizes = struct.unpack_from(f"<{count}Q", raw)
+    if sum(sizes) != payload or (sizes and max(sizes) > max_frame_bytes):
+        raise ProtocolError(Code.TOO_LARGE, "frame sizes over the limit or not adding up")
+    return Head(bytes(raw[8 * count :]), sizes, payload)

@@ -1,0 +1,342 @@
+"""The bulk lane (plain TCP for PUT/GET payloads, received straight into place): values exact on
+fresh random data, several clients at once, a node killed mid-transfer, an unreachable lane
+(ZeroMQ takes over), malformed and oversized input, and a call that stops waiting early never
+leaving a transfer writing into the caller's buffers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import struct
+import threading
+
+import pytest
+
+from pagekv.store import AsyncStoreClient, NodeConfig, Status, StoreClient, StoreNode
+from pagekv.store.bulk_wire import MAGIC, PREFIX, read_head, send_message
+from pagekv.store.config import ClientConfig
+from pagekv.store.launch import NodeProcess
+from pagekv.store.protocol import Reply, decode_request, encode_reply
+
+POISON = 0xA5
+
+
+def rand_values(rng: random.Random, n: int, size: int) -> tuple[list[bytes], list[bytes]]:
+    return [rng.randbytes(16) for _ in range(n)], [rng.randbytes(size) for _ in range(n)]
+
+
+@pytest.fixture
+def served():
+    """A node (thread of this process) with its bulk lane on, and a stop function."""
+    nodes = []
+
+    def start(**cfg):
+        node = StoreNode(NodeConfig(port=0, **{"capacity": "256MiB", **cfg}))
+        thread = threading.Thread(target=node.serve_forever, daemon=True)
+        thread.start()
+        nodes.append((node, thread))
+        return node
+
+    yield start
+    for node, thread in nodes:
+        node.stop()
+        thread.join(timeout=5)
+
+
+def test_values_round_trip_over_the_lane_into_place(served):
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 24, 3 << 18)  # 768 KiB each: several requests
+    cfg = ClientConfig((node.address,), streams=2, max_message_bytes=4 << 20)
+    with StoreClient(node.address, config=cfg) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        into = [bytearray([POISON]) * len(v) for v in values]
+        arrived = []
+        assert client.get_many(keys, into=into, on_arrival=arrived.append) == [True] * len(keys)
+        assert [bytes(b) for b in into] == values
+        assert sorted(arrived) == list(range(len(keys)))
+        views = client.get_many([*keys[:3], b"missing-key-0000"])
+        assert [bytes(v) for v in views[:3]] == values[:3] and views[3] is None
+        counters = client.counters
+    assert counters["bulk_requests"] >= 4 and counters["bulk_fallbacks"] == 0
+    total = sum(map(len, values))
+    assert counters["bulk_bytes_out"] >= total and counters["bulk_bytes_in"] >= total
+    stats = node.stats()
+    assert stats["bulk_requests"] >= 4 and stats["bulk_bytes_in"] >= sum(map(len, values))
+
+
+@pytest.mark.asyncio
+async def test_async_client_multi_frame_values_over_the_lane(served):
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys = [rng.randbytes(16) for _ in range(8)]
+    frames = [[rng.randbytes(1 << 17), rng.randbytes(1 << 16)] for _ in keys]  # K and V parts
+    client = AsyncStoreClient(node.address, config=ClientConfig((node.address,), streams=3))
+    try:
+        assert await client.put_many(keys, frames) == [Status.OK] * len(keys)
+        into = [[bytearray([POISON]) * len(f) for f in parts] for parts in frames]
+        assert await client.get_many(keys, into=into) == [True] * len(keys)
+        assert [[bytes(f) for f in parts] for parts in into] == frames
+        wrong = [[bytearray(len(parts[0]) + len(parts[1]))] for parts in frames]  # one frame
+        assert await client.get_many(keys, into=wrong) == [False] * len(keys)
+        assert client.counters["size_mismatch"] == len(keys)
+        assert client.counters["bulk_requests"] >= 3
+    finally:
+        client.close()
+
+
+def test_several_clients_at_once_each_value_exact(served):
+    node = served()
+    rng = random.Random(os.urandom(8))
+    shared_keys, shared = rand_values(rng, 8, 1 << 18)
+    errors: list[str] = []
+
+    def work(seed: int) -> None:
+        r = random.Random(seed)
+        keys, values = rand_values(r, 16, r.choice([1 << 16, 1 << 18, 1 << 20]))
+        with StoreClient(node.address, config=ClientConfig((node.address,), streams=2)) as c:
+            statuses = c.put_many(keys, values)
+            c.put_many(shared_keys, shared)  # every client writes the same shared values
+            for _ in range(3):
+                into = [bytearray([POISON]) * len(v) for v in values + shared]
+                got = c.get_many(keys + shared_keys, into=into)
+                for ok, buf, value, st in zip(got, into, values + shared,
+                                              statuses + [Status.OK] * 8):  # fmt: skip
+                    if st == Status.OK and (not ok or bytes(buf) != value):
+                        errors.append(f"client {seed}: a value came back wrong or missing")
+
+    threads = [threading.Thread(target=work, args=(rng.getrandbits(32),)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[:3]
+    assert node.stats()["bulk_requests"] >= 4 * 4
+
+
+def test_an_unreachable_lane_falls_back_to_zeromq(served):
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 6, 1 << 16)
+    cfg = ClientConfig((node.address,), streams=2, connect_timeout_s=1.0)
+    with StoreClient(node.address, config=cfg) as client:
+        assert client.ping() == [True]
+        with socket.socket() as s:  # a port nobody listens on, as if the lane were firewalled
+            s.bind(("127.0.0.1", 0))
+            dead = s.getsockname()[1]
+        client.router.bulk_ports[0] = dead
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        into = [bytearray(len(v)) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert [bytes(b) for b in into] == values
+        assert client.counters["bulk_fallbacks"] >= 1 and client.counters["bulk_requests"] == 0
+    assert node.stats()["bulk_requests"] == 0 and node.stats()["op_put"] >= 1
+
+
+def test_no_lane_beside_curve_or_when_off(tmp_path):
+    import zmq.auth
+
+    zmq.auth.create_certificates(str(tmp_path), "server")
+    allow = tmp_path / "allow"
+    allow.mkdir()
+    zmq.auth.create_certificates(str(allow), "client")
+    secure = StoreNode(NodeConfig(port=0, capacity="16MiB",
+                                  curve_secret_key=str(tmp_path / "server.key_secret"),
+                                  curve_allow=str(allow)))  # fmt: skip
+    off = StoreNode(NodeConfig(port=0, capacity="16MiB", bulk=False))
+    on = StoreNode(NodeConfig(port=0, capacity="16MiB"))
+    try:
+        assert secure.bulk is None and off.bulk is None and on.bulk is not None
+        assert secure.stats()["bulk_port"] == 0 and on.stats()["bulk_port"] > 0
+    finally:
+        for n in (secure, off, on):
+            n.close()
+
+
+def _raw(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    return s
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """The peer closed: end of stream, or a reset (it closed with our bytes unread)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _answer(sock: socket.socket) -> Reply | None:
+    from pagekv.store.protocol import decode_reply
+
+    head = read_head(sock, max_frames=16, max_frame_bytes=1 << 20, max_payload_bytes=1 << 20)
+    return decode_reply(head.header) if head is not None else None
+
+
+def test_malformed_and_oversized_messages_get_an_error_and_the_node_serves_on(served):
+    node = served(max_message_size="1MiB", max_block_size="1MiB")
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 4, 1 << 16)
+    with StoreClient(node.address) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+    port = node.stats()["bulk_port"]
+    bad = [
+        b"GET / HTTP/1.1\r\n\r\n" + bytes(8),  # not our framing
+        PREFIX.pack(MAGIC, 10, 1, 2 << 20) + struct.pack("<Q", 2 << 20),  # over the payload limit
+        PREFIX.pack(MAGIC, 2 << 20, 0, 0),  # header over its limit
+        PREFIX.pack(MAGIC, 4, 2, 10) + struct.pack("<2Q", 3, 3) + bytes(4),  # sizes: 6, not 10
+    ]
+    for message in bad:
+        with _raw(port) as s:
+            s.sendall(message)
+            reply = _answer(s)
+            assert reply is not None and reply.code != 0 and reply.error
+            assert _hung_up(s)
+    with _raw(port) as s:  # a well-framed message whose header is not msgpack: answered, kept
+        send_message(s, b"\xc1\xc1", [])
+        assert _answer(s).code != 0
+        send_message(s, b"\x80", [b"x" * 10])  # a map without version
+        assert _answer(s).code != 0
+    with _raw(port) as s:  # half a message, then gone
+        s.sendall(PREFIX.pack(MAGIC, 30, 1, 100)[:10])
+    with StoreClient(node.address) as client:  # nothing stored was touched; it still serves
+        into = [bytearray(len(v)) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert [bytes(b) for b in into] == values
+    assert node.stats()["bulk_bad_messages"] >= len(bad) + 2
+
+
+def test_connections_over_the_cap_are_closed_and_the_rest_served(served):
+    node = served(bulk_connections=2)
+    port = node.stats()["bulk_port"]
+    held = [_raw(port), _raw(port)]
+    try:
+        for s in held:  # both are served (the accept thread took them)
+            send_message(s, b"\xc1", [])
+            assert _answer(s) is not None
+        extra = _raw(port)
+        assert _hung_up(extra)  # closed at once
+        extra.close()
+        assert node.stats()["bulk_refused"] >= 1
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_a_node_killed_mid_transfer_gives_misses_never_wrong_data():
+    node = NodeProcess("--capacity", "512MiB").start()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 96, 2 << 20)  # 192 MiB
+    try:
+        cfg = ClientConfig((node.address,), streams=2, timeout_s=2.0)
+        with StoreClient(node.address, config=cfg) as client:
+            assert client.put_many(keys, values) == [Status.OK] * len(keys)
+            into = [bytearray([POISON]) * len(v) for v in values]
+            arrived = threading.Event()
+
+            def kill_on_first(_i: int) -> None:
+                if not arrived.is_set():
+                    arrived.set()
+                    node.proc.kill()  # SIGKILL while the rest is on its way
+
+            got = client.get_many(keys, into=into, on_arrival=kill_on_first)
+            assert arrived.is_set()
+            for ok, buf, value in zip(got, into, values):
+                assert not ok or bytes(buf) == value
+            assert not all(got)  # the kill did cut the transfer
+            assert client.get_many(keys[:2], into=into[:2]) == [False, False]
+    finally:
+        node.stop()
+
+
+class _StallingLane:
+    """A fake node's bulk lane: answers a GET with the value's first half, then waits for
+    ``release`` before sending the rest (a slow or stuck node, deterministically)."""
+
+    def __init__(self, value: bytes, checksum: int) -> None:
+        self.value, self.checksum = value, checksum
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.half_sent, self.release, self.finished = (threading.Event() for _ in range(3))
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            head = read_head(conn, max_frames=8, max_frame_bytes=1 << 20,
+                             max_payload_bytes=1 << 20)  # fmt: skip
+            req = decode_request(head.header)
+            rep = encode_reply(Reply(req.id, status=[0], sums=[self.checksum], counts=[1]))
+            n = len(self.value)
+            prefix = PREFIX.pack(MAGIC, len(rep), 1, n) + struct.pack("<Q", n) + rep
+            conn.sendall(prefix + self.value[: n // 2])
+            self.half_sent.set()
+            self.release.wait(30)
+            try:
+                conn.sendall(self.value[n // 2 :])
+            except OSError:
+                pass  # the client hung up: what it must do when it stops waiting
+            self.finished.set()
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_get_never_leaves_the_lane_writing_into_the_buffer(served):
+    """The call is cancelled while half of a value is in the caller's buffer: when the call
+    returns, nothing may write into that buffer any more (the caller reuses it at once). The
+    fake node sends the second half only after the call returned; without the client's abort
+    and wait, its connection thread would still be in ``recv_into`` and write it there."""
+    import xxhash
+
+    node = served()
+    rng = random.Random(os.urandom(8))
+    value = rng.randbytes(1 << 20)
+    lane = _StallingLane(value, xxhash.xxh3_64_intdigest(value))
+    client = AsyncStoreClient(node.address, config=ClientConfig((node.address,), streams=1))
+    try:
+        assert await client.ping() == [True]
+        client.router.bulk_ports[0] = lane.port  # this node's GETs go to the fake lane
+        into = bytearray([POISON]) * len(value)
+        task = asyncio.ensure_future(client.get_many([b"k" * 16], into=[into]))
+        while not lane.half_sent.is_set():
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)  # let the first half land in the buffer
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        snapshot = bytes(into)
+        lane.release.set()
+        await asyncio.get_running_loop().run_in_executor(None, lane.finished.wait, 30)
+        assert lane.finished.is_set()
+        assert bytes(into) == snapshot  # nothing landed after the call returned
+        assert snapshot[len(value) // 2 :] == bytes([POISON]) * (len(value) - len(value) // 2)
+    finally:
+        lane.release.set()
+        client.close()
+
+
+def test_a_value_corrupted_on_the_lane_is_a_miss():
+    """A fake lane sends a value with one bit flipped under the original checksum: the client
+    must report a miss (counted), never the corrupted bytes as a hit."""
+    import xxhash
+
+    rng = random.Random(os.urandom(8))
+    value = rng.randbytes(1 << 18)
+    bad = bytearray(value)
+    bad[rng.randrange(len(bad))] ^= 1 << rng.randrange(8)
+    lane = _StallingLane(bytes(bad), xxhash.xxh3_64_intdigest(value))
+    lane.release.set()
+    node = StoreNode(NodeConfig(port=0, capacity="16MiB"))
+    thread = threading.Thread(target=node.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with StoreClient(node.address, config=ClientConfig((node.address,), streams=1)) as c:
+            assert c.ping() == [True]
+            c.router.bulk_ports[0] = lane.port
+            into = bytearray(len(value))
+            assert c.get_many([b"k" * 16], into=[into]) == [False]
+            assert c.counters["checksum_mismatch"] == 1
+    finally:
+        node.stop()
+        thread.join(timeout=5)
