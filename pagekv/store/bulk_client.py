@@ -32,7 +32,7 @@ from typing import Any
 
 from pagekv.errors import ProtocolError
 
-from .bulk_wire import new_buffer, read_head, recv_exact, send_message, timeval
+from .bulk_wire import new_buffer, read_head, recv_values, send_message, timeval
 from .config import ClientConfig
 from .protocol import Code, Op, Status, decode_reply, encode_request
 from .routing import FALLBACK_LIMITS, Call, Router
@@ -189,8 +189,8 @@ class _Conn:
                 return reply, []
             raise ProtocolError(Code.BAD_HEADER, f"reply {reply.id} to request {call.request.id}")
         frames = _places(call, reply, head.sizes)
-        for frame in frames:
-            recv_exact(self.sock, memoryview(frame).cast("B"))
+        counts = reply.counts if call.request.op is Op.GET and reply.code is Code.OK else None
+        call.digests = recv_values(self.sock, frames, counts)
         if call.prepare is not None:
             call.prepare(reply, frames)
         return reply, frames

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 from pagekv.errors import ProtocolError
 
-from .bulk_wire import PeerClosed, new_buffer, read_head, recv_exact, send_message, timeval
+from .bulk_wire import PeerClosed, new_buffer, read_head, recv_values, send_message, timeval
 from .handlers import SHARED_BUFFER_BYTES
-from .protocol import Code, Reply, decode_request, encode_reply
+from .protocol import Code, Op, Reply, Request, decode_request, encode_reply
 
 if TYPE_CHECKING:
     from .server import StoreNode
@@ -145,14 +145,17 @@ class BulkServer:
             return False
         if head is None:
             return True  # idle: wait on
-        frames = []
-        for size in head.sizes:
-            buf = new_buffer(size)
-            recv_exact(conn, memoryview(buf).cast("B"))
-            frames.append(bytes(buf) if size <= SHARED_BUFFER_BYTES else buf)
+        try:
+            req: Request | ProtocolError = decode_request(head.header)
+        except ProtocolError as e:
+            req = e
+        frames = [new_buffer(size) for size in head.sizes]
+        put = isinstance(req, Request) and req.op is Op.PUT and self.config.verify_puts
+        digests = recv_values(conn, frames, req.counts if put else None)
+        frames = [bytes(f) if len(f) <= SHARED_BUFFER_BYTES else f for f in frames]
         self.counters["bulk_requests"] += 1
         self.counters["bulk_bytes_in"] += head.payload_bytes
-        rep, out, done = self._answer(head.header, frames)
+        rep, out, done = self._answer(req, frames, digests)
         try:
             self.counters["bulk_bytes_out"] += send_message(conn, encode_reply(rep), out)
         finally:
@@ -160,20 +163,21 @@ class BulkServer:
                 done.done = True  # the blocks' space may be reused from now on
         return True
 
-    def _answer(self, header: bytes, frames: list[Any]) -> tuple[Reply, list[Any], SendDone | None]:
-        """The node's reply to one request, its payload frames and, when they are views of
-        the node's segment, the tracker that holds their space until they are sent."""
-        node, start, op = self.node, time.perf_counter(), None
-        try:
-            req = decode_request(header)
-            if len(req.keys) > self.config.max_keys:
-                raise ProtocolError(Code.TOO_LARGE, f"{len(req.keys)} keys is over the limit")
-            op = req.op
-        except ProtocolError as e:
+    def _answer(
+        self, req: Request | ProtocolError, frames: list[Any], digests: list[int] | None
+    ) -> tuple[Reply, list[Any], SendDone | None]:
+        """The node's reply to one request (``digests``: a PUT's values' checksums, computed
+        as they landed), its payload frames and, when they are views of the node's segment,
+        the tracker that holds their space until they are sent."""
+        node, start = self.node, time.perf_counter()
+        if isinstance(req, Request) and len(req.keys) > self.config.max_keys:
+            req = ProtocolError(Code.TOO_LARGE, f"{len(req.keys)} keys is over the limit")
+        if isinstance(req, ProtocolError):
             self.counters["bulk_bad_messages"] += 1
-            return Reply(0, code=e.code, error=str(e)), [], None
+            return Reply(0, code=req.code, error=str(req)), [], None
+        op = req.op
         with node.lock:
-            rep, out, sent = node.dispatch_locked(req, frames)
+            rep, out, sent = node.dispatch_locked(req, frames, digests)
             done = None
             if sent and out:
                 done = SendDone()

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import xxhash
+
 from pagekv.errors import ProtocolError
 
 try:  # buffers for large frames without zero-filling them (bytearray writes every byte first)
@@ -33,8 +35,8 @@ except ImportError:  # pragma: no cover - a store-only install
 
 from .protocol import MAX_HEADER_BYTES, Code
 
-__all__ = ["MAGIC", "Head", "PeerClosed", "new_buffer", "read_head", "recv_exact", "send_message",
-           "timeval"]  # fmt: skip
+__all__ = ["MAGIC", "Head", "PeerClosed", "new_buffer", "read_head", "recv_exact", "recv_values",
+           "send_message", "timeval"]  # fmt: skip
 
 MAGIC = b"PKB1"
 PREFIX = struct.Struct("<4sIIQ")
@@ -82,6 +84,34 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         if step == 0:
             raise PeerClosed(f"connection closed after {got} of {n} bytes")
         got += step
+
+
+def recv_values(
+    sock: socket.socket, frames: Sequence[Any], counts: Sequence[int] | None
+) -> list[int] | None:
+    """Receive ``frames`` (writable buffers, in order) and, when ``counts`` (frames per value,
+    adding up to ``len(frames)``) is given, return the xxh3-64 of each value, each frame hashed
+    right after it was received, while it is still in the cache: one pass over memory instead
+    of a receive and a later checksum pass. Raises as :func:`recv_exact`."""
+    if counts is None or sum(counts) != len(frames):
+        for frame in frames:
+            recv_exact(sock, memoryview(frame).cast("B"))
+        return None
+    digests, at = [], 0
+    for count in counts:
+        if count == 1:
+            view = memoryview(frames[at]).cast("B")
+            recv_exact(sock, view)
+            digests.append(xxhash.xxh3_64_intdigest(view))
+        else:
+            state = xxhash.xxh3_64()
+            for frame in frames[at : at + count]:
+                view = memoryview(frame).cast("B")
+                recv_exact(sock, view)
+                state.update(view)
+            digests.append(state.intdigest())
+        at += count
+    return digests
 
 
 def send_message(sock: socket.socket, header: bytes, frames: Sequence[Any]) -> int:

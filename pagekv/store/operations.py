@@ -118,9 +118,10 @@ def get(
     expected = None if into is None else [sum(t.nbytes for t in targets) for targets in into]
     checked: dict[int, str] = {}  # key -> outcome of its copy done by a prepare (pool thread)
 
-    def check(i: int, cs: int, frames: list[Any]) -> str:
+    def check(i: int, cs: int, frames: list[Any], digest: int | None = None) -> str:
         """Copy and verify key i's value: "" when in place, else the failed counter's name.
-        Touches only ``into[i]``: safe on any thread."""
+        ``digest``: the checksum of the frames as they landed, when the bulk lane received
+        them in place and hashed them then. Touches only ``into[i]``: safe on any thread."""
         data = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
         if into is None:
             if checksum_frames(data) != cs:
@@ -131,7 +132,8 @@ def get(
         targets = into[i]
         if len(frames) == len(targets) and all(f is t for f, t in zip(frames, targets)):
             # received in place (the bulk lane hands back the destination views themselves)
-            return "" if checksum_frames(targets) == cs else "checksum_mismatch"
+            got = digest if digest is not None else checksum_frames(targets)
+            return "" if got == cs else "checksum_mismatch"
         if len(targets) != len(data) or any(t.nbytes != d.nbytes for t, d in zip(targets, data)):
             return "size_mismatch"
         return "" if copy_checksum(targets, data) == cs else "checksum_mismatch"
@@ -152,10 +154,12 @@ def get(
         if reply.code is not Code.OK or reply_shape_problem(call, reply, frames) is not None:
             return  # handled (and refused) on the client's thread
         j = start = 0
+        digests = call.digests if call.digests and len(call.digests) == len(reply.sums) else None
         for i, st in zip(call.idxs, reply.status):
             if st == Status.OK:
                 count = reply.counts[j]
-                checked[i] = check(i, reply.sums[j], frames[start : start + count])
+                digest = digests[j] if digests is not None else None
+                checked[i] = check(i, reply.sums[j], frames[start : start + count], digest)
                 j, start = j + 1, start + count
 
     done: set[int] = set()

@@ -74,6 +74,8 @@ class Call:
     # lane receives a reply's frames straight into them and hands those same view objects
     # back as the frames (``prepare``/``on_reply`` then only verify them).
     sinks: list[list[memoryview]] | None = None
+    # the bulk lane: per found value of the reply, the xxh3-64 of the frames as they landed
+    digests: list[int] | None = None
 
 
 Batch = list[Call]

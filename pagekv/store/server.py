@@ -362,18 +362,19 @@ class StoreNode:
                     self.observe(Op.GET, rep, time.perf_counter() - start)
 
     def dispatch_locked(
-        self, req: Request, payloads: list[Any]
+        self, req: Request, payloads: list[Any], digests: list[int] | None = None
     ) -> tuple[Reply, list[Any], list[Any] | None]:
         """Answer a well-formed request from another transport (the bulk lane), with
         :attr:`lock` held by the caller: the reply, its payload frames (views of stored
         blocks, valid while referenced) and, on a ``--shm`` node, the blocks the caller must
-        pass to ``store.sent`` before it releases the lock. Never raises on input."""
+        pass to ``store.sent`` before it releases the lock. ``digests``: a PUT's per-value
+        checksums of the payload as received (not computed again). Never raises on input."""
         size = sum(map(len, payloads))
         self.counters["bytes_in"] += size
         try:
             if size > self.config.max_message_size:
                 raise ProtocolError(Code.TOO_LARGE, f"payload of {size} bytes is over the limit")
-            rep, out = self._dispatch(req, payloads)
+            rep, out = self._dispatch(req, payloads, digests)
         except ProtocolError as e:
             self.counters["bad_requests"] += 1
             rep, out = Reply(id=req.id, code=e.code, error=str(e)), []
@@ -392,12 +393,15 @@ class StoreNode:
             if sent and payloads:  # views of the segment: its space waits for this reply
                 self.store.sent(sent, self.outbox.last_tracker)
 
-    def _dispatch(self, req: Request, payloads: list[zmq.Frame]) -> tuple[Reply, list[Any]]:
+    def _dispatch(
+        self, req: Request, payloads: list[Any], digests: list[int] | None = None
+    ) -> tuple[Reply, list[Any]]:
         self.counters[f"op_{req.op.value.lower()}"] += 1
         if req.op is not Op.PUT and payloads:
             raise ProtocolError(Code.BAD_FRAMES, f"{req.op.value} takes no payload frames")
         if req.op is Op.PUT:
-            return handlers.put(self.store, self.config, req, payloads, self.verify_pool), []
+            pool = self.verify_pool
+            return handlers.put(self.store, self.config, req, payloads, pool, digests), []
         if req.op is Op.GET:
             return self._get(req)
         if req.op is Op.EXISTS:
