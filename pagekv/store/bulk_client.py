@@ -190,7 +190,7 @@ class _Conn:
             raise ProtocolError(Code.BAD_HEADER, f"reply {reply.id} to request {call.request.id}")
         frames = _places(call, reply, head.sizes)
         counts = reply.counts if call.request.op is Op.GET and reply.code is Code.OK else None
-        call.digests = recv_values(self.sock, frames, counts)
+        call.digests = recv_values(self.sock, frames, counts, self.router.pool)
         if call.prepare is not None:
             call.prepare(reply, frames)
         return reply, frames

@@ -151,7 +151,7 @@ class BulkServer:
             req = e
         frames = [new_buffer(size) for size in head.sizes]
         put = isinstance(req, Request) and req.op is Op.PUT and self.config.verify_puts
-        digests = recv_values(conn, frames, req.counts if put else None)
+        digests = recv_values(conn, frames, req.counts if put else None, self.node.verify_pool)
         frames = [bytes(f) if len(f) <= SHARED_BUFFER_BYTES else f for f in frames]
         self.counters["bulk_requests"] += 1
         self.counters["bulk_bytes_in"] += head.payload_bytes

@@ -21,6 +21,7 @@ from __future__ import annotations
 import socket
 import struct
 from collections.abc import Sequence
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ __all__ = ["MAGIC", "Head", "PeerClosed", "new_buffer", "read_head", "recv_exact
            "send_message", "timeval"]  # fmt: skip
 
 MAGIC = b"PKB1"
+POOL_HASH_BYTES = 256 << 10  # smaller values are hashed inline (a hand-off costs more)
 PREFIX = struct.Struct("<4sIIQ")
 
 
@@ -87,22 +89,44 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 
 def recv_values(
-    sock: socket.socket, frames: Sequence[Any], counts: Sequence[int] | None
+    sock: socket.socket,
+    frames: Sequence[Any],
+    counts: Sequence[int] | None,
+    pool: Executor | None = None,
 ) -> list[int] | None:
     """Receive ``frames`` (writable buffers, in order) and, when ``counts`` (frames per value,
     adding up to ``len(frames)``) is given, return the xxh3-64 of each value, each frame hashed
     right after it was received, while it is still in the cache: one pass over memory instead
-    of a receive and a later checksum pass. Raises as :func:`recv_exact`."""
+    of a receive and a later checksum pass. With a ``pool``, a large single-frame value is
+    hashed there while this thread receives the next (xxhash releases the GIL); the call
+    returns only when every hash it started is done. Raises as :func:`recv_exact`."""
     if counts is None or sum(counts) != len(frames):
         for frame in frames:
             recv_exact(sock, memoryview(frame).cast("B"))
         return None
-    digests, at = [], 0
+    digests: list[Any] = []
+    try:
+        _recv_hashed(sock, frames, counts, pool, digests)
+    finally:  # never leave a hash running over the caller's buffers
+        pending = [d for d in digests if isinstance(d, Future)]
+        if pending:
+            wait(pending)
+    return [d.result() if isinstance(d, Future) else d for d in digests]
+
+
+def _recv_hashed(
+    sock: socket.socket, frames: Sequence[Any], counts: Sequence[int], pool: Executor | None,
+    digests: list[Any],
+) -> None:  # fmt: skip
+    at = 0
     for count in counts:
         if count == 1:
             view = memoryview(frames[at]).cast("B")
             recv_exact(sock, view)
-            digests.append(xxhash.xxh3_64_intdigest(view))
+            if pool is not None and view.nbytes >= POOL_HASH_BYTES:
+                digests.append(pool.submit(xxhash.xxh3_64_intdigest, view))
+            else:
+                digests.append(xxhash.xxh3_64_intdigest(view))
         else:
             state = xxhash.xxh3_64()
             for frame in frames[at : at + count]:
@@ -111,7 +135,6 @@ def recv_values(
                 state.update(view)
             digests.append(state.intdigest())
         at += count
-    return digests
 
 
 def send_message(sock: socket.socket, header: bytes, frames: Sequence[Any]) -> int:
