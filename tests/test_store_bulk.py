@@ -61,10 +61,9 @@ def test_values_round_trip_over_the_lane_into_place(served):
         assert [bytes(v) for v in views[:3]] == values[:3] and views[3] is None
         counters = client.counters
     assert counters["bulk_requests"] >= 4 and counters["bulk_fallbacks"] == 0
-    total = sum(map(len, values))
-    assert counters["bulk_bytes_out"] >= total and counters["bulk_bytes_in"] >= total
+    assert counters["bulk_bytes_in"] >= sum(map(len, values))
     stats = node.stats()
-    assert stats["bulk_requests"] >= 4 and stats["bulk_bytes_in"] >= sum(map(len, values))
+    assert stats["bulk_requests"] >= 4 and stats["bulk_bytes_out"] >= sum(map(len, values))
 
 
 @pytest.mark.asyncio
@@ -82,7 +81,7 @@ async def test_async_client_multi_frame_values_over_the_lane(served):
         wrong = [[bytearray(len(parts[0]) + len(parts[1]))] for parts in frames]  # one frame
         assert await client.get_many(keys, into=wrong) == [False] * len(keys)
         assert client.counters["size_mismatch"] == len(keys)
-        assert client.counters["bulk_requests"] >= 3
+        assert client.counters["bulk_requests"] >= 2
     finally:
         client.close()
 
@@ -113,7 +112,7 @@ def test_several_clients_at_once_each_value_exact(served):
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors[:3]
-    assert node.stats()["bulk_requests"] >= 4 * 4
+    assert node.stats()["bulk_requests"] >= 4 * 3
 
 
 def test_an_unreachable_lane_falls_back_to_zeromq(served):
@@ -340,3 +339,41 @@ def test_a_value_corrupted_on_the_lane_is_a_miss():
     finally:
         node.stop()
         thread.join(timeout=5)
+
+
+def test_a_put_on_the_lane_is_verified_as_it_lands(served):
+    """Clients send PUTs over ZeroMQ, but the lane takes them too: a value whose bytes do not
+    match its checksum is refused (nothing stored), the right ones are stored exactly."""
+    import xxhash
+
+    from pagekv.store.protocol import Op, Request, encode_request
+
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 3, 1 << 19)
+    sums = [xxhash.xxh3_64_intdigest(v) for v in values]
+    sums[1] ^= 1  # the second value's checksum is wrong
+    req = Request(Op.PUT, 7, keys, [len(v) for v in values], sums, [1, 1, 1])
+    with _raw(node.stats()["bulk_port"]) as s:
+        send_message(s, encode_request(req), values)
+        reply = _answer(s)
+    assert reply.id == 7 and reply.status == [Status.OK, Status.BAD_CHECKSUM, Status.OK]
+    with StoreClient(node.address) as client:
+        into = [bytearray([POISON]) * len(v) for v in values]
+        assert client.get_many(keys, into=into) == [True, False, True]
+        assert bytes(into[0]) == values[0] and bytes(into[2]) == values[2]
+
+
+def test_a_batch_is_dealt_over_every_lane_connection(served):
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 32, 1 << 18)
+    cfg = ClientConfig((node.address,), streams=4, max_message_bytes=1 << 20)
+    with StoreClient(node.address, config=cfg) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        into = [bytearray(len(v)) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert [bytes(b) for b in into] == values
+        assert node.stats()["bulk_connections"] == 4  # one per stream, all used
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert node.stats()["bulk_connections"] == 4  # and kept

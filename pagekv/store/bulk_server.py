@@ -127,7 +127,7 @@ class BulkServer:
             pass  # the client went, stalled, or the node is stopping: this connection ends
         except Exception:  # a bug: log it; the node and its other connections go on
             log.exception("pagekv node: bulk connection failed")
-            self.counters["bulk_dropped"] += 1
+            self._count(bulk_dropped=1)
         finally:
             with self._conns_lock:
                 self._conns.discard(conn)
@@ -140,7 +140,7 @@ class BulkServer:
             head = read_head(conn, max_frames=cfg.max_frames, max_frame_bytes=cfg.max_frame_size,
                              max_payload_bytes=cfg.max_message_size, idle_ok=True)  # fmt: skip
         except ProtocolError as e:  # over a limit or not our framing: say why, then hang up
-            self.counters["bulk_bad_messages"] += 1
+            self._count(bulk_bad_messages=1)
             send_message(conn, encode_reply(Reply(0, code=e.code, error=str(e))), [])
             return False
         if head is None:
@@ -151,17 +151,23 @@ class BulkServer:
             req = e
         frames = [new_buffer(size) for size in head.sizes]
         put = isinstance(req, Request) and req.op is Op.PUT and self.config.verify_puts
-        digests = recv_values(conn, frames, req.counts if put else None, self.node.verify_pool)
+        few = self.open_connections < self.config.verify_threads  # else hashing inline is faster
+        pool = self.node.verify_pool if few else None
+        digests = recv_values(conn, frames, req.counts if put else None, pool)
         frames = [bytes(f) if len(f) <= SHARED_BUFFER_BYTES else f for f in frames]
-        self.counters["bulk_requests"] += 1
-        self.counters["bulk_bytes_in"] += head.payload_bytes
         rep, out, done = self._answer(req, frames, digests)
         try:
-            self.counters["bulk_bytes_out"] += send_message(conn, encode_reply(rep), out)
+            sent = send_message(conn, encode_reply(rep), out)
         finally:
             if done is not None:
                 done.done = True  # the blocks' space may be reused from now on
+        self._count(bulk_requests=1, bulk_bytes_in=head.payload_bytes, bulk_bytes_out=sent)
         return True
+
+    def _count(self, **amounts: int) -> None:
+        with self._conns_lock:  # several connection threads count: += is not atomic
+            for name, n in amounts.items():
+                self.counters[name] += n
 
     def _answer(
         self, req: Request | ProtocolError, frames: list[Any], digests: list[int] | None
@@ -173,7 +179,7 @@ class BulkServer:
         if isinstance(req, Request) and len(req.keys) > self.config.max_keys:
             req = ProtocolError(Code.TOO_LARGE, f"{len(req.keys)} keys is over the limit")
         if isinstance(req, ProtocolError):
-            self.counters["bulk_bad_messages"] += 1
+            self._count(bulk_bad_messages=1)
             return Reply(0, code=req.code, error=str(req)), [], None
         op = req.op
         with node.lock:
