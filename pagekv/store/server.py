@@ -101,6 +101,8 @@ class StoreNode:
         self.bulk: BulkServer | None = None
         try:
             self.bulk = self._make_bulk()
+            if self.bulk is not None:  # serving from here on (its own threads): a node's
+                self.bulk.start()  # threads all exist once it is built; close() ends them
         except BaseException:
             self.close()
             raise
@@ -208,8 +210,6 @@ class StoreNode:
             "pagekv node serving on %s (capacity %d bytes, pid %d)",
             self.address, self.config.capacity, os.getpid(),
         )  # fmt: skip
-        if self.bulk is not None:
-            self.bulk.start()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         if self.guard is not None:
