@@ -377,3 +377,28 @@ def test_a_batch_is_dealt_over_every_lane_connection(served):
         assert node.stats()["bulk_connections"] == 4  # one per stream, all used
         assert client.get_many(keys, into=into) == [True] * len(keys)
         assert node.stats()["bulk_connections"] == 4  # and kept
+
+
+def test_a_node_restarted_on_its_port_is_read_again_at_once():
+    """The client's lane connections to a node go stale when it restarts (its new lane has
+    another port): the next GET must not be a miss: it is sent again on a new connection or
+    over ZeroMQ, and the client learns the new lane."""
+    node = NodeProcess("--capacity", "64MiB").start()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 8, 1 << 18)
+    cfg = ClientConfig((node.address,), streams=2, timeout_s=5.0)
+    try:
+        with StoreClient(node.address, config=cfg) as client:
+            assert client.put_many(keys, values) == [Status.OK] * len(keys)
+            into = [bytearray(len(v)) for v in values]
+            assert client.get_many(keys, into=into) == [True] * len(keys)
+            node.stop()
+            node = NodeProcess("--capacity", "64MiB", port=node.port).start()
+            assert client.put_many(keys, values) == [Status.OK] * len(keys)
+            into = [bytearray([POISON]) * len(v) for v in values]
+            assert client.get_many(keys, into=into) == [True] * len(keys)
+            assert [bytes(b) for b in into] == values
+            assert client.get_many(keys, into=into) == [True] * len(keys)
+            assert client.counters["bulk_requests"] >= 2  # the new lane is used again
+    finally:
+        node.stop()

@@ -34,7 +34,14 @@ from typing import Any
 
 from pagekv.errors import ProtocolError
 
-from .bulk_wire import new_buffer, read_head, recv_values, send_message, timeval
+from .bulk_wire import (
+    ClosedBetweenMessages,
+    new_buffer,
+    read_head,
+    recv_values,
+    send_message,
+    timeval,
+)
 from .config import ClientConfig
 from .protocol import Code, Op, Status, decode_reply, encode_request
 from .routing import FALLBACK_LIMITS, Call, Router
@@ -88,6 +95,7 @@ class _Conn:
     def _run(self) -> None:
         out: collections.deque = collections.deque()  # (call, future): requests sent
         closing = False
+        resent: set[int] = set()  # requests sent again after their connection went stale
         while out or not closing:
             while len(out) < DEPTH and not closing:
                 try:
@@ -111,6 +119,14 @@ class _Conn:
             call, fut = out.popleft()
             try:
                 result = self._receive(call)
+            except ClosedBetweenMessages:
+                # nothing of the reply came: the node may have restarted and never read the
+                # request. GETs are idempotent: send them again on a new connection (once;
+                # twice stale, e.g. a node at its connection cap: ZeroMQ takes this call)
+                again = resent.isdisjoint({call.request.id})
+                resent.add(call.request.id)
+                self._resend([(call, fut), *out], out, again)
+                continue
             except (OSError, ProtocolError) as e:
                 log.debug("pagekv store: bulk lane to %s failed: %s", self.address, e)
                 self._fail(out, queued=True)
@@ -123,6 +139,20 @@ class _Conn:
                 self._fail(out)
             fut.set_result(result)
         self._drop()
+
+    def _resend(self, calls: list, out: collections.deque, again: bool) -> None:
+        """Send ``calls`` (their connection went stale) on a new connection; those that
+        cannot be sent get their outcome (FALLBACK when the lane cannot be reached)."""
+        self._drop()
+        out.clear()
+        if not again:
+            self.lanes.mark_down(self.node, "connections closed before any reply")
+        for call, fut in calls:
+            outcome = self._send(call)
+            if outcome is True:
+                out.append((call, fut))
+            else:
+                fut.set_result(outcome)
 
     def _fail(self, out: collections.deque, queued: bool = False) -> None:
         """The connection is unusable: drop it and fail the calls whose requests went out and,
@@ -229,7 +259,8 @@ class BulkLanes:
         self.config, self.router = config, router
         self.on = config.bulk
         self._conns: dict[int, tuple[int, list[_Conn]]] = {}  # node -> (port, connections)
-        self._down: dict[int, float] = {}  # node -> monotonic time until which it is not tried
+        # node -> (monotonic time until which its lane is not tried, the port that failed)
+        self._down: dict[int, tuple[float, int]] = {}
         for name in COUNTERS:
             router.counters.setdefault(name, 0)
 
@@ -241,14 +272,16 @@ class BulkLanes:
         return sum(len(c) for _, c in self._conns.values()) < self.config.copy_threads
 
     def down(self, node: int) -> bool:
-        return time.monotonic() < self._down.get(node, 0.0)
+        """Whether the node's lane failed to connect lately (at the port it still offers)."""
+        until, port = self._down.get(node, (0.0, 0))
+        return time.monotonic() < until and port == self.router.bulk_ports[node]
 
     def mark_down(self, node: int, why: str) -> None:
         """Called from a connection's thread: the lane cannot be reached."""
         if not self.down(node):
             log.warning("pagekv store: bulk lane %s not reachable (%s); using ZeroMQ for %.0f s",
                         self.router.endpoints[node], why, RECHECK_S)  # fmt: skip
-        self._down[node] = time.monotonic() + RECHECK_S
+        self._down[node] = (time.monotonic() + RECHECK_S, self.router.bulk_ports[node])
 
     def takes(self, call: Call) -> bool:
         """Whether ``call`` goes over the lane: a PUT or GET to a node offering one."""
@@ -273,6 +306,7 @@ class BulkLanes:
         counters = self.router.counters
         if result is FALLBACK:
             counters["bulk_fallbacks"] += 1
+            self.router.limits[call.node] = None  # PING again first: maybe a new bulk port
         elif result is None:
             counters["bulk_failures"] += 1
         else:

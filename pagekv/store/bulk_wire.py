@@ -48,6 +48,11 @@ class PeerClosed(ConnectionError):
     """The peer closed the connection (or it was shut down), possibly mid-message."""
 
 
+class ClosedBetweenMessages(PeerClosed):
+    """The connection ended (closed or reset) before any byte of the next message: a request
+    sent on it may never have been read (e.g. the node restarted)."""
+
+
 @dataclass(frozen=True)
 class Head:
     """A message's prefix, sizes and header, read and checked; its frames are still to read."""
@@ -183,8 +188,10 @@ def read_head(
         if idle_ok:
             return None
         raise TimeoutError("no message for the socket's receive timeout") from None
+    except ConnectionResetError:
+        raise ClosedBetweenMessages("connection reset") from None
     if first == 0:
-        raise PeerClosed("connection closed")
+        raise ClosedBetweenMessages("connection closed")
     if first < PREFIX.size:
         recv_exact(sock, view[first:])
     magic, header_bytes, count, payload = PREFIX.unpack(prefix)
