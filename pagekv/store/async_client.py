@@ -23,7 +23,6 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from .bulk_client import FALLBACK
 from .client_base import _Base, raise_unavailable, shared_context
 from .protocol import Op, ProtocolError, Status, decode_reply, encode_request
 from .routing import Batch, Call, ExistsResult, OpGen, Results
@@ -198,22 +197,16 @@ class AsyncStoreClient(_Base):
         the node's transfers (they write into the caller's buffers) and waits for them."""
         results: Results = {}
         fallback: Batch = []
-        failed: Batch = []
+        reset = False
 
         async def one(call: Call, fut: concurrent.futures.Future) -> None:
-            result = await asyncio.wrap_future(fut)
-            self.bulk.count(call, result)
-            if result is FALLBACK:
-                fallback.append(call)
-                return
-            if result is None and not failed:  # as after a ZeroMQ timeout: the node must
-                failed.append(call)  # connect again (a handshake a stopped node cannot
-                for link in self._links.get(node, []):  # complete) before it is used, even
-                    if link is not None:  # as a last resort
+            nonlocal reset
+            failed = self._take_bulk(call, await asyncio.wrap_future(fut), results, fallback)
+            if failed and not reset:  # as after a ZeroMQ timeout: the node must connect
+                reset = True  # again (a handshake a stopped node cannot complete) before
+                for link in self._links.get(node, []):  # it is used, even as a last resort
+                    if link is not None:
                         self._reset(link)
-            results[call.request.id] = result
-            if result is not None and call.on_reply is not None:
-                call.on_reply(*result)
 
         try:
             await asyncio.gather(*(one(call, fut) for call, fut in bulk))

@@ -52,8 +52,7 @@ log = logging.getLogger("pagekv.store")
 DEPTH = 2  # requests out on one connection: the next reply streams while the last is checked
 RECHECK_S = 30.0  # a lane that could not be reached is left alone this long
 FALLBACK: Any = type("Fallback", (), {"__repr__": lambda self: "FALLBACK"})()
-COUNTERS = ("bulk_requests", "bulk_bytes_in", "bulk_bytes_out", "bulk_failures",
-            "bulk_fallbacks")  # fmt: skip
+COUNTERS = ("bulk_requests", "bulk_bytes_in", "bulk_failures", "bulk_fallbacks")
 # GETs only. PUTs went slower over the lane than over ZeroMQ on the H100 host (one stream
 # 2.0 against 3.0 GB/s; a 4 GiB write-back to 3 nodes 1.0-1.3 s against 0.67 s; ba69fc9 and
 # b41388f): there libzmq's I/O threads overlap a node's receiving with its checks, where a
@@ -311,7 +310,6 @@ class BulkLanes:
             counters["bulk_failures"] += 1
         else:
             counters["bulk_requests"] += 1
-            counters["bulk_bytes_out"] += sum(memoryview(p).nbytes for p in call.payloads)
             counters["bulk_bytes_in"] += sum(memoryview(f).nbytes for f in result[1])
 
     def abort(self, nodes: set[int]) -> None:

@@ -34,6 +34,7 @@ try:  # buffers for large frames without zero-filling them (bytearray writes eve
 except ImportError:  # pragma: no cover - a store-only install
     np = None
 
+from .handlers import SHARED_BUFFER_BYTES
 from .protocol import MAX_HEADER_BYTES, Code
 
 __all__ = ["MAGIC", "Head", "PeerClosed", "new_buffer", "read_head", "recv_exact", "recv_values",
@@ -65,7 +66,7 @@ class Head:
 def new_buffer(size: int) -> Any:
     """A new writable buffer of ``size`` bytes for a frame to be received into (numpy's, not
     zero-filled, for large frames when numpy is there)."""
-    if np is not None and size > 8192:
+    if np is not None and size > SHARED_BUFFER_BYTES:
         return np.empty(size, np.uint8)
     return bytearray(size)
 
@@ -146,24 +147,21 @@ def send_message(sock: socket.socket, header: bytes, frames: Sequence[Any]) -> i
     """Send one message (prefix, sizes, header, frames) with as few system calls as the kernel
     allows (``sendmsg`` gathers the frames straight from their memory: no copy in user space);
     returns the payload bytes sent. Raises ``OSError`` (``TimeoutError`` on ``SO_SNDTIMEO``)."""
-    views = [memoryview(f).cast("B") if not isinstance(f, bytes) else f for f in frames]
-    sizes = [len(v) if isinstance(v, bytes) else v.nbytes for v in views]
+    views = [memoryview(f).cast("B") for f in frames]
+    sizes = [v.nbytes for v in views]
     total = sum(sizes)
     head = PREFIX.pack(MAGIC, len(header), len(sizes), total)
-    parts: list[Any] = [head + struct.pack(f"<{len(sizes)}Q", *sizes) + header, *views]
+    parts = [memoryview(head + struct.pack(f"<{len(sizes)}Q", *sizes) + header), *views]
     while parts:
         try:
             sent = sock.sendmsg(parts[:64])  # IOV_MAX is 1024; fewer keeps each call short
         except BlockingIOError:
             raise TimeoutError("the peer did not read for the socket's send timeout") from None
         while sent:  # drop what went out; a part sent in part is kept from where it stopped
-            first = len(parts[0]) if isinstance(parts[0], bytes) else parts[0].nbytes
-            if sent >= first:
-                sent -= first
-                parts.pop(0)
+            if sent >= parts[0].nbytes:
+                sent -= parts.pop(0).nbytes
             else:
-                parts[0] = memoryview(parts[0])[sent:]
-                sent = 0
+                parts[0], sent = parts[0][sent:], 0
     return total
 
 

@@ -30,7 +30,6 @@ from typing import Any
 
 import zmq
 
-from .bulk_client import FALLBACK
 from .client_base import _Base, shared_context
 from .config import ClientConfig
 from .protocol import Op, ProtocolError, Status, decode_reply, encode_request
@@ -157,16 +156,9 @@ class StoreClient(_Base):
         failed: set[int] = set()
         try:
             for fut in concurrent.futures.as_completed(futures):
-                call, result = futures[fut], fut.result()
-                self.bulk.count(call, result)
-                if result is FALLBACK:
-                    fallback.append(call)
-                    continue
-                if result is None:
+                call = futures[fut]
+                if self._take_bulk(call, fut.result(), results, fallback):
                     failed.add(call.node)
-                results[call.request.id] = result
-                if result is not None and call.on_reply is not None:
-                    call.on_reply(*result)
         except BaseException:
             self.bulk.abort({call.node for call in futures.values()})
             concurrent.futures.wait(futures)

@@ -15,11 +15,11 @@ import zmq
 from pagekv.errors import AuthenticationFailed
 
 from . import operations
-from .bulk_client import BulkLanes
+from .bulk_client import FALLBACK, BulkLanes
 from .config import ClientConfig, CurveClientKeys
 from .copies import shared_pool
 from .protocol import MAX_KEY_BYTES
-from .routing import Batch, Call, Link, OpGen, Router, StoreUnavailable
+from .routing import Batch, Call, Link, OpGen, Results, Router, StoreUnavailable
 
 __all__ = ["raise_unavailable", "shared_context"]
 
@@ -159,6 +159,19 @@ class _Base:
             for stream, part in self._spread(node, calls):
                 sent.extend((call, self.bulk.submit(node, stream, call)) for call in part)
         return sent, rest
+
+    def _take_bulk(self, call: Call, result: Any, results: Results, fallback: Batch) -> bool:
+        """Hand one finished lane call on (on the client's thread): counted; its result
+        recorded and ``on_reply`` called, or the call put in ``fallback`` (lane unreachable:
+        ZeroMQ takes it). True when the node failed it (the caller resets the node's links)."""
+        self.bulk.count(call, result)
+        if result is FALLBACK:
+            fallback.append(call)
+            return False
+        results[call.request.id] = result
+        if result is not None and call.on_reply is not None:
+            call.on_reply(*result)
+        return result is None
 
     def _link_state(self, node: int) -> Link:
         """UP only when every stream is connected: a stream replaced after a timeout must

@@ -166,9 +166,8 @@ def get(
     if into is not None:  # same-host shortcut (--shm nodes): what it copied is done
         done = yield from shm_reader.get(router, keys, into, out, on_arrival)
     # the ZeroMQ clients run a prepare only with a copy pool; the bulk lane always does
-    sinks = into
     yield from _lookup(router, Op.GET, keys, on_hit, expected, done,
-                       prepare if into is not None else None, sinks)  # fmt: skip
+                       prepare if into is not None else None, into)  # fmt: skip
     return out if into is None else [bool(x) for x in out]
 
 

@@ -332,14 +332,8 @@ class StoreNode:
                 self.outbox.park(ident, parsed)  # answered when its replies drain
                 return
             rep, out = self._dispatch(parsed, payloads)
-        except ProtocolError as e:
-            self.counters["bad_requests"] += 1
-            rep, out = Reply(id=handlers.best_effort_id(header), code=e.code, error=str(e)), []
-        except Exception as e:  # a bug, not bad input: log it, answer, keep serving
-            log.exception("pagekv node: internal error on a request")
-            self.counters["internal_errors"] += 1
-            rep = Reply(id=handlers.best_effort_id(header), code=Code.INTERNAL, error=repr(e))
-            out = []
+        except Exception as e:
+            rep, out = self._error_reply(handlers.best_effort_id(header), e), []
         self._send(ident, rep, out)
         if self.observe is not None:
             self.observe(op, rep, time.perf_counter() - start)
@@ -368,23 +362,27 @@ class StoreNode:
         :attr:`lock` held by the caller: the reply, its payload frames (views of stored
         blocks, valid while referenced) and, on a ``--shm`` node, the blocks the caller must
         pass to ``store.sent`` before it releases the lock. ``digests``: a PUT's per-value
-        checksums of the payload as received (not computed again). Never raises on input."""
-        size = sum(map(len, payloads))
-        self.counters["bytes_in"] += size
+        checksums of the payload as received (not computed again). The caller has bounded the
+        payload by ``max_message_size`` (the lane's ``read_head``). Never raises on input."""
+        self.counters["bytes_in"] += sum(map(len, payloads))
         try:
-            if size > self.config.max_message_size:
-                raise ProtocolError(Code.TOO_LARGE, f"payload of {size} bytes is over the limit")
             rep, out = self._dispatch(req, payloads, digests)
-        except ProtocolError as e:
-            self.counters["bad_requests"] += 1
-            rep, out = Reply(id=req.id, code=e.code, error=str(e)), []
-        except Exception as e:  # a bug, not bad input: log it, answer, keep serving
-            log.exception("pagekv node: internal error on a request")
-            self.counters["internal_errors"] += 1
-            rep, out = Reply(id=req.id, code=Code.INTERNAL, error=repr(e)), []
+        except Exception as e:
+            rep, out = self._error_reply(req.id, e), []
         sent, self._sent_blocks = self._sent_blocks, None
         self.counters["bytes_out"] += sum(len(p) for p in out)
         return rep, out, sent
+
+    def _error_reply(self, rid: int, error: Exception) -> Reply:
+        """The reply to a request that raised ``error`` (called in its ``except`` block):
+        bad input (``ProtocolError``) is counted; anything else is a bug, logged and answered
+        ``INTERNAL``, and the node keeps serving."""
+        if isinstance(error, ProtocolError):
+            self.counters["bad_requests"] += 1
+            return Reply(id=rid, code=error.code, error=str(error))
+        log.exception("pagekv node: internal error on a request")
+        self.counters["internal_errors"] += 1
+        return Reply(id=rid, code=Code.INTERNAL, error=repr(error))
 
     def _send(self, ident: bytes, rep: Reply, payloads: list[Any]) -> None:
         sent, self._sent_blocks = self._sent_blocks, None
