@@ -379,11 +379,15 @@ def test_a_batch_is_dealt_over_every_lane_connection(served):
         assert node.stats()["bulk_connections"] == 4  # and kept
 
 
-def test_a_node_restarted_on_its_port_is_read_again_at_once():
+@pytest.mark.parametrize("io_threads", [1, 2])
+def test_a_node_restarted_on_its_port_is_read_again_at_once(io_threads):
     """The client's lane connections to a node go stale when it restarts (its new lane has
     another port): the next GET must not be a miss: it is sent again on a new connection or
-    over ZeroMQ, and the client learns the new lane."""
-    node = NodeProcess("--capacity", "64MiB").start()
+    over ZeroMQ, and the client learns the new lane. With 2 I/O threads the node also offers
+    stream ports, which change with the restart: the client's ZeroMQ links that lost their
+    connection go back to the main port at once, so the PUT after the restart is stored."""
+    args = ("--capacity", "64MiB", "--io-threads", str(io_threads))
+    node = NodeProcess(*args).start()
     rng = random.Random(os.urandom(8))
     keys, values = rand_values(rng, 8, 1 << 18)
     cfg = ClientConfig((node.address,), streams=2, timeout_s=5.0)
@@ -393,7 +397,7 @@ def test_a_node_restarted_on_its_port_is_read_again_at_once():
             into = [bytearray(len(v)) for v in values]
             assert client.get_many(keys, into=into) == [True] * len(keys)
             node.stop()
-            node = NodeProcess("--capacity", "64MiB", port=node.port).start()
+            node = NodeProcess(*args, port=node.port).start()
             assert client.put_many(keys, values) == [Status.OK] * len(keys)
             into = [bytearray([POISON]) * len(v) for v in values]
             assert client.get_many(keys, into=into) == [True] * len(keys)

@@ -38,6 +38,7 @@ class _AsyncLink:
     def __init__(self, sock: zmq.asyncio.Socket, node: int, stream: int) -> None:
         self.sock, self.created = sock, time.monotonic()
         self.node, self.stream = node, stream
+        self.was_up = False  # connected when last looked at (see _Base._link_state)
         self.pending: dict[int, asyncio.Future] = {}
         self.send_lock = asyncio.Lock()
         self.inflight = 0

@@ -63,6 +63,7 @@ class _Link:
     sock: zmq.Socket
     created: float
     endpoint: str = ""
+    was_up: bool = False  # connected when last looked at (see _Base._link_state)
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -178,8 +178,21 @@ class _Base:
         complete its handshake (which a stopped node cannot) before the node counts as up
         again; the streams that were not replaced still look connected to a stopped node."""
         links = [self._link(node, s) for s in range(self.config.streams)]
-        if all(link.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT for link in links):
+        # SNDHWM 0 and IMMEDIATE: a link can take a request exactly while it is connected
+        up = [bool(link.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT) for link in links]
+        lost = False
+        for link, ok in zip(links, up):
+            lost = lost or (link.was_up and not ok)
+            link.was_up = ok
+        if all(up):
             return Link.UP
+        if lost and self.router.stream_ports[node]:
+            # the node dropped a connection: it may have restarted with new stream ports,
+            # which the old links would never reach. Back to its main port now (and a PING
+            # learns the ports again); a node that is really down stays CONNECTING there,
+            # then DOWN, as any other
+            self.router.forget_ports(node, "lost a stream connection")
+            return Link.CONNECTING
         newest = max(link.created for link in links)
         if time.monotonic() - newest < min(self.config.connect_timeout_s,
                                            self.config.timeout_s):  # fmt: skip

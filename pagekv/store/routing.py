@@ -287,12 +287,11 @@ class Router:
             if self.on_ports is not None:
                 self.on_ports(node)
 
-    def forget_ports(self, node: int) -> None:
+    def forget_ports(self, node: int, why: str = "its stream ports do not connect") -> None:
         """The node's stream ports do not connect (a firewall, a restarted node): use its
         main endpoint, and learn its limits and ports again (PING) before the next request."""
         if self.stream_ports[node]:
-            log.warning("pagekv store: %s: its stream ports do not connect; using its main port",
-                        self.endpoints[node])  # fmt: skip
+            log.warning("pagekv store: %s: %s; using its main port", self.endpoints[node], why)
             self.stream_ports[node] = []
             self.limits[node] = None
             if self.on_ports is not None:
