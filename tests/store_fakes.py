@@ -54,7 +54,10 @@ def black_hole() -> FakeNode:
 
 class TamperingProxy(FakeNode):
     """Forwards requests to a real node and passes each reply through ``tamper`` (reply
-    frames -> frames to send, or None to swallow it) while ``tampering`` is set."""
+    frames -> frames to send, or None to swallow it) while ``tampering`` is set. The node's
+    other ports (stream ports, bulk lane) are taken out of its PING replies: the proxy is the
+    client's only way to the node (with them, a node with several I/O threads would be reached
+    around the proxy)."""
 
     def __init__(self, backend: str, tamper: Callable[[list[bytes]], list[bytes] | None]) -> None:
         self.tamper, self.tampering = tamper, False
@@ -67,12 +70,21 @@ class TamperingProxy(FakeNode):
         self.back.send_multipart(frames)
         if not self.back.poll(5000):
             return None
-        reply = self.back.recv_multipart()
+        reply = _only_this_port(self.back.recv_multipart())
         return self.tamper(reply) if self.tampering else reply
 
     def close(self) -> None:
         super().close()
         self.back.close(linger=0)
+
+
+def _only_this_port(reply: list[bytes]) -> list[bytes]:
+    head = msgpack.unpackb(reply[0], raw=False)
+    if not isinstance(head, dict) or not ({"ports", "bulk"} & head.keys()):
+        return reply
+    head.pop("ports", None)
+    head.pop("bulk", None)
+    return [msgpack.packb(head, use_bin_type=True), *reply[1:]]
 
 
 class ThrottledProxy:

@@ -23,7 +23,9 @@ from tests.test_store_node import Running
 
 @pytest.fixture
 def healthy():
-    running = Running(capacity="64MiB")
+    # 2 I/O threads: the node advertises stream ports on any host (as on a 16-core one), which
+    # the proxies must hide for their tampering to reach the client
+    running = Running(capacity="64MiB", io_threads=2)
     yield running
     running.stop()
 

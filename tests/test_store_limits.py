@@ -3,11 +3,19 @@
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import pytest
 
-from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
+from pagekv.store import (
+    AsyncStoreClient,
+    ClientConfig,
+    NodeConfig,
+    Status,
+    StoreClient,
+    StoreNode,
+)
 from pagekv.store.launch import NodeProcess
 from tests.store_fakes import ThrottledProxy
 
@@ -80,7 +88,10 @@ async def test_async_client_cuts_batches_too(small_limits):
         client.close()
 
 
-def test_large_healthy_transfer_over_a_slow_link_is_not_a_dead_node(node):
+def test_large_healthy_transfer_over_a_slow_link_is_not_a_dead_node():
+    # one port only (no stream ports, no bulk lane): every byte goes through the slow link
+    node = StoreNode(NodeConfig(port=0, capacity="256MiB", stream_ports=False, bulk=False))
+    threading.Thread(target=node.serve_forever, daemon=True).start()
     proxy = ThrottledProxy(node.address, rate=16 << 20)  # 16 MiB/s
     values = [os.urandom(4 << 20) for _ in range(6)]  # 24 MiB: ~1.5 s each way
     keys = [os.urandom(16) for _ in values]
@@ -94,6 +105,7 @@ def test_large_healthy_transfer_over_a_slow_link_is_not_a_dead_node(node):
             assert client.counters["node_failures"] == 0
     finally:
         proxy.close()
+        node.stop()
 
 
 def test_backed_off_node_is_read_as_last_resort_once_it_is_back():
