@@ -5,14 +5,13 @@ stay on ZeroMQ, which measured faster for them: see ``_LANE_OPS``).
 Each connection's thread sends a request and reads the reply's frames straight into the GET's
 destinations (``Call.sinks``) when their sizes match, one ``recv_into`` per frame with the GIL
 released, each value hashed as it lands (on the copy pool while the next frame arrives, when
-the client's connections are fewer than the pool's threads), then runs the call's ``prepare``
-there (which compares those digests). Up to
-``DEPTH`` requests are out on a connection, so the node starts the next reply while this thread
-checks the last. The result goes back through a ``concurrent.futures.Future``: ``(reply,
-frames)``, ``None`` (the node failed this request: no answer in time, a reset, a malformed
-reply; its keys move on like any node failure) or :data:`FALLBACK` (the lane cannot be reached
-at all: the client sends the call over ZeroMQ instead, and leaves the lane alone for
-``RECHECK_S``).
+the client has at most half as many connections as the pool has threads), then runs the call's
+``prepare`` there (which compares those digests). Up to ``DEPTH`` requests are out on a
+connection, so the node starts the next reply while this thread checks the last. The result
+goes back through a ``concurrent.futures.Future``: ``(reply, frames)``, ``None`` (the node
+failed this request: no answer in time, a reset, a malformed reply; its keys move on like any
+node failure) or :data:`FALLBACK` (the lane cannot be reached at all: the client sends the call
+over ZeroMQ instead, and leaves the lane alone for ``RECHECK_S``).
 
 Ownership: a call's ``sinks`` and ``payloads`` are used by its connection's thread until its
 future is done; a client that stops waiting early (cancelled, interrupted) must
@@ -264,11 +263,14 @@ class BulkLanes:
             router.counters.setdefault(name, 0)
 
     def pool_hashing(self) -> bool:
-        """Whether received values are hashed on the copy pool: only while the client's
-        connections are fewer than the pool's threads. With more, the connections' own threads
-        keep the cores busy and every hand-off costs (H100, 8 streams: 13.8 GB/s hashing
-        inline, 10.6 on the pool; one stream: 2.6 inline, 3.1 on the pool)."""
-        return sum(len(c) for _, c in self._conns.values()) < self.config.copy_threads
+        """Whether received values are hashed on the copy pool: only while the client has at
+        most half as many connections as the pool has threads. With more, the connections' own
+        threads keep the cores busy and every hand-off costs. Measured on the H100 host
+        (scripts/diag_lane.py, 4 GiB GET, 8 copy threads): 1, 2 or 4 connections to one node
+        about equal either way (one stream earlier: 2.6 GB/s inline, 3.1 on the pool); 6
+        connections (3 nodes x 2) 9.8 / 11.5 GB/s inline against 8.6 / 10.2 on the pool in two
+        runs; 8 streams to one node 13.8 inline, 10.6 on the pool."""
+        return 2 * sum(len(c) for _, c in self._conns.values()) <= self.config.copy_threads
 
     def down(self, node: int) -> bool:
         """Whether the node's lane failed to connect lately (at the port it still offers)."""
