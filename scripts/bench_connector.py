@@ -22,7 +22,7 @@ from _bench_util import environment, parse_args, write_result
 from _ceilings import memcpy_ceiling, tcp_ceiling
 
 from pagekv.connector import KeyNamespace, KVConnector, KVGeometry
-from pagekv.store import ClientConfig, StoreClient
+from pagekv.store import AsyncStoreClient, ClientConfig, StoreClient
 from pagekv.store.launch import start_nodes
 from pagekv.store.memory import tune_malloc_for_blocks
 
@@ -43,6 +43,20 @@ def timed(fn, reps: int = 1) -> tuple[float, object]:
     return statistics.median(times), out
 
 
+async def _async_gets(cfg: ClientConfig, keys: list, views: list, reps: int) -> list[float]:
+    client, times, arrived = AsyncStoreClient(cfg.endpoints, config=cfg), [], []
+    try:
+        for _ in range(reps):
+            t = time.perf_counter()
+            ok = await client.get_many(keys, into=views, on_arrival=arrived.append)
+            times.append(time.perf_counter() - t)
+            if not all(ok):
+                raise RuntimeError("raw async get missed pages")
+    finally:
+        client.close()
+    return times
+
+
 def run(args, num_nodes: int) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     geo = KVGeometry(args.layers, args.page_size, 8, 128, "bf16")
@@ -51,7 +65,7 @@ def run(args, num_nodes: int) -> dict:
     cap = f"{int(n_pages * geo.page_bytes * 1.2 / num_nodes) + (256 << 20)}"
     nodes = start_nodes(num_nodes, "--capacity", cap, *(["--shm"] if args.shm else []))
     try:
-        cfg = ClientConfig(tuple(n.address for n in nodes), timeout_s=60)
+        cfg = ClientConfig(tuple(n.address for n in nodes), timeout_s=60, streams=args.streams)
         shape = (geo.num_layers, slots, *geo.device_layer_shape)
         src = [torch.randn(shape, device=device).to(geo.dtype) for _ in range(2)]
         dst = [torch.zeros(shape, device=device, dtype=geo.dtype) for _ in range(2)]
@@ -60,7 +74,8 @@ def run(args, num_nodes: int) -> dict:
         b = KVConnector(geo, dst, cfg, host_pages=n_pages + 8, namespace=ns)
         tokens = torch.randint(0, 128_000, (args.tokens,)).tolist()
         slot_ids = torch.randperm(slots, device=device)[: args.tokens]
-        r: dict = dict(nodes=num_nodes, tokens=args.tokens, bytes=n_pages * geo.page_bytes)
+        r: dict = dict(nodes=num_nodes, tokens=args.tokens, bytes=n_pages * geo.page_bytes,
+                       streams=cfg.streams, copy_threads=cfg.copy_threads)  # fmt: skip
         r["save_to_host_s"], _ = timed(lambda: a.save(tokens, slot_ids))
         r["writeback_s"], _ = timed(lambda: a.flush_sync(timeout=600))
         r["lookup_ms"] = timed(lambda: b.lookup(tokens), reps=20)[0] * 1e3
@@ -98,6 +113,8 @@ def run(args, num_nodes: int) -> dict:
         with StoreClient(cfg.endpoints, timeout_s=60) as raw:
             views = [b.pool.page_view(p) for p in range(n_pages)]
             r["raw_store_get_s"] = timed(lambda: raw.get_many(keys, into=views), reps=3)[0]
+        # the connector's kind of client (asyncio) with a per-key callback, no connector
+        r["raw_async_get_s"] = statistics.median(asyncio.run(_async_gets(cfg, keys, views, 3)))
         # a separate pinned buffer: one cudaMemcpyAsync may not span the pool's registered
         # 1 GiB chunks (the kernels, which address pages, are not affected)
         flat_host = torch.empty(n_pages * geo.page_bytes, dtype=torch.uint8)
@@ -105,7 +122,8 @@ def run(args, num_nodes: int) -> dict:
             flat_host = flat_host.pin_memory()
         flat_dev = torch.empty_like(flat_host, device=device)
         r["contiguous_copy_s"] = timed(lambda: flat_dev.copy_(flat_host, non_blocking=True), 5)[0]
-        for key in ("prefetch_s", "raw_store_get_s", "load_s", "contiguous_copy_s",
+        for key in ("prefetch_s", "raw_store_get_s", "raw_async_get_s", "load_s",
+                    "contiguous_copy_s",
                     "prefetch_overlap_load_s"):  # fmt: skip
             r[key.removesuffix("_s") + "_gbps"] = round(r["bytes"] / r[key] / 1e9, 3)
         r["prefetch_vs_raw_get"] = round(r["raw_store_get_s"] / r["prefetch_s"], 3)
@@ -126,6 +144,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--nodes", default="1,3")
     ap.add_argument("--shm", action="store_true", help="nodes with --shm (same-host shortcut)")
+    ap.add_argument("--streams", type=int, default=None,
+                    help="client connections per node (default: ClientConfig's)")  # fmt: skip
     args = parse_args(ap)
     tune_malloc_for_blocks()
     env = environment()
