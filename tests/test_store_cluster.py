@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from pagekv.store import Status, StoreClient
+from pagekv.store import ClientConfig, Status, StoreClient, operations
 from pagekv.store.launch import NodeProcess
+from pagekv.store.protocol import checksum_frames
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
@@ -31,6 +32,56 @@ def test_sharding_spreads_keys_and_reads_back(three_nodes):
         per_node = [s["blocks"] for s in client.stats()]
         assert sum(per_node) == 90 and min(per_node) >= 15
         assert client.exists_many(keys).leading == 90
+
+
+def test_replicated_put_hashes_each_value_once_as_its_requests_go(three_nodes, monkeypatch):
+    """A PUT's checksums are computed request by request as each is sent, each value once
+    however many copies it gets: every copy is stored (the nodes verify each value against its
+    request's checksum) and reads back exactly from each node on its own."""
+    hashed = []
+
+    def counting(frames):
+        hashed.append(bytes(frames[0][:16]))
+        return checksum_frames(frames)
+
+    monkeypatch.setattr(operations, "checksum_frames", counting)
+    eps = [n.address for n in three_nodes]
+    keys, data = blocks(60)
+    cfg = ClientConfig(tuple(eps), replicas=2, timeout_s=10, max_message_bytes=256 << 10)
+    with StoreClient(eps, config=cfg) as client:
+        assert client.put_many(keys, data) == [Status.OK] * len(keys)
+        assert sorted(hashed) == sorted(d[:16] for d in data)  # each value, once
+        assert sum(s["blocks"] for s in client.stats()) == 2 * len(keys)
+    copies = [0] * len(keys)
+    for ep in eps:
+        with StoreClient(ep, timeout_s=10) as one:
+            for i, got in enumerate(one.get_many(keys)):
+                if got is not None:
+                    assert bytes(got) == data[i]
+                    copies[i] += 1
+    assert copies == [2] * len(keys)
+
+
+def test_a_put_sends_its_first_request_before_hashing_its_last(three_nodes, monkeypatch):
+    """Hashing overlaps sending: when the PUT's last value is hashed, its first request is
+    already stored on the node (waited for as state, from another client)."""
+    ep = three_nodes[0].address
+    keys, data = blocks(32)
+    seen_stored = []
+
+    def checking(frames):
+        if bytes(frames[0]) == data[-1]:
+            with StoreClient(ep, timeout_s=5) as other:
+                wait_until(lambda: other.exists_many(keys[:1]).leading == 1, timeout=5,
+                           what="the first request stored")  # fmt: skip
+            seen_stored.append(True)
+        return checksum_frames(frames)
+
+    monkeypatch.setattr(operations, "checksum_frames", checking)
+    cfg = ClientConfig((ep,), timeout_s=10, max_message_bytes=128 << 10, bulk=False)
+    with StoreClient(ep, config=cfg) as client:
+        assert client.put_many(keys, data) == [Status.OK] * len(keys)
+    assert seen_stored == [True]
 
 
 _WORKER = r"""

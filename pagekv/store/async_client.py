@@ -24,8 +24,8 @@ import zmq
 import zmq.asyncio
 
 from .client_base import _Base, raise_unavailable, shared_context
-from .protocol import Op, ProtocolError, Status, decode_reply, encode_request
-from .routing import Batch, Call, ExistsResult, OpGen, Results
+from .protocol import Op, ProtocolError, Status, decode_reply
+from .routing import Batch, Call, ExistsResult, OpGen, Results, request_header
 
 __all__ = ["AsyncStoreClient"]
 
@@ -150,7 +150,7 @@ class AsyncStoreClient(_Base):
             clock["wake"]()  # the deadline is now the connection's
             try:
                 async with link.send_lock:
-                    frames = [encode_request(call.request), *call.payloads]
+                    frames = [request_header(call), *call.payloads]
                     await link.sock.send_multipart(frames, copy=False)
             except zmq.ZMQError:  # e.g. Again after a writable event that did not last (the
                 # peer went), or the socket reset meanwhile: it may hold part of a message,

@@ -42,8 +42,8 @@ from .bulk_wire import (
     timeval,
 )
 from .config import ClientConfig
-from .protocol import Code, Op, Status, decode_reply, encode_request
-from .routing import FALLBACK_LIMITS, Call, Router
+from .protocol import Code, Op, Status, decode_reply
+from .routing import FALLBACK_LIMITS, Call, Router, request_header
 
 __all__ = ["COUNTERS", "DEPTH", "FALLBACK", "BulkLanes"]
 
@@ -200,7 +200,7 @@ class _Conn:
         if self.sock is None and not self._connect():
             return FALLBACK
         try:
-            send_message(self.sock, encode_request(call.request), call.payloads)
+            send_message(self.sock, request_header(call), call.payloads)
         except OSError as e:
             log.debug("pagekv store: bulk send to %s failed: %s", self.address, e)
             return None

@@ -32,8 +32,8 @@ import zmq
 
 from .client_base import _Base, shared_context
 from .config import ClientConfig
-from .protocol import Op, ProtocolError, Status, decode_reply, encode_request
-from .routing import Batch, Call, ExistsResult, OpGen, Results
+from .protocol import Op, ProtocolError, Status, decode_reply
+from .routing import Batch, Call, ExistsResult, OpGen, Results, request_header
 
 __all__ = ["StoreClient"]
 
@@ -47,7 +47,7 @@ def _send_request(sock: zmq.Socket, call: Call) -> None:
     """Header and payloads as one message, zero-copy; raises ``zmq.Again`` (nothing sent) if
     the node is not connected. (A loop over ``send``: ``send_multipart`` costs microseconds
     per frame in flag arithmetic, which a million one-byte values feel.)"""
-    header, payloads = encode_request(call.request), call.payloads
+    header, payloads = request_header(call), call.payloads
     if not payloads:
         sock.send(header, _NOW)
         return

@@ -25,8 +25,10 @@ MAX_DEFERRALS = 64  # a node that keeps deferring a key is treated as failing fo
 
 def put(router: Router, keys: Sequence[bytes], values: Sequence[list[memoryview]]) -> OpGen:
     """``values[i]``: the frames of key i. Stores each on ``replicas`` nodes, replacing a node
-    that fails by the key's next one; returns a status per key."""
-    sums, sizes, nframes = _describe(values, router.pool)
+    that fails by the key's next one; returns a status per key. The values' checksums are
+    computed request by request, as each is sent (``Call.before_send``), each value once."""
+    sizes, nframes = _describe(values)
+    sums: list[int | None] = [None] * len(keys)
     cands = router.candidates(keys, router.replicas + 1, router.usable())
     statuses: list[list[int]] = [[] for _ in keys]
     want, nxt = [router.replicas] * len(keys), [0] * len(keys)
@@ -57,9 +59,12 @@ def put(router: Router, keys: Sequence[bytes], values: Sequence[list[memoryview]
             ):
                 frames = [f for i in part for f in values[i]]
                 req = Request(Op.PUT, router.next_id(), [keys[i] for i in part],
-                              [f.nbytes for f in frames], [sums[i] for i in part],
+                              [f.nbytes for f in frames], [],
                               [nframes[i] for i in part])  # fmt: skip
-                batch.append(Call(node, req, frames, part, sum(sizes[i] for i in part)))
+                nbytes = sum(sizes[i] for i in part)
+                batch.append(Call(node, req, frames, part, nbytes,
+                                  before_send=_checksums(req, part, values, sums, sizes,
+                                                         router.pool)))  # fmt: skip
         results = (yield batch) if batch else {}
         for call in batch:
             result = results.get(call.request.id)
@@ -74,15 +79,29 @@ def put(router: Router, keys: Sequence[bytes], values: Sequence[list[memoryview]
     return out
 
 
-def _describe(
-    values: Sequence[list[memoryview]], pool: Executor | None = None
-) -> tuple[list[int], list[int], list[int]]:
-    """Checksum, byte size and frame count of each value; the checksums of a large batch on
-    ``pool`` (xxhash releases the GIL: several cores)."""
+def _describe(values: Sequence[list[memoryview]]) -> tuple[list[int], list[int]]:
+    """Byte size and frame count of each value."""
     sizes = [v[0].nbytes if len(v) == 1 else sum(f.nbytes for f in v) for v in values]
-    nframes = [len(v) for v in values]
-    sums = parallel_map(checksum_frames, values, sum(sizes), pool)
-    return sums, sizes, nframes
+    return sizes, [len(v) for v in values]
+
+
+def _checksums(
+    req: Request, part: list[int], values: Sequence[list[memoryview]], sums: list[int | None],
+    sizes: list[int], pool: Executor | None,
+) -> Callable[[], None]:  # fmt: skip
+    """``req``'s ``before_send``: fill its ``sums`` from ``sums`` (shared by the operation's
+    requests), computing those not known yet (a replica's or a retried key's are), on
+    ``pool`` when the request is large (xxhash releases the GIL: several cores)."""
+
+    def fill() -> None:
+        todo = [i for i in part if sums[i] is None]
+        nbytes = sum(sizes[i] for i in todo)
+        for i, cs in zip(todo, parallel_map(checksum_frames, [values[i] for i in todo], nbytes,
+                                            pool)):  # fmt: skip
+            sums[i] = cs
+        req.sums = [sums[i] for i in part]
+
+    return fill
 
 
 def _next_targets(

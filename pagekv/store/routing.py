@@ -36,7 +36,7 @@ import xxhash
 
 from pagekv.errors import StoreError, StoreUnavailable
 
-from .protocol import Code, Op, Reply, Request, Status
+from .protocol import Code, Op, Reply, Request, Status, encode_request
 
 __all__ = [
     "Batch",
@@ -51,6 +51,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "reply_shape_problem",
+    "request_header",
 ]
 
 Results = dict[int, "tuple[Reply, list[Any]] | None"]
@@ -76,6 +77,19 @@ class Call:
     sinks: list[list[memoryview]] | None = None
     # the bulk lane: per found value of the reply, the xxh3-64 of the frames as they landed
     digests: list[int] | None = None
+    # Run once, by whichever transport sends the request, right before its header is encoded
+    # (:func:`request_header`): a PUT fills in its values' checksums there, so hashing the
+    # next request's values overlaps the sending of this one's.
+    before_send: Callable[[], None] | None = None
+
+
+def request_header(call: Call) -> bytes:
+    """``call``'s request encoded for the wire, after the call's ``before_send`` (run once:
+    a call sent again, e.g. over ZeroMQ after the bulk lane, is not prepared twice)."""
+    if call.before_send is not None:
+        prepare, call.before_send = call.before_send, None
+        prepare()
+    return encode_request(call.request)
 
 
 Batch = list[Call]
