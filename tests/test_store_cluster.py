@@ -64,7 +64,9 @@ def test_replicated_put_hashes_each_value_once_as_its_requests_go(three_nodes, m
 
 def test_a_put_sends_its_first_request_before_hashing_its_last(three_nodes, monkeypatch):
     """Hashing overlaps sending: when the PUT's last value is hashed, its first request is
-    already stored on the node (waited for as state, from another client)."""
+    already stored on the node (waited for as state, from another client). One stream: its
+    requests go out in order (with several, a stream whose link connects first may send a
+    later request before the first one's stream can)."""
     ep = three_nodes[0].address
     keys, data = blocks(32)
     seen_stored = []
@@ -78,7 +80,7 @@ def test_a_put_sends_its_first_request_before_hashing_its_last(three_nodes, monk
         return checksum_frames(frames)
 
     monkeypatch.setattr(operations, "checksum_frames", checking)
-    cfg = ClientConfig((ep,), timeout_s=10, max_message_bytes=128 << 10, bulk=False)
+    cfg = ClientConfig((ep,), timeout_s=10, max_message_bytes=128 << 10, bulk=False, streams=1)
     with StoreClient(ep, config=cfg) as client:
         assert client.put_many(keys, data) == [Status.OK] * len(keys)
     assert seen_stored == [True]
