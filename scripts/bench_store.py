@@ -78,9 +78,13 @@ def headline(args) -> dict:
     return dict(median=med, rounds=rows)
 
 
-async def _async_rounds(client, blocks: list, into: list, rounds: int) -> list[tuple]:
+async def _async_rounds(client, blocks: list, into: list, rounds: int, warmed=None) -> list[tuple]:
+    """(put s, get s) of each round after a first that warms the links and the node;
+    ``warmed`` (if given) is called once that first round is done."""
     times = []
-    for r in range(rounds + 1):  # the first round warms the links and the node
+    for r in range(rounds + 1):
+        if r == 1 and warmed is not None:
+            warmed()
         keys = [f"s{r}-{i}".encode().ljust(16, b".") for i in range(len(blocks))]
         t = time.perf_counter()
         status = await client.put_many(keys, blocks)

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 from _ceilings import tcp_ceiling
+from bench_store import _async_rounds
 from diag_threads import thread_cpu
 
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, bulk_client
@@ -50,32 +51,10 @@ def busiest(pid: int, before: dict, cpu0: float, wall: float, top: int = 3) -> s
     return f"{(process_cpu(pid) - cpu0) / wall:.2f} cores; {named}"
 
 
-async def _rounds(client, keys_of, blocks, into, rounds, warmed=None) -> list[tuple]:
-    out = []
-    for r in range(rounds + 1):
-        if r == 1 and warmed is not None:
-            warmed()
-        keys = keys_of(r)
-        t = time.perf_counter()
-        st = await client.put_many(keys, blocks)
-        put = time.perf_counter() - t
-        if set(st) - {Status.OK}:
-            raise RuntimeError(f"put: {set(st)}")
-        t = time.perf_counter()
-        ok = await client.get_many(keys, into=into)
-        get = time.perf_counter() - t
-        if not all(ok) or bytes(into[-1][-64:]) != bytes(blocks[-1][-64:]):
-            raise RuntimeError("get failed")
-        await client.delete_many(keys)
-        if r:
-            out.append((put, get))
-    return out
-
-
 def put_section(args) -> None:
     size, n = 2 * MIB, 64
-    blocks = [np.frombuffer(os.urandom(size), np.uint8) for _ in range(n)]
-    into = [np.empty(size, np.uint8) for _ in range(n)]
+    blocks = [os.urandom(size) for _ in range(n)]
+    into = [bytearray(size) for _ in range(n)]
     gb = size * n / 1e9
     for k in args.streams:
         hot = tcp_ceiling(k, size, max(1, n // k), 3)
@@ -91,8 +70,7 @@ def put_section(args) -> None:
                 snap.update(c=thread_cpu(me), n=thread_cpu(pid), c0=process_cpu(me),
                             n0=process_cpu(pid), t=time.time())  # fmt: skip
 
-            times = asyncio.run(_rounds(client, lambda r: [b"k%d-%d" % (r, i) for i in range(n)],
-                                        blocks, into, args.rounds, warmed))  # fmt: skip
+            times = asyncio.run(_async_rounds(client, blocks, into, args.rounds, warmed))
             wall, cpu_c, cpu_n = time.time() - snap["t"], snap["c"], snap["n"]
             client.close()
             put = gb / statistics.median(t[0] for t in times)
