@@ -3,21 +3,14 @@
 import asyncio
 import os
 import signal
-import threading
 import time
 
 import pytest
 
-from pagekv.store import (
-    AsyncStoreClient,
-    ClientConfig,
-    NodeConfig,
-    Status,
-    StoreClient,
-    StoreNode,
-)
+from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
 from pagekv.store.launch import NodeProcess
 from tests.store_fakes import ThrottledProxy
+from tests.test_store_node import Running
 
 
 @pytest.fixture
@@ -90,8 +83,7 @@ async def test_async_client_cuts_batches_too(small_limits):
 
 def test_large_healthy_transfer_over_a_slow_link_is_not_a_dead_node():
     # one port only (no stream ports, no bulk lane): every byte goes through the slow link
-    node = StoreNode(NodeConfig(port=0, capacity="256MiB", stream_ports=False, bulk=False))
-    threading.Thread(target=node.serve_forever, daemon=True).start()
+    node = Running(capacity="256MiB", stream_ports=False, bulk=False)
     proxy = ThrottledProxy(node.address, rate=16 << 20)  # 16 MiB/s
     values = [os.urandom(4 << 20) for _ in range(6)]  # 24 MiB: ~1.5 s each way
     keys = [os.urandom(16) for _ in values]
