@@ -216,3 +216,46 @@ async def test_reset_of_one_link_fails_only_its_requests():
     finally:
         client.close()
         node.stop()
+
+
+@pytest.mark.parametrize("kind", ["blocking", "async"])
+def test_a_put_s_requests_go_out_dealt_over_the_streams_in_turn(node_proc, monkeypatch, kind):
+    """A PUT hashes each request as it is sent: the requests must leave about in batch order,
+    one per stream in turn, so that every stream starts at once (a stream whose socket is not
+    writable yet may let the next one pass). When one stream's requests were all hashed and
+    sent before the next stream's first (4 streams on the H100 host: the fourth began after
+    42 ms of a 70 ms put), the streams ran one after the other."""
+    from pagekv.store import operations
+    from pagekv.store.protocol import checksum_frames
+
+    values = [os.urandom(64 << 10) for _ in range(32)]
+    keys = [b"turn-%d" % i for i in range(len(values))]
+    order = []
+
+    def noting(frames):
+        order.append(values.index(bytes(frames[0])) // 4)  # request of 4 values (256 KiB)
+        return checksum_frames(frames)
+
+    cfg = config(node_proc, streams=2, bulk=False, copy_threads=1, max_message_bytes=256 << 10)
+    warm = [b"warm-%d" % i for i in range(8)]  # both streams connected (a put on each) first
+    ok = [Status.OK] * len(keys)
+    if kind == "blocking":
+        with StoreClient(node_proc.address, config=cfg) as client:
+            assert client.put_many(warm, values[:8]) == ok[:8]
+            monkeypatch.setattr(operations, "checksum_frames", noting)
+            assert client.put_many(keys, values) == ok
+    else:
+
+        async def both(client: AsyncStoreClient) -> list:
+            assert await client.put_many(warm, values[:8]) == ok[:8]
+            monkeypatch.setattr(operations, "checksum_frames", noting)
+            return await client.put_many(keys, values)
+
+        client = AsyncStoreClient(node_proc.address, config=cfg)
+        try:
+            assert asyncio.run(both(client)) == ok
+        finally:
+            client.close()
+    requests = list(dict.fromkeys(order))
+    assert sorted(requests) == list(range(8)), order
+    assert all(abs(at - r) < 2 for at, r in enumerate(requests)), requests

@@ -69,7 +69,7 @@ class _Link:
         self.sock.close(linger=0)
 
 
-@dataclass
+@dataclass(eq=False)  # flows are compared by identity
 class _Flow:
     """One link's part of a batch in :meth:`StoreClient._exchange` (a node's stream)."""
 
@@ -191,8 +191,9 @@ class StoreClient(_Base):
             if not flows:
                 continue
             poller, now = zmq.Poller(), time.monotonic()
+            broken = self._send_in_turn(list(flows.values()), now)
             for flow in list(flows.values()):
-                if not self._send_some(flow, now) or now >= flow.deadline(self.config):
+                if flow in broken or now >= flow.deadline(self.config):
                     self._fail(flow, flows, results)
                     continue
                 blocked = flow.unsent and len(flow.outstanding) < flow.window
@@ -207,9 +208,25 @@ class StoreClient(_Base):
                     self._receive(flow, flows, results, jobs)
         return results
 
-    def _send_some(self, flow: _Flow, now: float) -> bool:
-        """Send what the window allows; False when the socket failed (the flow must fail)."""
-        while flow.unsent and len(flow.outstanding) < flow.window:
+    def _send_in_turn(self, flows: list[_Flow], now: float) -> list[_Flow]:
+        """Send what the flows' windows allow, one request per flow in turn (a PUT's requests
+        are hashed as they are sent: flow by flow, the last stream started only once the
+        others' requests were all hashed); returns the flows whose socket failed."""
+        broken: list[_Flow] = []
+        while flows:
+            for flow in list(flows):
+                left = len(flow.unsent)
+                if not self._send_some(flow, now, most=1):
+                    broken.append(flow)
+                if flow in broken or len(flow.unsent) == left or not flow.unsent:
+                    flows.remove(flow)  # failed, blocked (window, Again) or done
+        return broken
+
+    def _send_some(self, flow: _Flow, now: float, most: int | None = None) -> bool:
+        """Send what the window allows (at most ``most``); False when the socket failed (the
+        flow must fail)."""
+        while flow.unsent and len(flow.outstanding) < flow.window and most != 0:
+            most = None if most is None else most - 1
             call = flow.unsent[0]
             try:
                 _send_request(flow.link.sock, call)
