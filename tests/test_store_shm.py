@@ -2,6 +2,7 @@
 segment are exactly the stored ones or misses, under concurrency, eviction, a killed node,
 refused access and a vanished file; the TCP path of a --shm node stays correct."""
 
+import asyncio
 import multiprocessing
 import os
 import random
@@ -386,3 +387,41 @@ def test_concurrent_clients_blocking_and_async(node):
     for t in threads:
         t.join(30)
     assert wrong == [] and hits == [80] * 4 and async_hits == len(keys)
+
+
+@pytest.mark.parametrize("kind", ["blocking", "async"])
+def test_values_of_several_nodes_are_copied_in_key_order(monkeypatch, kind):
+    """With the values spread over three --shm nodes, the copies go in key order across the
+    nodes, not node by node: a caller streaming the leading values onward (the connector's
+    prefetch with its load overlapped) gets them as early from three nodes as from one. Copied
+    node by node, the leading run of keys reached past the first node's share only when the
+    last node's copies began."""
+    monkeypatch.setattr(shm_reader, "CHUNK_BYTES", 1)  # one value per chunk
+    nodes = [NodeProcess("--shm", "--capacity", "32MiB").start() for _ in range(3)]
+    try:
+        eps = [n.address for n in nodes]
+        rng = random.Random(5)
+        keys = [rng.randbytes(16) for _ in range(30)]
+        values = values_for(rng, len(keys), 1, 50_000)
+        into = [poisoned(v) for v in values]
+        arrived: list[int] = []
+        with StoreClient(eps, timeout_s=30) as client:
+            assert client.put_many(keys, values) == [Status.OK] * len(keys)
+            assert min(s["blocks"] for s in client.stats()) > 0  # every node holds some
+        if kind == "blocking":
+            with StoreClient(eps, timeout_s=30) as client:
+                got = client.get_many(keys, into=into, on_arrival=arrived.append)
+                hits = client.counters["shm_hits"]
+        else:
+            client = AsyncStoreClient(eps, timeout_s=30)
+            try:
+                got = asyncio.run(client.get_many(keys, into=into, on_arrival=arrived.append))
+                hits = client.counters["shm_hits"]
+            finally:
+                client.close()
+        assert got == [True] * len(keys) and hits == len(keys)
+        assert [[bytes(f) for f in v] for v in into] == values
+        assert arrived == sorted(arrived) == list(range(len(keys)))
+    finally:
+        for n in nodes:
+            n.stop()

@@ -19,9 +19,10 @@ Mappings are cached per segment file and dropped when a node advertises another 
 restarted). A segment the node has unlinked stays mapped and readable, but is only read after a
 fresh LOCATE from a live node, so a dead node's keys are misses. Copies of large values run on
 several threads: a chunk's values in one call of the native checked copy (:mod:`.native`) on
-its own threads, or on a small thread pool (numpy copies release the GIL) without it. A LOCATE
-reply's chunks are pipelined: ``PIPELINE`` chunks are copied at once (the next ones on the
-reader's driver threads, each call on its share of the threads), so that no core idles while
+its own threads, or on a small thread pool (numpy copies release the GIL) without it. The
+values of every LOCATE reply (one per node, or more) are copied together in key order, in
+chunks, and the chunks are pipelined: ``PIPELINE`` chunks are copied at once (the next ones on
+the reader's driver threads, each call on its share of the threads), so that no core idles while
 one call's last values finish, and while the client's thread announces a chunk's values
 (``on_arrival``) the next ones are being copied; the reply is not done until every copy it
 started is (they write into the caller's buffers).
@@ -205,9 +206,10 @@ def get(
     on_arrival: Callable[[int], None] | None = None,
 ) -> OpGen:
     """Copy what the shortcut can into ``into``; returns the set of keys done (``out[i]`` set
-    True and ``on_arrival(i)`` called for each, as each LOCATE reply's copies complete). The
-    rest is the caller's (TCP GET). Only nodes whose PING advertised a segment are asked: the
-    shortcut adds no round trip for other nodes (the PING is the one the GET sends anyway)."""
+    True and ``on_arrival(i)`` called for each, chunk by chunk in key order, once every LOCATE
+    reply is in). The rest is the caller's (TCP GET). Only nodes whose PING advertised a
+    segment are asked: the shortcut adds no round trip for other nodes (the PING is the one the
+    GET sends anyway)."""
     reader = reader_for(router)
     if reader is None or not keys:
         return set()
@@ -220,7 +222,7 @@ def get(
     yield from router.learn(need)
     by_node = {n: idxs for n, idxs in by_node.items() if router.shm_adverts[n]}
     batch: list[Call] = []
-    done: set[int] = set()
+    jobs: list[tuple] = []  # every LOCATE reply's copy jobs, gathered as the replies come
     for node, idxs in by_node.items():
         if reader.learn(node, router.shm_adverts[node]) is None:
             reader.counters["shm_fallback_" + reader.reason(node)] += len(idxs)
@@ -228,28 +230,37 @@ def get(
         for part in router.cut(keys, idxs, router.limits[node] or FALLBACK_LIMITS):
             call = Call(node, Request(Op.LOCATE, router.next_id(), [keys[i] for i in part]),
                         [], part)  # fmt: skip
-            call.on_reply = lambda reply, frames, call=call: _handle(
-                router, reader, call, (reply, frames), into, out, on_arrival, done
+            call.on_reply = lambda reply, frames, call=call: jobs.extend(
+                _take_reply(router, reader, call, (reply, frames))
             )
             batch.append(call)
+    done: set[int] = set()
     if not batch:
         return done
     results = yield batch
     for call in batch:
         if not call.handled:
-            _handle(router, reader, call, results.get(call.request.id), into, out, on_arrival, done)
+            jobs.extend(_take_reply(router, reader, call, results.get(call.request.id)))
+    # In key order across the nodes: the leading values come first from three nodes as from
+    # one (copied reply by reply, the leading run of keys waited for the last node's copies)
+    jobs.sort(key=lambda job: job[0])
+    _copy(reader, jobs, into, out, on_arrival, done)
     return done
 
 
-def _handle(
-    router: Router, reader: ShmReader, call: Call, result: Any,
-    into: Sequence[list[memoryview]], out: list[Any],
+def _take_reply(router: Router, reader: ShmReader, call: Call, result: Any) -> list[tuple]:
+    """One LOCATE reply (or None: no answer), once: its copy jobs."""
+    call.handled = True
+    return _located(router, reader, call, result)
+
+
+def _copy(
+    reader: ShmReader, jobs: list[tuple], into: Sequence[list[memoryview]], out: list[Any],
     on_arrival: Callable[[int], None] | None, done: set[int],
 ) -> None:  # fmt: skip
-    """One LOCATE reply (or None: no answer): copy, verify and publish its values, in chunks
-    of ``CHUNK_BYTES`` so that the first are published before the last are copied."""
-    call.handled = True
-    chunks = in_chunks(_located(router, reader, call, result), CHUNK_BYTES)
+    """Copy, verify and publish ``jobs`` in order, in chunks of ``CHUNK_BYTES`` so that the
+    first are published before the last are copied."""
+    chunks = in_chunks(jobs, CHUNK_BYTES)
     ahead: collections.deque = collections.deque()  # copies of chunks[k : started], k > 0
     started = 1  # chunk 0 is copied on this thread
     try:
