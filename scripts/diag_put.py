@@ -27,6 +27,8 @@ import tempfile
 import threading
 import time
 
+from pagekv.store.memory import minor_faults, tune_malloc_for_blocks
+
 MIB = 1 << 20
 
 
@@ -175,12 +177,6 @@ def timeline_section(args) -> None:
                   f"{ms[3]:9.1f} {ms[4]:7.1f}")  # fmt: skip
 
 
-def minor_faults(pid: int) -> int:
-    """Minor page faults of a whole process so far (``/proc/<pid>/stat``)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[7])
-
-
 def sizes_section(args) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _ceilings import tcp_ceiling
@@ -219,8 +215,6 @@ def sizes_section(args) -> None:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
         sys.exit(serve(sys.argv[2:]))
-    from pagekv.store.memory import tune_malloc_for_blocks
-
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--only", type=lambda s: s.split(","), default=["timeline", "sizes"])

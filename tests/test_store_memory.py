@@ -14,6 +14,7 @@ import zmq
 
 from pagekv.store import NodeConfig, Status, StoreClient
 from pagekv.store.launch import NodeProcess
+from pagekv.store.memory import minor_faults
 from tests.helpers import wait_until
 from tests.store_fakes import pack
 from tests.zmtp_raw import RawPeer
@@ -256,11 +257,6 @@ def test_descriptor_exhaustion_does_not_spin():
         assert refused > 0
     finally:
         w.stop()
-
-
-def minor_faults(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[7])
 
 
 @pytest.mark.parametrize("io_threads", [1, 2])

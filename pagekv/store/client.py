@@ -216,32 +216,32 @@ class StoreClient(_Base):
         while flows:
             for flow in list(flows):
                 left = len(flow.unsent)
-                if not self._send_some(flow, now, most=1):
+                if not self._send_one(flow, now):
                     broken.append(flow)
                 if flow in broken or len(flow.unsent) == left or not flow.unsent:
                     flows.remove(flow)  # failed, blocked (window, Again) or done
         return broken
 
-    def _send_some(self, flow: _Flow, now: float, most: int | None = None) -> bool:
-        """Send what the window allows (at most ``most``); False when the socket failed (the
-        flow must fail)."""
-        while flow.unsent and len(flow.outstanding) < flow.window and most != 0:
-            most = None if most is None else most - 1
-            call = flow.unsent[0]
-            try:
-                _send_request(flow.link.sock, call)
-            except zmq.Again:
-                return True  # not connected (yet): POLLOUT tells when
-            except zmq.ZMQError:  # failed mid-message (the peer went): the socket may hold
-                self.router.counters["send_errors"] += 1  # part of one, so _fail replaces it
-                flow.sent = True
-                return False
-            if not flow.outstanding:
-                flow.progress = now
-            flow.unsent.pop(0)
+    def _send_one(self, flow: _Flow, now: float) -> bool:
+        """Send the flow's next request if its window allows; False when the socket failed
+        (the flow must fail)."""
+        if not flow.unsent or len(flow.outstanding) >= flow.window:
+            return True
+        call = flow.unsent[0]
+        try:
+            _send_request(flow.link.sock, call)
+        except zmq.Again:
+            return True  # not connected (yet): POLLOUT tells when
+        except zmq.ZMQError:  # failed mid-message (the peer went): the socket may hold
+            self.router.counters["send_errors"] += 1  # part of one, so _fail replaces it
             flow.sent = True
-            flow.outstanding[call.request.id] = call
-            flow.out_bytes += call.nbytes
+            return False
+        if not flow.outstanding:
+            flow.progress = now
+        flow.unsent.pop(0)
+        flow.sent = True
+        flow.outstanding[call.request.id] = call
+        flow.out_bytes += call.nbytes
         return True
 
     def _receive(self, flow: _Flow, flows: dict, results: Results, jobs: list[_Job]) -> None:

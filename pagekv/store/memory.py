@@ -24,7 +24,7 @@ import logging
 import os
 import resource
 
-__all__ = ["raise_fd_limit", "rss_bytes", "tune_malloc_for_blocks", "trim_heap"]
+__all__ = ["minor_faults", "raise_fd_limit", "rss_bytes", "tune_malloc_for_blocks", "trim_heap"]
 
 log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -2, -3, -8
@@ -98,6 +98,13 @@ def rss_bytes(pid: int | str = "self") -> int:
     """Resident set size of a process (``/proc/<pid>/statm``)."""
     with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * _PAGE
+
+
+def minor_faults(pid: int | str = "self") -> int:
+    """Minor page faults of a whole process so far (``/proc/<pid>/stat``): each a page the
+    kernel mapped in, zeroed first when it was fresh memory."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
 
 
 def raise_fd_limit() -> int:
