@@ -68,6 +68,9 @@ class _Conn:
         self.lanes = lanes
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.sock: socket.socket | None = None
+        # abort() counts up (client's thread); the connection's thread compares before each
+        # send: a socket shut down while this thread was idle is replaced, not sent on
+        self.aborts = self.aborts_seen = 0
         self.thread = threading.Thread(target=self._run, name="pagekv-bulk-client", daemon=True)
         self.thread.start()
 
@@ -77,7 +80,9 @@ class _Conn:
         return fut
 
     def abort(self) -> None:
-        """End the calls on this connection now (each gets None); the next call reconnects."""
+        """End the calls on this connection now (each gets None); the next call reconnects
+        (also when the connection was idle: its socket is shut down all the same)."""
+        self.aborts += 1
         sock = self.sock
         if sock is not None:
             try:
@@ -197,6 +202,9 @@ class _Conn:
 
     def _send(self, call: Call) -> Any:
         """Send ``call``'s request: True, else its result (FALLBACK: no connection; None)."""
+        if self.aborts != self.aborts_seen:  # shut down by abort(): never send on it
+            self.aborts_seen = self.aborts
+            self._drop()
         if self.sock is None and not self._connect():
             return FALLBACK
         try:
