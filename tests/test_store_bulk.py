@@ -315,6 +315,56 @@ async def test_a_cancelled_get_never_leaves_the_lane_writing_into_the_buffer(ser
         client.close()
 
 
+@pytest.mark.asyncio
+async def test_an_arrival_callback_that_raises_ends_the_get_and_the_client_serves_on(served):
+    """The async client hands lane replies on from one callback per call: an ``on_arrival``
+    that raises makes ``get_many`` raise that error, nothing is handed on after it, and the
+    next call on the same client gets every value exact."""
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 32, 1 << 18)
+    cfg = ClientConfig((node.address,), streams=2, max_message_bytes=1 << 20)
+    client = AsyncStoreClient(node.address, config=cfg)
+    try:
+        assert await client.put_many(keys, values) == [Status.OK] * len(keys)
+        seen: list[int] = []
+
+        def explode(i: int) -> None:
+            seen.append(i)
+            if len(seen) == 5:
+                raise LookupError("the caller's callback failed")
+
+        into = [bytearray([POISON]) * len(v) for v in values]
+        with pytest.raises(LookupError, match="callback failed"):
+            await client.get_many(keys, into=into, on_arrival=explode)
+        into = [bytearray([POISON]) * len(v) for v in values]
+        arrived: list[int] = []
+        assert await client.get_many(keys, into=into, on_arrival=arrived.append) == [True] * 32
+        assert [bytes(b) for b in into] == values and sorted(arrived) == list(range(32))
+        assert len(seen) == 5  # the first call's later replies never reached its callback
+        assert client.counters["bulk_requests"] > 0
+    finally:
+        client.close()
+
+
+def test_an_idle_connection_that_was_aborted_is_replaced_not_sent_on(served):
+    """A call that stops early aborts its node's lane connections, some of them idle: the
+    next call must open new ones, not fail on the shut-down sockets (and mark the node
+    failed)."""
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 16, 1 << 18)
+    cfg = ClientConfig((node.address,), streams=2, max_message_bytes=1 << 20)
+    with StoreClient(node.address, config=cfg) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        assert client.get_many(keys) == values  # both connections made, now idle
+        client.bulk.abort({0})
+        into = [bytearray([POISON]) * len(v) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert [bytes(b) for b in into] == values
+        assert client.counters["bulk_failures"] == 0 and client.counters["node_failures"] == 0
+
+
 def test_a_value_corrupted_on_the_lane_is_a_miss():
     """A fake lane sends a value with one bit flipped under the original checksum: the client
     must report a miss (counted), never the corrupted bytes as a hit."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -194,23 +195,47 @@ class AsyncStoreClient(_Base):
     async def _bulk_calls(
         self, node: int, bulk: list[tuple[Call, concurrent.futures.Future]]
     ) -> Results:
-        """Await the bulk calls, handing each result on as it arrives. Cancelled, it stops
-        the node's transfers (they write into the caller's buffers) and waits for them."""
+        """Await the bulk calls, handing each result on (on this loop) as it arrives: one
+        callback per call, no task per call (what a prefetch of thousands of pages spent its
+        loop's time on). Failed or cancelled, it stops the node's transfers (they write into
+        the caller's buffers), waits for them, and hands nothing more on."""
+        loop = asyncio.get_running_loop()
         results: Results = {}
         fallback: Batch = []
-        reset = False
+        ended = loop.create_future()
+        left, reset = len(bulk), False
 
-        async def one(call: Call, fut: concurrent.futures.Future) -> None:
-            nonlocal reset
-            failed = self._take_bulk(call, await asyncio.wrap_future(fut), results, fallback)
+        def take(call: Call, fut: concurrent.futures.Future) -> None:
+            nonlocal left, reset
+            if ended.done():
+                return  # the batch ended (an error, or the caller was cancelled)
+            try:
+                result = None if fut.cancelled() else fut.result()
+                failed = self._take_bulk(call, result, results, fallback)
+            except Exception as e:  # e.g. the caller's on_arrival raised: get_many raises it
+                ended.set_exception(e)
+                return
             if failed and not reset:  # as after a ZeroMQ timeout: the node must connect
-                reset = True  # again (a handshake a stopped node cannot complete) before
-                for link in self._links.get(node, []):  # it is used, even as a last resort
+                reset = True  # again (a handshake a stopped node cannot complete) before it
+                for link in self._links.get(node, []):  # is used, even as a last resort
                     if link is not None:
                         self._reset(link)
+            left -= 1
+            if not left:
+                ended.set_result(None)
 
+        def done(fut: concurrent.futures.Future, call: Call) -> None:  # a lane's thread
+            try:
+                loop.call_soon_threadsafe(take, call, fut)
+            except RuntimeError:  # the loop closed: the batch ended, nothing to hand on
+                return
+
+        if not bulk:
+            return results
+        for call, fut in bulk:
+            fut.add_done_callback(functools.partial(done, call=call))
         try:
-            await asyncio.gather(*(one(call, fut) for call, fut in bulk))
+            await ended
         finally:
             running = [fut for _, fut in bulk if not fut.done()]
             if running:
