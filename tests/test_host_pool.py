@@ -29,6 +29,23 @@ def test_layout_and_views(geo):
     assert torch.equal(as_bits(pool.buffer[[0, 1, 3, 4]]), as_bits(before[[0, 1, 3, 4]]))
 
 
+@pytest.mark.parametrize("geo", [MHA, MLA])
+def test_page_views_are_the_pages_and_check_every_id_first(geo):
+    pool = HostPagePool(geo, 5, pin=False)
+    ids = [3, 0, 4, 3]
+    views = pool.page_views(ids)
+    for i, view in zip(ids, views):
+        assert view.nbytes == geo.page_bytes and not view.readonly
+        data = random_tensor(geo.host_page_shape, geo.dtype)
+        view[:] = data.view(torch.uint8).reshape(-1).numpy().tobytes()
+        assert torch.equal(as_bits(pool.page_tensor(i)), as_bits(data))
+        assert bytes(view) == bytes(pool.page_view(i))
+    for bad in ([0, 5], [-1], [1, True], [2.0]):
+        with pytest.raises(InvalidPageError):
+            pool.page_views(bad)
+    assert pool.page_views([]) == []
+
+
 def test_alloc_free_cycle():
     pool = HostPagePool(MHA, 4, pin=False)
     a = pool.alloc(3)

@@ -32,6 +32,19 @@ def test_publish_lookup_acquire():
     assert cache.num_held == 0 and len(cache) == 3
 
 
+def test_acquire_each_holds_every_cached_key_and_skips_misses():
+    _, cache = make()
+    pages = fill(cache, [b"a", b"b", b"c"])
+    held = cache.acquire_each([b"x", b"b", b"a", b"y"])
+    assert held == [None, pages[1], pages[0], None]
+    assert [cache.refcount(p) for p in pages] == [1, 1, 0]
+    assert cache.num_evictable == 1  # only c can go
+    assert cache.evict(3) == 1 and b"c" not in cache and b"a" in cache
+    cache.release([p for p in held if p is not None])
+    assert cache.num_held == 0 and cache.num_evictable == 2
+    assert cache.acquire_each([]) == []
+
+
 def test_lru_eviction_order_and_held_pages_survive():
     _, cache = make(4)
     pa, pb, pc, pd = fill(cache, [b"a", b"b", b"c", b"d"])

@@ -60,6 +60,8 @@ class Fetcher:
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future] = []
         todo: list[bytes] = []
+        fresh = [key for key in dict.fromkeys(keys) if key not in self.inflight]
+        cached = dict(zip(fresh, self.cache.acquire_each(fresh)))  # one lock for them all
         for key in keys:
             entry = self.inflight.get(key)
             if entry is not None:
@@ -67,9 +69,11 @@ class Fetcher:
                 futures.append(entry.future)
                 continue
             fut = loop.create_future()
-            held = self.cache.acquire([key])
-            if held:
-                waiter.held[key] = held[0]
+            page = cached.pop(key, None)
+            if page is not None:
+                waiter.held[key] = page
+                fut.set_result(True)
+            elif key in waiter.held:  # a repeat of a key handed over above
                 fut.set_result(True)
             else:
                 self.inflight[key] = _Inflight(fut, {waiter})
@@ -104,13 +108,13 @@ class Fetcher:
             done[i] = True
             if self.cache.publish(key, page):
                 self.counters["bytes_in"] += self.pool.page_bytes
-                self._resolve(key, page)
+                self._resolve(key, page, own=True)  # this fetch's hold goes to a waiter
             else:  # cached meanwhile by a save: hand that one over
                 self._resolve(key, None, existing=True)
-            self.cache.release([page])  # a published page stays cached
+                self.cache.release([page])
 
         try:
-            views = [self.pool.page_view(p) for _, p in batch]
+            views = self.pool.page_views([p for _, p in batch])
             await self.store.get_many([k for k, _ in batch], into=views, on_arrival=arrived)
         except StoreError as e:
             self.counters["store_errors"] += 1
@@ -121,20 +125,29 @@ class Fetcher:
                 self._resolve(key, None)
             self.cache.release([p for _, p in rest])
 
-    def _resolve(self, key: bytes, page: int | None, *, existing: bool = False) -> None:
+    def _resolve(
+        self, key: bytes, page: int | None, *, existing: bool = False, own: bool = False
+    ) -> None:
         """End ``key``'s fetch: give each waiter its own hold on ``page`` (or, ``existing``,
         on the page cached under ``key`` by someone else), then wake them and run their
-        ``on_handed``."""
+        ``on_handed``. ``own``: the caller's hold on the published ``page`` is handed to the
+        first waiter (released, the page left cached and evictable, when none waits), so
+        the common case, one prefetch waiting, takes no lock here."""
         entry = self.inflight.pop(key)
         told: list[Waiter] = []  # those handed a page
         for waiter in entry.waiters:
             if page is not None:
-                self.cache.hold(page)
+                if own:
+                    own = False
+                else:
+                    self.cache.hold(page)
                 waiter.held[key] = page
                 told.append(waiter)
             elif existing and (held := self.cache.acquire([key])):
                 waiter.held[key] = held[0]
                 told.append(waiter)
+        if own:
+            self.cache.release([page])
         if not entry.future.done():
             entry.future.set_result(True if told or page is not None else None)
         for waiter in told:

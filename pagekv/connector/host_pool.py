@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -73,6 +73,7 @@ class HostPagePool:
         self.page_bytes = geometry.page_bytes
         self.buffer = torch.empty((num_pages, *geometry.host_page_shape), dtype=geometry.dtype)
         self._bytes: np.ndarray = self.buffer.view(torch.uint8).view(num_pages, -1).numpy()
+        self._flat = memoryview(self._bytes.reshape(-1))  # page_views slices it: no numpy call
         self._regions: list[tuple[int, int]] = []
         pin = torch.cuda.is_available() if pin is None else pin
         if pin:
@@ -148,6 +149,14 @@ class HostPagePool:
         """
         self.check_page_id(page_id)
         return memoryview(self._bytes[page_id])
+
+    def page_views(self, page_ids: Sequence[int]) -> list[memoryview]:
+        """:meth:`page_view` of each id, all checked first (``InvalidPageError``): one slice of
+        the pool's flat view per page, for the many pages of a fetch or a write-back."""
+        for p in page_ids:
+            self.check_page_id(p)
+        pb, flat = self.page_bytes, self._flat
+        return [flat[p * pb : (p + 1) * pb] for p in page_ids]
 
     def page_tensor(self, page_id: int) -> torch.Tensor:
         """Typed zero-copy view of one page, shape ``geometry.host_page_shape``."""

@@ -124,6 +124,18 @@ class PageCache:
                 pages.append(page)
             return pages
 
+    def acquire_each(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Hold the page of every cached key of ``keys`` (one lock for all): per key its page
+        id, or None where it is not cached. Each id returned must be :meth:`release` d once."""
+        with self._lock:
+            pages: list[int | None] = []
+            for key in keys:
+                page = self._page_of.get(key)
+                if page is not None:
+                    self._hold_locked(page)
+                pages.append(page)
+            return pages
+
     def hold(self, page_id: int) -> None:
         """One more hold on a page that is already held (e.g. handed to a second owner)."""
         with self._lock:

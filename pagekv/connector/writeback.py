@@ -111,7 +111,7 @@ class WriteBack:
             if not todo:
                 return
             status = await self.store.put_many(
-                [k for k, _ in todo], [self.pool.page_view(p) for _, p in todo]
+                [k for k, _ in todo], self.pool.page_views([p for _, p in todo])
             )
         except StoreError as e:
             self.counts["failed"] += len(pages)
