@@ -3,8 +3,9 @@
 Starts N local nodes, saves a prompt through one connector, then either prefetches it again and
 again through a second one (``prefetch``) or reads the same keys with an AsyncStoreClient into
 the same pages (``raw``). Each round prints GB/s and the CPU each group of threads used, in
-cores (from /proc/self/task/*/schedstat, grouped by Python thread name). Run it under py-spy to
-see who holds the GIL:
+cores (from /proc/*/task/*/schedstat: this process's threads grouped by Python thread name,
+the nodes' by OS thread name, summed over nodes), and the busiest single thread of each side.
+Run it under py-spy to see who holds the GIL:
 
     py-spy record --gil --threads -r 200 -f raw -o gil.txt -- \
         python scripts/diag_connector.py prefetch --nodes 3
@@ -27,28 +28,36 @@ from pagekv.store.launch import start_nodes
 from pagekv.store.memory import tune_malloc_for_blocks
 
 
-def thread_times() -> dict[str, tuple[str, int]]:
-    """Per OS thread of this process: (Python thread name without its number, CPU ns)."""
+def thread_times(pids: tuple[int, ...] = ()) -> dict[str, tuple[str, int]]:
+    """Per OS thread of this process (or of ``pids``): (group name, CPU ns). This process's
+    threads are grouped by Python thread name without its number; other processes' by their
+    OS name (``python3`` for every Python thread, ``ZMQbg/IO/n`` for libzmq's)."""
     names = {str(t.native_id): t.name.split("_")[0].rstrip("0123456789-")
              for t in threading.enumerate()}  # fmt: skip
     out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                comm = f.read().strip()
-        except OSError:  # the thread ended meanwhile
-            continue
-        out[tid] = (names.get(tid, comm), ns)
+    for pid in pids or ("self",):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    ns = int(f.read().split()[0])
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    comm = f.read().strip().rstrip("0123456789")
+            except OSError:  # the thread ended meanwhile
+                continue
+            out[f"{pid}/{tid}"] = (names.get(tid, comm) if pid == "self" else comm, ns)
     return out
 
 
 def cores(before: dict, after: dict, seconds: float) -> dict[str, float]:
+    """Cores used per group, and the busiest single thread (``max thread``)."""
     by: collections.Counter = collections.Counter()
+    busiest = 0.0
     for tid, (name, ns) in after.items():
-        by[name] += (ns - before.get(tid, (name, 0))[1]) / 1e9 / seconds
-    return {name: round(c, 2) for name, c in by.most_common(6) if c >= 0.01}
+        used = (ns - before.get(tid, (name, 0))[1]) / 1e9 / seconds
+        by[name] += used
+        busiest = max(busiest, used)
+    out = {name: round(c, 2) for name, c in by.most_common(6) if c >= 0.01}
+    return {**out, "max thread": round(busiest, 2)}
 
 
 def main() -> None:
@@ -75,14 +84,17 @@ def main() -> None:
         a.save(tokens, torch.randperm(args.tokens + 64, device=device)[: args.tokens])
         a.flush_sync(timeout=600)
         gb = n_pages * geo.page_bytes / 1e9
+        pids = tuple(n.proc.pid for n in nodes if n.proc is not None)
         if args.what == "prefetch":
             for _ in range(args.rounds):
                 b.cache.evict(n_pages + 8)
-                before, start = thread_times(), time.perf_counter()
+                before, on_nodes = thread_times(), thread_times(pids)
+                start = time.perf_counter()
                 handle = asyncio.run(b.prefetch(tokens))
                 seconds = time.perf_counter() - start
                 used = cores(before, thread_times(), seconds)
-                print(f"prefetch {gb / seconds:.2f} GB/s, cores {used}")
+                nodes_used = cores(on_nodes, thread_times(pids), seconds)
+                print(f"prefetch {gb / seconds:.2f} GB/s, cores {used}, nodes {nodes_used}")
                 b.release(handle)
         else:
             keys, views = b.keys(tokens), b.pool.page_views(list(range(n_pages)))
@@ -91,11 +103,13 @@ def main() -> None:
                 client, arrived = AsyncStoreClient(cfg.endpoints, config=cfg), []
                 try:
                     for _ in range(args.rounds):
-                        before, start = thread_times(), time.perf_counter()
+                        before, on_nodes = thread_times(), thread_times(pids)
+                        start = time.perf_counter()
                         await client.get_many(keys, into=views, on_arrival=arrived.append)
                         seconds = time.perf_counter() - start
                         used = cores(before, thread_times(), seconds)
-                        print(f"raw {gb / seconds:.2f} GB/s, cores {used}")
+                        nodes_used = cores(on_nodes, thread_times(pids), seconds)
+                        print(f"raw {gb / seconds:.2f} GB/s, cores {used}, nodes {nodes_used}")
                 finally:
                     client.close()
 
