@@ -83,9 +83,10 @@ def trim_heap(keep_trimming: bool | None = None) -> bool:
     if libc is None or not hasattr(libc, "malloc_trim"):
         return False
     if keep_trimming is not None and hasattr(libc, "mallopt"):
-        restore = _tuned_trim_threshold or _DEFAULT_TRIM_THRESHOLD
-        libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD if keep_trimming else restore)
-        libc.mallopt(_M_TOP_PAD, _DEFAULT_TOP_PAD if keep_trimming else _tuned_top_pad)
+        threshold = _tuned_trim_threshold or _DEFAULT_TRIM_THRESHOLD
+        pad = _tuned_top_pad or _DEFAULT_TOP_PAD
+        libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD if keep_trimming else threshold)
+        libc.mallopt(_M_TOP_PAD, _DEFAULT_TOP_PAD if keep_trimming else pad)
     libc.malloc_trim.argtypes = [ctypes.c_size_t]
     libc.malloc_trim(0)
     return True
