@@ -147,8 +147,7 @@ class HostPagePool:
 
         What the network layer sends from and receives into. The pool owns the memory.
         """
-        self.check_page_id(page_id)
-        return memoryview(self._bytes[page_id])
+        return self.page_views([page_id])[0]
 
     def page_views(self, page_ids: Sequence[int]) -> list[memoryview]:
         """:meth:`page_view` of each id, all checked first (``InvalidPageError``): one slice of
