@@ -1,7 +1,8 @@
 """The bulk lane (plain TCP for PUT/GET payloads, received straight into place): values exact on
 fresh random data, several clients at once, a node killed mid-transfer, an unreachable lane
 (ZeroMQ takes over), malformed and oversized input, and a call that stops waiting early never
-leaving a transfer writing into the caller's buffers."""
+leaving a transfer writing into the caller's buffers. Tests marked with the ``receive`` fixture
+run twice: frames received by the native call, and by Python's ``recv_into`` + xxhash."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import threading
 
 import pytest
 
-from pagekv.store import AsyncStoreClient, NodeConfig, Status, StoreClient, StoreNode
+from pagekv.store import AsyncStoreClient, NodeConfig, Status, StoreClient, StoreNode, native
 from pagekv.store.bulk_wire import MAGIC, PREFIX, read_head, send_message
 from pagekv.store.config import ClientConfig
 from pagekv.store.launch import NodeProcess
@@ -25,6 +26,30 @@ POISON = 0xA5
 
 def rand_values(rng: random.Random, n: int, size: int) -> tuple[list[bytes], list[bytes]]:
     return [rng.randbytes(16) for _ in range(n)], [rng.randbytes(size) for _ in range(n)]
+
+
+@pytest.fixture(params=["native", "python"])
+def receive(request, monkeypatch):
+    """Both ways this process receives lane frames: the native call (``PAGEKV_NATIVE_COPY=on``;
+    skipped without a C compiler) or ``recv_into`` + xxhash (``off``); checks after the test
+    that the chosen one did the receiving (nodes in other processes are not counted)."""
+    calls = []
+    real = native.NativeCopy.recv_verify
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    if request.param == "native":
+        monkeypatch.setenv("PAGEKV_NATIVE_COPY", "auto")
+        if native.load() is None:
+            pytest.skip(f"native receive unavailable: {native.unavailable_reason()}")
+        monkeypatch.setenv("PAGEKV_NATIVE_COPY", "on")
+    else:
+        monkeypatch.setenv("PAGEKV_NATIVE_COPY", "off")
+    monkeypatch.setattr(native.NativeCopy, "recv_verify", counted)
+    yield request.param
+    assert (len(calls) > 0) == (request.param == "native"), (request.param, len(calls))
 
 
 @pytest.fixture
@@ -45,6 +70,7 @@ def served():
         thread.join(timeout=5)
 
 
+@pytest.mark.usefixtures("receive")
 def test_values_round_trip_over_the_lane_into_place(served):
     node = served()
     rng = random.Random(os.urandom(8))
@@ -66,6 +92,7 @@ def test_values_round_trip_over_the_lane_into_place(served):
     assert stats["bulk_requests"] >= 4 and stats["bulk_bytes_out"] >= sum(map(len, values))
 
 
+@pytest.mark.usefixtures("receive")
 @pytest.mark.asyncio
 async def test_async_client_multi_frame_values_over_the_lane(served):
     node = served()
@@ -86,6 +113,7 @@ async def test_async_client_multi_frame_values_over_the_lane(served):
         client.close()
 
 
+@pytest.mark.usefixtures("receive")
 def test_several_clients_at_once_each_value_exact(served):
     node = served()
     rng = random.Random(os.urandom(8))
@@ -224,6 +252,7 @@ def test_connections_over_the_cap_are_closed_and_the_rest_served(served):
             s.close()
 
 
+@pytest.mark.usefixtures("receive")
 def test_a_node_killed_mid_transfer_gives_misses_never_wrong_data():
     node = NodeProcess("--capacity", "512MiB").start()
     rng = random.Random(os.urandom(8))
@@ -280,6 +309,7 @@ class _StallingLane:
             self.finished.set()
 
 
+@pytest.mark.usefixtures("receive")
 @pytest.mark.asyncio
 async def test_a_cancelled_get_never_leaves_the_lane_writing_into_the_buffer(served):
     """The call is cancelled while half of a value is in the caller's buffer: when the call
@@ -365,6 +395,7 @@ def test_an_idle_connection_that_was_aborted_is_replaced_not_sent_on(served):
         assert client.counters["bulk_failures"] == 0 and client.counters["node_failures"] == 0
 
 
+@pytest.mark.usefixtures("receive")
 def test_a_value_corrupted_on_the_lane_is_a_miss():
     """A fake lane sends a value with one bit flipped under the original checksum: the client
     must report a miss (counted), never the corrupted bytes as a hit."""
@@ -391,6 +422,7 @@ def test_a_value_corrupted_on_the_lane_is_a_miss():
         thread.join(timeout=5)
 
 
+@pytest.mark.usefixtures("receive")
 def test_a_put_on_the_lane_is_verified_as_it_lands(served):
     """Clients send PUTs over ZeroMQ, but the lane takes them too: a value whose bytes do not
     match its checksum is refused (nothing stored), the right ones are stored exactly."""

@@ -1,15 +1,19 @@
 """The native checked copy (pagekv.store.native): digests equal xxhash's XXH3-64 of the bytes
 written, on fresh random data of many sizes, pieces and threads; bad buffers raise typed errors
 before anything is copied; PAGEKV_NATIVE_COPY off / on / auto with a broken compiler; two
-processes building into one fresh cache end with one library."""
+processes building into one fresh cache end with one library. The native receive
+(``recv_verify``): bytes and digests exact over a socket in any chunk size, a peer that closes
+or stalls, a shutdown from another thread, bad input refused before a byte is read."""
 
 import logging
 import mmap
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -134,6 +138,116 @@ def test_bad_input_raises_typed_errors_before_copying(lib):
             lib.copy_verify([good], threads=threads)
     with pytest.raises(ValueError, match="block_bytes"):
         lib.copy_verify([good], block_bytes=0)
+
+
+def _send_in_thread(sock: socket.socket, data: list[bytes]) -> threading.Thread:
+    thread = threading.Thread(target=lambda: [sock.sendall(d) for d in data], daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("chunk", [7, 4096, BLOCK, 8 << 20])
+def test_recv_verify_lands_and_hashes_every_value_exactly(lib, rng, chunk):
+    counts = [1, 3, 0, 2, 1, 1]
+    sizes = [int(n) for n in rng.choice(SIZES, sum(counts))]
+    data = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    frames = [poisoned(n) if k % 2 else np.full(n, POISON, np.uint8) for k, n in enumerate(sizes)]
+    expected, at = [], 0
+    for count in counts:
+        expected.append(xxh3(*data[at : at + count]))
+        at += count
+    a, b = socket.socketpair()
+    with a, b:
+        sender = _send_in_thread(a, data)
+        assert lib.recv_verify(b.fileno(), frames, counts, chunk_bytes=chunk) == expected
+        sender.join()
+        assert [bytes(memoryview(f).cast("B")) for f in frames] == data
+        sender = _send_in_thread(a, data)  # no counts: received, not hashed
+        frames = [poisoned(n) for n in sizes]
+        assert lib.recv_verify(b.fileno(), frames, None, chunk_bytes=chunk) is None
+        sender.join()
+        assert [bytes(f) for f in frames] == data
+
+
+def test_recv_verify_peer_closing_mid_frame_is_eof_with_the_count(lib, rng):
+    data = rng.integers(0, 256, 3 * BLOCK, dtype=np.uint8).tobytes()
+    frames = [poisoned(BLOCK), poisoned(3 * BLOCK)]
+    a, b = socket.socketpair()
+    with a, b:
+
+        def send_then_end() -> None:
+            a.sendall(data)
+            a.shutdown(socket.SHUT_WR)
+
+        sender = threading.Thread(target=send_then_end)
+        sender.start()
+        with pytest.raises(EOFError, match=f"after {3 * BLOCK} of {4 * BLOCK} bytes"):
+            lib.recv_verify(b.fileno(), frames, [1, 1])
+        sender.join()
+    assert bytes(frames[0]) == data[:BLOCK] and bytes(frames[1][: 2 * BLOCK]) == data[BLOCK:]
+
+
+def test_recv_verify_stalled_peer_ends_at_the_sockets_receive_timeout(lib):
+    a, b = socket.socketpair()
+    with a, b:
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0.05))
+        a.sendall(b"x" * 10)
+        frame = poisoned(20)
+        with pytest.raises(BlockingIOError, match="after 10 of 20 bytes"):
+            lib.recv_verify(b.fileno(), [frame], [1])
+        assert frame[:10] == b"x" * 10 and frame[10:] == poisoned(10)
+
+
+def test_recv_verify_ends_when_another_thread_shuts_the_socket_down(lib, rng):
+    """The bulk lane's abort: a shutdown from another thread wakes a receive that waits for
+    the rest of a frame; it ends with EOFError, and the socket stays open (no fd reuse)."""
+    first = rng.integers(1, 256, BLOCK, dtype=np.uint8).tobytes()  # no POISON-free check
+    frame = np.zeros(2 * BLOCK, np.uint8)
+    a, b = socket.socketpair()
+    with a, b:
+        outcome: list[BaseException] = []
+
+        def receive() -> None:
+            try:
+                lib.recv_verify(b.fileno(), [frame], [1], chunk_bytes=2 * BLOCK)
+            except BaseException as e:  # handed to the test's thread
+                outcome.append(e)
+
+        thread = threading.Thread(target=receive)
+        thread.start()
+        a.sendall(first)
+        while frame[BLOCK - 1] == 0:  # the first half has landed: the call waits for more
+            thread.join(0.001)
+        b.shutdown(socket.SHUT_RDWR)
+        thread.join(10)
+        assert not thread.is_alive() and len(outcome) == 1
+        assert isinstance(outcome[0], EOFError) and b.fileno() >= 0
+
+
+def test_recv_verify_bad_input_refused_before_reading(lib):
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(b"0123456789")
+        cases = [
+            (TypeError, "read-only", [b"0123456789"], [1]),
+            (ValueError, "not C-contiguous", [np.zeros(20, np.uint8)[::2]], [1]),
+            (ValueError, "do not add up", [poisoned(5), poisoned(5)], [1]),
+            (ValueError, "do not add up", [poisoned(5), poisoned(5)], [3, -1]),
+        ]
+        for kind, message, frames, counts in cases:
+            with pytest.raises(kind, match=message):
+                lib.recv_verify(b.fileno(), frames, counts)
+        with pytest.raises(ValueError, match="chunk_bytes"):
+            lib.recv_verify(b.fileno(), [poisoned(10)], [1], chunk_bytes=0)
+        frame = poisoned(10)  # every byte is still there to read
+        assert lib.recv_verify(b.fileno(), [frame], [1]) == [xxh3(b"0123456789")]
+        assert frame == b"0123456789"
+
+
+def _timeval(seconds: float) -> bytes:
+    from pagekv.store.bulk_wire import timeval
+
+    return timeval(seconds)
 
 
 def test_copy_checksum_same_digest_native_and_off(fresh_cache, monkeypatch, rng):

@@ -3,10 +3,12 @@ advertises one (PING ``bulk``) go over plain TCP connections, one thread per con
 stay on ZeroMQ, which measured faster for them: see ``_LANE_OPS``).
 
 Each connection's thread sends a request and reads the reply's frames straight into the GET's
-destinations (``Call.sinks``) when their sizes match, one ``recv_into`` per frame with the GIL
-released, each value hashed as it lands (on the copy pool while the next frame arrives, when
-the client has at most half as many connections as the pool has threads), then runs the call's
-``prepare`` there (which compares those digests). Up to ``DEPTH`` requests are out on a
+destinations (``Call.sinks``) when their sizes match, each value hashed as it lands: with the
+native library, all of a reply's frames in one call without the GIL, each 256 KiB hashed right
+after it arrived (:func:`.bulk_wire.recv_values`); without it, one ``recv_into`` per frame, then
+xxhash (on the copy pool while the next frame arrives, when the client has at most half as
+many connections as the pool has threads). Then it runs the call's ``prepare`` there (which
+compares those digests). Up to ``DEPTH`` requests are out on a
 connection, so the node starts the next reply while this thread checks the last. The result
 goes back through a ``concurrent.futures.Future``: ``(reply, frames)``, ``None`` (the node
 failed this request: no answer in time, a reset, a malformed reply; its keys move on like any
@@ -271,13 +273,14 @@ class BulkLanes:
             router.counters.setdefault(name, 0)
 
     def pool_hashing(self) -> bool:
-        """Whether received values are hashed on the copy pool: only while the client has at
-        most half as many connections as the pool has threads. With more, the connections' own
-        threads keep the cores busy and every hand-off costs. Measured on the H100 host
-        (scripts/diag_lane.py, 4 GiB GET, 8 copy threads): 1, 2 or 4 connections to one node
-        about equal either way (one stream earlier: 2.6 GB/s inline, 3.1 on the pool); 6
-        connections (3 nodes x 2) 9.8 / 11.5 GB/s inline against 8.6 / 10.2 on the pool in two
-        runs; 8 streams to one node 13.8 inline, 10.6 on the pool."""
+        """Whether received values are hashed on the copy pool when the native receive is not
+        there (:func:`.bulk_wire.recv_values`; with it, the pool is never used): only while the
+        client has at most half as many connections as the pool has threads. With more, the
+        connections' own threads keep the cores busy and every hand-off costs. Measured on the
+        H100 host (scripts/diag_lane.py, 4 GiB GET, 8 copy threads): 1, 2 or 4 connections to
+        one node about equal either way (one stream earlier: 2.6 GB/s inline, 3.1 on the pool);
+        6 connections (3 nodes x 2) 9.8 / 11.5 GB/s inline against 8.6 / 10.2 on the pool in
+        two runs; 8 streams to one node 13.8 inline, 10.6 on the pool."""
         return 2 * sum(len(c) for _, c in self._conns.values()) <= self.config.copy_threads
 
     def down(self, node: int) -> bool:

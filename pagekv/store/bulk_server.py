@@ -151,7 +151,8 @@ class BulkServer:
             req = e
         frames = [new_buffer(size) for size in head.sizes]
         put = isinstance(req, Request) and req.op is Op.PUT and self.config.verify_puts
-        few = self.open_connections < self.config.verify_threads  # else hashing inline is faster
+        # without the native receive: hash on the pool while connections are few, else inline
+        few = self.open_connections < self.config.verify_threads
         pool = self.node.verify_pool if few else None
         digests = recv_values(conn, frames, req.counts if put else None, pool)
         frames = [bytes(f) if len(f) <= SHARED_BUFFER_BYTES else f for f in frames]

@@ -1,4 +1,5 @@
-/* Checked copies for pagekv.store.native: copy values piece by piece and hash what landed.
+/* Checked copies for pagekv.store.native: copy values piece by piece and hash what landed,
+ * or receive them from a socket piece by piece and hash what landed (pagekv_recv_verify).
  *
  * A value is a run of pieces (dst, src, nbytes). Each piece is copied in blocks of
  * `block_bytes` (cache-sized: 256 KiB by default), and each block is hashed right after it was
@@ -12,17 +13,21 @@
  * taken in order from a shared counter). Nothing here touches Python: the caller (ctypes)
  * releases the GIL around the call and keeps the buffers alive.
  *
- * Build: cc -O3 -fPIC -shared -pthread copy_verify.c -o libpagekv_copy_verify.so
+ * Build: cc -O3 -fPIC -shared -pthread [-mavx2] copy_verify.c -o libpagekv_copy_verify.so
+ * (XXH3 picks its vector code at compile time: -mavx2 where the CPU has it, see native.py).
  */
 #define XXH_INLINE_ALL
 #include "third_party/xxhash/xxhash.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/types.h>
 
-#define PAGEKV_COPY_VERIFY_ABI 1
+#define PAGEKV_COPY_VERIFY_ABI 2
 #define MAX_THREADS 64
 
 typedef struct {
@@ -94,5 +99,61 @@ int pagekv_copy_verify(const pagekv_piece *pieces, uint64_t npieces, pagekv_valu
     }
     worker(&job);
     for (int t = 0; t < started; t++) pthread_join(ids[t], NULL);
+    return 0;
+}
+
+/* Receive `npieces` pieces, in order, from the connected blocking socket `fd`, each straight
+ * into its place (pieces[k].dst, pieces[k].nbytes; src is not used), `chunk_bytes` at a time
+ * (recv with MSG_WAITALL). With `nvalues` > 0 the values (consecutive runs of pieces that
+ * together cover all of them, in order) are hashed as they arrive: each chunk right after it
+ * landed, while it is still in the core's cache, so memory is crossed once; digests as
+ * pagekv_copy_verify's. Without values nothing is hashed.
+ *
+ * Returns 0 when every byte arrived; 1 when the peer closed the connection (or it was shut
+ * down) before; -errno for a failed receive (-EAGAIN / -EWOULDBLOCK: the socket's SO_RCVTIMEO
+ * passed with nothing read in one receive); -EINVAL, before anything is read, for values that
+ * do not cover the pieces in order or a chunk_bytes of 0. `*received`: the bytes received
+ * before the return. A receive interrupted by a signal is retried. */
+int pagekv_recv_verify(int fd, const pagekv_piece *pieces, uint64_t npieces,
+                       pagekv_value *values, uint64_t nvalues, uint64_t chunk_bytes,
+                       uint64_t *received) {
+    *received = 0;
+    if (chunk_bytes == 0) return -EINVAL;
+    uint64_t expect = 0;
+    for (uint64_t v = 0; v < nvalues; v++) {
+        if (values[v].first != expect || values[v].count > npieces - expect) return -EINVAL;
+        expect += values[v].count;
+    }
+    if (nvalues > 0 && expect != npieces) return -EINVAL;
+    XXH3_state_t state;
+    uint64_t value = 0, left_in_value = 0;
+    for (uint64_t p = 0; p < npieces; p++) {
+        if (nvalues > 0 && left_in_value == 0) {
+            /* values of zero pieces get the digest of no bytes */
+            while (values[value].count == 0) {
+                values[value++].digest = XXH3_64bits(NULL, 0);
+            }
+            XXH3_64bits_reset(&state);
+            left_in_value = values[value].count;
+        }
+        unsigned char *dst = (unsigned char *)pieces[p].dst;
+        uint64_t got = 0, n = pieces[p].nbytes;
+        while (got < n) {
+            uint64_t want = n - got < chunk_bytes ? n - got : chunk_bytes;
+            ssize_t r = recv(fd, dst + got, (size_t)want, MSG_WAITALL);
+            if (r < 0) {
+                if (errno == EINTR) continue;
+                return -errno;
+            }
+            if (r == 0) return 1;
+            if (nvalues > 0) XXH3_64bits_update(&state, dst + got, (size_t)r);
+            got += (uint64_t)r;
+            *received += (uint64_t)r;
+        }
+        if (nvalues > 0 && --left_in_value == 0) {
+            values[value++].digest = XXH3_64bits_digest(&state);
+        }
+    }
+    while (value < nvalues) values[value++].digest = XXH3_64bits(NULL, 0); /* trailing empties */
     return 0;
 }
