@@ -143,6 +143,30 @@ def test_several_clients_at_once_each_value_exact(served):
     assert node.stats()["bulk_requests"] >= 4 * 3
 
 
+def test_without_a_compiler_the_lane_receives_in_python(served, monkeypatch, tmp_path, caplog):
+    """``PAGEKV_NATIVE_COPY=auto``, a fresh cache and no compiler: the node and the client say
+    so once and receive every value exactly with Python's ``recv_into``; with ``on``, loading
+    at start never raises into the lane's threads (it logs why)."""
+    from pagekv.store.bulk_wire import load_native
+
+    monkeypatch.setenv("PAGEKV_NATIVE_COPY", "auto")
+    monkeypatch.setenv("PAGEKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert native.load() is None
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 12, 3 << 18)
+    with StoreClient(node.address, config=ClientConfig((node.address,), streams=2)) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        into = [bytearray([POISON]) * len(v) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert [bytes(b) for b in into] == values and client.counters["bulk_requests"] >= 1
+    monkeypatch.setenv("PAGEKV_NATIVE_COPY", "on")
+    with caplog.at_level("WARNING", logger="pagekv.store"):
+        load_native()
+    assert "native receive unavailable" in caplog.text and "no-such-cc" in caplog.text
+
+
 def test_an_unreachable_lane_falls_back_to_zeromq(served):
     node = served()
     rng = random.Random(os.urandom(8))

@@ -37,6 +37,7 @@ from pagekv.errors import ProtocolError
 
 from .bulk_wire import (
     ClosedBetweenMessages,
+    load_native,
     new_buffer,
     read_head,
     recv_values,
@@ -98,6 +99,7 @@ class _Conn:
 
     # ---- the connection's thread -----------------------------------------------------------
     def _run(self) -> None:
+        load_native()  # before the first request goes out: no node waits on a compiler
         out: collections.deque = collections.deque()  # (call, future): requests sent
         closing = False
         resent: set[int] = set()  # requests sent again after their connection went stale

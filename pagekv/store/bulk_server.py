@@ -30,7 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 from pagekv.errors import ProtocolError
 
-from .bulk_wire import PeerClosed, new_buffer, read_head, recv_values, send_message, timeval
+from .bulk_wire import (
+    PeerClosed,
+    load_native,
+    new_buffer,
+    read_head,
+    recv_values,
+    send_message,
+    timeval,
+)
 from .handlers import SHARED_BUFFER_BYTES
 from .protocol import Code, Op, Reply, Request, decode_request, encode_reply
 
@@ -94,6 +102,7 @@ class BulkServer:
 
     # ---- connections -----------------------------------------------------------------------
     def _accept(self) -> None:
+        load_native()  # before the first connection is served (it waits in the backlog)
         while not self._closed:
             try:
                 conn, _ = self.listener.accept()

@@ -18,6 +18,7 @@ connection closed: a stream cannot be resynchronised without reading what it dec
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ from typing import Any
 
 import xxhash
 
-from pagekv.errors import ProtocolError
+from pagekv.errors import NativeCopyUnavailable, ProtocolError
 
 try:  # buffers for large frames without zero-filling them (bytearray writes every byte first)
     import numpy as np
@@ -38,9 +39,10 @@ from . import native
 from .handlers import SHARED_BUFFER_BYTES
 from .protocol import MAX_HEADER_BYTES, Code
 
-__all__ = ["MAGIC", "Head", "PeerClosed", "new_buffer", "read_head", "recv_exact", "recv_values",
-           "send_message", "timeval"]  # fmt: skip
+__all__ = ["MAGIC", "Head", "PeerClosed", "load_native", "new_buffer", "read_head", "recv_exact",
+           "recv_values", "send_message", "timeval"]  # fmt: skip
 
+log = logging.getLogger("pagekv.store")
 MAGIC = b"PKB1"
 POOL_HASH_BYTES = 256 << 10  # smaller values are hashed inline (a hand-off costs more)
 PREFIX = struct.Struct("<4sIIQ")
@@ -95,6 +97,17 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += step
 
 
+def load_native() -> None:
+    """Load the native receive now (building it, about a second, once per cache directory),
+    from a thread no peer waits on, so that the first message is not held up by a compiler.
+    Never raises: when it cannot be had, :func:`recv_values` uses Python (``auto``: logged
+    once by :func:`.native.load`) or fails each message (``PAGEKV_NATIVE_COPY=on``)."""
+    try:
+        native.load()
+    except (NativeCopyUnavailable, ValueError) as e:
+        log.warning("pagekv store: native receive unavailable: %s", e)
+
+
 def recv_values(
     sock: socket.socket,
     frames: Sequence[Any],
@@ -117,6 +130,8 @@ def recv_values(
     inline. Raises as :func:`recv_exact`."""
     if counts is not None and (sum(counts) != len(frames) or min(counts, default=0) < 0):
         counts = None  # not a valid split of these frames: received, not hashed
+    if not frames:  # nothing to receive (every request but a PUT): no library needed
+        return None if counts is None else [xxhash.xxh3_64_intdigest(b"") for _ in counts]
     lib = native.load()
     if lib is not None and sock.gettimeout() is None:
         try:
