@@ -15,7 +15,15 @@ import threading
 
 import pytest
 
-from pagekv.store import AsyncStoreClient, NodeConfig, Status, StoreClient, StoreNode, native
+from pagekv.store import (
+    AsyncStoreClient,
+    NodeConfig,
+    Status,
+    StoreClient,
+    StoreNode,
+    bulk_wire,
+    native,
+)
 from pagekv.store.bulk_wire import MAGIC, PREFIX, read_head, send_message
 from pagekv.store.config import ClientConfig
 from pagekv.store.launch import NodeProcess
@@ -28,28 +36,33 @@ def rand_values(rng: random.Random, n: int, size: int) -> tuple[list[bytes], lis
     return [rng.randbytes(16) for _ in range(n)], [rng.randbytes(size) for _ in range(n)]
 
 
-@pytest.fixture(params=["native", "python"])
+@pytest.fixture(params=["native", "staged", "python"])
 def receive(request, monkeypatch):
-    """Both ways this process receives lane frames: the native call (``PAGEKV_NATIVE_COPY=on``;
-    skipped without a C compiler) or ``recv_into`` + xxhash (``off``); checks after the test
-    that the chosen one did the receiving (nodes in other processes are not counted)."""
+    """Every way this process receives lane frames: the native call (``PAGEKV_NATIVE_COPY=on``;
+    skipped without a C compiler), the same staged through each connection's ring
+    (``PAGEKV_STAGED_RECEIVE=1``, every message, however small), or ``recv_into`` + xxhash
+    (``off``); checks after the test that the chosen one did the receiving (nodes in other
+    processes are not counted)."""
     calls = []
     real = native.NativeCopy.recv_verify
 
     def counted(self, *args, **kwargs):
-        calls.append(1)
+        calls.append(kwargs.get("ring") is not None)
         return real(self, *args, **kwargs)
 
-    if request.param == "native":
+    monkeypatch.setenv("PAGEKV_STAGED_RECEIVE", "1" if request.param == "staged" else "0")
+    if request.param == "python":
+        monkeypatch.setenv("PAGEKV_NATIVE_COPY", "off")
+    else:
         monkeypatch.setenv("PAGEKV_NATIVE_COPY", "auto")
         if native.load() is None:
             pytest.skip(f"native receive unavailable: {native.unavailable_reason()}")
         monkeypatch.setenv("PAGEKV_NATIVE_COPY", "on")
-    else:
-        monkeypatch.setenv("PAGEKV_NATIVE_COPY", "off")
+        monkeypatch.setattr(bulk_wire, "STAGED_MIN_BYTES", 1)
     monkeypatch.setattr(native.NativeCopy, "recv_verify", counted)
     yield request.param
-    assert (len(calls) > 0) == (request.param == "native"), (request.param, len(calls))
+    assert (len(calls) > 0) == (request.param != "python"), (request.param, len(calls))
+    assert any(calls) == (request.param == "staged"), (request.param, calls)
 
 
 @pytest.fixture

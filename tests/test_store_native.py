@@ -2,8 +2,9 @@
 written, on fresh random data of many sizes, pieces and threads; bad buffers raise typed errors
 before anything is copied; PAGEKV_NATIVE_COPY off / on / auto with a broken compiler; two
 processes building into one fresh cache end with one library. The native receive
-(``recv_verify``): bytes and digests exact over a socket in any chunk size, a peer that closes
-or stalls, a shutdown from another thread, bad input refused before a byte is read."""
+(``recv_verify``), in place and staged through a ring: bytes and digests exact over a socket in
+any chunk size, a peer that closes or stalls (what arrived is in place), a shutdown from another
+thread, bad input refused before a byte is read."""
 
 import logging
 import mmap
@@ -146,8 +147,22 @@ def _send_in_thread(sock: socket.socket, data: list[bytes]) -> threading.Thread:
     return thread
 
 
+@pytest.fixture(params=["in place", "staged"])
+def receive(lib, request):
+    """``lib.recv_verify``, in place or staged through a ring of two chunks and a bit (the
+    smallest: every slot is reused as soon as the rules allow), poisoned, made per call."""
+
+    def call(fd: int, frames, counts, chunk_bytes: int = BLOCK):
+        ring = None
+        if request.param == "staged":
+            ring = np.full(2 * chunk_bytes + 5, POISON, np.uint8)
+        return lib.recv_verify(fd, frames, counts, chunk_bytes=chunk_bytes, ring=ring)
+
+    return call
+
+
 @pytest.mark.parametrize("chunk", [7, 4096, BLOCK, 8 << 20])
-def test_recv_verify_lands_and_hashes_every_value_exactly(lib, rng, chunk):
+def test_recv_verify_lands_and_hashes_every_value_exactly(receive, rng, chunk):
     counts = [1, 3, 0, 2, 1, 1]
     sizes = [int(n) for n in rng.choice(SIZES, sum(counts))]
     data = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
@@ -159,17 +174,17 @@ def test_recv_verify_lands_and_hashes_every_value_exactly(lib, rng, chunk):
     a, b = socket.socketpair()
     with a, b:
         sender = _send_in_thread(a, data)
-        assert lib.recv_verify(b.fileno(), frames, counts, chunk_bytes=chunk) == expected
+        assert receive(b.fileno(), frames, counts, chunk_bytes=chunk) == expected
         sender.join()
         assert [bytes(memoryview(f).cast("B")) for f in frames] == data
         sender = _send_in_thread(a, data)  # no counts: received, not hashed
         frames = [poisoned(n) for n in sizes]
-        assert lib.recv_verify(b.fileno(), frames, None, chunk_bytes=chunk) is None
+        assert receive(b.fileno(), frames, None, chunk_bytes=chunk) is None
         sender.join()
         assert [bytes(f) for f in frames] == data
 
 
-def test_recv_verify_peer_closing_mid_frame_is_eof_with_the_count(lib, rng):
+def test_recv_verify_peer_closing_mid_frame_is_eof_with_the_count(receive, rng):
     data = rng.integers(0, 256, 3 * BLOCK, dtype=np.uint8).tobytes()
     frames = [poisoned(BLOCK), poisoned(3 * BLOCK)]
     a, b = socket.socketpair()
@@ -182,23 +197,23 @@ def test_recv_verify_peer_closing_mid_frame_is_eof_with_the_count(lib, rng):
         sender = threading.Thread(target=send_then_end)
         sender.start()
         with pytest.raises(EOFError, match=f"after {3 * BLOCK} of {4 * BLOCK} bytes"):
-            lib.recv_verify(b.fileno(), frames, [1, 1])
+            receive(b.fileno(), frames, [1, 1])
         sender.join()
     assert bytes(frames[0]) == data[:BLOCK] and bytes(frames[1][: 2 * BLOCK]) == data[BLOCK:]
 
 
-def test_recv_verify_stalled_peer_ends_at_the_sockets_receive_timeout(lib):
+def test_recv_verify_stalled_peer_ends_at_the_sockets_receive_timeout(receive):
     a, b = socket.socketpair()
     with a, b:
         b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0.05))
         a.sendall(b"x" * 10)
         frame = poisoned(20)
         with pytest.raises(BlockingIOError, match="after 10 of 20 bytes"):
-            lib.recv_verify(b.fileno(), [frame], [1])
+            receive(b.fileno(), [frame], [1])
         assert frame[:10] == b"x" * 10 and frame[10:] == poisoned(10)
 
 
-def test_recv_verify_ends_when_another_thread_shuts_the_socket_down(lib, rng):
+def test_recv_verify_ends_when_another_thread_shuts_the_socket_down(receive, rng):
     """The bulk lane's abort: a shutdown from another thread wakes a receive that waits for
     the rest of a frame; it ends with EOFError, and the socket stays open (no fd reuse)."""
     first = rng.integers(1, 256, BLOCK, dtype=np.uint8).tobytes()  # no POISON-free check
@@ -207,13 +222,13 @@ def test_recv_verify_ends_when_another_thread_shuts_the_socket_down(lib, rng):
     with a, b:
         outcome: list[BaseException] = []
 
-        def receive() -> None:
+        def run() -> None:
             try:
-                lib.recv_verify(b.fileno(), [frame], [1], chunk_bytes=2 * BLOCK)
+                receive(b.fileno(), [frame], [1], chunk_bytes=BLOCK // 2)
             except BaseException as e:  # handed to the test's thread
                 outcome.append(e)
 
-        thread = threading.Thread(target=receive)
+        thread = threading.Thread(target=run)
         thread.start()
         a.sendall(first)
         while frame[BLOCK - 1] == 0:  # the first half has landed: the call waits for more
@@ -239,6 +254,10 @@ def test_recv_verify_bad_input_refused_before_reading(lib):
                 lib.recv_verify(b.fileno(), frames, counts)
         with pytest.raises(ValueError, match="chunk_bytes"):
             lib.recv_verify(b.fileno(), [poisoned(10)], [1], chunk_bytes=0)
+        with pytest.raises(ValueError, match="need at least 2 chunks"):
+            lib.recv_verify(b.fileno(), [poisoned(10)], [1], chunk_bytes=4, ring=poisoned(7))
+        with pytest.raises(TypeError, match="ring is read-only"):
+            lib.recv_verify(b.fileno(), [poisoned(10)], [1], chunk_bytes=4, ring=bytes(8))
         frame = poisoned(10)  # every byte is still there to read
         assert lib.recv_verify(b.fileno(), [frame], [1]) == [xxh3(b"0123456789")]
         assert frame == b"0123456789"

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
+from pagekv.store import config as config_module
 from pagekv.store.config import MAX_STREAMS, default_streams
 from pagekv.store.launch import NodeProcess
 from tests.helpers import POISON, as_bytes, poisoned_like
@@ -45,6 +46,28 @@ def test_streams_config_is_validated():
     for bad in (0, -1, 1.5, True, "2", MAX_STREAMS + 1):
         with pytest.raises(ValueError, match="streams"):
             ClientConfig(("tcp://127.0.0.1:1",), streams=bad)
+
+
+def test_staged_receive_defaults_to_where_cores_are_idle(monkeypatch):
+    """Auto: staged while 4 x nodes x streams fits the usable cores; the env var wins over
+    that; an explicit value wins over both; anything but a bool is refused."""
+    monkeypatch.delenv("PAGEKV_STAGED_RECEIVE", raising=False)
+    monkeypatch.setattr(config_module, "_usable_cores", lambda: 16)
+    one, three = ("tcp://127.0.0.1:1",), tuple(f"tcp://127.0.0.1:{p}" for p in (1, 2, 3))
+    assert ClientConfig(one, streams=4).staged_receive is True
+    assert ClientConfig(three, streams=4).staged_receive is False
+    assert ClientConfig(three, streams=1).staged_receive is True
+    monkeypatch.setattr(config_module, "_usable_cores", lambda: 2)
+    assert ClientConfig(one, streams=1).staged_receive is False
+    monkeypatch.setenv("PAGEKV_STAGED_RECEIVE", "1")
+    assert ClientConfig(one, streams=1).staged_receive is True
+    assert ClientConfig(one, streams=1, staged_receive=False).staged_receive is False
+    monkeypatch.setenv("PAGEKV_STAGED_RECEIVE", "0")
+    assert ClientConfig(three, streams=4, staged_receive=True).staged_receive is True
+    assert ClientConfig(one, streams=1).staged_receive is False
+    for bad in (1, "yes", 0.0):
+        with pytest.raises(ValueError, match="staged_receive"):
+            ClientConfig(one, staged_receive=bad)
 
 
 @pytest.mark.asyncio

@@ -39,6 +39,7 @@ from .bulk_wire import (
     ClosedBetweenMessages,
     load_native,
     new_buffer,
+    new_ring,
     read_head,
     recv_values,
     send_message,
@@ -74,6 +75,7 @@ class _Conn:
         # abort() counts up (client's thread); the connection's thread compares before each
         # send: a socket shut down while this thread was idle is replaced, not sent on
         self.aborts = self.aborts_seen = 0
+        self.ring: Any = None  # made by the connection's thread, which alone uses it
         self.thread = threading.Thread(target=self._run, name="pagekv-bulk-client", daemon=True)
         self.thread.start()
 
@@ -100,6 +102,8 @@ class _Conn:
     # ---- the connection's thread -----------------------------------------------------------
     def _run(self) -> None:
         load_native()  # before the first request goes out: no node waits on a compiler
+        # this thread's staging ring (config.staged_receive), written now: in its cache, faulted
+        self.ring = new_ring() if self.config.staged_receive else None
         out: collections.deque = collections.deque()  # (call, future): requests sent
         closing = False
         resent: set[int] = set()  # requests sent again after their connection went stale
@@ -237,7 +241,7 @@ class _Conn:
         frames = _places(call, reply, head.sizes)
         counts = reply.counts if call.request.op is Op.GET and reply.code is Code.OK else None
         pool = self.router.pool if self.lanes.pool_hashing() else None
-        call.digests = recv_values(self.sock, frames, counts, pool)
+        call.digests = recv_values(self.sock, frames, counts, pool, self.ring)
         if call.prepare is not None:
             call.prepare(reply, frames)
         return reply, frames

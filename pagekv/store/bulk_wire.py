@@ -39,12 +39,14 @@ from . import native
 from .handlers import SHARED_BUFFER_BYTES
 from .protocol import MAX_HEADER_BYTES, Code
 
-__all__ = ["MAGIC", "Head", "PeerClosed", "load_native", "new_buffer", "read_head", "recv_exact",
-           "recv_values", "send_message", "timeval"]  # fmt: skip
+__all__ = ["MAGIC", "Head", "PeerClosed", "load_native", "new_buffer", "new_ring", "read_head",
+           "recv_exact", "recv_values", "send_message", "timeval"]  # fmt: skip
 
 log = logging.getLogger("pagekv.store")
 MAGIC = b"PKB1"
 POOL_HASH_BYTES = 256 << 10  # smaller values are hashed inline (a hand-off costs more)
+RING_BYTES = 1 << 20  # a staging ring: 4 chunks of 256 KiB, in a core's 2 MiB L2
+STAGED_MIN_BYTES = 1 << 20  # smaller messages are received in place (a helper costs ~50 us)
 PREFIX = struct.Struct("<4sIIQ")
 
 
@@ -97,6 +99,14 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += step
 
 
+def new_ring() -> Any:
+    """A staging ring for :func:`recv_values`: ``RING_BYTES``, every page written (faulted in
+    now, not during a transfer). One per connection, used by one message at a time."""
+    ring = new_buffer(RING_BYTES)
+    memoryview(ring).cast("B")[:] = bytes(RING_BYTES)
+    return ring
+
+
 def load_native() -> None:
     """Load the native receive now (building it, about a second, once per cache directory),
     from a thread no peer waits on, so that the first message is not held up by a compiler.
@@ -113,6 +123,7 @@ def recv_values(
     frames: Sequence[Any],
     counts: Sequence[int] | None,
     pool: Executor | None = None,
+    ring: Any = None,
 ) -> list[int] | None:
     """Receive ``frames`` (writable buffers, in order) and, when ``counts`` (frames per value,
     adding up to ``len(frames)``) is given, return the xxh3-64 of each value, hashed as it is
@@ -124,7 +135,10 @@ def recv_values(
     used. On the H100 host (2026-11-25, a 4 GiB GET in 2 MiB blocks over K connections of one
     process, same run) that moved 3.2-3.7 / 11.0-12.5 / 17.4-19.9 GB/s for K = 1 / 4 / 8,
     where ``recv_into`` then xxhash per frame moved 2.7-2.8 / 9.3-9.4 / 15.5-15.8: as much as
-    receiving without hashing at all. Without it, each frame is received with one
+    receiving without hashing at all. With a ``ring`` (:func:`new_ring`, owned by the caller's
+    connection) a message of ``STAGED_MIN_BYTES`` or more is received through it, a helper
+    thread copying each chunk into place (see :meth:`.native.NativeCopy.recv_verify`); the
+    ring is ignored on the Python path. Without the library, each frame is received with one
     ``recv_into`` and then hashed, on the ``pool`` (a large single-frame value, while this
     thread receives the next; the call returns only when every hash it started is done) or
     inline. Raises as :func:`recv_exact`."""
@@ -135,7 +149,9 @@ def recv_values(
     lib = native.load()
     if lib is not None and sock.gettimeout() is None:
         try:
-            return lib.recv_verify(sock.fileno(), frames, counts)
+            if ring is not None and sum(memoryview(f).nbytes for f in frames) < STAGED_MIN_BYTES:
+                ring = None
+            return lib.recv_verify(sock.fileno(), frames, counts, ring=ring)
         except EOFError as e:
             raise PeerClosed(str(e)) from None
         except BlockingIOError:  # SO_RCVTIMEO ran out with nothing read

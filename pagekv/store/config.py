@@ -13,6 +13,7 @@ __all__ = [
     "CurveClientKeys",
     "NodeConfig",
     "default_copy_threads",
+    "default_staging",
     "default_shm_threads",
     "default_streams",
     "parse_size",
@@ -29,6 +30,19 @@ def default_streams() -> int:
     engine and the node, and past 4 streams loopback gains flatten while every stream costs
     a connection (and a node slot) per client. A 2-core machine keeps a single stream."""
     return min(4, max(1, _usable_cores() // 4))
+
+
+def default_staging(config: ClientConfig) -> bool:
+    """Whether lane connections stage GETs through a cached ring by default
+    (``ClientConfig.staged_receive``): ``PAGEKV_STAGED_RECEIVE`` (``1`` / ``0``) where set,
+    else only while the client's connections with their helpers would take at most half the
+    cores it may run on (``4 x nodes x streams <= cores``): a helper core per connection is
+    worth it where cores are idle, not where the engine, the nodes and other streams need them.
+    On the 16-core H100 host that is one node with 4 streams, not three; never on 2 cores."""
+    env = os.environ.get("PAGEKV_STAGED_RECEIVE")
+    if env in ("0", "1"):
+        return env == "1"
+    return 4 * len(config.endpoints) * config.streams <= _usable_cores()
 
 
 def default_copy_threads() -> int:
@@ -212,6 +226,10 @@ class ClientConfig:
     clients; 1 does that work on the client's own thread. ``bulk``: PUT and GET payloads go
     over the node's bulk lane (plain TCP, received straight into place; :mod:`.bulk_client`)
     when the node offers one, ``streams`` connections per node, ZeroMQ otherwise.
+    ``staged_receive`` (default :func:`default_staging`): each lane connection receives a GET's
+    frames into a small ring that stays in its core's cache while a helper thread copies them
+    into place (one more busy core per connection during a transfer; see
+    :meth:`.native.NativeCopy.recv_verify`).
     """
 
     endpoints: tuple[str, ...]
@@ -227,6 +245,7 @@ class ClientConfig:
     streams: int | None = None  # connections per node; None: default_streams()
     copy_threads: int | None = None  # None: default_copy_threads(); 1: no pool
     bulk: bool | None = None  # PUT/GET over nodes' bulk lanes; None: unless PAGEKV_BULK_CLIENT=0
+    staged_receive: bool | None = None  # lane GETs through a cached ring; None: default_staging()
 
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str):
@@ -253,6 +272,12 @@ class ClientConfig:
             object.__setattr__(self, "copy_threads", default_copy_threads())
         if self.bulk is None:
             object.__setattr__(self, "bulk", os.environ.get("PAGEKV_BULK_CLIENT", "1") != "0")
+        if self.staged_receive is None:
+            object.__setattr__(self, "staged_receive", default_staging(self))
+        if type(self.staged_receive) is not bool:
+            raise ValueError(
+                f"ClientConfig.staged_receive must be a bool, got {self.staged_receive!r}"
+            )
         if type(self.copy_threads) is not int or not 1 <= self.copy_threads <= MAX_STREAMS:
             raise ValueError(
                 f"ClientConfig.copy_threads must be an int in [1, {MAX_STREAMS}], "

@@ -53,7 +53,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "copy_verify.c"
 HEADER = CSRC / "third_party" / "xxhash" / "xxhash.h"
 BASE_CFLAGS = ("-O3", "-fPIC", "-shared", "-pthread")  # no -march=native: runs on any host
-ABI = 2
+ABI = 3
 BLOCK_BYTES = 256 << 10  # copied then hashed while in L2
 MAX_THREADS = 64  # the C side's cap
 
@@ -172,6 +172,9 @@ class NativeCopy:
         self.path = path
         lib = ctypes.CDLL(str(path))  # a CDLL's calls release the GIL
         lib.pagekv_copy_verify_abi.argtypes, lib.pagekv_copy_verify_abi.restype = [], ctypes.c_int
+        if lib.pagekv_copy_verify_abi() != ABI:
+            raise NativeCopyUnavailable(f"{path} has ABI {lib.pagekv_copy_verify_abi()}, "
+                                        f"need {ABI}: remove it and retry")  # fmt: skip
         fn = lib.pagekv_copy_verify
         fn.argtypes = [ctypes.POINTER(Piece), ctypes.c_uint64, ctypes.POINTER(Value),
                        ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int]  # fmt: skip
@@ -181,10 +184,13 @@ class NativeCopy:
                          ctypes.POINTER(Value), ctypes.c_uint64, ctypes.c_uint64,
                          ctypes.POINTER(ctypes.c_uint64)]  # fmt: skip
         recv.restype = ctypes.c_int
-        if lib.pagekv_copy_verify_abi() != ABI:
-            raise NativeCopyUnavailable(f"{path} has ABI {lib.pagekv_copy_verify_abi()}, "
-                                        f"need {ABI}: remove it and retry")  # fmt: skip
-        self._lib, self._fn, self._recv = lib, fn, recv
+        staged = lib.pagekv_recv_verify_staged
+        staged.argtypes = [ctypes.c_int, ctypes.POINTER(Piece), ctypes.c_uint64,
+                           ctypes.POINTER(Value), ctypes.c_uint64, ctypes.c_uint64,
+                           ctypes.c_void_p, ctypes.c_uint64,
+                           ctypes.POINTER(ctypes.c_uint64)]  # fmt: skip
+        staged.restype = ctypes.c_int
+        self._lib, self._fn, self._recv, self._staged = lib, fn, recv, staged
 
     def copy_verify(
         self,
@@ -238,6 +244,7 @@ class NativeCopy:
         counts: Sequence[int] | None,
         *,
         chunk_bytes: int = BLOCK_BYTES,
+        ring: Any = None,
     ) -> list[int] | None:
         """Receive ``frames`` (writable C-contiguous buffers, in order) from the blocking
         socket ``fd``, each straight into its buffer, ``chunk_bytes`` per receive, the GIL
@@ -252,7 +259,15 @@ class NativeCopy:
         ``ValueError`` for counts that do not add up or a bad ``chunk_bytes``; after: ``EOFError``
         when the connection ends first (its message says how many bytes came),
         ``BlockingIOError`` when the socket's ``SO_RCVTIMEO`` passes with nothing read, or the
-        ``OSError`` of the failed receive."""
+        ``OSError`` of the failed receive.
+
+        ``ring``: a writable buffer of at least two chunks, owned by the caller and used by no
+        one else during the call (e.g. one per connection, reused call after call so it stays
+        in the cache). Given, the call receives each chunk into the ring while a helper thread
+        copies it into place and hashes it there: the receiving thread writes only to memory
+        in its cache, the helper (one more core, for the call) to the frames. Same results;
+        the helper has stopped when the call returns or raises. ``ValueError`` for a ring of
+        fewer than two chunks."""
         if type(chunk_bytes) is not int or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
         if counts is not None and (any(c < 0 for c in counts) or sum(counts) != len(frames)):
@@ -269,8 +284,15 @@ class NativeCopy:
             first += count
         out = (Value * max(1, len(spans)))(*spans)
         received = ctypes.c_uint64(0)
-        rc = self._recv(fd, pieces, len(plan), out, len(spans), chunk_bytes,
-                        ctypes.byref(received))  # fmt: skip
+        if ring is None:
+            rc = self._recv(fd, pieces, len(plan), out, len(spans), chunk_bytes,
+                            ctypes.byref(received))  # fmt: skip
+        else:
+            at, size = _address(ring, True, "ring", keep)
+            if size // chunk_bytes < 2:
+                raise ValueError(f"ring of {size} bytes: need at least 2 chunks of {chunk_bytes}")
+            rc = self._staged(fd, pieces, len(plan), out, len(spans), chunk_bytes, at, size,
+                              ctypes.byref(received))  # fmt: skip
         del keep
         total = sum(p[2] for p in plan)
         if rc == 1:

@@ -1,5 +1,6 @@
 /* Checked copies for pagekv.store.native: copy values piece by piece and hash what landed,
- * or receive them from a socket piece by piece and hash what landed (pagekv_recv_verify).
+ * or receive them from a socket piece by piece and hash what landed (pagekv_recv_verify; with
+ * pagekv_recv_verify_staged, through a cached ring that a helper thread drains into place).
  *
  * A value is a run of pieces (dst, src, nbytes). Each piece is copied in blocks of
  * `block_bytes` (cache-sized: 256 KiB by default), and each block is hashed right after it was
@@ -26,8 +27,9 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/types.h>
+#include <time.h>
 
-#define PAGEKV_COPY_VERIFY_ABI 2
+#define PAGEKV_COPY_VERIFY_ABI 3
 #define MAX_THREADS 64
 
 typedef struct {
@@ -102,6 +104,62 @@ int pagekv_copy_verify(const pagekv_piece *pieces, uint64_t npieces, pagekv_valu
     return 0;
 }
 
+/* Digests of values (consecutive runs of pieces) over bytes that arrive piece by piece: both
+ * receives below feed it the same calls in the same order. */
+typedef struct {
+    pagekv_value *values;
+    uint64_t nvalues, value, left_in_value;
+    XXH3_state_t state;
+} hasher_t;
+
+static int values_cover(const pagekv_value *values, uint64_t nvalues, uint64_t npieces) {
+    uint64_t expect = 0;
+    for (uint64_t v = 0; v < nvalues; v++) {
+        if (values[v].first != expect || values[v].count > npieces - expect) return 0;
+        expect += values[v].count;
+    }
+    return nvalues == 0 || expect == npieces;
+}
+
+static void hasher_piece_begins(hasher_t *h) {
+    if (h->nvalues == 0 || h->left_in_value != 0) return;
+    /* values of zero pieces get the digest of no bytes */
+    while (h->values[h->value].count == 0) h->values[h->value++].digest = XXH3_64bits(NULL, 0);
+    XXH3_64bits_reset(&h->state);
+    h->left_in_value = h->values[h->value].count;
+}
+
+static void hasher_update(hasher_t *h, const unsigned char *bytes, uint64_t n) {
+    if (h->nvalues > 0) XXH3_64bits_update(&h->state, bytes, (size_t)n);
+}
+
+static void hasher_piece_ends(hasher_t *h) {
+    if (h->nvalues > 0 && --h->left_in_value == 0) {
+        h->values[h->value++].digest = XXH3_64bits_digest(&h->state);
+    }
+}
+
+static void hasher_finish(hasher_t *h) { /* trailing values of zero pieces */
+    while (h->value < h->nvalues) h->values[h->value++].digest = XXH3_64bits(NULL, 0);
+}
+
+/* recv exactly n bytes into buf (retrying after EINTR and short returns): 0, 1 on EOF, or
+ * -errno. *received counts what arrived. */
+static int recv_all(int fd, unsigned char *buf, uint64_t n, uint64_t *received) {
+    uint64_t got = 0;
+    while (got < n) {
+        ssize_t r = recv(fd, buf + got, (size_t)(n - got), MSG_WAITALL);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        if (r == 0) return 1;
+        got += (uint64_t)r;
+        *received += (uint64_t)r;
+    }
+    return 0;
+}
+
 /* Receive `npieces` pieces, in order, from the connected blocking socket `fd`, each straight
  * into its place (pieces[k].dst, pieces[k].nbytes; src is not used), `chunk_bytes` at a time
  * (recv with MSG_WAITALL). With `nvalues` > 0 the values (consecutive runs of pieces that
@@ -118,42 +176,157 @@ int pagekv_recv_verify(int fd, const pagekv_piece *pieces, uint64_t npieces,
                        pagekv_value *values, uint64_t nvalues, uint64_t chunk_bytes,
                        uint64_t *received) {
     *received = 0;
-    if (chunk_bytes == 0) return -EINVAL;
-    uint64_t expect = 0;
-    for (uint64_t v = 0; v < nvalues; v++) {
-        if (values[v].first != expect || values[v].count > npieces - expect) return -EINVAL;
-        expect += values[v].count;
-    }
-    if (nvalues > 0 && expect != npieces) return -EINVAL;
-    XXH3_state_t state;
-    uint64_t value = 0, left_in_value = 0;
+    if (chunk_bytes == 0 || !values_cover(values, nvalues, npieces)) return -EINVAL;
+    hasher_t h = {.values = values, .nvalues = nvalues};
     for (uint64_t p = 0; p < npieces; p++) {
-        if (nvalues > 0 && left_in_value == 0) {
-            /* values of zero pieces get the digest of no bytes */
-            while (values[value].count == 0) {
-                values[value++].digest = XXH3_64bits(NULL, 0);
-            }
-            XXH3_64bits_reset(&state);
-            left_in_value = values[value].count;
-        }
+        hasher_piece_begins(&h);
         unsigned char *dst = (unsigned char *)pieces[p].dst;
-        uint64_t got = 0, n = pieces[p].nbytes;
-        while (got < n) {
-            uint64_t want = n - got < chunk_bytes ? n - got : chunk_bytes;
-            ssize_t r = recv(fd, dst + got, (size_t)want, MSG_WAITALL);
-            if (r < 0) {
-                if (errno == EINTR) continue;
-                return -errno;
-            }
-            if (r == 0) return 1;
-            if (nvalues > 0) XXH3_64bits_update(&state, dst + got, (size_t)r);
-            got += (uint64_t)r;
-            *received += (uint64_t)r;
+        for (uint64_t off = 0, n = pieces[p].nbytes; off < n; off += chunk_bytes) {
+            uint64_t want = n - off < chunk_bytes ? n - off : chunk_bytes;
+            int rc = recv_all(fd, dst + off, want, received);
+            if (rc != 0) return rc;
+            hasher_update(&h, dst + off, want);
         }
-        if (nvalues > 0 && --left_in_value == 0) {
-            values[value++].digest = XXH3_64bits_digest(&state);
-        }
+        hasher_piece_ends(&h);
     }
-    while (value < nvalues) values[value++].digest = XXH3_64bits(NULL, 0); /* trailing empties */
+    hasher_finish(&h);
     return 0;
+}
+
+/* ---- the staged receive: a second core moves the bytes into place ----------------------
+ * Receiving into memory that is not in any cache (a pinned page pool, a store's blocks) runs
+ * slower than into memory that is: the kernel's copy waits on each destination line. Here the
+ * calling thread receives each chunk into a slot of a small ring that stays in its cache, and
+ * a helper thread copies the slot into place and hashes what it wrote, while the next chunk
+ * arrives. Slot c is reused only after the helper has drained chunk c (the `drained` count):
+ * a slot is never written while it is being copied. */
+typedef struct {
+    const pagekv_piece *pieces;
+    uint64_t npieces, chunk, nslots;
+    unsigned char *ring;
+    hasher_t hash;
+    atomic_uint_fast64_t filled;  /* chunks received into the ring */
+    atomic_uint_fast64_t drained; /* chunks copied out of it */
+    atomic_int stop;              /* the receive failed: the helper returns */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+} stage_t;
+
+#define SPIN_NS 200000 /* a waiting side spins this long before it sleeps */
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+static void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void stage_signal(stage_t *s) {
+    pthread_mutex_lock(&s->mu); /* a waiter checks under mu: the wake-up cannot be lost */
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Until *count >= target (1) or the receive stopped (0). */
+static int stage_wait(stage_t *s, atomic_uint_fast64_t *count, uint64_t target) {
+    uint64_t spun_since = 0;
+    for (unsigned i = 0;; i++) {
+        if (atomic_load_explicit(count, memory_order_acquire) >= target) return 1;
+        if (atomic_load_explicit(&s->stop, memory_order_acquire)) return 0;
+        if ((i & 63) == 0) {
+            uint64_t t = now_ns();
+            if (spun_since == 0) spun_since = t;
+            else if (t - spun_since > SPIN_NS) break;
+        }
+        cpu_relax();
+    }
+    pthread_mutex_lock(&s->mu);
+    while (atomic_load(count) < target && !atomic_load(&s->stop)) pthread_cond_wait(&s->cv, &s->mu);
+    int ok = atomic_load(count) >= target;
+    pthread_mutex_unlock(&s->mu);
+    return ok;
+}
+
+static void *stage_drain(void *arg) {
+    stage_t *s = (stage_t *)arg;
+    uint64_t c = 0;
+    for (uint64_t p = 0; p < s->npieces; p++) {
+        hasher_piece_begins(&s->hash);
+        unsigned char *dst = (unsigned char *)s->pieces[p].dst;
+        for (uint64_t off = 0, n = s->pieces[p].nbytes; off < n; off += s->chunk, c++) {
+            uint64_t len = n - off < s->chunk ? n - off : s->chunk;
+            if (!stage_wait(s, &s->filled, c + 1)) return NULL;
+            memcpy(dst + off, s->ring + (c % s->nslots) * s->chunk, len);
+            __asm__ __volatile__("" ::: "memory"); /* hash what dst holds */
+            hasher_update(&s->hash, dst + off, len);
+            atomic_store_explicit(&s->drained, c + 1, memory_order_release);
+            stage_signal(s);
+        }
+        hasher_piece_ends(&s->hash);
+    }
+    hasher_finish(&s->hash);
+    return NULL;
+}
+
+/* pagekv_recv_verify, received through `ring` (ring_bytes, at least two chunks; owned by the
+ * caller, not touched by anyone else during the call) by the calling thread while a helper
+ * thread copies each chunk into place and hashes it there. Same arguments, results and
+ * digests; -EINVAL also for a ring of fewer than two chunks. When the helper cannot be
+ * started it receives as pagekv_recv_verify does. Returns only after the helper has stopped:
+ * nothing writes to the pieces after the return. */
+int pagekv_recv_verify_staged(int fd, const pagekv_piece *pieces, uint64_t npieces,
+                              pagekv_value *values, uint64_t nvalues, uint64_t chunk_bytes,
+                              unsigned char *ring, uint64_t ring_bytes, uint64_t *received) {
+    *received = 0;
+    if (chunk_bytes == 0 || ring_bytes / chunk_bytes < 2 || !values_cover(values, nvalues, npieces))
+        return -EINVAL;
+    stage_t s = {.pieces = pieces, .npieces = npieces, .chunk = chunk_bytes,
+                 .nslots = ring_bytes / chunk_bytes, .ring = ring,
+                 .hash = {.values = values, .nvalues = nvalues}};
+    atomic_init(&s.filled, 0);
+    atomic_init(&s.drained, 0);
+    atomic_init(&s.stop, 0);
+    pthread_mutex_init(&s.mu, NULL);
+    pthread_cond_init(&s.cv, NULL);
+    pthread_t helper;
+    if (pthread_create(&helper, NULL, stage_drain, &s) != 0) {
+        pthread_cond_destroy(&s.cv);
+        pthread_mutex_destroy(&s.mu);
+        return pagekv_recv_verify(fd, pieces, npieces, values, nvalues, chunk_bytes, received);
+    }
+    int rc = 0;
+    uint64_t c = 0, p = 0, off = 0, partial = 0;
+    for (; p < npieces && rc == 0; p++) {
+        for (off = 0; off < pieces[p].nbytes; off += chunk_bytes, c++) {
+            uint64_t n = pieces[p].nbytes, len = n - off < chunk_bytes ? n - off : chunk_bytes;
+            if (c >= s.nslots) stage_wait(&s, &s.drained, c - s.nslots + 1);
+            uint64_t before = *received;
+            rc = recv_all(fd, ring + (c % s.nslots) * chunk_bytes, len, received);
+            if (rc != 0) {
+                partial = *received - before;
+                break;
+            }
+            atomic_store_explicit(&s.filled, c + 1, memory_order_release);
+            stage_signal(&s);
+        }
+        if (rc != 0) break;
+    }
+    if (rc != 0) {
+        atomic_store_explicit(&s.stop, 1, memory_order_release);
+        stage_signal(&s);
+    }
+    pthread_join(helper, NULL); /* it drains every chunk filled before it saw stop */
+    if (partial > 0) { /* as in place: what arrived of the last chunk is where it belongs */
+        memcpy((unsigned char *)pieces[p].dst + off, ring + (c % s.nslots) * chunk_bytes, partial);
+    }
+    pthread_cond_destroy(&s.cv);
+    pthread_mutex_destroy(&s.mu);
+    return rc;
 }
