@@ -12,6 +12,7 @@ import random
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
@@ -28,8 +29,7 @@ from pagekv.store.bulk_wire import MAGIC, PREFIX, read_head, send_message
 from pagekv.store.config import ClientConfig
 from pagekv.store.launch import NodeProcess
 from pagekv.store.protocol import Reply, decode_request, encode_reply
-
-POISON = 0xA5
+from tests.helpers import POISON, as_bytes, poisoned_like
 
 
 def rand_values(rng: random.Random, n: int, size: int) -> tuple[list[bytes], list[bytes]]:
@@ -459,28 +459,53 @@ def test_a_value_corrupted_on_the_lane_is_a_miss():
         thread.join(timeout=5)
 
 
-@pytest.mark.usefixtures("receive")
-def test_a_put_on_the_lane_is_verified_as_it_lands(served):
-    """Clients send PUTs over ZeroMQ, but the lane takes them too: a value whose bytes do not
-    match its checksum is refused (nothing stored), the right ones are stored exactly."""
+def test_a_put_on_the_lane_is_verified_as_it_lands(served, receive):
+    """Clients send PUTs over ZeroMQ unless ``bulk_puts``, but the lane takes them: a value
+    whose bytes do not match its checksum is refused (nothing stored), the right ones are
+    stored exactly (the node staging them through its ring when ``receive`` is staged)."""
     import xxhash
 
     from pagekv.store.protocol import Op, Request, encode_request
 
-    node = served()
     rng = random.Random(os.urandom(8))
     keys, values = rand_values(rng, 3, 1 << 19)
     sums = [xxhash.xxh3_64_intdigest(v) for v in values]
     sums[1] ^= 1  # the second value's checksum is wrong
+    node = served(staged_receives=1 if receive == "staged" else 0)
     req = Request(Op.PUT, 7, keys, [len(v) for v in values], sums, [1, 1, 1])
     with _raw(node.stats()["bulk_port"]) as s:
         send_message(s, encode_request(req), values)
         reply = _answer(s)
     assert reply.id == 7 and reply.status == [Status.OK, Status.BAD_CHECKSUM, Status.OK]
+    assert node.stats()["bulk_staged"] == (receive == "staged")
     with StoreClient(node.address) as client:
         into = [bytearray([POISON]) * len(v) for v in values]
         assert client.get_many(keys, into=into) == [True, False, True]
         assert bytes(into[0]) == values[0] and bytes(into[2]) == values[2]
+
+
+def test_client_puts_over_the_lane_land_exact(served, receive):
+    """``bulk_puts``: a client's PUTs go over the lane (none over ZeroMQ's data path), each
+    value is stored exactly and read back exactly; mixed sizes, several requests and values of
+    several frames."""
+    node = served(staged_receives=1 if receive == "staged" else 0)
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 20, 3 << 18)
+    values[3] = [rng.randbytes(5), rng.randbytes(1 << 20)]  # one value of two frames
+    values[7] = rng.randbytes(1)
+    cfg = ClientConfig((node.address,), streams=2, max_message_bytes=4 << 20, bulk_puts=True)
+    with StoreClient(node.address, config=cfg) as client:
+        assert client.get_many([b"missing-key-0000"]) == [None]  # the node's lane is known now
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        total = sum(sum(map(len, v)) if isinstance(v, list) else len(v) for v in values)
+        deadline = time.monotonic() + 10  # a node counts a request after it has replied
+        while node.stats()["bulk_bytes_in"] < total and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert node.stats()["bulk_bytes_in"] >= total
+        into = [poisoned_like(v) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert [as_bytes(b) for b in into] == [as_bytes(v) for v in values]
+    assert (node.stats()["bulk_staged"] > 0) == (receive == "staged")
 
 
 def test_a_batch_is_dealt_over_every_lane_connection(served):

@@ -59,7 +59,8 @@ COUNTERS = ("bulk_requests", "bulk_bytes_in", "bulk_failures", "bulk_fallbacks")
 # GETs only. PUTs went slower over the lane than over ZeroMQ on the H100 host (one stream
 # 2.0 against 3.0 GB/s; a 4 GiB write-back to 3 nodes 1.0-1.3 s against 0.67 s; ba69fc9 and
 # b41388f): there libzmq's I/O threads overlap a node's receiving with its checks, where a
-# lane connection receives, checks and stores in turn. Nodes still take PUTs on the lane.
+# lane connection receives, checks and stores in turn. Nodes still take PUTs on the lane;
+# ClientConfig.bulk_puts sends them there (nodes stage them: NodeConfig.staged_receives).
 _LANE_OPS = (Op.GET,)
 
 
@@ -302,8 +303,10 @@ class BulkLanes:
         self._down[node] = (time.monotonic() + RECHECK_S, self.router.bulk_ports[node])
 
     def takes(self, call: Call) -> bool:
-        """Whether ``call`` goes over the lane: a PUT or GET to a node offering one."""
-        return (self.on and call.request.op in _LANE_OPS and self.router.bulk_ports[call.node] > 0
+        """Whether ``call`` goes over the lane: a GET (and a PUT with ``bulk_puts``) to a node
+        offering one."""
+        ops = (*_LANE_OPS, Op.PUT) if self.config.bulk_puts else _LANE_OPS
+        return (self.on and call.request.op in ops and self.router.bulk_ports[call.node] > 0
                 and not self.down(call.node))  # fmt: skip
 
     def submit(self, node: int, stream: int, call: Call) -> concurrent.futures.Future:

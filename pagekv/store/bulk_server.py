@@ -34,9 +34,11 @@ from .bulk_wire import (
     PeerClosed,
     load_native,
     new_buffer,
+    new_ring,
     read_head,
     recv_values,
     send_message,
+    stages,
     timeval,
 )
 from .handlers import SHARED_BUFFER_BYTES
@@ -49,7 +51,7 @@ __all__ = ["BulkServer", "SendDone"]
 
 log = logging.getLogger("pagekv.store")
 COUNTERS = ("bulk_connections", "bulk_refused", "bulk_requests", "bulk_bad_messages",
-            "bulk_bytes_in", "bulk_bytes_out", "bulk_dropped")  # fmt: skip
+            "bulk_bytes_in", "bulk_bytes_out", "bulk_dropped", "bulk_staged")  # fmt: skip
 
 
 class SendDone:
@@ -76,6 +78,9 @@ class BulkServer:
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
         self._closed = False
+        # lane PUTs received through a ring at once (each keeps a helper core busy); the rest
+        # are received in place
+        self._staging = threading.BoundedSemaphore(max(1, self.config.staged_receives))
         self._acceptor = threading.Thread(target=self._accept, name="pagekv-bulk-accept",
                                           daemon=True)  # fmt: skip
 
@@ -125,12 +130,13 @@ class BulkServer:
 
     def _serve(self, conn: socket.socket) -> None:
         stall = timeval(self.config.handshake_s)
+        ring: list[Any] = []  # this connection's staging ring, made for its first staged PUT
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, stall)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, stall)
-            while not self._closed and self._one(conn):
+            while not self._closed and self._one(conn, ring):
                 pass
         except (PeerClosed, OSError):
             pass  # the client went, stalled, or the node is stopping: this connection ends
@@ -142,8 +148,10 @@ class BulkServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _one(self, conn: socket.socket) -> bool:
-        """Read one request and answer it; False when the connection must be closed."""
+    def _one(self, conn: socket.socket, ring: list[Any]) -> bool:
+        """Read one request and answer it; False when the connection must be closed. A PUT
+        is received through the connection's ``ring`` (made on first use) while one of the
+        node's ``staged_receives`` turns is free."""
         cfg = self.config
         try:
             head = read_head(conn, max_frames=cfg.max_frames, max_frame_bytes=cfg.max_frame_size,
@@ -163,7 +171,18 @@ class BulkServer:
         # without the native receive: hash on the pool while connections are few, else inline
         few = self.open_connections < self.config.verify_threads
         pool = self.node.verify_pool if few else None
-        digests = recv_values(conn, frames, req.counts if put else None, pool)
+        staged = (put and self.config.staged_receives > 0 and stages(head.payload_bytes)
+                  and self._staging.acquire(False))  # fmt: skip
+        try:
+            if staged and not ring:
+                ring.append(new_ring())
+            digests = recv_values(conn, frames, req.counts if put else None, pool,
+                                  ring[0] if staged else None)  # fmt: skip
+        finally:
+            if staged:
+                self._staging.release()
+        if staged:
+            self._count(bulk_staged=1)  # before the reply: a client that saw it sees this
         frames = [bytes(f) if len(f) <= SHARED_BUFFER_BYTES else f for f in frames]
         rep, out, done = self._answer(req, frames, digests)
         try:

@@ -40,7 +40,7 @@ from .handlers import SHARED_BUFFER_BYTES
 from .protocol import MAX_HEADER_BYTES, Code
 
 __all__ = ["MAGIC", "Head", "PeerClosed", "load_native", "new_buffer", "new_ring", "read_head",
-           "recv_exact", "recv_values", "send_message", "timeval"]  # fmt: skip
+           "recv_exact", "recv_values", "send_message", "stages", "timeval"]  # fmt: skip
 
 log = logging.getLogger("pagekv.store")
 MAGIC = b"PKB1"
@@ -107,6 +107,12 @@ def new_ring() -> Any:
     return ring
 
 
+def stages(payload_bytes: int) -> bool:
+    """Whether :func:`recv_values` given a ring receives a message of ``payload_bytes`` through
+    it: ``STAGED_MIN_BYTES`` or more, with the native library loaded."""
+    return payload_bytes >= STAGED_MIN_BYTES and native.load() is not None
+
+
 def load_native() -> None:
     """Load the native receive now (building it, about a second, once per cache directory),
     from a thread no peer waits on, so that the first message is not held up by a compiler.
@@ -149,7 +155,7 @@ def recv_values(
     lib = native.load()
     if lib is not None and sock.gettimeout() is None:
         try:
-            if ring is not None and sum(memoryview(f).nbytes for f in frames) < STAGED_MIN_BYTES:
+            if ring is not None and not stages(sum(memoryview(f).nbytes for f in frames)):
                 ring = None
             return lib.recv_verify(sock.fileno(), frames, counts, ring=ring)
         except EOFError as e:

@@ -13,6 +13,7 @@ __all__ = [
     "CurveClientKeys",
     "NodeConfig",
     "default_copy_threads",
+    "default_node_staging",
     "default_staging",
     "default_shm_threads",
     "default_streams",
@@ -43,6 +44,16 @@ def default_staging(config: ClientConfig) -> bool:
     if env in ("0", "1"):
         return env == "1"
     return 4 * len(config.endpoints) * config.streams <= _usable_cores()
+
+
+def default_node_staging() -> int:
+    """How many bulk-lane PUTs a node receives through a cached ring at once, each with a helper
+    thread copying it into place (``NodeConfig.staged_receives``; the others are received in
+    place): 0 where ``PAGEKV_STAGED_RECEIVE=0``, else a quarter of the cores it may run on (0
+    below 4 cores, 4 on the 16-core H100 host)."""
+    if os.environ.get("PAGEKV_STAGED_RECEIVE") == "0":
+        return 0
+    return _usable_cores() // 4
 
 
 def default_copy_threads() -> int:
@@ -126,10 +137,17 @@ class NodeConfig:
     bulk: bool = True  # the bulk lane (plain TCP for PUT/GET payloads); never with CURVE
     bulk_port: int = 0  # its TCP port; 0: any free port (clients learn it from PING)
     bulk_connections: int = 64  # bulk connections served at once; more are closed at once
+    staged_receives: int | None = None  # lane PUTs staged at once; None: default_node_staging()
 
     def __post_init__(self) -> None:
         for name in ("capacity", "max_block_size", "max_message_size"):
             object.__setattr__(self, name, parse_size(getattr(self, name)))
+        if self.staged_receives is None:
+            object.__setattr__(self, "staged_receives", default_node_staging())
+        if type(self.staged_receives) is not int or self.staged_receives < 0:
+            raise ValueError(
+                f"NodeConfig.staged_receives must be an int >= 0, got {self.staged_receives!r}"
+            )
         if self.io_threads == 0:  # one I/O thread per stream a same-host client opens
             object.__setattr__(self, "io_threads", default_streams())
         if self.verify_threads == 0:
@@ -246,6 +264,7 @@ class ClientConfig:
     copy_threads: int | None = None  # None: default_copy_threads(); 1: no pool
     bulk: bool | None = None  # PUT/GET over nodes' bulk lanes; None: unless PAGEKV_BULK_CLIENT=0
     staged_receive: bool | None = None  # lane GETs through a cached ring; None: default_staging()
+    bulk_puts: bool | None = None  # PUTs over the lane too; None: only if PAGEKV_BULK_PUTS=1
 
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str):
@@ -272,6 +291,10 @@ class ClientConfig:
             object.__setattr__(self, "copy_threads", default_copy_threads())
         if self.bulk is None:
             object.__setattr__(self, "bulk", os.environ.get("PAGEKV_BULK_CLIENT", "1") != "0")
+        if self.bulk_puts is None:
+            object.__setattr__(self, "bulk_puts", os.environ.get("PAGEKV_BULK_PUTS") == "1")
+        if type(self.bulk_puts) is not bool:
+            raise ValueError(f"ClientConfig.bulk_puts must be a bool, got {self.bulk_puts!r}")
         if self.staged_receive is None:
             object.__setattr__(self, "staged_receive", default_staging(self))
         if type(self.staged_receive) is not bool:
