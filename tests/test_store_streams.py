@@ -70,6 +70,29 @@ def test_staged_receive_defaults_to_where_cores_are_idle(monkeypatch):
             ClientConfig(one, staged_receive=bad)
 
 
+def test_node_staged_receives_default_and_validation(monkeypatch, capfd):
+    """A node stages at most a quarter of its cores' lane PUTs at once; none with
+    PAGEKV_STAGED_RECEIVE=0 or an explicit 0; a negative or non-int count is refused, also
+    from ``pagekv serve``'s flag."""
+    from pagekv.store import NodeConfig
+    from pagekv.store.cli import main as cli_main
+
+    monkeypatch.delenv("PAGEKV_STAGED_RECEIVE", raising=False)
+    monkeypatch.setattr(config_module, "_usable_cores", lambda: 16)
+    assert NodeConfig(port=0).staged_receives == 4
+    assert NodeConfig(port=0, staged_receives=0).staged_receives == 0
+    monkeypatch.setattr(config_module, "_usable_cores", lambda: 2)
+    assert NodeConfig(port=0).staged_receives == 0
+    monkeypatch.setattr(config_module, "_usable_cores", lambda: 16)
+    monkeypatch.setenv("PAGEKV_STAGED_RECEIVE", "0")
+    assert NodeConfig(port=0).staged_receives == 0
+    for bad in (-1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="staged_receives"):
+            NodeConfig(port=0, staged_receives=bad)
+    assert cli_main(["serve", "--port", "0", "--staged-receives", "-1"]) == 2
+    assert "staged-receives must be an int >= 0, got -1" in capfd.readouterr().err
+
+
 @pytest.mark.asyncio
 async def test_async_streams_round_trip_random_data(node_proc):
     rng = random.Random(os.urandom(8))
