@@ -43,6 +43,7 @@ from .bulk_wire import (
     read_head,
     recv_values,
     send_message,
+    stages,
     timeval,
 )
 from .config import ClientConfig
@@ -242,7 +243,8 @@ class _Conn:
         frames = _places(call, reply, head.sizes)
         counts = reply.counts if call.request.op is Op.GET and reply.code is Code.OK else None
         pool = self.router.pool if self.lanes.pool_hashing() else None
-        call.digests = recv_values(self.sock, frames, counts, pool, self.ring)
+        ring = self.ring if self.ring is not None and stages(head.payload_bytes) else None
+        call.digests = recv_values(self.sock, frames, counts, pool, ring)
         if call.prepare is not None:
             call.prepare(reply, frames)
         return reply, frames

@@ -108,8 +108,9 @@ def new_ring() -> Any:
 
 
 def stages(payload_bytes: int) -> bool:
-    """Whether :func:`recv_values` given a ring receives a message of ``payload_bytes`` through
-    it: ``STAGED_MIN_BYTES`` or more, with the native library loaded."""
+    """Whether a message of ``payload_bytes`` is worth receiving through a ring (the callers of
+    :func:`recv_values` decide from the head they read): ``STAGED_MIN_BYTES`` or more, with the
+    native library loaded."""
     return payload_bytes >= STAGED_MIN_BYTES and native.load() is not None
 
 
@@ -142,12 +143,12 @@ def recv_values(
     process, same run) that moved 3.2-3.7 / 11.0-12.5 / 17.4-19.9 GB/s for K = 1 / 4 / 8,
     where ``recv_into`` then xxhash per frame moved 2.7-2.8 / 9.3-9.4 / 15.5-15.8: as much as
     receiving without hashing at all. With a ``ring`` (:func:`new_ring`, owned by the caller's
-    connection) a message of ``STAGED_MIN_BYTES`` or more is received through it, a helper
-    thread copying each chunk into place (see :meth:`.native.NativeCopy.recv_verify`); the
-    ring is ignored on the Python path. Without the library, each frame is received with one
-    ``recv_into`` and then hashed, on the ``pool`` (a large single-frame value, while this
-    thread receives the next; the call returns only when every hash it started is done) or
-    inline. Raises as :func:`recv_exact`."""
+    connection; pass one only where :func:`stages` says so for the message's payload) the
+    message is received through it, a helper thread copying each chunk into place (see
+    :meth:`.native.NativeCopy.recv_verify`); the ring is ignored on the Python path. Without
+    the library, each frame is received with one ``recv_into`` and then hashed, on the
+    ``pool`` (a large single-frame value, while this thread receives the next; the call
+    returns only when every hash it started is done) or inline. Raises as :func:`recv_exact`."""
     if counts is not None and (sum(counts) != len(frames) or min(counts, default=0) < 0):
         counts = None  # not a valid split of these frames: received, not hashed
     if not frames:  # nothing to receive (every request but a PUT): no library needed
@@ -155,8 +156,6 @@ def recv_values(
     lib = native.load()
     if lib is not None and sock.gettimeout() is None:
         try:
-            if ring is not None and not stages(sum(memoryview(f).nbytes for f in frames)):
-                ring = None
             return lib.recv_verify(sock.fileno(), frames, counts, ring=ring)
         except EOFError as e:
             raise PeerClosed(str(e)) from None

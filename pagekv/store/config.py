@@ -33,6 +33,12 @@ def default_streams() -> int:
     return min(4, max(1, _usable_cores() // 4))
 
 
+def _staging_switch() -> bool | None:
+    """``PAGEKV_STAGED_RECEIVE``: ``1`` on, ``0`` off, anything else (or unset) None: the
+    defaults below decide."""
+    return {"1": True, "0": False}.get(os.environ.get("PAGEKV_STAGED_RECEIVE", ""))
+
+
 def default_staging(config: ClientConfig) -> bool:
     """Whether lane connections stage GETs through a cached ring by default
     (``ClientConfig.staged_receive``): ``PAGEKV_STAGED_RECEIVE`` (``1`` / ``0``) where set,
@@ -40,9 +46,9 @@ def default_staging(config: ClientConfig) -> bool:
     cores it may run on (``4 x nodes x streams <= cores``): a helper core per connection is
     worth it where cores are idle, not where the engine, the nodes and other streams need them.
     On the 16-core H100 host that is one node with 4 streams, not three; never on 2 cores."""
-    env = os.environ.get("PAGEKV_STAGED_RECEIVE")
-    if env in ("0", "1"):
-        return env == "1"
+    switch = _staging_switch()
+    if switch is not None:
+        return switch
     return 4 * len(config.endpoints) * config.streams <= _usable_cores()
 
 
@@ -51,9 +57,7 @@ def default_node_staging() -> int:
     thread copying it into place (``NodeConfig.staged_receives``; the others are received in
     place): 0 where ``PAGEKV_STAGED_RECEIVE=0``, else a quarter of the cores it may run on (0
     below 4 cores, 4 on the 16-core H100 host)."""
-    if os.environ.get("PAGEKV_STAGED_RECEIVE") == "0":
-        return 0
-    return _usable_cores() // 4
+    return 0 if _staging_switch() is False else _usable_cores() // 4
 
 
 def default_copy_threads() -> int:

@@ -303,7 +303,7 @@ int pagekv_recv_verify_staged(int fd, const pagekv_piece *pieces, uint64_t npiec
     }
     int rc = 0;
     uint64_t c = 0, p = 0, off = 0, partial = 0;
-    for (; p < npieces && rc == 0; p++) {
+    for (; p < npieces; p++) {
         for (off = 0; off < pieces[p].nbytes; off += chunk_bytes, c++) {
             uint64_t n = pieces[p].nbytes, len = n - off < chunk_bytes ? n - off : chunk_bytes;
             if (c >= s.nslots) stage_wait(&s, &s.drained, c - s.nslots + 1);
