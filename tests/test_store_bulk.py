@@ -508,6 +508,79 @@ def test_client_puts_over_the_lane_land_exact(served, receive):
     assert (node.stats()["bulk_staged"] > 0) == (receive == "staged")
 
 
+def test_lane_puts_hash_the_next_call_while_this_one_is_sent(served, monkeypatch):
+    """With a copy pool, a lane connection takes its next PUT before sending the current one
+    and hashes its values on the lanes' hasher. The race made certain: each hash ahead is held
+    until the connection thread is encoding that very request, so the sender must wait for the
+    running hash (a sender that did not would send the request without its checksums, and
+    the node would refuse it). Every value lands exactly; some were hashed ahead."""
+    from pagekv.store import bulk_client
+
+    encoding: set[int] = set()
+    cond = threading.Condition()
+    ahead_threads: list[str] = []
+    real_header, real_ahead = bulk_client.request_header, bulk_client.BulkLanes.hash_ahead
+
+    def header(call):
+        with cond:
+            encoding.add(call.request.id)
+            cond.notify_all()
+        return real_header(call)
+
+    def held(self, call):
+        fill, rid = call.before_send, call.request.id
+
+        def late_fill():
+            with cond:  # held until the sender encodes this request (bounded: no hang)
+                assert cond.wait_for(lambda: rid in encoding, timeout=10)
+            ahead_threads.append(threading.current_thread().name)
+            fill()
+
+        call.before_send = late_fill if fill is not None else None
+        real_ahead(self, call)
+
+    monkeypatch.setattr(bulk_client, "request_header", header)
+    monkeypatch.setattr(bulk_client.BulkLanes, "hash_ahead", held)
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 12, 3 << 18)
+    cfg = ClientConfig((node.address,), streams=2, max_message_bytes=1 << 20, bulk_puts=True,
+                       copy_threads=2)  # fmt: skip
+    with StoreClient(node.address, config=cfg) as client:
+        assert client.bulk.hasher is not None
+        assert client.get_many([b"missing-key-0000"]) == [None]  # the node's lane is known now
+        before = client.counters["bulk_requests"]
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        assert client.counters["bulk_requests"] - before == len(keys)  # one request per value
+        into = [bytearray([POISON]) * len(v) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert [bytes(b) for b in into] == values
+        assert client.counters["bulk_fallbacks"] == 0
+    assert any(name.startswith("pagekv-bulk-hash") for name in ahead_threads), ahead_threads
+
+
+def test_lane_puts_hashed_ahead_fall_back_to_zeromq_exact(served):
+    """A PUT taken ahead and hashed on the hasher, whose lane cannot be reached, goes over
+    ZeroMQ with its checksums (waited for or computed there): stored and read back exactly."""
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 8, 1 << 18)
+    cfg = ClientConfig((node.address,), streams=1, connect_timeout_s=1.0, bulk_puts=True,
+                       copy_threads=2, max_message_bytes=1 << 18)  # fmt: skip
+    with StoreClient(node.address, config=cfg) as client:
+        assert client.ping() == [True]
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            dead = s.getsockname()[1]
+        client.router.bulk_ports[0] = dead
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        into = [bytearray([POISON]) * len(v) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert [bytes(b) for b in into] == values
+        # the first call found the lane down; the second had been taken ahead meanwhile
+        assert client.counters["bulk_fallbacks"] >= 2
+
+
 def test_a_batch_is_dealt_over_every_lane_connection(served):
     node = served()
     rng = random.Random(os.urandom(8))

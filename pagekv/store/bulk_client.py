@@ -78,6 +78,9 @@ class _Conn:
         # send: a socket shut down while this thread was idle is replaced, not sent on
         self.aborts = self.aborts_seen = 0
         self.ring: Any = None  # made by the connection's thread, which alone uses it
+        # the queued call taken ahead of its turn (its PUT values hashing on the lanes' hasher
+        # while the call before it is sent), or the closing sentinel taken early
+        self.ahead: list[Any] = []
         self.thread = threading.Thread(target=self._run, name="pagekv-bulk-client", daemon=True)
         self.thread.start()
 
@@ -112,7 +115,7 @@ class _Conn:
         while out or not closing:
             while len(out) < DEPTH and not closing:
                 try:
-                    item = self.queue.get(block=not out)
+                    item = self._next(block=not out)
                 except queue.Empty:
                     break
                 if item is None:
@@ -121,6 +124,7 @@ class _Conn:
                 call, fut = item
                 if not fut.set_running_or_notify_cancel():
                     continue
+                self._look_ahead()
                 outcome = self._send(call)
                 if outcome is not True:
                     fut.set_result(outcome)
@@ -177,14 +181,36 @@ class _Conn:
             out.popleft()[1].set_result(None)
         while queued:
             try:
-                item = self.queue.get_nowait()
+                item = self._next(block=False)
             except queue.Empty:
                 return
             if item is None:
-                self.queue.put(None)  # closing: leave the sentinel for the loop
+                self.ahead.append(None)  # closing: leave the sentinel for the loop
                 return
             if item[1].set_running_or_notify_cancel():
                 item[1].set_result(None)
+
+    def _next(self, block: bool) -> Any:
+        """The next queued item: the one taken ahead, else from the queue (``queue.Empty``
+        when none is there and not ``block``)."""
+        if self.ahead:
+            return self.ahead.pop()
+        return self.queue.get(block=block)
+
+    def _look_ahead(self) -> None:
+        """Take the next queued call now, before this thread sends the current one, and start
+        hashing its PUT values on the lanes' hasher (:meth:`BulkLanes.hash_ahead`): by the time
+        the current send returns its checksums are ready and its bytes are in the cache, where
+        hashing right before its own send would add the hash to every request's turn."""
+        if self.ahead or self.lanes.hasher is None:
+            return
+        try:
+            item = self.queue.get_nowait()
+        except queue.Empty:
+            return
+        self.ahead.append(item)
+        if item is not None:
+            self.lanes.hash_ahead(item[0])
 
     def _drop(self) -> None:
         if self.sock is not None:
@@ -280,6 +306,32 @@ class BulkLanes:
         self._down: dict[int, tuple[float, int]] = {}
         for name in COUNTERS:
             router.counters.setdefault(name, 0)
+        # hashes lane PUTs' values one call ahead of each connection's sends (a client with a
+        # copy pool, i.e. a few cores to spare; at most a thread per connection)
+        self.hasher: concurrent.futures.ThreadPoolExecutor | None = None
+        if config.bulk_puts and config.copy_threads > 1:
+            workers = min(config.copy_threads, config.streams * len(router.endpoints))
+            self.hasher = concurrent.futures.ThreadPoolExecutor(
+                workers, thread_name_prefix="pagekv-bulk-hash"
+            )
+
+    def hash_ahead(self, call: Call) -> None:
+        """Start ``call``'s ``before_send`` (a PUT's checksums) on :attr:`hasher` now; the
+        sender's ``request_header`` then waits for it, or runs it itself if it has not started
+        (on any transport: a call the lane hands to ZeroMQ too). Called by the one connection
+        thread that owns ``call``; the hash only reads the call's payloads."""
+        fill = call.before_send
+        if fill is None or self.hasher is None:
+            return
+        job = self.hasher.submit(fill)
+
+        def ready() -> None:
+            if job.cancel():  # not started (or the hasher was shut down): hash here
+                fill()
+            else:
+                job.result()  # started: wait for it (raises what the hash raised)
+
+        call.before_send = ready
 
     def pool_hashing(self) -> bool:
         """Whether received values are hashed on the copy pool when the native receive is not
@@ -346,3 +398,5 @@ class BulkLanes:
             for conn in conns:
                 conn.close()
         self._conns.clear()
+        if self.hasher is not None:  # a queued hash is cancelled; its sender would run it
+            self.hasher.shutdown(wait=False, cancel_futures=True)
