@@ -138,8 +138,10 @@ def variant(blocks: list, args, staged: bool, ahead: bool) -> dict:
             share[f"{side}_{tag}"] = round(sum(busy(rows, tag, s, e) for s, e in spans)
                                            / sum(walls), 3)  # fmt: skip
     recv_s = sum(busy(node_rows, "recv", s, e) for s, e in spans)
-    return dict(staged=staged, ahead=ahead, put_gbps=round(nbytes / statistics.median(walls) / 1e9, 3),
-                recv_rate_gbps=round(nbytes * len(spans) / recv_s / 1e9, 3), **share)  # fmt: skip
+    put = nbytes / statistics.median(walls) / 1e9
+    recv_rate = nbytes * len(spans) / recv_s / 1e9
+    return dict(staged=staged, ahead=ahead, put_gbps=round(put, 3),
+                recv_rate_gbps=round(recv_rate, 3), **share)  # fmt: skip
 
 
 def main() -> None:
@@ -163,10 +165,12 @@ def main() -> None:
     for rep in range(args.repeat):
         hot = tcp_ceiling(1, size, args.blocks, 3)[0]
         cold = tcp_ceiling(1, size, args.blocks, 3, cold=True)[0]
-        print(f"# repeat {rep}: 1-stream put ceiling hot {hot:.2f} cold {cold:.2f} GB/s", flush=True)
+        print(f"# repeat {rep}: 1-stream put ceiling hot {hot:.2f} cold {cold:.2f} GB/s",
+              flush=True)  # fmt: skip
         for staged, ahead in variants if rep % 2 == 0 else variants[::-1]:
             row = variant(blocks, args, staged, ahead)
-            row.update(put_hot=round(row["put_gbps"] / hot, 3), put_cold=round(row["put_gbps"] / cold, 3))
+            put = row["put_gbps"]
+            row.update(put_hot=round(put / hot, 3), put_cold=round(put / cold, 3))
             print(f"lane_put {row}", flush=True)
 
 
