@@ -184,6 +184,49 @@ def test_recv_verify_lands_and_hashes_every_value_exactly(receive, rng, chunk):
         assert [bytes(f) for f in frames] == data
 
 
+def test_recv_verify_into_frames_at_every_alignment(receive, rng):
+    """Frames that start at any offset from a cache line and end mid-line (the staged helper
+    streams whole aligned lines and copies the ends): exact bytes, nothing written around
+    them, exact digests; chunks of 4 KiB + 1 so that chunk starts drift too."""
+    _lands_at_every_alignment(receive, rng)
+
+
+def test_staged_receive_built_without_avx2_lands_exactly(fresh_cache, monkeypatch, rng):
+    """The library as a host without AVX2 builds it (the helper's SSE2 streaming stores)."""
+    monkeypatch.setattr(native, "CFLAGS", native.BASE_CFLAGS)
+    monkeypatch.setenv("PAGEKV_NATIVE_COPY", "auto")
+    lib = native.load()
+    if lib is None:
+        pytest.skip(f"native receive unavailable: {native.unavailable_reason()}")
+
+    def staged(fd: int, frames, counts, chunk_bytes: int = BLOCK):
+        ring = np.full(2 * chunk_bytes + 5, POISON, np.uint8)
+        return lib.recv_verify(fd, frames, counts, chunk_bytes=chunk_bytes, ring=ring)
+
+    _lands_at_every_alignment(staged, rng)
+
+
+def _lands_at_every_alignment(receive, rng) -> None:
+    sizes = [int(n) for n in rng.choice(SIZES[4:], 8)] + [BLOCK + 4099]
+    offsets = [int(o) for o in rng.integers(1, 64, len(sizes))]
+    data = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    backing = [np.full(o + n + 64, POISON, np.uint8) for o, n in zip(offsets, sizes)]
+    frames = [b[o : o + n] for b, o, n in zip(backing, offsets, sizes)]
+    for chunk in (4097, BLOCK):
+        for f in frames:
+            f[:] = POISON
+        a, b = socket.socketpair()
+        with a, b:
+            sender = _send_in_thread(a, data)
+            assert receive(b.fileno(), frames, [1] * len(frames), chunk_bytes=chunk) == [
+                xxh3(d) for d in data
+            ]
+            sender.join()
+        assert [f.tobytes() for f in frames] == data
+        for b, o, n in zip(backing, offsets, sizes):  # nothing before or after each frame
+            assert not np.any(b[:o] != POISON) and not np.any(b[o + n :] != POISON)
+
+
 def test_recv_verify_peer_closing_mid_frame_is_eof_with_the_count(receive, rng):
     data = rng.integers(0, 256, 3 * BLOCK, dtype=np.uint8).tobytes()
     frames = [poisoned(BLOCK), poisoned(3 * BLOCK)]

@@ -264,8 +264,9 @@ class NativeCopy:
         ``ring``: a writable buffer of at least two chunks, owned by the caller and used by no
         one else during the call (e.g. one per connection, reused call after call so it stays
         in the cache). Given, the call receives each chunk into the ring while a helper thread
-        copies it into place and hashes it there: the receiving thread writes only to memory
-        in its cache, the helper (one more core, for the call) to the frames. Same results;
+        hashes it in the ring and copies it into place with streaming stores: the receiving
+        thread writes only to memory in its cache, the helper (one more core, for the call) to
+        the frames, without reading them first. Same results;
         the helper has stopped when the call returns or raises. ``ValueError`` for a ring of
         fewer than two chunks."""
         if type(chunk_bytes) is not int or chunk_bytes <= 0:
