@@ -71,19 +71,21 @@ def test_staged_receive_defaults_to_where_cores_are_idle(monkeypatch):
 
 
 def test_node_staged_receives_default_and_validation(monkeypatch, capfd):
-    """A node stages at most a quarter of its cores' lane PUTs at once; none with
-    PAGEKV_STAGED_RECEIVE=0 or an explicit 0; a negative or non-int count is refused, also
-    from ``pagekv serve``'s flag."""
+    """A node receives lane PUTs in place unless PAGEKV_STAGED_RECEIVE=1 (then a quarter of its
+    cores' at once, at least one) or a count is given; a negative or non-int count is refused,
+    also from ``pagekv serve``'s flag."""
     from pagekv.store import NodeConfig
     from pagekv.store.cli import main as cli_main
 
     monkeypatch.delenv("PAGEKV_STAGED_RECEIVE", raising=False)
     monkeypatch.setattr(config_module, "_usable_cores", lambda: 16)
+    assert NodeConfig(port=0).staged_receives == 0
+    assert NodeConfig(port=0, staged_receives=3).staged_receives == 3
+    monkeypatch.setenv("PAGEKV_STAGED_RECEIVE", "1")
     assert NodeConfig(port=0).staged_receives == 4
     assert NodeConfig(port=0, staged_receives=0).staged_receives == 0
     monkeypatch.setattr(config_module, "_usable_cores", lambda: 2)
-    assert NodeConfig(port=0).staged_receives == 0
-    monkeypatch.setattr(config_module, "_usable_cores", lambda: 16)
+    assert NodeConfig(port=0).staged_receives == 1
     monkeypatch.setenv("PAGEKV_STAGED_RECEIVE", "0")
     assert NodeConfig(port=0).staged_receives == 0
     for bad in (-1, 1.5, "2", True):
@@ -91,6 +93,28 @@ def test_node_staged_receives_default_and_validation(monkeypatch, capfd):
             NodeConfig(port=0, staged_receives=bad)
     assert cli_main(["serve", "--port", "0", "--staged-receives", "-1"]) == 2
     assert "staged-receives must be an int >= 0, got -1" in capfd.readouterr().err
+
+
+def test_bulk_puts_default_where_the_client_can_hash_ahead(monkeypatch):
+    """PUTs go over the lane by default where the client has a copy pool (its hasher works one
+    call ahead of each connection), over ZeroMQ without one; PAGEKV_BULK_PUTS=1/0 or the field
+    decides over that; anything but a bool is refused."""
+    one = ("tcp://127.0.0.1:1",)
+    monkeypatch.delenv("PAGEKV_BULK_PUTS", raising=False)
+    assert ClientConfig(one, copy_threads=8).bulk_puts is True
+    assert ClientConfig(one, copy_threads=1).bulk_puts is False
+    monkeypatch.setattr(config_module, "_usable_cores", lambda: 2)  # no pool by default there
+    assert ClientConfig(one).copy_threads == 1 and ClientConfig(one).bulk_puts is False
+    monkeypatch.setattr(config_module, "_usable_cores", lambda: 16)
+    assert ClientConfig(one).bulk_puts is True
+    monkeypatch.setenv("PAGEKV_BULK_PUTS", "0")
+    assert ClientConfig(one, copy_threads=8).bulk_puts is False
+    assert ClientConfig(one, copy_threads=8, bulk_puts=True).bulk_puts is True
+    monkeypatch.setenv("PAGEKV_BULK_PUTS", "1")
+    assert ClientConfig(one, copy_threads=1).bulk_puts is True
+    for bad in (1, "yes", 0):
+        with pytest.raises(ValueError, match="bulk_puts"):
+            ClientConfig(one, bulk_puts=bad)
 
 
 @pytest.mark.asyncio

@@ -1,6 +1,8 @@
-"""Client side of the bulk lane (:mod:`.bulk_server`): a client's GET requests to a node that
-advertises one (PING ``bulk``) go over plain TCP connections, one thread per connection (PUTs
-stay on ZeroMQ, which measured faster for them: see ``_LANE_OPS``).
+"""Client side of the bulk lane (:mod:`.bulk_server`): a client's GET requests, and its PUTs
+with ``ClientConfig.bulk_puts`` (the default where it has a copy pool), to a node that
+advertises a lane (PING ``bulk``) go over plain TCP connections, one thread per connection.
+A PUT's values are hashed on the lanes' hasher while the call before it on its connection is
+sent (:meth:`BulkLanes.hash_ahead`), so a connection's turn is the send alone.
 
 Each connection's thread sends a request and reads the reply's frames straight into the GET's
 destinations (``Call.sinks``) when their sizes match, each value hashed as it lands: with the
@@ -57,11 +59,9 @@ DEPTH = 2  # requests out on one connection: the next reply streams while the la
 RECHECK_S = 30.0  # a lane that could not be reached is left alone this long
 FALLBACK: Any = type("Fallback", (), {"__repr__": lambda self: "FALLBACK"})()
 COUNTERS = ("bulk_requests", "bulk_bytes_in", "bulk_failures", "bulk_fallbacks")
-# GETs only. PUTs went slower over the lane than over ZeroMQ on the H100 host (one stream
-# 2.0 against 3.0 GB/s; a 4 GiB write-back to 3 nodes 1.0-1.3 s against 0.67 s; ba69fc9 and
-# b41388f): there libzmq's I/O threads overlap a node's receiving with its checks, where a
-# lane connection receives, checks and stores in turn. Nodes still take PUTs on the lane;
-# ClientConfig.bulk_puts sends them there (nodes stage them: NodeConfig.staged_receives).
+# GETs always; PUTs with ClientConfig.bulk_puts. Until a611580 a lane connection hashed each
+# PUT right before sending it, and PUTs went slower over the lane than over ZeroMQ, whose I/O
+# thread sends while the client hashes (H100 host, one stream 2.0 against 3.0 GB/s; ba69fc9).
 _LANE_OPS = (Op.GET,)
 
 

@@ -55,9 +55,24 @@ def default_staging(config: ClientConfig) -> bool:
 def default_node_staging() -> int:
     """How many bulk-lane PUTs a node receives through a cached ring at once, each with a helper
     thread copying it into place (``NodeConfig.staged_receives``; the others are received in
-    place): 0 where ``PAGEKV_STAGED_RECEIVE=0``, else a quarter of the cores it may run on (0
-    below 4 cores, 4 on the 16-core H100 host)."""
-    return 0 if _staging_switch() is False else _usable_cores() // 4
+    place): none unless ``PAGEKV_STAGED_RECEIVE=1`` (then a quarter of the cores it may run
+    on, at least 1). On the H100 host (scripts/diag_lane_put.py, 26e2ec9, one stream, two
+    runs) a node receiving PUTs in place moved 0.87 and 1.03 of the hot ceiling, staged 0.83
+    and 0.93: the PUT's pace is the sender's, and the helper is one more busy core."""
+    return max(1, _usable_cores() // 4) if _staging_switch() is True else 0
+
+
+def default_bulk_puts(copy_threads: int) -> bool:
+    """Whether a client sends PUTs over the nodes' bulk lanes (``ClientConfig.bulk_puts``):
+    ``PAGEKV_BULK_PUTS`` (``1`` / ``0``) where set, else where the client has a copy pool
+    (``copy_threads`` > 1, 4 cores or more), whose hasher hashes each connection's next PUT
+    while the current one is sent (:meth:`.bulk_client.BulkLanes.hash_ahead`). On the H100
+    host (bench_store, 26e2ec9, two runs) one stream put 3.81 and 3.30 GB/s over the lane
+    (1.03 and 0.87 of the hot ceiling) against 3.06 and 2.32 over ZeroMQ (0.73 and 0.67).
+    Without the pool the lane hashes each request before sending it, and ZeroMQ, whose I/O
+    thread sends while the client hashes, keeps them."""
+    switch = {"1": True, "0": False}.get(os.environ.get("PAGEKV_BULK_PUTS", ""))
+    return copy_threads > 1 if switch is None else switch
 
 
 def default_copy_threads() -> int:
@@ -251,7 +266,8 @@ class ClientConfig:
     ``staged_receive`` (default :func:`default_staging`): each lane connection receives a GET's
     frames into a small ring that stays in its core's cache while a helper thread copies them
     into place (one more busy core per connection during a transfer; see
-    :meth:`.native.NativeCopy.recv_verify`).
+    :meth:`.native.NativeCopy.recv_verify`). ``bulk_puts`` (default :func:`default_bulk_puts`):
+    PUTs go over the lane too (else over ZeroMQ; GETs use the lane either way).
     """
 
     endpoints: tuple[str, ...]
@@ -268,7 +284,7 @@ class ClientConfig:
     copy_threads: int | None = None  # None: default_copy_threads(); 1: no pool
     bulk: bool | None = None  # PUT/GET over nodes' bulk lanes; None: unless PAGEKV_BULK_CLIENT=0
     staged_receive: bool | None = None  # lane GETs through a cached ring; None: default_staging()
-    bulk_puts: bool | None = None  # PUTs over the lane too; None: only if PAGEKV_BULK_PUTS=1
+    bulk_puts: bool | None = None  # PUTs over the lane too; None: default_bulk_puts()
 
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str):
@@ -296,7 +312,7 @@ class ClientConfig:
         if self.bulk is None:
             object.__setattr__(self, "bulk", os.environ.get("PAGEKV_BULK_CLIENT", "1") != "0")
         if self.bulk_puts is None:
-            object.__setattr__(self, "bulk_puts", os.environ.get("PAGEKV_BULK_PUTS") == "1")
+            object.__setattr__(self, "bulk_puts", default_bulk_puts(self.copy_threads))
         if type(self.bulk_puts) is not bool:
             raise ValueError(f"ClientConfig.bulk_puts must be a bool, got {self.bulk_puts!r}")
         if self.staged_receive is None:

@@ -93,8 +93,8 @@ _NODE_HELP: dict[str, tuple[str, str]] = {
     "bulk_connections": ("bulk lane connections served at once; more are closed", "int"),
     "staged_receives": (
         "bulk lane PUTs received at once through a cached ring, each with a helper thread "
-        "copying it into place (unset: a quarter of the cores, 0 if PAGEKV_STAGED_RECEIVE=0; "
-        "0: none)",
+        "copying it into place (unset: none, a quarter of the cores if "
+        "PAGEKV_STAGED_RECEIVE=1; 0: none)",
         "int",
     ),
 }
