@@ -96,13 +96,16 @@ def test_node_staged_receives_default_and_validation(monkeypatch, capfd):
 
 
 def test_bulk_puts_default_where_the_client_can_hash_ahead(monkeypatch):
-    """PUTs go over the lane by default where the client has a copy pool (its hasher works one
-    call ahead of each connection), over ZeroMQ without one; PAGEKV_BULK_PUTS=1/0 or the field
-    decides over that; anything but a bool is refused."""
+    """PUTs go over the lane by default where the client has a copy pool with a thread for each
+    lane connection (its hasher works one call ahead of each), over ZeroMQ otherwise;
+    PAGEKV_BULK_PUTS=1/0 or the field decides over that; anything but a bool is refused."""
     one = ("tcp://127.0.0.1:1",)
+    three = tuple(f"tcp://127.0.0.1:{p}" for p in (1, 2, 3))
     monkeypatch.delenv("PAGEKV_BULK_PUTS", raising=False)
-    assert ClientConfig(one, copy_threads=8).bulk_puts is True
-    assert ClientConfig(one, copy_threads=1).bulk_puts is False
+    assert ClientConfig(one, copy_threads=8, streams=4).bulk_puts is True
+    assert ClientConfig(three, copy_threads=8, streams=2).bulk_puts is True
+    assert ClientConfig(three, copy_threads=8, streams=4).bulk_puts is False  # 12 > 8
+    assert ClientConfig(one, copy_threads=1, streams=1).bulk_puts is False
     monkeypatch.setattr(config_module, "_usable_cores", lambda: 2)  # no pool by default there
     assert ClientConfig(one).copy_threads == 1 and ClientConfig(one).bulk_puts is False
     monkeypatch.setattr(config_module, "_usable_cores", lambda: 16)

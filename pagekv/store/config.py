@@ -62,17 +62,23 @@ def default_node_staging() -> int:
     return max(1, _usable_cores() // 4) if _staging_switch() is True else 0
 
 
-def default_bulk_puts(copy_threads: int) -> bool:
+def default_bulk_puts(config: ClientConfig) -> bool:
     """Whether a client sends PUTs over the nodes' bulk lanes (``ClientConfig.bulk_puts``):
     ``PAGEKV_BULK_PUTS`` (``1`` / ``0``) where set, else where the client has a copy pool
-    (``copy_threads`` > 1, 4 cores or more), whose hasher hashes each connection's next PUT
-    while the current one is sent (:meth:`.bulk_client.BulkLanes.hash_ahead`). On the H100
-    host (bench_store, 26e2ec9, two runs) one stream put 3.81 and 3.30 GB/s over the lane
-    (1.03 and 0.87 of the hot ceiling) against 3.06 and 2.32 over ZeroMQ (0.73 and 0.67).
-    Without the pool the lane hashes each request before sending it, and ZeroMQ, whose I/O
-    thread sends while the client hashes, keeps them."""
+    (``copy_threads`` > 1: 4 cores or more) with a thread for each lane connection
+    (``nodes x streams <= copy_threads``): the lanes' hasher hashes each connection's next PUT
+    while the current one is sent (:meth:`.bulk_client.BulkLanes.hash_ahead`).
+
+    On the H100 host (16 cores, 2026-11-25, same calls): one node, one stream, lane PUTs
+    3.81, 3.30, 3.02 and 3.19 GB/s against 3.06, 2.32, 2.85 and 3.17 over ZeroMQ
+    (bench_store); a 4 GiB write-back to one node with 4 streams 1.36 s against 1.76 s; to
+    three nodes (12 connections) 0.93 s against 0.72 s, so there ZeroMQ, whose few I/O
+    threads send while the client hashes, keeps them. Without a pool the lane would hash
+    each request right before sending it."""
     switch = {"1": True, "0": False}.get(os.environ.get("PAGEKV_BULK_PUTS", ""))
-    return copy_threads > 1 if switch is None else switch
+    if switch is not None:
+        return switch
+    return 1 < config.copy_threads and len(config.endpoints) * config.streams <= config.copy_threads
 
 
 def default_copy_threads() -> int:
@@ -311,10 +317,6 @@ class ClientConfig:
             object.__setattr__(self, "copy_threads", default_copy_threads())
         if self.bulk is None:
             object.__setattr__(self, "bulk", os.environ.get("PAGEKV_BULK_CLIENT", "1") != "0")
-        if self.bulk_puts is None:
-            object.__setattr__(self, "bulk_puts", default_bulk_puts(self.copy_threads))
-        if type(self.bulk_puts) is not bool:
-            raise ValueError(f"ClientConfig.bulk_puts must be a bool, got {self.bulk_puts!r}")
         if self.staged_receive is None:
             object.__setattr__(self, "staged_receive", default_staging(self))
         if type(self.staged_receive) is not bool:
@@ -326,6 +328,10 @@ class ClientConfig:
                 f"ClientConfig.copy_threads must be an int in [1, {MAX_STREAMS}], "
                 f"got {self.copy_threads!r}"
             )
+        if self.bulk_puts is None:
+            object.__setattr__(self, "bulk_puts", default_bulk_puts(self))
+        if type(self.bulk_puts) is not bool:
+            raise ValueError(f"ClientConfig.bulk_puts must be a bool, got {self.bulk_puts!r}")
         if isinstance(self.timeout_per_mib_s, bool) or not self.timeout_per_mib_s >= 0:
             raise ValueError(
                 f"ClientConfig.timeout_per_mib_s must be >= 0, got {self.timeout_per_mib_s!r}"
