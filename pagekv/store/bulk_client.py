@@ -125,7 +125,7 @@ class _Conn:
                 if not fut.set_running_or_notify_cancel():
                     continue
                 self._look_ahead()
-                outcome = self._send(call)
+                outcome = self._send(call, idle=not out)
                 if outcome is not True:
                     fut.set_result(outcome)
                     self._fail(out, queued=outcome is None)
@@ -236,15 +236,27 @@ class _Conn:
         self.sock = sock
         return True
 
-    def _send(self, call: Call) -> Any:
-        """Send ``call``'s request: True, else its result (FALLBACK: no connection; None)."""
+    def _send(self, call: Call, idle: bool = False) -> Any:
+        """Send ``call``'s request: True, else its result (FALLBACK: no connection; None).
+        ``idle``: no request is out on this connection. A kept connection that turns out to
+        be closed or reset by the node while idle (it restarted, or dropped the connection)
+        is replaced and the request sent once more: the node cannot have answered any of it
+        (a PUT stored twice stores the same bytes)."""
         if self.aborts != self.aborts_seen:  # shut down by abort(): never send on it
             self.aborts_seen = self.aborts
             self._drop()
-        if self.sock is None and not self._connect():
+        kept = self.sock is not None
+        if not kept and not self._connect():
             return FALLBACK
+        header = request_header(call)
         try:
-            send_message(self.sock, request_header(call), call.payloads)
+            send_message(self.sock, header, call.payloads)
+        except ConnectionError as e:
+            if not (kept and idle):
+                log.debug("pagekv store: bulk send to %s failed: %s", self.address, e)
+                return None
+            self._drop()  # stale: a new connection (or FALLBACK when the lane moved or went)
+            return self._send(call)
         except OSError as e:
             log.debug("pagekv store: bulk send to %s failed: %s", self.address, e)
             return None
