@@ -144,8 +144,9 @@ def recv_values(
     where ``recv_into`` then xxhash per frame moved 2.7-2.8 / 9.3-9.4 / 15.5-15.8: as much as
     receiving without hashing at all. With a ``ring`` (:func:`new_ring`, owned by the caller's
     connection; pass one only where :func:`stages` says so for the message's payload) the
-    message is received through it, a helper thread copying each chunk into place (see
-    :meth:`.native.NativeCopy.recv_verify`); the ring is ignored on the Python path. Without
+    message is received through it, a helper thread hashing each chunk there and streaming it
+    into place (see :meth:`.native.NativeCopy.recv_verify`); the ring is ignored on the Python
+    path. Without
     the library, each frame is received with one ``recv_into`` and then hashed, on the
     ``pool`` (a large single-frame value, while this thread receives the next; the call
     returns only when every hash it started is done) or inline. Raises as :func:`recv_exact`."""
