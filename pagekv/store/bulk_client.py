@@ -331,7 +331,9 @@ class BulkLanes:
         """Start ``call``'s ``before_send`` (a PUT's checksums) on :attr:`hasher` now; the
         sender's ``request_header`` then waits for it, or runs it itself if it has not started
         (on any transport: a call the lane hands to ZeroMQ too). Called by the one connection
-        thread that owns ``call``; the hash only reads the call's payloads."""
+        thread that owns ``call``. The hash only reads the call's payloads and writes its
+        request's checksums; one running when its call fails or is abandoned (an aborted
+        batch) finishes on its own, a few milliseconds later, and its result goes unused."""
         fill = call.before_send
         if fill is None or self.hasher is None:
             return
