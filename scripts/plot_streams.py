@@ -1,6 +1,7 @@
 """PNG of the streams section of ``bench_store.py``: GB/s against streams per node, for the bulk
-lane's and ZeroMQ's GETs and ZeroMQ's PUTs, with the hot and cold K-stream TCP ceilings of the
-same run (left), and each as a fraction of the hot ceiling with the issue's targets (right).
+lane's and ZeroMQ's GETs and PUTs (a row's ``puts`` says where its PUTs went), with the hot and
+cold K-stream TCP ceilings of the same run (left), and each as a fraction of the hot ceiling
+with the issue's targets (right).
 
 python scripts/plot_streams.py [benchmarks/results/bench_store_streams_<commit>.json] [out.png]
 """
@@ -25,22 +26,28 @@ def main() -> None:
     rows = data["streams"]["rows"]
     by_path = {path: sorted((r for r in rows if r["path"] == path), key=lambda r: r["streams"])
                for path in ("bulk", "zmq")}  # fmt: skip
-    ks = [r["streams"] for r in by_path["zmq"]]
-    # (label, GB/s per K, style); the bulk rows' puts go over ZeroMQ too: a second put run
+    ref = by_path["zmq"] or by_path["bulk"]  # the ceilings are the same for both paths
+    ks = [r["streams"] for r in ref]
+    # rows before the "puts" field sent every PUT over ZeroMQ
+    lane_puts = any(r.get("puts") == "bulk" for r in by_path["bulk"])
+    bulk_put = "put, bulk lane" if lane_puts else "put, ZeroMQ (run 2)"
+    # (label, GB/s per K, style): each path's rows, the ones it has
     series = [
-        ("TCP ceiling, hot (get)", [r["tcp_get_gbps"] for r in by_path["zmq"]], "k--"),
-        ("TCP ceiling, cold (get)", [r["tcp_cold_get_gbps"] for r in by_path["zmq"]], "k:"),
+        ("TCP ceiling, hot (get)", [r["tcp_get_gbps"] for r in ref], "k--"),
+        ("TCP ceiling, cold (get)", [r["tcp_cold_get_gbps"] for r in ref], "k:"),
         ("get, bulk lane", [r["get_gbps"] for r in by_path["bulk"]], "C0-o"),
         ("get, ZeroMQ", [r["get_gbps"] for r in by_path["zmq"]], "C1-s"),
-        ("put, ZeroMQ (run 1)", [r["put_gbps"] for r in by_path["zmq"]], "C2-^"),
-        ("put, ZeroMQ (run 2)", [r["put_gbps"] for r in by_path["bulk"]], "C2:v"),
+        ("put, ZeroMQ", [r["put_gbps"] for r in by_path["zmq"]], "C2-^"),
+        (bulk_put, [r["put_gbps"] for r in by_path["bulk"]], "C3:v"),
     ]
     ratios = [
         ("get, bulk lane", [r["get_ratio"] for r in by_path["bulk"]], "C0-o"),
         ("get, ZeroMQ", [r["get_ratio"] for r in by_path["zmq"]], "C1-s"),
-        ("put, ZeroMQ (run 1)", [r["put_ratio"] for r in by_path["zmq"]], "C2-^"),
-        ("put, ZeroMQ (run 2)", [r["put_ratio"] for r in by_path["bulk"]], "C2:v"),
+        ("put, ZeroMQ", [r["put_ratio"] for r in by_path["zmq"]], "C2-^"),
+        (bulk_put, [r["put_ratio"] for r in by_path["bulk"]], "C3:v"),
     ]
+    series = [s for s in series if s[1]]
+    ratios = [s for s in ratios if s[1]]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for label, ys, style in series:
         left.plot(ks, ys, style, label=label, markersize=5)
@@ -58,7 +65,7 @@ def main() -> None:
     right.set_ylabel("fraction of the hot K-stream TCP ceiling (same run)")
     right.set_xscale("log", base=2)
     right.set_xticks(ks, [str(k) for k in ks])
-    right.set_ylim(0, 1.1)
+    right.set_ylim(0, max(1.1, *(y + 0.05 for _, ys, _ in ratios for y in ys)))
     right.grid(True, alpha=0.3)
     right.legend(fontsize=8, loc="lower left")
     env = data["env"]
