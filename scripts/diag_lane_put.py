@@ -22,16 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
-import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
+
+from _traced_node import TracedNode, serve_with_timeline
 
 MIB = 1 << 20
 
@@ -53,41 +49,12 @@ def _trace(module, name: str, rows: list, tag: str) -> None:
 def serve(argv: list[str]) -> int:
     """``pagekv serve`` with its lane's head reads, payload receives and reply sends traced,
     written at exit to ``$PAGEKV_DIAG_TIMELINE``."""
-    from pagekv.store import bulk_server, cli
+    from pagekv.store import bulk_server
 
     rows: list[tuple] = []
     for name, tag in (("read_head", "head"), ("recv_values", "recv"), ("send_message", "reply")):
         _trace(bulk_server, name, rows, tag)
-
-    def dump() -> None:
-        with open(os.environ["PAGEKV_DIAG_TIMELINE"], "w") as f:
-            json.dump(rows, f)
-
-    atexit.register(dump)
-    return cli.main(["serve", *argv])
-
-
-class Node:
-    def __init__(self, env: dict, *args: str) -> None:
-        from pagekv.store.launch import READY
-
-        self.path = tempfile.mktemp(suffix=".json")
-        env = {**os.environ, **env, "PAGEKV_DIAG_TIMELINE": self.path}
-        cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--port", "0", *args]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
-        for line in self.proc.stderr:
-            if match := READY.search(line):
-                self.address = match.group(1)
-                break
-        else:
-            raise RuntimeError("the traced node did not start")
-        threading.Thread(target=self.proc.stderr.read, daemon=True).start()
-
-    def timeline(self) -> list[tuple]:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=30)
-        with open(self.path) as f:
-            return json.load(f)
+    return serve_with_timeline(argv, rows)
 
 
 def busy(rows: list, tag: str, start: float, end: float) -> float:
@@ -117,7 +84,7 @@ def variant(blocks: list, args, staged: bool, ahead: bool) -> dict:
                       ("read_head", "reply")):  # fmt: skip
         _trace(bulk_client, name, client_rows, tag)
     env = {"PAGEKV_STAGED_RECEIVE": "1" if staged else "0"}
-    node = Node(env, "--capacity", "1GiB")
+    node = TracedNode(__file__, "--capacity", "1GiB", env=env)
     try:
         cfg = ClientConfig((node.address,), timeout_s=30, streams=1, bulk_puts=True,
                            copy_threads=8 if ahead else 1,

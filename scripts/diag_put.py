@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import itertools
-import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
+
+from _traced_node import TracedNode, serve_with_timeline
 
 from pagekv.store.memory import minor_faults, tune_malloc_for_blocks
 
@@ -35,7 +31,7 @@ MIB = 1 << 20
 def serve(argv: list[str]) -> int:
     """``pagekv serve`` with each request's (available, answered, op, id) written at exit to
     ``$PAGEKV_DIAG_TIMELINE``."""
-    from pagekv.store import cli, server
+    from pagekv.store import server
 
     rows: list[tuple] = []
     init, parse = server.StoreNode.__init__, server.StoreNode._parse
@@ -57,38 +53,7 @@ def serve(argv: list[str]) -> int:
         return req
 
     server.StoreNode.__init__, server.StoreNode._parse = traced_init, traced_parse
-
-    def dump() -> None:
-        with open(os.environ["PAGEKV_DIAG_TIMELINE"], "w") as f:
-            json.dump(rows, f)
-
-    atexit.register(dump)
-    return cli.main(["serve", *argv])
-
-
-class Node:
-    """The instrumented node as a child process of this script."""
-
-    def __init__(self, *args: str) -> None:
-        from pagekv.store.launch import READY
-
-        self.path = tempfile.mktemp(suffix=".json")
-        env = {**os.environ, "PAGEKV_DIAG_TIMELINE": self.path}
-        cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--port", "0", *args]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
-        for line in self.proc.stderr:
-            if match := READY.search(line):
-                self.address = match.group(1)
-                break
-        else:
-            raise RuntimeError("the instrumented node did not start")
-        threading.Thread(target=self.proc.stderr.read, daemon=True).start()
-
-    def timeline(self) -> list[tuple]:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=30)
-        with open(self.path) as f:
-            return json.load(f)
+    return serve_with_timeline(argv, rows)
 
 
 def traced_client(address: str, streams: int, request_mib: int, lane: bool):
@@ -157,7 +122,7 @@ def timeline_section(args) -> None:
     size = 2 * MIB
     for k, n, path in itertools.product(args.streams, args.blocks, args.paths):
         blocks = [os.urandom(size) for _ in range(n)]
-        node = Node("--capacity", "1GiB", "--io-threads", str(k))
+        node = TracedNode(__file__, "--capacity", "1GiB", "--io-threads", str(k))
         client, marks, restore = traced_client(node.address, k, args.timeline_mib,
                                                path == "lane")  # fmt: skip
         t0, took = asyncio.run(warm_then_timed(client, blocks, marks))
