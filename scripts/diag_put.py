@@ -61,7 +61,6 @@ def traced_client(address: str, streams: int, request_mib: int, lane: bool):
     go over the bulk lane); returns it, the marks per request id and a function that undoes
     the tracing."""
     from pagekv.store import AsyncStoreClient, ClientConfig, async_client, bulk_client
-    from pagekv.store.protocol import Op
 
     marks: dict[int, dict] = {}
     modules = (async_client, bulk_client)
@@ -82,12 +81,10 @@ def traced_client(address: str, streams: int, request_mib: int, lane: bool):
     def restore() -> None:
         for module, h, d in saved:
             module.request_header, module.decode_reply = h, d
-        bulk_client._LANE_OPS = (Op.GET,)
 
     for module in modules:
         module.request_header, module.decode_reply = request_header, decode_reply
-    bulk_client._LANE_OPS = (Op.GET, Op.PUT) if lane else (Op.GET,)
-    cfg = ClientConfig((address,), timeout_s=30, streams=streams, bulk=lane,
+    cfg = ClientConfig((address,), timeout_s=30, streams=streams, bulk=lane, bulk_puts=lane,
                        max_message_bytes=request_mib * MIB)  # fmt: skip
     return AsyncStoreClient(address, config=cfg), marks, restore
 
@@ -146,9 +143,8 @@ def sizes_section(args) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _ceilings import tcp_ceiling
 
-    from pagekv.store import AsyncStoreClient, ClientConfig, bulk_client
+    from pagekv.store import AsyncStoreClient, ClientConfig
     from pagekv.store.launch import NodeProcess
-    from pagekv.store.protocol import Op
 
     size = 2 * MIB
     for k in args.streams:
@@ -161,11 +157,11 @@ def sizes_section(args) -> None:
         variants += [("lane", m, p) for m in args.lane_sizes for p in args.top_pads]
         for rep in range(args.repeat):
             for path, mib, pad in variants if rep % 2 == 0 else variants[::-1]:
-                bulk_client._LANE_OPS = (Op.GET, Op.PUT) if path == "lane" else (Op.GET,)
                 os.environ["PAGEKV_MALLOC_TOP_PAD"] = str(int(pad * MIB))  # the node's malloc
                 node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k)).start()
-                cfg = ClientConfig((node.address,), timeout_s=30, streams=k, bulk=path == "lane",
-                                   max_message_bytes=mib * MIB)  # fmt: skip
+                lane = path == "lane"
+                cfg = ClientConfig((node.address,), timeout_s=30, streams=k, bulk=lane,
+                                   bulk_puts=lane, max_message_bytes=mib * MIB)  # fmt: skip
                 client = AsyncStoreClient(node.address, config=cfg)
                 times, faults = asyncio.run(rounds(client, blocks, args.rounds, node.proc.pid))
                 client.close()
@@ -174,7 +170,6 @@ def sizes_section(args) -> None:
                 print(f"  {path:4s} {mib:3d} MiB requests, top pad {pad:g} MiB: put {gbs:.2f} GB/s "
                       f"({gbs / hot:.2f} hot, {gbs / cold:.2f} cold), node faults/page "
                       f"{faults:.2f}", flush=True)  # fmt: skip
-        bulk_client._LANE_OPS = (Op.GET,)
 
 
 def main() -> None:
