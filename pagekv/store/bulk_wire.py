@@ -146,9 +146,8 @@ def recv_values(
     connection; pass one only where :func:`stages` says so for the message's payload) the
     message is received through it, a helper thread hashing each chunk there and streaming it
     into place (see :meth:`.native.NativeCopy.recv_verify`); the ring is ignored on the Python
-    path. Without
-    the library, each frame is received with one ``recv_into`` and then hashed, on the
-    ``pool`` (a large single-frame value, while this thread receives the next; the call
+    path. Without the library, each frame is received with one ``recv_into`` and then hashed,
+    on the ``pool`` (a large single-frame value, while this thread receives the next; the call
     returns only when every hash it started is done) or inline. Raises as :func:`recv_exact`."""
     if counts is not None and (sum(counts) != len(frames) or min(counts, default=0) < 0):
         counts = None  # not a valid split of these frames: received, not hashed

@@ -33,10 +33,10 @@ def default_streams() -> int:
     return min(4, max(1, _usable_cores() // 4))
 
 
-def _staging_switch() -> bool | None:
-    """``PAGEKV_STAGED_RECEIVE``: ``1`` on, ``0`` off, anything else (or unset) None: the
+def _env_switch(name: str) -> bool | None:
+    """Environment variable ``name``: ``1`` on, ``0`` off, anything else (or unset) None: the
     defaults below decide."""
-    return {"1": True, "0": False}.get(os.environ.get("PAGEKV_STAGED_RECEIVE", ""))
+    return {"1": True, "0": False}.get(os.environ.get(name, ""))
 
 
 def default_staging(config: ClientConfig) -> bool:
@@ -46,7 +46,7 @@ def default_staging(config: ClientConfig) -> bool:
     cores it may run on (``4 x nodes x streams <= cores``): a helper core per connection is
     worth it where cores are idle, not where the engine, the nodes and other streams need them.
     On the 16-core H100 host that is one node with 4 streams, not three; never on 2 cores."""
-    switch = _staging_switch()
+    switch = _env_switch("PAGEKV_STAGED_RECEIVE")
     if switch is not None:
         return switch
     return 4 * len(config.endpoints) * config.streams <= _usable_cores()
@@ -59,7 +59,7 @@ def default_node_staging() -> int:
     on, at least 1). On the H100 host (scripts/diag_lane_put.py, 26e2ec9, one stream, two
     runs) a node receiving PUTs in place moved 0.87 and 1.03 of the hot ceiling, staged 0.83
     and 0.93: the PUT's pace is the sender's, and the helper is one more busy core."""
-    return max(1, _usable_cores() // 4) if _staging_switch() is True else 0
+    return max(1, _usable_cores() // 4) if _env_switch("PAGEKV_STAGED_RECEIVE") is True else 0
 
 
 def default_bulk_puts(config: ClientConfig) -> bool:
@@ -75,7 +75,7 @@ def default_bulk_puts(config: ClientConfig) -> bool:
     three nodes (12 connections) 0.93 s against 0.72 s, so there ZeroMQ, whose few I/O
     threads send while the client hashes, keeps them. Without a pool the lane would hash
     each request right before sending it."""
-    switch = {"1": True, "0": False}.get(os.environ.get("PAGEKV_BULK_PUTS", ""))
+    switch = _env_switch("PAGEKV_BULK_PUTS")
     if switch is not None:
         return switch
     return 1 < config.copy_threads and len(config.endpoints) * config.streams <= config.copy_threads

@@ -266,9 +266,8 @@ class NativeCopy:
         in the cache). Given, the call receives each chunk into the ring while a helper thread
         hashes it in the ring and copies it into place with streaming stores: the receiving
         thread writes only to memory in its cache, the helper (one more core, for the call) to
-        the frames, without reading them first. Same results;
-        the helper has stopped when the call returns or raises. ``ValueError`` for a ring of
-        fewer than two chunks."""
+        the frames, without reading them first. Same results; the helper has stopped when the
+        call returns or raises. ``ValueError`` for a ring of fewer than two chunks."""
         if type(chunk_bytes) is not int or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
         if counts is not None and (any(c < 0 for c in counts) or sum(counts) != len(frames)):
