@@ -147,18 +147,20 @@ def _send_in_thread(sock: socket.socket, data: list[bytes]) -> threading.Thread:
     return thread
 
 
-@pytest.fixture(params=["in place", "staged"])
-def receive(lib, request):
+def _receiver(lib, staged: bool):
     """``lib.recv_verify``, in place or staged through a ring of two chunks and a bit (the
     smallest: every slot is reused as soon as the rules allow), poisoned, made per call."""
 
     def call(fd: int, frames, counts, chunk_bytes: int = BLOCK):
-        ring = None
-        if request.param == "staged":
-            ring = np.full(2 * chunk_bytes + 5, POISON, np.uint8)
+        ring = np.full(2 * chunk_bytes + 5, POISON, np.uint8) if staged else None
         return lib.recv_verify(fd, frames, counts, chunk_bytes=chunk_bytes, ring=ring)
 
     return call
+
+
+@pytest.fixture(params=["in place", "staged"])
+def receive(lib, request):
+    return _receiver(lib, request.param == "staged")
 
 
 @pytest.mark.parametrize("chunk", [7, 4096, BLOCK, 8 << 20])
@@ -199,11 +201,7 @@ def test_staged_receive_built_without_avx2_lands_exactly(fresh_cache, monkeypatc
     if lib is None:
         pytest.skip(f"native receive unavailable: {native.unavailable_reason()}")
 
-    def staged(fd: int, frames, counts, chunk_bytes: int = BLOCK):
-        ring = np.full(2 * chunk_bytes + 5, POISON, np.uint8)
-        return lib.recv_verify(fd, frames, counts, chunk_bytes=chunk_bytes, ring=ring)
-
-    _lands_at_every_alignment(staged, rng)
+    _lands_at_every_alignment(_receiver(lib, staged=True), rng)
 
 
 def _lands_at_every_alignment(receive, rng) -> None:
