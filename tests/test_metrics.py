@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagekv.connector import KeyNamespace, KVConnector, KVGeometry, KVIndex
 from pagekv.connector.metrics import StatsCollector, register_stats, serve_stats
 from pagekv.store import ClientConfig, NodeConfig, StoreClient, StoreNode
-from pagekv.store.metrics import node_metrics, ping_health
+from pagekv.store.metrics import MetricsServer, node_metrics, ping_health
 from pagekv.store.probe import probe
 from pagekv.store.protocol import Code, Op, Request, Status, decode_reply, encode_request
 from tests.cli_helpers import Node, wait_for
@@ -112,6 +112,25 @@ def test_health_is_503_until_the_node_loop_answers():
         node.stop()
         if thread is not None:
             thread.join(timeout=5)
+
+
+def test_a_burst_of_connections_is_queued_while_the_server_is_busy():
+    """Connections beyond the listen backlog wait for a SYN retransmit (1 s or more): a port
+    scan or a burst of scrapes made /health probes time out. With its accept loop stopped,
+    the server still queues 64. Fails on f1eb0b9 (socketserver's backlog of 5: the 7th waited)."""
+    server = MetricsServer(CollectorRegistry(), "127.0.0.1", 0)
+    server._server.shutdown()  # stops accepting; the listening socket stays open
+    conns = []
+    try:
+        for i in range(64):
+            try:
+                conns.append(socket.create_connection(("127.0.0.1", server.port), timeout=0.5))
+            except TimeoutError:
+                pytest.fail(f"connection {i + 1} was not queued")
+    finally:
+        for conn in conns:
+            conn.close()
+        server.close()
 
 
 def test_index_stats_into_an_engine_registry_and_on_a_port(node):

@@ -163,6 +163,9 @@ class RequestMetrics:
 
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
+    # the listen backlog: connections beyond it wait for their SYN's retransmit (1 s, then
+    # more), so a burst (a port scan, many scrapers) must fit; socketserver's default is 5
+    request_queue_size = 128
 
 
 class _ThreadingWSGIServer6(_ThreadingWSGIServer):
