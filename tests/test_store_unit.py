@@ -2,9 +2,11 @@
 
 import msgpack
 import pytest
+import zmq
 
 from pagekv.store import ClientConfig, Code, NodeConfig, Op, ProtocolError, Status, parse_size
 from pagekv.store.block_store import BLOCK_OVERHEAD, FRAME_OVERHEAD, BlockStore, block_cost
+from pagekv.store.guard import source_fd
 from pagekv.store.protocol import (
     Reply,
     Request,
@@ -157,3 +159,11 @@ def test_rendezvous_is_stable_and_balanced():
     c = Router(eps[:3], 2, (0.1, 1))
     moved = sum(1 for k, f in zip(keys, firsts) if f != 3 and c.ranking(k)[0] != f)
     assert moved == 0
+
+
+def test_a_frame_without_a_source_descriptor_reads_none():
+    """libzmq records a message's connection descriptor (ZMQ_SRCFD) only for some connections
+    (not where ``getpeername`` failed as it took the connection over): reading it is None
+    there, never an error. Fails on f1eb0b9 (no source_fd; the node read
+    ``frame.get(zmq.SRCFD)``, which raised EINVAL out of its loop)."""
+    assert source_fd(zmq.Frame(b"no metadata")) is None

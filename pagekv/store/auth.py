@@ -7,7 +7,8 @@ allowed clients' ``*.key`` (``--curve-allow``); a client takes the node's ``*.ke
 
 :class:`ZapAuthenticator` answers libzmq's ZAP requests (RFC 27) for every CURVE socket of a
 context: it admits the allowed client keys (or any, for ``'*'``) and logs each rejected
-handshake with the client's public key and address, at most once a minute per key.
+handshake with the client's public key and address, at most once a minute per key. A node
+without CURVE in the same context asks it too (:data:`NULL_ZAP_DOMAIN`): admitted.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .config import CurveClientKeys
 
 __all__ = [
     "ALLOW_ANY",
+    "NULL_ZAP_DOMAIN",
     "ZapAuthenticator",
     "load_allowed_keys",
     "load_client_keys",
@@ -40,6 +42,9 @@ __all__ = [
 log = logging.getLogger("pagekv.store.auth")
 ALLOW_ANY = "*"
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+# the ZAP domain of a node without CURVE: set only to make libzmq refuse pre-ZMTP-3 peers
+# (server.StoreNode._make_socket); a handler that its context happens to have admits all of it
+NULL_ZAP_DOMAIN = b"pagekv-null"
 _REJECT_LOG_EVERY_S = 60.0
 
 
@@ -159,7 +164,9 @@ class ZapAuthenticator:
         if len(msg) < 6 or msg[0] != b"1.0":
             log.warning("pagekv node: malformed ZAP request (%d frames) refused", len(msg))
             return [b"1.0", msg[1] if len(msg) > 1 else b"", b"400", b"bad ZAP request", b"", b""]
-        request_id, mechanism, creds = msg[1], msg[5], msg[6:]
+        request_id, domain, mechanism, creds = msg[1], msg[2], msg[5], msg[6:]
+        if mechanism == b"NULL" and domain == NULL_ZAP_DOMAIN:  # a node without CURVE
+            return [b"1.0", request_id, b"200", b"OK", b"", b""]
         address = msg[3].decode(errors="replace")
         if mechanism != b"CURVE" or len(creds) != 1 or len(creds[0]) != 32:
             self.rejected += 1

@@ -41,7 +41,7 @@ from .config import NodeConfig
 from .memory import raise_fd_limit, rss_bytes, trim_heap
 from .protocol import MAX_HEADER_BYTES
 
-__all__ = ["ConnectionGuard", "wire_bytes"]
+__all__ = ["ConnectionGuard", "source_fd", "wire_bytes"]
 
 log = logging.getLogger("pagekv.store")
 
@@ -60,6 +60,19 @@ def wire_bytes(sizes: list[int], curve: bool = False) -> int:
         body = size + 33 if curve else size  # CURVE: "\x07MESSAGE", nonce, MAC, flags
         total += body + (2 if body < 256 else 9)
     return total
+
+
+def source_fd(frame: zmq.Frame) -> int | None:
+    """The descriptor of the connection ``frame`` came on, or None where libzmq did not record
+    it: it does (the ``__fd`` property behind ``ZMQ_SRCFD``) only for a connection that did a
+    ZMTP 3 handshake and whose peer address ``getpeername`` gave when libzmq took it over;
+    otherwise ``zmq_msg_get`` fails with EINVAL."""
+    try:
+        return frame.get(zmq.SRCFD)
+    except zmq.ZMQError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return None
 
 
 @dataclass
@@ -132,7 +145,10 @@ class ConnectionGuard:
             conn = self.conns[fd] = _Conn(fd, peer, absorbed_at=time.monotonic())
         return conn
 
-    def seen(self, fd: int, wire: int) -> None:
+    def seen(self, fd: int | None, wire: int) -> None:
+        """Count ``wire`` bytes read from connection ``fd`` (None: unknown, not counted)."""
+        if fd is None:
+            return
         conn = self.conns.get(fd) or self._track(fd)
         if conn is not None:
             conn.seen += wire

@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from . import handlers
+from .auth import NULL_ZAP_DOMAIN
 from .block_store import BlockStore
 from .bulk_server import BulkServer
 from .config import NodeConfig
 from .copies import shared_pool
-from .guard import ConnectionGuard, wire_bytes
+from .guard import ConnectionGuard, source_fd, wire_bytes
 from .memory import tune_malloc_for_blocks
 from .monitor import EVENTS as MONITOR_EVENTS
 from .monitor import ConnectionMonitor
@@ -127,6 +128,15 @@ class StoreNode:
             zmq.HANDSHAKE_IVL: int(cfg.handshake_s * 1000),
             zmq.TCP_KEEPALIVE: 1,
         }
+        if not cfg.curve_secret_key:
+            # libzmq takes a connection whose first bytes are no ZMTP 3 greeting for a ZMTP 1.0
+            # (or 2.0) peer: these have no handshake, so any bytes become messages (which carry
+            # no metadata, so no ZMQ_SRCFD), and a 1.0 peer whose handshake ends as the socket
+            # closes can fail an assertion (zmtp_engine.cpp, process_routing_id_msg). libzmq
+            # refuses 1.0 and 2.0 peers on a socket with ZAP on: CURVE turns it on, a ZAP
+            # domain does for NULL. With no ZAP handler in the context NULL handshakes go on
+            # unasked; a CURVE node's handler in the same context admits them.
+            options[zmq.ZAP_DOMAIN] = NULL_ZAP_DOMAIN
         if cfg.heartbeat_s:
             options[zmq.HEARTBEAT_IVL] = int(cfg.heartbeat_s * 1000)
             options[zmq.HEARTBEAT_TIMEOUT] = int(3 * cfg.heartbeat_s * 1000)
@@ -283,7 +293,7 @@ class StoreNode:
                 else:
                     extra += 1
             if self.guard is not None:
-                self.guard.seen(header.get(zmq.SRCFD), wire)
+                self.guard.seen(source_fd(header), wire)
             self._answer(ident.bytes, header, parsed, parts, extra)
 
     def _parse(self, header: zmq.Frame) -> Request | ProtocolError:

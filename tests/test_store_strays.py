@@ -1,0 +1,160 @@
+"""Stray TCP peers (port scanners, clients of another protocol, old ZeroMQ): random bytes on every
+port of a node, and ZMTP 1.0/2.0 peers. The node refuses them, keeps serving, keeps its blocks."""
+
+import os
+import random
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+import zmq
+import zmq.auth
+
+from pagekv.store import CurveClientKeys, NodeConfig, Status, StoreClient, StoreNode
+from tests.cli_helpers import Node, wait_for
+
+MAIN_PORT_CONNECTIONS = 3000  # f1eb0b9 exited after 100-180 of them
+OTHER_PORT_CONNECTIONS = 300  # each stream port, the bulk lane's and the metrics port
+OPEN = ("connections", "bulk_open")  # a node's stats: its open connections
+
+
+def flood(host: str, port: int, count: int, seed: int) -> int:
+    """``count`` connections to ``host:port`` in turn, each sending 1-300 random bytes (from
+    ``seed``) and hanging up; returns how many connected (fewer: the port closed meanwhile)."""
+    rng = random.Random(seed)
+    for i in range(count):
+        data = rng.randbytes(rng.randint(1, 300))
+        try:
+            conn = socket.create_connection((host, port), timeout=5)
+        except ConnectionRefusedError:
+            return i
+        with conn:
+            try:
+                conn.sendall(data)
+            except OSError:  # the node refused what it had read: it may reset the rest
+                pass
+    return count
+
+
+def status_of(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.status
+
+
+def stray_targets(node: Node, stats: dict) -> list[tuple[int, int]]:
+    """(port, connections) for every port of ``node``: its ZeroMQ ports (main, then the stream
+    ports), its bulk lane's and its metrics port."""
+    main = int(node.address.rsplit(":", 1)[1])
+    metrics = int(node.metrics_url.rsplit(":", 1)[1])
+    others = [*stats["stream_ports"], stats["bulk_port"], metrics]
+    return [(main, MAIN_PORT_CONNECTIONS)] + [(port, OTHER_PORT_CONNECTIONS) for port in others]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_random_bytes_on_every_port_leave_the_node_serving_and_its_blocks_intact():
+    """Thousands of connections that each send 1-300 random bytes and hang up, on the node's
+    ZeroMQ ports (main and stream ports), its bulk lane's and its metrics port: none of them
+    reaches the node as a request, the process keeps serving (PING, /health) and every block
+    PUT before reads back byte for byte. Fails on f1eb0b9 (`pagekv serve: error: Invalid
+    argument` after 100-180 connections: libzmq took the bytes for a ZMTP 1.0 peer's messages,
+    which carry no ZMQ_SRCFD, and reading it raised EINVAL out of the loop)."""
+    node = Node("--capacity", "64MiB", "--io-threads", "2", "--metrics-port", "0",
+                "--log-level", "error")  # fmt: skip
+    try:
+        with StoreClient(node.address, timeout_s=10) as client:
+            keys = [os.urandom(16) for _ in range(64)]
+            sizes = random.Random(7).choices(range(1, 200_000), k=len(keys))
+            values = [os.urandom(size) for size in sizes]
+            assert client.put_many(keys, values) == [Status.OK] * len(keys)
+            before = client.stats()[0]
+            host = node.address.removeprefix("tcp://").rsplit(":", 1)[0]
+            start = time.monotonic()
+            for seed, (port, count) in enumerate(stray_targets(node, before)):
+                sent = flood(host, port, count, seed)
+                assert sent == count, f"port {port} closed after {sent} connections:\n{node.log}"
+            took = time.monotonic() - start
+
+            def settled():  # the node has closed every stray connection
+                stats = client.stats()[0]
+                return stats is not None and all(stats[n] == before[n] for n in OPEN)
+
+            wait_for(settled, 30, "the stray connections to be closed")
+            assert node.proc.poll() is None, f"node exited {node.proc.returncode}:\n{node.log}"
+            assert client.ping() == [True]
+            got = client.get_many(keys)
+            assert all(g is not None and bytes(g) == v for g, v in zip(got, values))
+            after = client.stats()[0]
+            for counter in ("bad_requests", "dropped", "internal_errors"):
+                assert after[counter] == before[counter], counter  # none became a request
+            assert status_of(node.metrics_url + "/health") == 200
+        print(f"\n[strays] {len(before['stream_ports']) + 3} ports flooded in {took:.1f} s")
+    finally:
+        assert node.stop() == 0, node.log
+
+
+SIGNATURE = b"\xff" + bytes(8) + b"\x7f"  # a versioned greeting's first 10 bytes
+OLD_PEERS = {
+    # routing id message (empty), then a two-frame message: ZMTP 1.0 frames are
+    # length (flags included), flags (1: more), body
+    "zmtp 1.0 unversioned": b"\x01\x00" + b"\x02\x01h" + b"\x02\x00x",
+    "zmtp 1.0": SIGNATURE + b"\x00\x05" + b"\x01\x00" + b"\x02\x01h" + b"\x02\x00x",
+    # revision 1, socket type DEALER; ZMTP 2.0 frames are flags (1: more), size, body
+    "zmtp 2.0": SIGNATURE + b"\x01\x05" + b"\x00\x00" + b"\x01\x01h" + b"\x00\x01x",
+}
+
+
+@pytest.mark.parametrize("wire", OLD_PEERS.values(), ids=OLD_PEERS.keys())
+def test_peers_before_zmtp_3_are_refused(node, wire):
+    """A ZMTP 1.0 or 2.0 peer has no handshake: what it sends would reach the node as messages
+    from anyone. The node closes the connection instead and serves on. Fails on f1eb0b9 (the
+    message reached the loop, and reading its ZMQ_SRCFD raised EINVAL: the node stopped)."""
+    host, port = node.address.removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as conn:
+        conn.sendall(wire)
+        try:
+            while conn.recv(4096):  # whatever the node sends, until it hangs up
+                pass
+        except ConnectionResetError:  # hung up on bytes it had not read
+            pass
+        except TimeoutError:
+            pytest.fail("the node kept the connection of a peer before ZMTP 3 open")
+    with StoreClient(node.address, timeout_s=5) as client:
+        assert client.ping() == [True]
+        stats = client.stats()[0]
+    assert stats["bad_requests"] == 0 and stats["dropped"] == 0
+
+
+def test_a_node_without_curve_beside_a_curve_node_in_one_context(tmp_path):
+    """A node without CURVE sets a ZAP domain (to refuse pre-ZMTP-3 peers), so libzmq asks the
+    context's ZAP handler about its clients when there is one: a CURVE node's, sharing the
+    context, must admit them and still serve only its own allowed clients. Fails with the domain
+    set and the handler refusing NULL handshakes, as it did on f1eb0b9 (plain PUT: UNAVAILABLE)."""
+    server_public, server_secret = zmq.auth.create_certificates(tmp_path, "server")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    _, client_secret = zmq.auth.create_certificates(allowed, "client")
+    ctx = zmq.Context()
+    curve = StoreNode(NodeConfig(port=0, capacity="16MiB", curve_secret_key=server_secret,
+                                 curve_allow=str(allowed)), context=ctx)  # fmt: skip
+    plain = StoreNode(NodeConfig(port=0, capacity="16MiB"), context=ctx)
+    threads = [threading.Thread(target=n.serve_forever, daemon=True) for n in (curve, plain)]
+    for t in threads:
+        t.start()
+    try:
+        with StoreClient(plain.address, timeout_s=5) as client:
+            assert client.put_many([b"plain"], [b"value"]) == [Status.OK]
+            assert bytes(client.get_many([b"plain"])[0]) == b"value"
+        keys = CurveClientKeys.from_files(server_public, client_secret)
+        with StoreClient(curve.address, curve=keys, timeout_s=5) as client:
+            assert client.ping() == [True]
+        with StoreClient(curve.address, timeout_s=0.5) as client:
+            assert client.put_many([b"x"], [b"y"]) == [Status.UNAVAILABLE]
+    finally:
+        for n in (curve, plain):
+            n.stop()
+        for t in threads:
+            t.join(timeout=5)
+        ctx.term()
