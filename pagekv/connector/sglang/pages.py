@@ -83,12 +83,21 @@ def describe_pool(pool: Any, name: str = KV_POOL) -> PageFormat:
                           "pools are not supported")  # fmt: skip
     page = int(getattr(pool, "page_size", 1) or 1)
     kind, layout = _kind(pool), str(getattr(pool, "layout", "none"))
-    dtype = getattr(pool, "dtype", None)
-    dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else "bytes"
     sizes, copied = _frame_sizes(pool, name, page)
     geometry = _kv_geometry(pool, kind, page) if kind in ("mha", "mla") else None
     geometry = geometry or _opaque_geometry(sum(sizes))
-    return PageFormat(name, kind, layout, dtype_name, page, sizes, copied, geometry)
+    return PageFormat(name, kind, layout, _dtypes(pool, kind), page, sizes, copied, geometry)
+
+
+def _dtypes(pool: Any, kind: str) -> str:
+    """The element types of a page: the pool's ``dtype`` for K/V and latent pools, else those
+    of its buffers in order (a Mamba pool keeps its temporal and conv states in two types)."""
+    buffers = getattr(pool, "get_hybrid_pool_buffer", None)
+    types = [getattr(pool, "dtype", None)]
+    if kind not in ("mha", "mla") and callable(buffers):
+        types = [getattr(t, "dtype", None) for t in _flatten(buffers())]
+    names = [str(t).removeprefix("torch.") for t in types if t is not None]
+    return "+".join(dict.fromkeys(names)) or "bytes"
 
 
 def _kind(pool: Any) -> str:
