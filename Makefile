@@ -39,7 +39,7 @@ test: lint
 test-sglang:
 	@SGLANG_PY=$$(bash scripts/engines/setup_sglang.sh) && \
 	PYTHONPATH=$(CURDIR) PAGEKV_REQUIRE_SGLANG=1 $$SGLANG_PY -m pytest -q -p no:cacheprovider \
-		tests/engines/test_sglang.py
+		tests/engines/test_sglang.py tests/engines/test_sglang_server.py
 
 # page-key hashing throughput
 bench-hash: $(STAMP)

@@ -11,7 +11,8 @@
 #
 # What goes in (engines.md section 1): the CPU torch wheel (local, pinned like the main venv),
 # sglang==0.5.23 without its dependencies (they pull CUDA stacks and GBs), and the light
-# packages its hicache_storage, storage backend factory and host pools import. The PyPI
+# packages its cache modules (unified radix cache: openai, partial-json-parser) and its HTTP
+# server path (fastapi ... soundfile; prometheus-client for --enable-metrics) import. The PyPI
 # torchvision wheel does not load against CPU torch and is left out; the tests stub it.
 set -euo pipefail
 
@@ -25,7 +26,10 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 PACKAGES=(numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq
     tqdm ipython aiohttp triton xxhash msgpack
-    transformers dill apache-tvm-ffi sentencepiece compressed_tensors gguf pytest pytest-asyncio pytest-timeout)
+    transformers dill apache-tvm-ffi sentencepiece compressed_tensors gguf pytest pytest-asyncio pytest-timeout
+    openai partial-json-parser
+    fastapi uvicorn uvloop setproctitle python-multipart einops jsonschema xgrammar soundfile
+    prometheus-client)
 WANT="$( (echo "$SGLANG_VERSION $TORCH_VERSION ${PACKAGES[*]}"; cat "$HERE/sglang-constraints.txt") \
     | sha256sum | cut -c1-16)"
 
