@@ -3,18 +3,17 @@
 No KV tensors, no host pool, no torch: a store client, the key namespaces of the ranks whose
 pages a request needs, and a lookup bounded in time. The scheduler of a serving engine runs on
 one thread and must never wait on the network longer than it budgets: :meth:`KVIndex.lookup`
-returns within ``lookup_timeout_s`` whatever the store does (a dead or stopped node costs at
-most that bound), counts the failure and logs it at most every few seconds. After a failure,
-lookups skip the store for a back-off period (0.25 s doubling to 8 s, reset by a success), so a
-dead node costs one bound per period instead of one per request.
+returns within ``lookup_timeout_s`` whatever the store does, counts the failure and logs it at
+most every few seconds. Back-off is per node, in the store client: a node that has not answered
+a lookup within 3/4 of the bound is failed and backed off (0.25 s doubling to 8 s, reset by an
+answer), its keys asked of their next node or counted as misses, while the other nodes keep
+answering; a stopped or dead node costs one bound per back-off period, not one per lookup.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,10 +69,7 @@ class KVIndex:
         self._warn = RateLimitedLog(log)
         self._why = RateLimitedLog(log, 60.0)
         self._diagnosing = threading.Event()
-        # circuit breaker: after a failed lookup, none for backoff_s (doubling up to max)
-        self.backoff_min_s, self.backoff_max_s = 0.25, 8.0
-        self._backoff_s = 0.0
-        self._skip_until = 0.0
+        self._probe_config = cfg
         self._own_loop = loop is None
         self.loop = loop or LoopThread("pagekv-index")
         try:
@@ -110,41 +106,36 @@ class KVIndex:
 
     def lookup_pages(self, keys: list[list[bytes]], timeout_s: float | None = None) -> int:
         """Leading pages stored for every key list (bounded, never raises on store trouble)."""
+        found = self.found(keys, timeout_s) or []
+        return next((i for i, f in enumerate(found) if not f), len(found))
+
+    def found(self, keys: list[list[bytes]], timeout_s: float | None = None) -> list[bool] | None:
+        """Per position ``i``: whether ``keys[r][i]`` is stored for every namespace ``r`` (the
+        lists are cut to the shortest). None when the store could not answer (every key
+        unanswered, or the bound passed): counted and logged, never raised."""
         if self._closed:
             raise ConnectorClosed("KVIndex is closed")
         self.counters["lookups"] += 1
         n = min(map(len, keys))
         if n == 0:
-            return 0
+            return []
         flat = [k for ks in keys for k in ks[:n]]
-        now = time.monotonic()
-        if now < self._skip_until:  # the store just failed us: host tier only, for a while
-            self.counters["lookups_skipped"] += 1
-            return 0
         timeout = self.lookup_timeout_s if timeout_s is None else timeout_s
         try:
-            found = self.loop.call(self._exists(flat), timeout)
+            found = self.loop.call(self._exists(flat, 0.75 * timeout), timeout)
         except TimeoutError:
             self.counters["lookup_timeouts"] += 1
             self.counters["store_errors"] += 1
-            self._back_off(now)
-            self._warn.warning("pagekv: store lookup took over %.0f ms: counted as a miss; "
-                               "store lookups skipped for %.2f s", timeout * 1e3,
-                               self._backoff_s)  # fmt: skip
-            return 0
-        if found is None:
-            self._back_off(now)
-            return 0
-        self._backoff_s = 0.0
-        lead = n
-        for r in range(len(keys)):
-            part = found[r * n : (r + 1) * n]
-            lead = min(lead, next((i for i, f in enumerate(part) if not f), n))
-        return lead
+            self._warn.warning("pagekv: store lookup took over %.0f ms: counted as a miss",
+                               timeout * 1e3)  # fmt: skip
+            self._explain()
+            return None
+        if found is None or len(keys) == 1:
+            return found
+        per_rank = [found[r * n : (r + 1) * n] for r in range(len(keys))]
+        return [all(flags) for flags in zip(*per_rank)]
 
-    def _back_off(self, now: float) -> None:
-        self._backoff_s = min(self.backoff_max_s, max(self.backoff_min_s, 2 * self._backoff_s))
-        self._skip_until = now + self._backoff_s
+    def _explain(self) -> None:
         if not self._diagnosing.is_set():  # say why, off the engine's thread
             self._diagnosing.set()
             threading.Thread(target=self._diagnose, name="pagekv-probe", daemon=True).start()
@@ -154,7 +145,7 @@ class KVIndex:
         misconfiguration) reads differently from "unreachable" or "no answer"."""
         from pagekv.store.probe import Outcome, probe
 
-        cfg = self.store.config
+        cfg = self._probe_config
         try:
             for ep in cfg.endpoints:
                 result = probe(ep, curve=cfg.curve, timeout_s=min(cfg.timeout_s, 2.0))
@@ -164,40 +155,48 @@ class KVIndex:
             self._diagnosing.clear()
 
     def connect(self, timeout_s: float) -> bool:
-        """Open the connections to every node (and learn its limits) before the first lookup,
-        which is otherwise bounded by ``lookup_timeout_s`` and would pay for them: an engine
-        calls this at start-up. Asks about random keys spread over the nodes; True when every
-        one was answered. Counts nothing, backs off nothing, never raises on store trouble."""
+        """:meth:`unreachable` as a bool: True when every node answered within ``timeout_s``."""
+        return not self.unreachable(timeout_s)
+
+    def unreachable(self, timeout_s: float) -> list[str]:
+        """Open the connections to every node now (and learn its limits), so that the first
+        bounded lookup does not pay for them: the endpoints that did not answer a PING within
+        ``timeout_s`` (they are then backed off as any node that failed). An engine calls
+        this at start-up. Never raises on store trouble."""
         if self._closed:
             raise ConnectorClosed("KVIndex is closed")
-        probes = [os.urandom(16) for _ in range(16 * len(self.store.config.endpoints))]
+        endpoints = list(self.store.config.endpoints)
 
-        async def ask() -> bool:
+        async def ask() -> list[bool]:
             try:
-                return not (await self.store.exists_many(probes)).unanswered
+                return await self.store.ping()
             except StoreError:
-                return False
+                return [False] * len(endpoints)
 
         try:
-            return self.loop.call(ask(), timeout_s)
+            answered = self.loop.call(ask(), timeout_s)
         except TimeoutError:
-            return False
+            answered = [False] * len(endpoints)
+        return [ep for ep, ok in zip(endpoints, answered) if not ok]
 
-    async def _exists(self, keys: list[bytes]) -> list[bool] | None:
-        """Found flags, or None when the store could not answer (counted and logged): an
-        exception, or no node answering for any key (down or unreachable: the client reports
-        such keys as not found, which must not read as a plain miss)."""
+    async def _exists(self, keys: list[bytes], answer_s: float) -> list[bool] | None:
+        """Found flags, or None when no node answered for any key (counted and logged: the
+        client reports such keys as not found, which must not read as a plain miss). Keys of
+        a node that did not answer within ``answer_s`` are misses; that node is backed off."""
         try:
-            result = await self.store.exists_many(keys)
+            result = await self.store.exists_many(keys, answer_s=answer_s)
         except StoreError as e:
             self.counters["store_errors"] += 1
             self._warn.warning("pagekv: store lookup failed: %s", e)
+            self._explain()
             return None
         if result.unanswered:
             self.counters["store_errors"] += 1
             if result.unanswered == len(keys):
-                self._warn.warning("pagekv: store lookup: no node answered; store lookups "
-                                   "skipped for a while")  # fmt: skip
+                self.counters["lookups_skipped"] += 1
+                self._warn.warning("pagekv: store lookup: no node answered (down, stopped or "
+                                   "backed off): counted as a miss")  # fmt: skip
+                self._explain()
                 return None
         return result.found
 

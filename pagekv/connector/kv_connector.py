@@ -75,8 +75,18 @@ Tokens = Sequence[int] | torch.Tensor
 _COUNTERS = (
     "lookups", "lookup_tokens", "hit_tokens_host", "hit_tokens_store", "prefetches",
     "prefetch_seconds", "prefetch_pool_short", "bytes_in", "bytes_out", "saves",
-    "save_pool_full", "store_errors", "pages_saved",
+    "save_pool_full", "store_errors", "pages_saved", "pages_written_again",
 )  # fmt: skip
+
+
+class _AllDone:
+    """Completes when every one of ``events`` has (a write-back waits on one completion)."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self.events = events
+
+    def query(self) -> bool:
+        return all(e.query() for e in self.events)
 
 
 class KVConnector:
@@ -389,6 +399,7 @@ class KVConnector:
         *,
         keys: Sequence[bytes] | None = None,
         engine_waits: bool = True,
+        write_through: bool = False,
     ) -> SaveHandle:
         """Save the full pages of ``token_ids`` (or ``keys``) from ``device_slots``: device ->
         host pool on the save stream, then write-back to the store in the background.
@@ -396,6 +407,9 @@ class KVConnector:
         Never blocks on the network or the GPU; a full pool skips the save (counted). With
         ``engine_waits`` (default) the engine's current stream waits on the copy, so the slots
         may be overwritten right away; else the caller orders that on ``handle.event``.
+        ``write_through``: pages already in the host tier are written back again too (from the
+        host tier; the write-back skips those the store holds), for a caller that knows or
+        suspects the store lacks them (a restarted node).
         """
         keys = self._keys(token_ids, keys)
         if device_slots is None:
@@ -403,6 +417,9 @@ class KVConnector:
         table = self._slot_table(device_slots, len(keys))
         self.stats_counters["saves"] += 1
         new = [i for i, k in enumerate(keys) if k not in self.cache]
+        if write_through and self.writes_to_store and len(new) < len(keys):
+            fresh = set(new)
+            self._write_again([k for i, k in enumerate(keys) if i not in fresh])
         if not new:
             return SaveHandle(0)
         try:
@@ -424,6 +441,16 @@ class KVConnector:
         else:
             self.cache.release([p for _, p in published], after=event)
         return SaveHandle(len(published), event)
+
+    def _write_again(self, keys: list[bytes]) -> None:
+        """Queue the write-back of host-tier pages (held until written, after the copies that
+        filled them)."""
+        held = [(k, p) for k, p in zip(keys, self.cache.acquire_each(keys)) if p is not None]
+        if not held:
+            return
+        events = self.cache.ready_events([p for _, p in held])
+        self.stats_counters["pages_written_again"] += len(held)
+        self._loop.call_soon(self.writeback.submit, held, _AllDone(events) if events else None)
 
     def _copy_out(
         self, table: torch.Tensor, rows: list[int], pages: list[int], engine_waits: bool

@@ -182,13 +182,13 @@ class AsyncStoreClient(_Base):
             link.pending.pop(rid, None)
             link.release()
 
-    async def _node_calls(self, node: int, calls: Batch) -> Results:
+    async def _node_calls(self, node: int, calls: Batch, answer_s: float | None = None) -> Results:
         """A node's calls of a batch: PUTs and GETs over its bulk lane when it offers one, the
         rest (and the calls whose lane cannot be reached) over ZeroMQ."""
         bulk, calls = self._bulk_split(calls)
         jobs = [self._bulk_calls(node, bulk)] if bulk else []
         if calls:
-            jobs.append(self._zmq_calls(node, calls))
+            jobs.append(self._zmq_calls(node, calls, answer_s))
         parts = await asyncio.gather(*jobs)
         return {rid: result for part in parts for rid, result in part.items()}
 
@@ -245,16 +245,19 @@ class AsyncStoreClient(_Base):
             results.update(await self._zmq_calls(node, fallback))
         return results
 
-    async def _zmq_calls(self, node: int, calls: Batch) -> Results:
+    async def _zmq_calls(self, node: int, calls: Batch, answer_s: float | None = None) -> Results:
         parts = self._spread(node, calls)
         if len(parts) == 1:
-            return await self._stream_calls(node, *parts[0])
-        done = await asyncio.gather(*(self._stream_calls(node, s, c) for s, c in parts))
+            return await self._stream_calls(node, *parts[0], answer_s)
+        done = await asyncio.gather(*(self._stream_calls(node, s, c, answer_s) for s, c in parts))
         return {rid: result for part in done for rid, result in part.items()}
 
-    async def _stream_calls(self, node: int, stream: int, calls: Batch) -> Results:
+    async def _stream_calls(
+        self, node: int, stream: int, calls: Batch, answer_s: float | None = None
+    ) -> Results:
         """Run ``calls`` on one link of ``node`` until all are answered or their deadline
-        passes (see the module doc; the unanswered ones are None). Waits on one event that
+        passes (see the module doc; the unanswered ones are None), or at most ``answer_s``
+        after they start when given. Waits on one event that
         completions, sends and the deadline timer set: O(1) work per wake-up (a wait over
         every task each time cost O(tasks) and took the engine's GIL)."""
         link = self._link(node, stream)
@@ -293,6 +296,8 @@ class AsyncStoreClient(_Base):
                     deadline = clock["progress"] + connect + stretch
                 else:  # waiting for window slots held by other calls (each on its deadline)
                     deadline = cap
+                if answer_s is not None:
+                    deadline = min(deadline, start + answer_s)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     if clock["bytes"]:  # a request went out: fail the socket's requests
@@ -319,14 +324,16 @@ class AsyncStoreClient(_Base):
                 results[c.request.id] = t.result()
         return results
 
-    async def _run(self, gen: OpGen) -> Any:
+    async def _run(self, gen: OpGen, answer_s: float | None = None) -> Any:
         try:
             batch = next(gen)
             while True:
                 per_node: dict[int, Batch] = {}
                 for call in batch:
                     per_node.setdefault(call.node, []).append(call)
-                parts = await asyncio.gather(*(self._node_calls(n, c) for n, c in per_node.items()))
+                parts = await asyncio.gather(
+                    *(self._node_calls(n, c, answer_s) for n, c in per_node.items())
+                )
                 batch = gen.send({rid: r for part in parts for rid, r in part.items()})
         except StopIteration as done:
             return done.value
@@ -342,8 +349,13 @@ class AsyncStoreClient(_Base):
     ) -> list[Any]:
         return await self._run(self._plan_get(keys, into, on_arrival))
 
-    async def exists_many(self, keys: Sequence[bytes]) -> ExistsResult:
-        return await self._run(self._plan_exists(keys))
+    async def exists_many(
+        self, keys: Sequence[bytes], *, answer_s: float | None = None
+    ) -> ExistsResult:
+        """``answer_s``: a node that has not answered this call within it is treated as after
+        a missed deadline (failed, backed off, its keys asked of their next node or
+        unanswered): a lookup with a budget shorter than the client's timeout."""
+        return await self._run(self._plan_exists(keys), answer_s)
 
     async def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
         return await self._run(self._plan_delete(keys))

@@ -1,11 +1,17 @@
 """The vLLM connector's scheduler and worker halves against a real store node, without vLLM:
-requests are stand-ins with vLLM's fields (request_id, num_tokens, chained block_hashes), caches
-are vLLM-shaped CPU views (tests/engines/vllm_layouts.py) filled with random data."""
+requests are stand-ins with vLLM's fields (request_id, num_tokens, num_prompt_tokens,
+num_computed_tokens, chained block_hashes), scheduler steps are driven the way vLLM's scheduler
+drives them (lookup, allocation, ``build_connector_meta``, then ``num_computed_tokens``
+advanced), caches are vLLM-shaped CPU views (tests/engines/vllm_layouts.py) of random data.
+
+Tests that fail on f1eb0b9 say so (the reason in their docstring)."""
 
 from __future__ import annotations
 
 import hashlib
 import pickle
+import socket
+import threading
 import time
 from types import SimpleNamespace
 
@@ -14,10 +20,14 @@ import torch
 
 from pagekv.connector import KVIndex
 from pagekv.connector.vllm.blocks import block_geometry
+from pagekv.connector.vllm.config import VllmConnectorConfig, directions
+from pagekv.connector.vllm.epoch import EpochRecord
 from pagekv.connector.vllm.metadata import BlockTransfer, PagekvMetadata
 from pagekv.connector.vllm.namespace import EngineLayout
-from pagekv.connector.vllm.scheduler import SchedulerSide
-from pagekv.store import Status, StoreClient
+from pagekv.connector.vllm.scheduler import RecentBlocks, SchedulerSide
+from pagekv.errors import ConfigError
+from pagekv.store import NodeConfig, Status, StoreClient, StoreNode
+from tests.helpers import wait_until
 
 from .vllm_layouts import vllm_layer_views, worker_over
 
@@ -30,13 +40,92 @@ def layout(tp_size: int = 1, rank_shared: bool = False, hash_ratio: int = 1) -> 
                         rank_shared)  # fmt: skip
 
 
-def request(req_id: str, tokens: list[int], hashes_per_block: int = 1) -> SimpleNamespace:
-    """vLLM-like request: one sha256 hash per BLOCK / hashes_per_block tokens, chained."""
-    step, prev, hashes = BLOCK // hashes_per_block, b"root", []
-    for i in range(0, len(tokens) - step + 1, step):
-        prev = hashlib.sha256(prev + bytes(str(tokens[i : i + step]), "ascii")).digest()
-        hashes.append(prev)
-    return SimpleNamespace(request_id=req_id, num_tokens=len(tokens), block_hashes=hashes)
+class Hashes(list):
+    """vLLM's ``request.block_hashes`` that counts the elements read (a whole-list copy reads
+    them all): the scheduler's per-step cost must not grow with the context."""
+
+    reads = 0
+
+    def __iter__(self):
+        Hashes.reads += len(self)
+        return super().__iter__()
+
+    def __getitem__(self, i):
+        Hashes.reads += len(range(*i.indices(len(self)))) if isinstance(i, slice) else 1
+        return super().__getitem__(i)
+
+
+class Req:
+    """The fields of vLLM's ``Request`` the scheduler half reads: one sha256 hash per
+    ``BLOCK / hashes_per_block`` tokens, chained, recomputed as tokens are appended."""
+
+    def __init__(self, req_id: str, tokens: list[int], hashes_per_block: int = 1) -> None:
+        self.request_id, self.tokens = req_id, list(tokens)
+        self.num_prompt_tokens = len(tokens)
+        self.num_computed_tokens = 0
+        self.step = BLOCK // hashes_per_block
+        self.block_hashes = Hashes()
+        self._rehash()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def _rehash(self) -> None:
+        prev = self.block_hashes[-1] if self.block_hashes else b"root"
+        for i in range(len(self.block_hashes) * self.step, len(self.tokens) - self.step + 1,
+                       self.step):  # fmt: skip
+            prev = hashlib.sha256(prev + bytes(str(self.tokens[i : i + self.step]), "ascii"))
+            prev = prev.digest()
+            list.append(self.block_hashes, prev)
+
+    def append(self, token: int) -> None:
+        self.tokens.append(token)
+        self._rehash()
+
+
+def step(scheduled: dict[str, int] | None = None, preempted=()) -> SimpleNamespace:
+    """The parts of vLLM's SchedulerOutput the scheduler half reads."""
+    return SimpleNamespace(num_scheduled_tokens=scheduled or {},
+                           preempted_req_ids=set(preempted))  # fmt: skip
+
+
+class Engine:
+    """Drives a SchedulerSide as vLLM 0.32's scheduler does; ``blocks[req_id]``: the request's
+    block ids from block 0."""
+
+    def __init__(self, sched: SchedulerSide) -> None:
+        self.sched, self.blocks = sched, {}
+        self.next_block = 100
+        sched.block_ids_of = lambda rid, a, b: self.blocks[rid][a:b]
+
+    def admit(self, req: Req, local_tokens: int = 0) -> int:
+        """Lookup, allocation of every block the request needs, and the external tokens."""
+        hit, _ = self.sched.num_new_matched_tokens(req, local_tokens)
+        n = -(-(req.num_tokens + 64) // BLOCK)
+        self.blocks[req.request_id] = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        self.sched.update_state_after_alloc(req, lambda: self.blocks[req.request_id], hit)
+        req.num_computed_tokens = local_tokens + hit
+        return hit
+
+    def run(self, scheduled: dict[Req, int], preempted=()) -> PagekvMetadata:
+        meta = self.sched.build_meta(step({r.request_id: n for r, n in scheduled.items()},
+                                          preempted))  # fmt: skip
+        for req, n in scheduled.items():  # vLLM advances after building the metadata
+            req.num_computed_tokens += n
+        return meta
+
+    def prefill(self, req: Req) -> PagekvMetadata:
+        return self.run({req: req.num_tokens - req.num_computed_tokens})
+
+
+def scheduler(endpoint: str, lay: EngineLayout | None = None, **kw) -> SchedulerSide:
+    lay = lay or layout()
+    kw.setdefault("save", True)
+    kw.setdefault("load_async", False)
+    return SchedulerSide(lay, KVIndex(lay.all_namespaces(), endpoint, lookup_timeout_s=1.0),
+                         **kw)  # fmt: skip
 
 
 def engine_worker(node, seed: int, poison: bool = False):
@@ -46,19 +135,6 @@ def engine_worker(node, seed: int, poison: bool = False):
     if poison:
         raw.fill_(-7.0)
     return worker_over(views, NUM_BLOCKS, GEO, node.address, load_timeout_s=1.0), raw, views
-
-
-def step(new=None, cached=None, scheduled=None) -> SimpleNamespace:
-    """The parts of vLLM's SchedulerOutput the scheduler half reads: req_id -> computed tokens
-    of new and of running requests, req_id -> tokens scheduled in this step."""
-    new, cached = new or {}, cached or {}
-    return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=n)
-                            for r, n in new.items()],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached),
-                                              num_computed_tokens=list(cached.values())),
-        num_scheduled_tokens=scheduled or {}, preempted_req_ids=set(),
-    )  # fmt: skip
 
 
 def block_bytes(views, block: int) -> list[torch.Tensor]:
@@ -77,66 +153,80 @@ def store_pages(endpoint: str, namespace, hashes: list[bytes]) -> None:
         assert all(s in (Status.OK, Status.EXISTS) for s in statuses)
 
 
+def stored(endpoint: str, namespace, hashes: list[bytes]) -> list[bool]:
+    with StoreClient([endpoint]) as client:
+        return client.exists_many(namespace.derive_keys(hashes)).found
+
+
+def saved_blocks(meta: PagekvMetadata) -> list[int]:
+    return [b for s in meta.saves for b in s.block_ids]
+
+
+# ---- configuration and roles ---------------------------------------------------------------
+def test_defaults_never_slow_a_serving_engine():
+    """Fails on f1eb0b9: loads were synchronous and layer-wise by default (every decode step
+    of a GPU engine in PIECEWISE CUDA graphs)."""
+    cfg = VllmConnectorConfig.from_extra({"store": ["tcp://127.0.0.1:1"]})
+    assert cfg.load_async and not cfg.layerwise and not cfg.save_decode
+    ok = VllmConnectorConfig.from_extra({"store": "tcp://h:1", "load_async": False,
+                                         "layerwise": True})  # fmt: skip
+    assert ok.layerwise
+    with pytest.raises(ConfigError, match="load_async"):
+        VllmConnectorConfig.from_extra({"store": "tcp://h:1", "layerwise": True})
+    for bad in ({"resave_interval_s": -1}, {"weights_id": ""}, {"save_decode": 1}):
+        with pytest.raises(ConfigError):
+            VllmConnectorConfig.from_extra({"store": "tcp://h:1", **bad})
+
+
+def test_roles_pick_the_directions():
+    cfg = VllmConnectorConfig.from_extra({"store": "tcp://h:1"})
+    assert directions("kv_producer", cfg) == (True, False)
+    assert directions("kv_consumer", cfg) == (False, True)
+    assert directions("kv_both", cfg) == (True, True)
+    off = VllmConnectorConfig.from_extra({"store": "tcp://h:1", "save": False})
+    assert directions("kv_both", off) == (False, True)
+    with pytest.raises(ConfigError, match="kv_role"):
+        directions(None, cfg)
+
+
+def test_a_producer_never_loads_and_a_consumer_never_saves(endpoint):
+    """Fails on f1eb0b9: ``kv_role`` was ignored (a consumer saved, a producer loaded)."""
+    lay = layout()
+    req = Req("r", list(range(5 * BLOCK)))
+    store_pages(endpoint, lay.namespace(0, 0), req.block_hashes[:3])
+    producer = Engine(scheduler(endpoint, lay, load=False))
+    assert producer.admit(req) == 0  # stored, but a producer computes
+    assert saved_blocks(producer.prefill(req)) == [100, 101, 102, 103, 104]  # all computed
+    consumer = Engine(scheduler(endpoint, lay, save=False))
+    req2 = Req("r2", list(range(5 * BLOCK)))
+    assert consumer.admit(req2) == 3 * BLOCK
+    assert consumer.prefill(req2).saves == []
+
+
+# ---- lookups ---------------------------------------------------------------------------------
 def test_lookup_caps_a_full_prompt_hit_and_starts_at_the_local_hit(endpoint):
     lay = layout()
-    sched = SchedulerSide(lay, KVIndex(lay.all_namespaces(), endpoint), save=True,
-                          load_async=False)  # fmt: skip
-    req = request("r", list(range(4 * BLOCK)))  # exactly 4 blocks, all stored
+    sched = scheduler(endpoint, lay)
+    req = Req("r", list(range(4 * BLOCK)))  # exactly 4 blocks, all stored
     store_pages(endpoint, lay.namespace(0, 0), req.block_hashes)
     assert sched.num_new_matched_tokens(req, 0) == (3 * BLOCK, False)  # one token left
     assert sched.num_new_matched_tokens(req, 2 * BLOCK) == (BLOCK, False)
-    longer = request("r2", list(range(4 * BLOCK + 1)))
+    longer = Req("r2", list(range(4 * BLOCK + 1)))
     assert sched.num_new_matched_tokens(longer, 0) == (4 * BLOCK, False)
-    other = request("r3", [7] * (4 * BLOCK + 1))
+    other = Req("r3", [7] * (4 * BLOCK + 1))
     assert sched.num_new_matched_tokens(other, 0) == (0, False)
 
 
 def test_hit_is_the_minimum_over_tensor_parallel_ranks(endpoint):
     lay = layout(tp_size=2)
-    sched = SchedulerSide(lay, KVIndex(lay.all_namespaces(), endpoint), save=True,
-                          load_async=True)  # fmt: skip
-    req = request("r", list(range(5 * BLOCK)))
+    sched = scheduler(endpoint, lay, load_async=True)
+    req = Req("r", list(range(5 * BLOCK)))
     store_pages(endpoint, lay.namespace(0, 0), req.block_hashes)  # rank 0: 5 blocks
     assert sched.num_new_matched_tokens(req, 0) == (0, False)  # rank 1 has none
     store_pages(endpoint, lay.namespace(1, 0), req.block_hashes[:2])
     assert sched.num_new_matched_tokens(req, 0) == (2 * BLOCK, True)
     mla = layout(tp_size=2, rank_shared=True)
     assert len(mla.all_namespaces()) == 1 and not mla.namespace(1, 0).is_writer
-
-
-def test_loads_saves_and_failures_are_planned_per_block(endpoint):
-    lay = layout(hash_ratio=2)
-    blocks = {"r": list(range(100, 120))}
-    sched = SchedulerSide(lay, KVIndex(lay.all_namespaces(), endpoint), save=True,
-                          load_async=False, block_ids_of=blocks.__getitem__)  # fmt: skip
-    req = request("r", list(range(6 * BLOCK + 3)), hashes_per_block=2)
-    pages = lay.page_hashes(req.block_hashes)
-    assert pages == req.block_hashes[1::2] and len(pages) == 6
-    store_pages(endpoint, lay.namespace(0, 0), pages[:3])
-    assert sched.num_new_matched_tokens(req, BLOCK) == (2 * BLOCK, False)
-    sched.update_state_after_alloc(req, blocks["r"], 2 * BLOCK)
-    so = step(new={"r": 3 * BLOCK}, scheduled={"r": 2 * BLOCK + 1})
-    meta = pickle.loads(pickle.dumps(sched.build_meta(so)))  # crosses a process boundary
-    assert meta.loads == [BlockTransfer("r", (101, 102), tuple(pages[1:3]))]
-    assert meta.saves == [BlockTransfer("r", (103, 104), tuple(pages[3:5]))]  # computed here
-    so = step(cached={"r": 5 * BLOCK + 1}, scheduled={"r": BLOCK})
-    assert sched.build_meta(so).saves == [BlockTransfer("r", (105,), (pages[5],))]
-    assert sched.build_meta(so).saves == []  # each block once
-    sched.on_output({102}, set())  # a worker could not load block 102
-    assert sched.num_new_matched_tokens(req, 0) == (0, False)  # recomputed, not retried
-    assert sched.counters["failed_loads"] == 1
-
-
-def test_reset_moves_to_a_new_epoch(endpoint):
-    lay = layout()
-    sched = SchedulerSide(lay, KVIndex(lay.all_namespaces(), endpoint), save=True,
-                          load_async=False)  # fmt: skip
-    req = request("r", list(range(3 * BLOCK)))
-    store_pages(endpoint, lay.namespace(0, 0), req.block_hashes)
-    assert sched.num_new_matched_tokens(req, 0)[0] == 2 * BLOCK
-    sched.reset()
-    assert sched.num_new_matched_tokens(req, 0)[0] == 0
-    assert sched.build_meta(step()).epoch == 1
 
 
 def test_lookup_of_a_dead_node_is_a_bounded_miss(node):
@@ -146,15 +236,192 @@ def test_lookup_of_a_dead_node_is_a_bounded_miss(node):
     sched = SchedulerSide(lay, KVIndex(lay.all_namespaces(), endpoint, lookup_timeout_s=0.1),
                           save=True, load_async=False)  # fmt: skip
     start = time.monotonic()
-    assert sched.num_new_matched_tokens(request("r", list(range(5 * BLOCK))), 0) == (0, False)
+    assert sched.num_new_matched_tokens(Req("r", list(range(5 * BLOCK))), 0) == (0, False)
     assert time.monotonic() - start < 2.0
 
 
+# ---- loads, saves and their failures ---------------------------------------------------------
+def test_loads_saves_and_failures_are_planned_per_block(endpoint):
+    lay = layout(hash_ratio=2)
+    eng = Engine(scheduler(endpoint, lay))
+    req = Req("r", list(range(6 * BLOCK + 3)), hashes_per_block=2)
+    pages = lay.page_hashes(req.block_hashes)
+    assert pages == req.block_hashes[1::2] and len(pages) == 6
+    store_pages(endpoint, lay.namespace(0, 0), pages[:3])
+    assert eng.admit(req, local_tokens=BLOCK) == 2 * BLOCK  # block 0 local, 1-2 stored
+    meta = pickle.loads(pickle.dumps(eng.run({req: 2 * BLOCK + 1})))  # crosses processes
+    assert meta.loads == [BlockTransfer("r", (101, 102), tuple(pages[1:3]))]
+    assert meta.saves == [BlockTransfer("r", (103, 104), tuple(pages[3:5]))]  # computed here
+    assert saved_blocks(eng.run({req: BLOCK})) == [105]
+    assert eng.run({req: 1}).saves == []  # each block once
+    eng.sched.on_output({102}, set())  # a worker could not load block 102
+    assert eng.sched.num_new_matched_tokens(req, 0) == (0, False)  # recomputed, not retried
+    assert eng.sched.counters["failed_loads"] == 1
+
+
+def test_a_failed_load_never_marks_its_blocks_stored(endpoint):
+    """The blocks vLLM recomputes after a failed load are saved. Fails on f1eb0b9: the
+    scheduler counted every block of the load as stored and never saved them."""
+    lay = layout()
+    eng = Engine(scheduler(endpoint, lay))
+    req = Req("r", list(range(6 * BLOCK)))
+    store_pages(endpoint, lay.namespace(0, 0), req.block_hashes[:4])
+    assert eng.admit(req) == 4 * BLOCK
+    meta = eng.run({req: 2 * BLOCK})
+    assert meta.loads[0].block_ids == (100, 101, 102, 103) and saved_blocks(meta) == [104, 105]
+    eng.sched.on_output({102}, set())  # blocks 2-3 did not load: vLLM recomputes them
+    req.num_computed_tokens = 2 * BLOCK  # as vLLM truncates it
+    assert saved_blocks(eng.run({req: 2 * BLOCK})) == [102, 103]
+
+
+def test_a_load_that_cannot_be_planned_is_recomputed(node):
+    """vLLM counts accepted external tokens as computed: if the scheduler cannot plan their load
+    (here: fewer blocks than tokens), the workers must report the blocks, never skip them."""
+    lay = layout()
+    sched = scheduler(node.address, lay, save=False)
+    req = Req("r", list(range(4 * BLOCK)))
+    store_pages(node.address, lay.namespace(0, 0), req.block_hashes)
+    assert sched.num_new_matched_tokens(req, 0) == (3 * BLOCK, False)
+    sched.update_state_after_alloc(req, [7, 8], 3 * BLOCK)
+    meta = sched.build_meta(step())
+    assert [(s.block_ids, s.failed) for s in meta.loads] == [((7, 8), True)]
+    worker, _, _ = engine_worker(node, seed=3)
+    worker.start_load(meta)
+    assert worker.take_errors() == {7, 8}
+    worker.close()
+
+
+def test_decode_blocks_are_saved_only_when_configured(endpoint):
+    """Fails on f1eb0b9: every block was saved, those of generated tokens included."""
+    for save_decode, expected in ((False, []), (True, [102, 103])):
+        eng = Engine(scheduler(endpoint, save_decode=save_decode))
+        req = Req(f"r{save_decode}", list(range(2 * BLOCK + 5)))
+        eng.admit(req)
+        assert saved_blocks(eng.prefill(req)) == [100, 101]
+        decoded = []
+        for t in range(2 * BLOCK):
+            req.append(t)
+            decoded += saved_blocks(eng.run({req: 1}))
+        assert decoded == expected  # block 2: 5 prompt tokens and 11 generated; block 3
+
+
+def test_blocks_held_locally_are_saved_again_when_the_store_lacks_them(endpoint):
+    """A store node restarted empty: the next request whose prefix vLLM holds locally saves
+    the blocks again; another request within ``resave_interval_s`` neither checks nor saves
+    them. Fails on f1eb0b9: blocks of vLLM's local hit were never saved."""
+    lay = layout()
+    eng = Engine(scheduler(endpoint, lay, resave_interval_s=0))  # always check
+    req = Req("r", list(range(4 * BLOCK + 3)))
+    eng.admit(req, local_tokens=3 * BLOCK)  # the store restarted: it holds nothing
+    assert saved_blocks(eng.prefill(req)) == [100, 101, 102, 103]
+    assert eng.sched.counters["resave_blocks"] == 3
+    store_pages(endpoint, lay.namespace(0, 0), req.block_hashes)
+    again = Req("r2", list(range(4 * BLOCK + 3)))
+    eng.admit(again, local_tokens=4 * BLOCK)
+    assert eng.prefill(again).saves == []  # the store has them now
+
+    eng = Engine(scheduler(endpoint, lay, resave_interval_s=3600))
+    first, second = (Req(r, list(range(1000, 1000 + 3 * BLOCK + 1))) for r in ("a", "b"))
+    eng.admit(first, local_tokens=3 * BLOCK)
+    assert saved_blocks(eng.prefill(first)) == [100, 101, 102]
+    lookups = eng.sched.counters["lookups"]
+    eng.admit(second, local_tokens=3 * BLOCK)
+    assert eng.sched.counters["lookups"] == lookups  # nothing to check: saved just now
+    assert eng.prefill(second).saves == []
+
+
+def test_recent_blocks_remember_for_the_interval_and_within_capacity():
+    recent = RecentBlocks(10.0, capacity=3)
+    recent.mark(b"a", 0.0)
+    assert recent.fresh(b"a", 9.9) and not recent.fresh(b"a", 10.0)
+    for i, key in enumerate((b"b", b"c", b"d")):
+        recent.mark(key, 1.0 + i)
+    assert len(recent) == 3 and not recent.fresh(b"a", 3.5)  # the oldest went first
+    recent.mark(b"e", 20.0)  # every older entry has expired
+    assert len(recent) == 1
+    assert not RecentBlocks(0.0).fresh(b"x", 0.0)
+
+
+def test_decoding_costs_the_scheduler_nothing_per_token_of_context(endpoint):
+    """Per step, the scheduler half reads no block hash of a decoding request: its cost does
+    not grow with the context. Fails on f1eb0b9: every step copied every running request's
+    whole ``block_hashes`` list."""
+    eng = Engine(scheduler(endpoint))
+    reqs = [Req(f"r{i}", list(range(i, i + 64 * BLOCK + 1))) for i in range(4)]
+    for req in reqs:
+        eng.admit(req)
+        eng.prefill(req)
+    Hashes.reads = 0
+    for t in range(20):
+        for req in reqs:
+            list.append(req.tokens, t)  # a token whose block is not full: no new hash
+        assert eng.run(dict.fromkeys(reqs, 1)).saves == []
+    assert Hashes.reads == 0
+
+
+# ---- reset epoch -----------------------------------------------------------------------------
+def test_reset_moves_to_a_new_epoch(endpoint):
+    lay = layout()
+    sched = scheduler(endpoint, lay)
+    req = Req("r", list(range(3 * BLOCK)))
+    store_pages(endpoint, lay.namespace(0, 0), req.block_hashes)
+    assert sched.num_new_matched_tokens(req, 0)[0] == 2 * BLOCK
+    assert sched.reset()
+    assert sched.num_new_matched_tokens(req, 0)[0] == 0
+    assert sched.build_meta(step()).epoch not in ("", None)
+
+
+def epoch_scheduler(endpoint: str, lay: EngineLayout, timeout_s: float = 2.0) -> SchedulerSide:
+    index = KVIndex(lay.all_namespaces(), endpoint, lookup_timeout_s=1.0)
+    sched = SchedulerSide(None, None, save=True, load_async=False)
+    sched.activate(lay, index, epochs=EpochRecord(index, lay.marker_key, timeout_s))
+    return sched
+
+
+def test_a_reset_survives_restarts_and_reaches_new_engines(endpoint):
+    """Fails on f1eb0b9: the epoch lived in the scheduler's memory, so a restarted engine
+    read the pages saved before the reset again."""
+    lay = layout()
+    first = epoch_scheduler(endpoint, lay)
+    assert first.ready and first.epoch
+    same = epoch_scheduler(endpoint, lay)
+    assert same.epoch == first.epoch  # engines of one namespace share its epoch
+    req = Req("r", list(range(3 * BLOCK)))
+    store_pages(endpoint, lay.namespace(0, 0, first.epoch), req.block_hashes)
+    assert same.num_new_matched_tokens(req, 0)[0] == 2 * BLOCK
+    assert first.reset()  # e.g. after new weights were loaded in place
+    restarted = epoch_scheduler(endpoint, lay)
+    assert restarted.epoch not in (None, same.epoch)
+    assert restarted.num_new_matched_tokens(req, 0)[0] == 0
+
+
+def test_an_unknown_epoch_reads_and_writes_nothing_until_the_store_answers():
+    """Store unreachable at start-up: the scheduler cannot know whether a reset retired the
+    pages it would read, so it looks nothing up and saves nothing until it reads the record."""
+    with socket.socket() as probe:  # a port nothing listens on, for now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    lay = layout()
+    sched = epoch_scheduler(f"tcp://127.0.0.1:{port}", lay, timeout_s=0.5)
+    req = Req("r", list(range(3 * BLOCK)))
+    assert not sched.ready and sched.num_new_matched_tokens(req, 0) == (0, False)
+    assert sched.build_meta(step({"r": 10})).saves == []
+    node = StoreNode(NodeConfig(port=port, capacity="64MiB"))
+    threading.Thread(target=node.serve_forever, daemon=True).start()
+    try:
+        wait_until(lambda: sched.build_meta(step()) is not None and sched.ready, timeout=20,
+                   what="the scheduler to read the epoch record")  # fmt: skip
+        assert sched.epoch
+    finally:
+        node.stop()
+
+
+# ---- worker ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("load_async", [False, True])
 def test_blocks_round_trip_between_engines_byte_for_byte(node, load_async):
     writer, _, src = engine_worker(node, seed=1)
     reader, _, dst = engine_worker(node, seed=2, poison=True)
-    req = request("r", list(range(4 * BLOCK)))
+    req = Req("r", list(range(4 * BLOCK)))
     hashes = tuple(req.block_hashes)
     writer.save(PagekvMetadata(saves=[BlockTransfer("r", (3, 9, 4, 20), hashes)]))
     writer.conn.flush_sync(timeout=10)
@@ -163,10 +430,11 @@ def test_blocks_round_trip_between_engines_byte_for_byte(node, load_async):
     meta = PagekvMetadata(loads=[load])
     reader.bind(meta)
     reader.start_load(meta)
-    deadline = time.monotonic() + 10
-    while reader.pending_async and time.monotonic() < deadline:
-        time.sleep(0.01)  # the engine runs other steps meanwhile
-        reader.start_load(None)  # each step copies in the prefetches that finished
+    wait_until(
+        lambda: reader.start_load(None) or not reader.pending_async,
+        timeout=10,
+        what="the asynchronous load",
+    )  # each engine step copies in what finished
     assert reader.take_finished() == ({"r"} if load_async else set())
     assert reader.take_errors() == set()
     for s, d in zip((3, 9, 4, 20), (5, 6, 7, 8)):
@@ -180,7 +448,7 @@ def test_blocks_round_trip_between_engines_byte_for_byte(node, load_async):
 def test_pages_that_cannot_be_fetched_become_load_errors(node):
     writer, _, _ = engine_worker(node, seed=1)
     reader, _, dst = engine_worker(node, seed=2, poison=True)
-    hashes = tuple(request("r", list(range(4 * BLOCK))).block_hashes)
+    hashes = tuple(Req("r", list(range(4 * BLOCK))).block_hashes)
     writer.save(PagekvMetadata(saves=[BlockTransfer("r", (1, 2), hashes[:2])]))
     writer.conn.flush_sync(timeout=10)
     reader.start_load(PagekvMetadata(loads=[BlockTransfer("r", (5, 6, 7, 8), hashes)]))
@@ -196,19 +464,40 @@ def test_pages_that_cannot_be_fetched_become_load_errors(node):
     reader.close()
 
 
-def test_a_load_that_cannot_be_planned_is_recomputed(node):
-    """vLLM counts accepted external tokens as computed: if the scheduler cannot plan their load
-    (here: fewer blocks than tokens), the workers must report the blocks, never skip them."""
-    lay = layout()
-    sched = SchedulerSide(lay, KVIndex(lay.all_namespaces(), node.address), save=False,
-                          load_async=False)  # fmt: skip
-    req = request("r", list(range(4 * BLOCK)))
-    store_pages(node.address, lay.namespace(0, 0), req.block_hashes)
-    assert sched.num_new_matched_tokens(req, 0) == (3 * BLOCK, False)
-    sched.update_state_after_alloc(req, [7, 8], 3 * BLOCK)
-    meta = sched.build_meta(step())
-    assert [(s.block_ids, s.failed) for s in meta.loads] == [((7, 8), True)]
-    worker, _, _ = engine_worker(node, seed=3)
-    worker.start_load(meta)
-    assert worker.take_errors() == {7, 8}
-    worker.close()
+def test_an_async_load_that_cannot_start_is_reported_not_left_waiting(node):
+    """A request whose prefetch cannot be set up is reported finished with every block a load
+    error (vLLM recomputes it). Fails on f1eb0b9: it stayed in WAITING_FOR_REMOTE_KVS for ever,
+    holding its blocks."""
+    reader, _, _ = engine_worker(node, seed=2)
+    hashes = tuple(Req("r", list(range(2 * BLOCK))).block_hashes)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no prefetch today")
+
+    reader.conn.prefetch = broken
+    meta = PagekvMetadata(loads=[BlockTransfer("r", (3, 4), hashes, load_async=True)])
+    reader.bind(meta)
+    reader.start_load(meta)
+    assert reader.take_finished() == {"r"} and reader.take_errors() == {3, 4}
+    other = PagekvMetadata(loads=[BlockTransfer("q", (5,), hashes[:1], load_async=True)])
+    reader.fail_unbound(other)  # the connector's path when bind itself raised
+    assert reader.take_finished() == {"q"} and reader.take_errors() == {5}
+    assert reader.take_finished() == set()  # each reported once
+    reader.close()
+
+
+def test_a_save_writes_again_what_the_host_tier_holds(node):
+    """The scheduler plans a save when the store may lack the block: a page the worker's host
+    tier still holds is written to the store again (a node restarted empty)."""
+    writer, _, _ = engine_worker(node, seed=1)
+    hashes = tuple(Req("r", list(range(2 * BLOCK))).block_hashes)
+    save = PagekvMetadata(saves=[BlockTransfer("r", (1, 2), hashes)])
+    writer.save(save)
+    writer.conn.flush_sync(timeout=10)
+    ns = writer.conn.namespace
+    with StoreClient([node.address]) as client:
+        assert client.delete_many(ns.derive_keys(hashes)) == [True, True]
+    writer.save(save)
+    writer.conn.flush_sync(timeout=10)
+    assert stored(node.address, ns, list(hashes)) == [True, True]
+    writer.close()

@@ -2,8 +2,8 @@
 line in, one ``@@``-prefixed JSON answer per line out (vLLM's own output goes to stderr).
 
 argv[1]: {"model": path, "store": [endpoints] | null (no connector), "extra": {...},
-          "tp": 1 | 2, "model_id": str | null}
-Commands: generate, reset_prefix_cache, flush, stats, arm_kill, exit.
+          "tp": 1 | 2, "model_id": str | null, "role": "kv_both" | "kv_producer" | "kv_consumer"}
+Commands: generate, reset_prefix_cache, flush, stats, arm_kill, stall, exit.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def make_llm(spec: dict) -> Any:
             extra["model_id"] = spec["model_id"]
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="PagekvConnector", kv_connector_module_path="pagekv.connector.vllm",
-            kv_role="kv_both", kv_connector_extra_config=extra,
+            kv_role=spec.get("role", "kv_both"), kv_connector_extra_config=extra,
         )  # fmt: skip
     return LLM(**kw)
 

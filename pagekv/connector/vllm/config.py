@@ -2,18 +2,24 @@
 
     {"store": ["tcp://kv-store-0:7400"],   # required: store node endpoints
      "host_bytes": "4GiB",                 # host page pool per worker rank
-     "load_async": false,                  # (n, True): load between steps, request waits
-     "load_timeout_s": 2.0,                # bound on fetching one step's (or request's) pages
+     "load_async": true,                   # a hit request waits off the step; false: in it
+     "load_timeout_s": 2.0,                # bound on fetching one request's (or step's) pages
      "lookup_timeout_s": 0.05,             # bound on the scheduler's EXISTS per request
-     "save": true, "load": true,           # turn either direction off
+     "save": true, "load": true,           # turn a direction the role allows off
+     "save_decode": false,                 # also save blocks holding generated tokens
+     "resave_interval_s": 30.0,            # a block is checked or saved again at most this often
      "model_id": null,                     # key namespace; default: vLLM's model name
+     "weights_id": "auto",                 # "auto": fingerprint of the loaded weight files;
+                                           # a string: the user's name for these weights;
+                                           # "none": no weight identity (unsafe, opt-out)
      "kv_layout": "auto",                  # GPU: ask vLLM for BLHNC; "none" leaves it to vLLM
-     "layerwise": true,                    # GPU sync loads: wait per layer (PIECEWISE graphs)
+     "layerwise": false,                   # GPU sync loads: wait per layer (PIECEWISE graphs)
      "flush_timeout_s": 10.0,              # shutdown: bound on writing back what is queued
      "replicas": 1, "store_timeout_s": 2.0,
      "max_pending_writes": 1024, "stats_log_s": 0}
 
-Unknown keys are an error (a typo must not silently turn a feature off).
+Unknown keys are an error (a typo must not silently turn a feature off). The direction of
+transfer comes from vLLM's ``kv_role`` (:func:`directions`).
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ from pagekv.errors import ConfigError
 from pagekv.store import ClientConfig
 from pagekv.store.config import parse_size
 
-__all__ = ["VllmConnectorConfig"]
+__all__ = ["ROLES", "VllmConnectorConfig", "directions"]
 
 _LAYOUTS = ("auto", "none", "LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC", "LHBNC")
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
 @dataclass(frozen=True)
@@ -37,14 +44,17 @@ class VllmConnectorConfig:
 
     store: tuple[str, ...]
     host_bytes: int = 4 << 30
-    load_async: bool = False
+    load_async: bool = True
     load_timeout_s: float = 2.0
     lookup_timeout_s: float = 0.05
     save: bool = True
     load: bool = True
+    save_decode: bool = False
+    resave_interval_s: float = 30.0
     model_id: str | None = None
+    weights_id: str = "auto"
     kv_layout: str = "auto"
-    layerwise: bool = True
+    layerwise: bool = False
     flush_timeout_s: float = 10.0
     replicas: int = 1
     store_timeout_s: float = 2.0
@@ -63,7 +73,7 @@ class VllmConnectorConfig:
             self.client_config()
         except ValueError as e:
             raise ConfigError(f"extra_config: {e}") from None
-        for name in ("load_async", "save", "load", "layerwise"):
+        for name in ("load_async", "save", "load", "layerwise", "save_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"extra_config '{name}' must be true or false")
         for name in ("load_timeout_s", "lookup_timeout_s", "store_timeout_s", "host_bytes",
@@ -71,14 +81,28 @@ class VllmConnectorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"extra_config '{name}' must be > 0, got {value!r}")
-        if not isinstance(self.stats_log_s, (int, float)) or self.stats_log_s < 0:
-            raise ConfigError(f"extra_config 'stats_log_s' must be >= 0, got {self.stats_log_s}")
+        for name in ("stats_log_s", "resave_interval_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"extra_config '{name}' must be >= 0, got {value!r}")
         if not isinstance(self.max_pending_writes, int) or self.max_pending_writes < 1:
             raise ConfigError("extra_config 'max_pending_writes' must be an int >= 1")
         if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id):
             raise ConfigError("extra_config 'model_id' must be a non-empty string")
+        if not isinstance(self.weights_id, str) or not self.weights_id:
+            raise ConfigError(
+                "extra_config 'weights_id' must be \"auto\" (fingerprint the loaded weight "
+                'files), "none" (no weight identity in the keys), or a non-empty string '
+                "naming the weights"
+            )
         if self.kv_layout not in _LAYOUTS:
             raise ConfigError(f"extra_config 'kv_layout' must be one of {_LAYOUTS}")
+        if self.layerwise and self.load_async:
+            raise ConfigError(
+                "extra_config 'layerwise': true applies to loads made inside the step: set "
+                "'load_async': false with it (layer-wise waits make vLLM use PIECEWISE CUDA "
+                "graphs on every step)"
+            )
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> VllmConnectorConfig:
@@ -94,3 +118,14 @@ class VllmConnectorConfig:
 
     def client_config(self) -> ClientConfig:
         return ClientConfig(self.store, replicas=self.replicas, timeout_s=self.store_timeout_s)
+
+
+def directions(kv_role: str | None, cfg: VllmConnectorConfig) -> tuple[bool, bool]:
+    """``(save, load)`` of an engine with vLLM's ``kv_role``: ``kv_producer`` saves and never
+    loads, ``kv_consumer`` loads and never saves, ``kv_both`` does both; ``save``/``load``
+    false turn a direction off further. Raises ``ConfigError`` for another role."""
+    if kv_role not in ROLES:
+        raise ConfigError(f"kv_role must be one of {ROLES} for pagekv, got {kv_role!r}")
+    save = cfg.save and kv_role in ("kv_producer", "kv_both")
+    load = cfg.load and kv_role in ("kv_consumer", "kv_both")
+    return save, load

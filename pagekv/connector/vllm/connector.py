@@ -3,7 +3,15 @@
 
 vLLM makes one scheduler-role instance (EngineCore process) and one worker-role instance per
 rank (worker processes); this class only dispatches to :class:`SchedulerSide` or
-:class:`WorkerSide`.
+:class:`WorkerSide`. ``kv_role`` picks the directions: ``kv_producer`` saves and never loads,
+``kv_consumer`` loads and never saves, ``kv_both`` does both.
+
+Start-up: each worker, after loading the model and registering its KV cache, derives the
+identity it names pages with (model, weight files, attention backend: :mod:`.identity`) and
+hands it to the scheduler as vLLM's handshake metadata. The scheduler then builds the same
+namespaces, connects to every store node (one warning names the nodes that do not answer; the
+engine starts anyway) and reads the namespace's reset epoch from the store (:mod:`.epoch`).
+Until then it looks nothing up and saves nothing.
 
 Left to vLLM's defaults: ``get_mem_pool_context``, ``set_host_xfer_buffer_ops``,
 ``handle_preemptions`` (saves are done or stream-ordered within their step),
@@ -11,8 +19,9 @@ Left to vLLM's defaults: ``get_mem_pool_context``, ``set_host_xfer_buffer_ops``,
 keeps a partial hit, not ``failed_recving``), ``build_connector_worker_meta``,
 ``get_kv_connector_kv_cache_events``, ``take_events``, ``on_new_request``,
 ``get_external_cache_hit_sources`` (EXTERNAL_UNSPECIFIED), ``get_loaded_kv_cache_group_ids``,
-the P/D handshake and push hooks, ``finish_forward``, ``reset_capture_state``. ``SupportsHMA``
-is not implemented: vLLM turns its hybrid allocator off (one KV cache group).
+the push hooks, ``finish_forward``, ``reset_capture_state``. ``SupportsHMA`` is not
+implemented: vLLM turns its hybrid allocator off (one KV cache group; sliding-window layers
+beside full-attention ones are allocated as full attention).
 
 Store trouble never reaches vLLM: lookups are bounded misses, failed loads are reported as
 load errors (vLLM recomputes those blocks), failed saves are counted. An unexpected error in a
@@ -35,9 +44,12 @@ from pagekv.errors import ConfigError
 from pagekv.kernels import DeviceKV
 
 from .blocks import attention_layer_names, block_views
-from .config import VllmConnectorConfig
+from .config import VllmConnectorConfig, directions
 from .engine import engine_layout, required_layout
-from .metadata import PagekvMetadata
+from .epoch import EpochRecord
+from .identity import attention_backends, model_identity
+from .metadata import PagekvHandshake, PagekvMetadata
+from .namespace import EngineLayout
 from .scheduler import SchedulerSide
 from .stats import PagekvStats, StatsDelta
 from .worker import WorkerSide
@@ -55,21 +67,27 @@ class PagekvConnector(KVConnectorBase_V1):
         self.cfg = VllmConnectorConfig.from_extra(
             self._kv_transfer_config.kv_connector_extra_config
         )
-        self.layout = engine_layout(vllm_config, kv_cache_config, self.cfg)
+        self.save_enabled, self.load_enabled = directions(self._kv_transfer_config.kv_role,
+                                                          self.cfg)  # fmt: skip
+        self.layout: EngineLayout | None = None
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self._handshake: PagekvHandshake | None = None
         self._stats = StatsDelta()
         if role == KVConnectorRole.SCHEDULER:
             policy = self._kv_transfer_config.kv_load_failure_policy
             if policy != "recompute":  # a cache miss must never fail a request
                 log.info("pagekv: kv_load_failure_policy %r -> 'recompute'", policy)
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            index = None
-            if self.cfg.load:
-                index = KVIndex(self.layout.all_namespaces(), self.cfg.client_config(),
-                                lookup_timeout_s=self.cfg.lookup_timeout_s)  # fmt: skip
-            self.scheduler = SchedulerSide(self.layout, index, save=self.cfg.save,
-                                           load_async=self.cfg.load_async)  # fmt: skip
+            self.scheduler = SchedulerSide(
+                None, None, save=self.save_enabled, load=self.load_enabled,
+                load_async=self.cfg.load_async, save_decode=self.cfg.save_decode,
+                resave_interval_s=self.cfg.resave_interval_s,
+            )  # fmt: skip
+            log.info("pagekv: %s: %s; %s loads%s", self._kv_transfer_config.kv_role,
+                     _directions(self.save_enabled, self.load_enabled),
+                     "asynchronous" if self.cfg.load_async else "synchronous",
+                     ", layer-wise" if self.cfg.layerwise else "")  # fmt: skip
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -82,7 +100,8 @@ class PagekvConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # layer-wise waits run in Python at each attention layer: not inside a full CUDA graph
+        # layer-wise waits run in Python at each attention layer: not inside a full CUDA graph;
+        # only when asked for (they serve synchronous loads, which are not the default)
         return VllmConnectorConfig.from_extra(extra_config).layerwise
 
     # ==== worker side ===========================================================================
@@ -93,8 +112,16 @@ class PagekvConnector(KVConnectorBase_V1):
         missing = [n for n in names if n not in kv_caches]
         if missing:
             raise ConfigError(f"pagekv: vLLM registered no KV cache for layers {missing}")
+        handshake = PagekvHandshake(
+            model_id=model_identity(self._vllm_config, self.cfg.model_id, self.cfg.weights_id),
+            attn_backend=attention_backends(self._vllm_config, names),
+        )  # fmt: skip
+        self.layout = layout = engine_layout(
+            self._vllm_config, self._kv_cache_config, model_id=handshake.model_id,
+            attn_backend=handshake.attn_backend,
+        )  # fmt: skip
         tp_rank, pp_rank = get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
-        namespace = self.layout.namespace(tp_rank, pp_rank)
+        namespace = layout.namespace(tp_rank, pp_rank)
         geo = namespace.geometry
         if geo.num_layers != len(names):
             raise ConfigError(f"pagekv: PP stage {pp_rank} has {len(names)} KV layers, "
@@ -109,13 +136,20 @@ class PagekvConnector(KVConnectorBase_V1):
         if self.cfg.stats_log_s:
             conn.log_stats_every(self.cfg.stats_log_s)
         self.worker = WorkerSide(
-            conn, lambda epoch: self.layout.namespace(tp_rank, pp_rank, epoch),
+            conn, lambda epoch: layout.namespace(tp_rank, pp_rank, epoch),
             {n: i for i, n in enumerate(names)}, load_timeout_s=self.cfg.load_timeout_s,
-            save=self.cfg.save, layerwise=self.cfg.layerwise,
+            save=self.save_enabled, layerwise=self.cfg.layerwise,
         )  # fmt: skip
-        log.info("pagekv: worker tp=%d pp=%d: %d layers, %d-byte blocks, %d host pages, %s",
+        if (self.save_enabled or self.load_enabled) and not conn.connect(self.cfg.store_timeout_s):
+            log.debug("pagekv: worker tp=%d pp=%d: not every store node answered at start-up",
+                      tp_rank, pp_rank)  # fmt: skip
+        self._handshake = handshake
+        log.info("pagekv: worker tp=%d pp=%d: %d layers, %d-byte blocks, %d host pages, %s, %s",
                  tp_rank, pp_rank, geo.num_layers, geo.item_bytes, conn.pool.num_pages,
-                 self.layout.layout)  # fmt: skip
+                 layout.layout, handshake.model_id)  # fmt: skip
+
+    def get_handshake_metadata(self) -> PagekvHandshake | None:
+        return self._handshake
 
     def _meta(self) -> PagekvMetadata | None:
         return self._connector_metadata if self.has_connector_metadata() else None  # type: ignore[return-value]
@@ -125,8 +159,9 @@ class PagekvConnector(KVConnectorBase_V1):
         if self.worker is not None:
             try:
                 self.worker.bind(connector_metadata)
-            except Exception:  # async loads not started are simply not finished later
+            except Exception:  # its asynchronous loads are reported failed, never left waiting
                 log.exception("pagekv: starting asynchronous loads failed")
+                self.worker.fail_unbound(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.worker is None:
@@ -181,10 +216,54 @@ class PagekvConnector(KVConnectorBase_V1):
             self.scheduler = None
 
     # ==== scheduler side ========================================================================
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        self._start_scheduler(list(metadata.values()))
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self._start_scheduler(list(metadata.values()))
+
+    def _start_scheduler(self, reports: list[Any]) -> None:
+        """The workers' identity is known: build the namespaces, connect, read the epoch."""
+        if self.scheduler is None or self.scheduler.layout is not None:
+            return
+        par = self._vllm_config.parallel_config
+        ranks = par.tensor_parallel_size * par.pipeline_parallel_size
+        idents = {(r.model_id, r.attn_backend) for r in reports if isinstance(r, PagekvHandshake)}
+        if len(reports) != ranks or len(idents) != 1:
+            log.error("pagekv: %d of %d worker ranks reported, with %d different page "
+                      "identities: the connector stays off (no lookups, no saves)",
+                      len(reports), ranks, len(idents))  # fmt: skip
+            return
+        ((model_id, attn),) = idents
+        layout = engine_layout(self._vllm_config, self._kv_cache_config, model_id=model_id,
+                               attn_backend=attn)  # fmt: skip
+        self.layout = layout
+        index = epochs = None
+        if self.save_enabled or self.load_enabled:
+            index = KVIndex(layout.all_namespaces(), self.cfg.client_config(),
+                            lookup_timeout_s=self.cfg.lookup_timeout_s)  # fmt: skip
+            down = index.unreachable(self.cfg.store_timeout_s)
+            if down:
+                log.warning("pagekv: store node(s) %s did not answer at start-up: the engine "
+                            "starts; their pages are misses until they answer",
+                            ", ".join(down))  # fmt: skip
+            epochs = EpochRecord(index, layout.marker_key, timeout_s=self.cfg.store_timeout_s)
+        self.scheduler.activate(layout, index, epochs=epochs)
+        if index is not None and self.scheduler.epoch is None:
+            log.warning("pagekv: this model's epoch record cannot be read (store unreachable): "
+                        "no lookups and no saves until it can")  # fmt: skip
+        log.info("pagekv: scheduler ready: %s, %s, epoch %s", model_id, layout.layout,
+                 self.scheduler.epoch)  # fmt: skip
+
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.scheduler is not None:
-            self.scheduler.block_ids_of = lambda req_id: kv_cache_manager.get_block_ids(req_id)[0]
+
+            def block_ids_of(req_id: str, start: int, stop: int) -> list[int]:
+                blocks = kv_cache_manager.get_blocks(req_id).blocks[0]  # the list itself
+                return [block.block_id for block in blocks[start:stop]]
+
+            self.scheduler.block_ids_of = block_ids_of
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -198,10 +277,15 @@ class PagekvConnector(KVConnectorBase_V1):
             return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
-        if self.scheduler is not None and num_external_tokens > 0:
-            self.scheduler.update_state_after_alloc(
-                request, blocks.get_block_ids()[0], num_external_tokens
-            )
+        if self.scheduler is None:
+            return
+        block_ids = lambda: blocks.get_block_ids()[0]  # noqa: E731 - only built when needed
+        try:
+            self.scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+        except Exception:  # vLLM counts the tokens as computed: the workers must fail them
+            log.exception("pagekv: planning the load of request %s failed; recomputing",
+                          request.request_id)  # fmt: skip
+            self.scheduler.fail_load(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> PagekvMetadata:
         if self.scheduler is None:
@@ -220,6 +304,14 @@ class PagekvConnector(KVConnectorBase_V1):
         return False, None  # saves already read the blocks (CPU) or are stream-ordered (GPU)
 
     def reset_cache(self) -> bool:
-        if self.scheduler is not None:
-            self.scheduler.reset()
-        return True
+        if self.scheduler is None:
+            return True
+        if self.scheduler.layout is None:
+            return False  # nothing is read before start-up ends; nothing can be recorded
+        return self.scheduler.reset()
+
+
+def _directions(save: bool, load: bool) -> str:
+    if save and load:
+        return "saves and loads"
+    return "saves, never loads" if save else "loads, never saves" if load else "does nothing"

@@ -40,11 +40,17 @@ def _stage_layers(vllm_config: Any, num_layers: int) -> list[int]:
     return [end - start for start, end in (get_pp_indices(total, r, pp) for r in range(pp))]
 
 
-def engine_layout(vllm_config: Any, kv_cache_config: Any, cfg: VllmConnectorConfig) -> EngineLayout:
-    """The page layout of this engine. Raises ``ConfigError`` for setups the connector does
-    not support (several KV cache groups, decode/prefill context parallelism, a block size
-    that is not a multiple of the hash block size)."""
+def engine_layout(
+    vllm_config: Any, kv_cache_config: Any, *, model_id: str, attn_backend: str
+) -> EngineLayout:
+    """The page layout of this engine. ``model_id`` and ``attn_backend``: the identity the
+    workers report (:func:`.identity.model_identity`, :func:`.identity.attention_backends`),
+    so that the scheduler and every worker name pages alike. Raises ``ConfigError`` for setups
+    the connector does not support (several KV cache groups, a group that is not full
+    attention, decode/prefill context parallelism, a block size that is not a multiple of the
+    hash block size)."""
     from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     par, cache = vllm_config.parallel_config, vllm_config.cache_config
     model = vllm_config.model_config
@@ -53,25 +59,27 @@ def engine_layout(vllm_config: Any, kv_cache_config: Any, cfg: VllmConnectorConf
             raise ConfigError(f"pagekv's vLLM connector does not support {name} > 1")
     names = attention_layer_names(kv_cache_config)
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    if not isinstance(spec, FullAttentionSpec):  # e.g. a model whose every layer is local
+        raise ConfigError(
+            f"pagekv's vLLM connector needs a full-attention KV cache group, this model's is "
+            f"{type(spec).__name__}"
+        )
     block_size = spec.block_size
     hash_block = getattr(kv_cache_config, "hash_block_size", None) or block_size
     if block_size % hash_block:
         raise ConfigError(f"block size {block_size} is not a multiple of {hash_block}")
     device = current_platform.device_type
     isa = _cpu_isa(vllm_config, spec) if device == "cpu" else "-"
-    backend = vllm_config.attention_config.backend
     block_bytes = getattr(spec, "real_page_size_bytes", spec.page_size_bytes)
     layout = layout_id(
         kv_layout=kv_cache_config.kv_cache_layout or cache.kv_cache_layout or "default",
         device=device, isa=isa, cache_dtype=cache.cache_dtype, block_size=block_size,
-        hash_algo=cache.prefix_caching_hash_algo,
-        attn_backend=getattr(backend, "name", None) or "auto",
+        hash_algo=cache.prefix_caching_hash_algo, attn_backend=attn_backend,
     )  # fmt: skip
     if cache.prefix_caching_hash_algo != "sha256" and os.getenv("PYTHONHASHSEED") is None:
         log.warning("pagekv: vLLM's %s block hashes are random per process unless "
                     "PYTHONHASHSEED is set: no engine will hit another's pages",
                     cache.prefix_caching_hash_algo)  # fmt: skip
-    model_id = cfg.model_id or model.model + (f"@{model.revision}" if model.revision else "")
     return EngineLayout(
         model_id=model_id, layout=layout,
         geometry_of=tuple(block_geometry(n, block_bytes, spec.dtype)

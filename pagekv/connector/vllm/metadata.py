@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-try:  # the base class is an empty marker; without vLLM (unit tests) a plain object will do
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+try:  # the base classes are empty markers; without vLLM (unit tests) a plain object will do
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+    )
 except ImportError:  # pragma: no cover - exercised by the tests that run without vLLM
     KVConnectorMetadata = object  # type: ignore[assignment,misc]
+    KVConnectorHandshakeMetadata = object  # type: ignore[assignment,misc]
 
-__all__ = ["BlockTransfer", "PagekvMetadata"]
+__all__ = ["BlockTransfer", "PagekvHandshake", "PagekvMetadata"]
 
 
 @dataclass(frozen=True)
@@ -38,9 +42,18 @@ class BlockTransfer:
 @dataclass
 class PagekvMetadata(KVConnectorMetadata):
     """One step's loads (blocks to fill before, or asynchronously after, the forward) and
-    saves (blocks this step completes); ``epoch``: the scheduler's reset count, part of the
-    key namespace."""
+    saves; ``epoch``: the namespace's reset epoch (:mod:`.epoch`), part of every key."""
 
-    epoch: int = 0
+    epoch: str = ""
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PagekvHandshake(KVConnectorHandshakeMetadata):
+    """What each worker rank tells the scheduler at start-up (vLLM's handshake metadata):
+    the identity it names pages with, as it resolved it after loading the model (see
+    :mod:`.identity`). The scheduler serves lookups only once every rank agrees."""
+
+    model_id: str
+    attn_backend: str

@@ -1,5 +1,5 @@
 """The scheduler half: which blocks of a request the store can supply, which blocks the workers
-load into, and which newly completed blocks they save. No tensors, no host pool: a
+load into, and which blocks they save. No tensors, no host pool: a
 :class:`~pagekv.connector.KVIndex` whose lookups are bounded in time and count a page only when
 every rank's copy is stored (the hit is the minimum over TP ranks).
 
@@ -8,185 +8,375 @@ Rules (see vLLM's ``KVConnectorBase_V1``):
 * the hit starts at vLLM's own block-aligned local hit and never covers the whole prompt: at
   most ``floor((num_tokens - 1) / block) * block`` tokens, so one token is left to compute;
 * a request whose load failed (a page the store advertised but a worker could not fetch) gets
-  no more external hits: vLLM recomputes it instead of looping on lookup, load, fail;
-* saves cover blocks that become full in this step and were computed by this engine (not the
-  ones it loaded), each once per request.
+  no more external hits: vLLM recomputes it instead of looping on lookup, load, fail; the
+  blocks it recomputes are saved;
+* saves cover the prompt's full blocks (and the blocks of generated tokens with
+  ``save_decode``): those this engine computes, and those it holds from its local prefix cache
+  when the lookup finds the store lacks them (the store restarted empty, evicted them). A block
+  is checked or saved at most once per ``resave_interval_s`` (:class:`RecentBlocks`); a block
+  loaded from the store is known stored, unless its load failed.
+
+Per step the cost is proportional to the requests that still have blocks to save (prefills,
+and every running request only with ``save_decode``) and to the blocks saved, never to a
+request's context length: decoding requests cost nothing here.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-from collections.abc import Iterable
+import sys
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagekv.connector.index import KVIndex
 
+from .epoch import EpochRecord
 from .metadata import BlockTransfer, PagekvMetadata
 from .namespace import EngineLayout
 
-__all__ = ["SchedulerSide"]
+__all__ = ["RecentBlocks", "SchedulerSide"]
 
 log = logging.getLogger("vllm.pagekv")  # under vLLM's logger: its handlers and format
 
+BlockIdsOf = Callable[[str, int, int], list[int]]  # (req_id, start, stop) -> block ids
 
-@dataclass
+
+class RecentBlocks:
+    """Block hashes seen stored, or saved, within the last ``interval_s``: such a block is not
+    checked or saved again meanwhile. Oldest first; at most ``capacity`` entries (the oldest
+    go first, which only costs a check). ``interval_s`` 0: nothing is remembered."""
+
+    def __init__(self, interval_s: float, capacity: int = 1 << 18) -> None:
+        self.interval_s, self.capacity = interval_s, capacity
+        self._seen: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def fresh(self, block_hash: bytes, now: float) -> bool:
+        seen = self._seen.get(block_hash)
+        return seen is not None and now - seen < self.interval_s
+
+    def mark(self, block_hash: bytes, now: float) -> None:
+        if not self.interval_s:
+            return
+        seen = self._seen
+        seen[block_hash] = now
+        seen.move_to_end(block_hash)
+        while len(seen) > self.capacity or now - next(iter(seen.values())) >= self.interval_s:
+            seen.popitem(last=False)
+
+    def forget(self, block_hash: bytes) -> None:
+        self._seen.pop(block_hash, None)
+
+    def clear(self) -> None:
+        self._seen.clear()
+
+
+@dataclass(eq=False)
 class _Request:
     request: Any  # vLLM's Request: request_id, num_tokens, block_hashes (grows with tokens)
+    limit: int  # blocks that may be saved: the prompt's full blocks (save_decode: no limit)
     local_blocks: int = 0  # vLLM's block-aligned local hit at the last lookup
     load_async: bool = False
-    saved_blocks: int | None = None  # leading blocks stored or not to be saved
-    loading: set[int] = field(default_factory=set)  # block ids a load may still report
+    next_save: int | None = None  # first block not yet considered for saving (None: unscheduled)
+    missing: list[int] = field(default_factory=list)  # local-hit blocks the store lacks
+    resave: list[int] = field(default_factory=list)  # ... and now allocated: to save
+    load_first: int = 0  # the load: its first block index and its block ids
+    load_ids: tuple[int, ...] = ()
+    loading: bool = False  # a load whose failure may still be reported
     no_external: bool = False
 
 
 class SchedulerSide:
-    """Lookup and bookkeeping of the scheduler-role connector. ``index`` is None when loading
-    is off; ``save`` False turns saving off. Not thread-safe (vLLM's scheduler is one thread).
-    Never raises on store trouble (lookups are bounded misses)."""
+    """Lookup and bookkeeping of the scheduler-role connector. Not thread-safe (vLLM's
+    scheduler is one thread). Never raises on store trouble (lookups are bounded misses).
+
+    Inert (no lookup, no save) until :meth:`activate` gives it the layout the workers report
+    and the namespace's epoch is known (:mod:`.epoch`). ``index``: the store lookups, None when
+    neither direction is on; ``block_ids_of(req_id, start, stop)``: vLLM's block ids of a
+    request's blocks ``start`` to ``stop``."""
 
     def __init__(
         self,
-        layout: EngineLayout,
+        layout: EngineLayout | None,
         index: KVIndex | None,
         *,
         save: bool,
         load_async: bool,
-        block_ids_of: Any = None,
+        load: bool = True,
+        save_decode: bool = False,
+        resave_interval_s: float = 30.0,
+        block_ids_of: BlockIdsOf | None = None,
+        epoch: str | None = "",
+        epochs: EpochRecord | None = None,
     ) -> None:
-        self.layout, self.index = layout, index
-        self.namespaces = layout.all_namespaces()
-        self.save_enabled, self.load_async = save, load_async
-        self.block_ids_of = block_ids_of  # req_id -> list of block ids (vLLM's cache manager)
-        self.epoch = 0
+        self.save_enabled, self.load_enabled = save, load
+        self.load_async, self.save_decode = load_async, save_decode
+        self.block_ids_of = block_ids_of
+        self.recent = RecentBlocks(resave_interval_s)
         self.requests: dict[str, _Request] = {}
+        self._to_save: dict[str, _Request] = {}  # requests that may still have blocks to save
         self.pending_loads: list[BlockTransfer] = []
         self.counters = dict.fromkeys(
-            ("lookups", "hit_tokens", "planned_load_blocks", "planned_save_blocks", "failed_loads"),
-            0,
-        )
+            ("lookups", "hit_tokens", "planned_load_blocks", "planned_save_blocks",
+             "resave_blocks", "failed_loads", "inert_lookups"), 0,
+        )  # fmt: skip
+        self.layout: EngineLayout | None = None
+        self.index: KVIndex | None = None
+        self.epochs: EpochRecord | None = None
+        self.epoch: str | None = None
+        self.namespaces: list = []
+        if layout is not None:
+            self.activate(layout, index, epoch=epoch, epochs=epochs)
+
+    def activate(
+        self,
+        layout: EngineLayout,
+        index: KVIndex | None,
+        *,
+        epoch: str | None = None,
+        epochs: EpochRecord | None = None,
+    ) -> None:
+        """Start serving with ``layout``: ``epoch`` when known, else ``epochs`` finds it
+        (here, bounded, then in the background while the store cannot answer)."""
+        self.layout, self.index, self.epochs = layout, index, epochs
+        if epoch is None and epochs is not None:
+            epoch = epochs.establish()
+        self._set_epoch(epoch)
+
+    def _set_epoch(self, epoch: str | None) -> None:
+        if epoch == self.epoch:
+            return
+        self.epoch = epoch
+        self.recent.clear()
+        self.namespaces = [] if epoch is None else self.layout.all_namespaces(epoch)
+
+    @property
+    def ready(self) -> bool:
+        return self.epoch is not None and self.index is not None
 
     def _state(self, request: Any) -> _Request:
         st = self.requests.get(request.request_id)
         if st is None or st.request is not request:
-            st = self.requests[request.request_id] = _Request(request)
+            if self.save_decode:
+                limit = sys.maxsize
+            else:
+                prompt = getattr(request, "num_prompt_tokens", request.num_tokens)
+                limit = prompt // self.layout.block_size
+            st = self.requests[request.request_id] = _Request(request, limit)
+            if self.save_enabled:
+                self._to_save[request.request_id] = st
         return st
 
     # ---- lookup ----------------------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` (block-aligned) loadable from the store, and
-        whether they load asynchronously."""
-        st = self._state(request)
-        block = self.layout.block_size
-        st.local_blocks = num_computed_tokens // block
-        if self.index is None or st.no_external or getattr(request, "skip_reading_prefix_cache", 0):
-            return 0, False  # (vLLM drops external hits of prompt-logprob requests anyway)
-        hashes = self.layout.page_hashes(request.block_hashes)
-        last = min(len(hashes), (request.num_tokens - 1) // block)  # one token left to compute
-        if st.local_blocks >= last:
+        whether they load asynchronously. The same EXISTS also checks the local-hit blocks not
+        seen stored recently: those the store lacks are saved once vLLM allocates the request."""
+        if not self.ready:
+            self.counters["inert_lookups"] += 1
             return 0, False
-        wanted = hashes[st.local_blocks : last]
-        keys = [ns.derive_keys(wanted) for ns in self.namespaces]
-        pages = self.index.lookup_pages(keys)
+        st = self._state(request)
+        lay = self.layout
+        block = lay.block_size
+        st.local_blocks = num_computed_tokens // block
+        st.missing = []
+        hashes = request.block_hashes
+        pages = lay.num_pages(hashes)
+        local = min(st.local_blocks, pages)
+        now = time.monotonic()
+        check: list[int] = []
+        if self.save_enabled:
+            fresh, page_hash = self.recent.fresh, lay.page_hash
+            check = [i for i in range(min(local, st.limit)) if not fresh(page_hash(hashes, i), now)]
+        read = self.load_enabled and not st.no_external
+        read = read and not getattr(request, "skip_reading_prefix_cache", False)
+        last = min(pages, (request.num_tokens - 1) // block) if read else local
+        if not check and local >= last:
+            return 0, False
+        wanted = check + list(range(local, last))
+        wanted_hashes = [lay.page_hash(hashes, i) for i in wanted]
+        found = self.index.found([ns.derive_keys(wanted_hashes) for ns in self.namespaces])
         self.counters["lookups"] += 1
-        self.counters["hit_tokens"] += pages * block
-        st.load_async = self.load_async and pages > 0
-        return pages * block, st.load_async
+        if found is None:  # the store could not answer: a miss, nothing learnt
+            return 0, False
+        for h, stored in zip(wanted_hashes, found):
+            if stored:
+                self.recent.mark(h, now)
+        n = len(check)
+        st.missing = [i for i, stored in zip(check, found) if not stored]
+        hit = next((j for j, stored in enumerate(found[n:]) if not stored), len(found) - n)
+        self.counters["hit_tokens"] += hit * block
+        st.load_async = self.load_async and hit > 0
+        return hit * block, st.load_async
 
     def update_state_after_alloc(
-        self, request: Any, block_ids: list[int], num_external_tokens: int
+        self, request: Any, block_ids: Callable[[], list[int]] | list[int], num_external_tokens: int
     ) -> None:
-        """Plan the load of the ``num_external_tokens`` vLLM accepted into ``block_ids`` (the
-        request's blocks from block 0). A second call for an async load (with 0) is a no-op."""
+        """vLLM allocated the request's blocks: plan the load of the ``num_external_tokens`` it
+        accepted (into the request's blocks from the local hit on; ``block_ids``: the request's
+        block ids from block 0, or a function giving them) and the save of the local-hit blocks
+        the store lacks. A second call for an async load (with 0) is a no-op."""
+        if not self.ready:
+            return
         st = self._state(request)
+        if st.missing:
+            st.resave, st.missing = st.missing, []
+            self._to_save[request.request_id] = st
         if num_external_tokens <= 0:
             return
-        block = self.layout.block_size
+        ids_all = block_ids() if callable(block_ids) else block_ids
+        lay = self.layout
+        block = lay.block_size
         first, n = st.local_blocks, num_external_tokens // block
-        hashes = self.layout.page_hashes(request.block_hashes)[first : first + n]
-        ids = list(block_ids[first : first + n])
+        hashes = lay.page_hashes(request.block_hashes, first, first + n)
+        ids = tuple(ids_all[first : first + n])
         if len(ids) != n or len(hashes) != n or num_external_tokens % block:
             # vLLM now counts these tokens as computed: the workers must report the blocks as
             # load errors (vLLM recomputes them), never leave them unwritten
             log.error("pagekv: request %s: cannot place %d external tokens in %d blocks; "
                       "recomputing", request.request_id, num_external_tokens, len(ids))  # fmt: skip
-            spec = BlockTransfer(request.request_id, tuple(ids), (), st.load_async, failed=True)
+            spec = BlockTransfer(request.request_id, ids, (), st.load_async, failed=True)
         else:
-            spec = BlockTransfer(request.request_id, tuple(ids), tuple(hashes), st.load_async)
+            spec = BlockTransfer(request.request_id, ids, tuple(hashes), st.load_async)
         self.pending_loads.append(spec)
-        st.loading.update(ids)
-        st.saved_blocks = max(st.saved_blocks or 0, first + n)  # already in the store
+        st.load_first, st.load_ids, st.loading = first, ids, True
         self.counters["planned_load_blocks"] += n
+
+    def fail_load(
+        self, request: Any, block_ids: Callable[[], list[int]], num_external_tokens: int
+    ) -> None:
+        """A load vLLM accepted but that could not be planned: the workers report its blocks
+        as load errors (and an asynchronous one as finished), so vLLM recomputes them."""
+        if num_external_tokens <= 0:
+            return
+        st = self.requests.get(request.request_id)
+        first = st.local_blocks if st is not None else 0
+        n = -(-num_external_tokens // self.layout.block_size)
+        ids = tuple(block_ids()[first : first + n])
+        load_async = st is not None and st.load_async
+        self.pending_loads.append(BlockTransfer(request.request_id, ids, (), load_async, True))
+        if st is not None:
+            st.no_external = True
 
     # ---- per step --------------------------------------------------------------------------
     def build_meta(self, scheduler_output: Any) -> PagekvMetadata:
         """This step's loads (planned since the last step) and saves (blocks this step
-        completes). Does not modify ``scheduler_output``."""
-        meta = PagekvMetadata(epoch=self.epoch, loads=self.pending_loads)
-        self.pending_loads = []
+        completes, local-hit blocks the store lacks). Does not modify ``scheduler_output``."""
+        loads, self.pending_loads = self.pending_loads, []
+        if self.epochs is not None:
+            try:
+                self._set_epoch(self.epochs.poll(self.epoch, time.monotonic()))
+            except Exception:  # the epoch stays; the next step polls again
+                log.exception("pagekv: checking the epoch record failed")
+        meta = PagekvMetadata(epoch=self.epoch or "", loads=loads)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
-            if req_id in self.requests:
-                self.requests[req_id].loading.clear()
-        if self.save_enabled:
-            for req_id, computed in self._scheduled(scheduler_output):
-                after = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-                save = self._plan_save(req_id, computed, after)
-                if save is not None:
-                    meta.saves.append(save)
+            st = self.requests.get(req_id)
+            if st is not None:
+                st.loading = False
+        if self._to_save and self.ready:
+            scheduled = scheduler_output.num_scheduled_tokens
+            now = time.monotonic()
+            try:
+                for req_id, st in list(self._to_save.items()):
+                    save = self._plan_save(req_id, st, scheduled.get(req_id, 0), now)
+                    if save is not None:
+                        meta.saves.append(save)
+            except Exception:  # a save not planned is a later miss; the loads still go out
+                log.exception("pagekv: planning this step's saves failed")
         return meta
 
-    @staticmethod
-    def _scheduled(so: Any) -> Iterable[tuple[str, int]]:
-        for new in so.scheduled_new_reqs:
-            yield new.req_id, new.num_computed_tokens
-        cached = so.scheduled_cached_reqs
-        yield from zip(cached.req_ids, cached.num_computed_tokens)
-
-    def _plan_save(self, req_id: str, computed: int, after: int) -> BlockTransfer | None:
-        st = self.requests.get(req_id)
-        if st is None or self.block_ids_of is None:
+    def _plan_save(
+        self, req_id: str, st: _Request, num_new: int, now: float
+    ) -> BlockTransfer | None:
+        """The blocks of one request to save now: those this step fills, and the local-hit
+        blocks the lookup found missing from the store; each unless seen stored recently."""
+        lay, recent = self.layout, self.recent
+        hashes = st.request.block_hashes
+        todo: list[int] = []
+        if st.resave:
+            todo, st.resave = st.resave, []
+            self.counters["resave_blocks"] += len(todo)
+        if num_new:
+            computed = st.request.num_computed_tokens  # before this step (vLLM adds it later)
+            if st.next_save is None:  # blocks before it: local hits (above) or loaded
+                st.next_save = computed // lay.block_size
+            full = min((computed + num_new) // lay.block_size, lay.num_pages(hashes), st.limit)
+            if full > st.next_save:
+                todo.extend(range(st.next_save, full))
+                st.next_save = full
+        if st.next_save is not None and st.next_save >= st.limit:
+            self._to_save.pop(req_id, None)  # nothing more to save for it
+        if not todo or self.block_ids_of is None:
             return None
-        block = self.layout.block_size
-        if st.saved_blocks is None:  # first step: what vLLM had already is not ours to save
-            st.saved_blocks = computed // block
-        hashes = self.layout.page_hashes(st.request.block_hashes)
-        full = min(after // block, len(hashes))
-        if full <= st.saved_blocks:
+        blocks, block_hashes = [], []
+        for i in todo:
+            h = lay.page_hash(hashes, i)
+            if not recent.fresh(h, now):
+                recent.mark(h, now)
+                blocks.append(i)
+                block_hashes.append(h)
+        if not blocks:
             return None
-        ids = self.block_ids_of(req_id)
-        full = min(full, len(ids))
-        start, st.saved_blocks = st.saved_blocks, max(st.saved_blocks, full)
-        if full <= start:
+        start = blocks[0] if len(blocks) == 1 else min(blocks)
+        ids = self.block_ids_of(req_id, start, max(blocks) + 1)
+        if len(ids) <= max(blocks) - start:  # blocks vLLM no longer holds: nothing to save
+            for h in block_hashes:
+                recent.forget(h)
             return None
-        self.counters["planned_save_blocks"] += full - start
-        return BlockTransfer(req_id, tuple(ids[start:full]), tuple(hashes[start:full]))
+        self.counters["planned_save_blocks"] += len(blocks)
+        return BlockTransfer(req_id, tuple(ids[i - start] for i in blocks), tuple(block_hashes))
 
     def on_output(
         self, invalid_block_ids: Iterable[int] | None, failed_req_ids: Iterable[str] | None
     ) -> None:
-        """Workers' report: a request with a failed load gets no more external hits."""
+        """Workers' report: a request whose load failed gets no more external hits, the blocks
+        from its first failed one on are not known stored, and are saved once recomputed."""
         invalid = set(invalid_block_ids or ())
         failed = set(failed_req_ids or ())
         if not invalid and not failed:
             return
         for req_id, st in self.requests.items():
-            if req_id in failed or st.loading & invalid:
-                if not st.no_external:
-                    self.counters["failed_loads"] += 1
-                st.no_external = True
-                st.loading.clear()
+            if not st.loading:
+                continue
+            bad = next((k for k, b in enumerate(st.load_ids) if b in invalid), None)
+            if bad is None and req_id not in failed:
+                continue
+            first = st.load_first + (bad or 0)
+            hashes = st.request.block_hashes
+            for i in range(first, st.load_first + len(st.load_ids)):
+                if i < self.layout.num_pages(hashes):
+                    self.recent.forget(self.layout.page_hash(hashes, i))
+            if not st.no_external:
+                self.counters["failed_loads"] += 1
+            st.no_external, st.loading = True, False
+            if st.next_save is not None and self.save_enabled:
+                st.next_save = min(st.next_save, first)
+                self._to_save[req_id] = st
 
-    def reset(self) -> None:
-        """Forget every stored page: later keys live in a new namespace epoch (see
-        :meth:`EngineLayout.namespace`); the workers follow through the metadata."""
-        self.epoch += 1
-        self.namespaces = self.layout.all_namespaces(self.epoch)
+    def reset(self) -> bool:
+        """Forget every stored page: a new epoch for the namespace (:mod:`.epoch`), recorded in
+        the store so that restarts and other engines follow it; the workers follow through the
+        metadata. False when the store could not record it (this engine uses it anyway)."""
+        if self.epochs is None:
+            from .epoch import new_epoch
+
+            self._set_epoch(new_epoch())
+            return True
+        epoch, recorded = self.epochs.replace()
+        self._set_epoch(epoch)
+        return recorded
 
     def finished(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
+        self._to_save.pop(req_id, None)
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(self.counters)
+        out: dict[str, Any] = dict(self.counters, epoch=self.epoch, recent_blocks=len(self.recent))
         if self.index is not None:
             out["index"] = self.index.stats()
         return out

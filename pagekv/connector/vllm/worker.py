@@ -8,16 +8,20 @@ Loads
           engine's stream wait for that layer only (``layerwise``; else the copy is enqueued on
           the engine's stream before the forward); on CPU it is done on return.
   *async* the prefetch starts when the metadata arrives (``bind``); each later step copies
-          the finished ones in and reports them in ``get_finished``.
+          the finished ones in and reports them in ``get_finished``. Every asynchronous load
+          the metadata names is reported exactly once, within ``load_timeout_s + 1`` s,
+          whatever happens (a prefetch that cannot start, a loop that hangs): vLLM holds the
+          request and its blocks until then.
   A page the worker cannot get (node died, evicted, corrupt, deadline) is never guessed: its
   block and every later block of that request go to ``get_block_ids_with_load_errors`` and
   vLLM recomputes them. Nothing here raises into the step.
 
 Saves
-  ``wait_for_save`` copies the step's newly completed blocks into the host pool and queues the
-  write-back. On CPU the copy is done on return; on GPU the engine's stream waits on it
-  (pagekv's default), so vLLM may reuse the blocks at once: ``request_finished`` never has
-  to delay freeing them.
+  ``wait_for_save`` copies the blocks the scheduler planned into the host pool and queues the
+  write-back; blocks already in the host pool are written back again (the scheduler plans a
+  block only when the store may lack it). On CPU the copy is done on return; on GPU the
+  engine's stream waits on it (pagekv's default), so vLLM may reuse the blocks at once:
+  ``request_finished`` never has to delay freeing them.
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ class _AsyncLoad:
     deadline: float
 
 
+_DONE_EMPTY: concurrent.futures.Future = concurrent.futures.Future()
+_DONE_EMPTY.set_result(None)  # a load with nothing fetched: all its blocks are load errors
+
+
 class WorkerSide:
     """Loads and saves of one worker rank. ``namespace_of(epoch)``: this rank's key namespace
     (see :meth:`EngineLayout.namespace`); ``layer_index``: vLLM layer name -> item index in a
@@ -55,16 +63,16 @@ class WorkerSide:
     def __init__(
         self,
         conn: KVConnector,
-        namespace_of: Callable[[int], KeyNamespace],
+        namespace_of: Callable[[str], KeyNamespace],
         layer_index: dict[str, int],
         *,
         load_timeout_s: float,
         save: bool,
-        layerwise: bool = True,
+        layerwise: bool = False,
     ) -> None:
         self.conn, self.layer_index = conn, layer_index
         self._namespace_of = namespace_of
-        self._namespaces: dict[int, KeyNamespace] = {}
+        self._namespaces: dict[str, KeyNamespace] = {}
         self.load_timeout_s = load_timeout_s
         self.save_enabled = save and conn.namespace.is_writer  # MLA: rank 0 writes for all
         self.layerwise = layerwise and conn.kv.device.type == "cuda"
@@ -80,25 +88,41 @@ class WorkerSide:
         )  # fmt: skip
 
     # ---- loads -----------------------------------------------------------------------------
-    def keys(self, epoch: int, block_hashes: tuple[bytes, ...]) -> list[bytes]:
+    def keys(self, epoch: str, block_hashes: tuple[bytes, ...]) -> list[bytes]:
         ns = self._namespaces.get(epoch)
         if ns is None:
+            if len(self._namespaces) >= 4:  # epochs change on resets: keep the recent few
+                self._namespaces.pop(next(iter(self._namespaces)))
             ns = self._namespaces[epoch] = self._namespace_of(epoch)
         return ns.derive_keys(block_hashes)
 
     def _start_prefetch(
-        self, spec: BlockTransfer, epoch: int, deadline: float
+        self, spec: BlockTransfer, epoch: str, deadline: float
     ) -> concurrent.futures.Future:
         keys = self.keys(epoch, spec.block_hashes)
         return self._aio.submit(self.conn.prefetch(keys=keys, deadline=deadline))
 
     def bind(self, meta: PagekvMetadata) -> None:
-        """Start the prefetches of this step's asynchronous loads."""
+        """Start the prefetches of this step's asynchronous loads. Each is recorded before
+        its prefetch starts: one that cannot start is a failed load, reported like any."""
         for spec in meta.loads:
-            if spec.load_async and not spec.failed and spec.req_id not in self._async:
+            if spec.load_async and spec.req_id not in self._async:
                 deadline = time.monotonic() + self.load_timeout_s
-                future = self._start_prefetch(spec, meta.epoch, deadline)
-                self._async[spec.req_id] = _AsyncLoad(spec, future, deadline)
+                self._async[spec.req_id] = pending = _AsyncLoad(spec, _DONE_EMPTY, deadline)
+                if spec.failed:  # nothing to fetch: every block is recomputed
+                    continue
+                try:
+                    pending.future = self._start_prefetch(spec, meta.epoch, deadline)
+                except Exception as e:  # a bug or a closed connector: recomputed, never stuck
+                    self._warn.warning("pagekv: load of request %s not started: %r",
+                                       spec.req_id, e)  # fmt: skip
+
+    def fail_unbound(self, meta: PagekvMetadata | None) -> None:
+        """Record the asynchronous loads of ``meta`` that :meth:`bind` did not (it raised) as
+        failed loads: their requests are reported, never left waiting."""
+        for spec in meta.loads if meta else ():
+            if spec.load_async and spec.req_id not in self._async:
+                self._async[spec.req_id] = _AsyncLoad(spec, _DONE_EMPTY, 0.0)
 
     def start_load(self, meta: PagekvMetadata | None) -> None:
         """Synchronous loads of this step (before the forward), then the asynchronous loads
@@ -106,10 +130,8 @@ class WorkerSide:
         self._layer_loads = []
         loads = meta.loads if meta else []
         for spec in loads:
-            if spec.failed:  # nothing to fetch: every block is recomputed
+            if spec.failed and not spec.load_async:  # nothing to fetch: all recomputed
                 self._load(spec, None)
-                if spec.load_async:
-                    self._recved.add(spec.req_id)
         sync = [s for s in loads if not s.load_async and not s.failed]
         if sync:
             start = time.monotonic()
@@ -119,12 +141,16 @@ class WorkerSide:
                 wait_s = max(0.0, deadline - time.monotonic()) + 1.0
                 self._load(spec, self._collect(future, wait_s), layerwise=self.layerwise)
             self.counters["load_seconds"] += time.monotonic() - start
-        now = time.monotonic()
+        self._collect_async(time.monotonic())
+
+    def _collect_async(self, now: float) -> None:
+        """Copy in the asynchronous loads whose prefetch is done; those past their deadline
+        (plus 1 s) are reported with what arrived, or as failed. Never waits."""
         for req_id, pending in list(self._async.items()):
-            if pending.future.done() or now > pending.deadline + 1.0:  # never waits here
+            if pending.future.done() or now > pending.deadline + 1.0:
                 del self._async[req_id]
-                self._load(pending.spec, self._collect(pending.future, 0.0))
                 self._recved.add(req_id)
+                self._load(pending.spec, self._collect(pending.future, 0.0))
 
     def _collect(self, future: concurrent.futures.Future, wait_s: float) -> Any:
         """The prefetch handle, or None if it failed or is not done within ``wait_s`` (its
@@ -186,6 +212,13 @@ class WorkerSide:
                 self._errors.update(spec.block_ids)
 
     def take_finished(self) -> set[str]:
+        """Requests whose asynchronous load ended (loaded or failed) since the last call;
+        overdue ones are reported here even when :meth:`start_load` did not run."""
+        overdue = [r for r, p in self._async.items() if time.monotonic() > p.deadline + 1.0]
+        for req_id in overdue:
+            pending = self._async.pop(req_id)
+            self._recved.add(req_id)
+            self._load(pending.spec, self._collect(pending.future, 0.0))
         done, self._recved = self._recved, set()
         return done
 
@@ -203,7 +236,8 @@ class WorkerSide:
         for spec in meta.saves:
             try:
                 keys = self.keys(meta.epoch, spec.block_hashes)
-                handle = self.conn.save(keys=keys, device_slots=list(spec.block_ids))
+                handle = self.conn.save(keys=keys, device_slots=list(spec.block_ids),
+                                        write_through=True)  # fmt: skip
                 self.counters["save_blocks"] += handle.pages
             except (PagekvError, ValueError, RuntimeError) as e:
                 self.counters["saves_skipped"] += 1

@@ -1,0 +1,153 @@
+"""The reset epoch of a model's key namespace, kept in the store so that a reset survives
+restarts and reaches every engine of the namespace.
+
+One record per namespace (:attr:`EngineLayout.marker_key`, the same for every rank) holds the
+current epoch, a random token that is part of every page key (:meth:`EngineLayout.namespace`).
+Store values are write-once, so the record is changed by DELETE then PUT, and a PUT that finds
+the key present (``Status.EXISTS``) adopts the value another engine wrote first.
+
+* start-up: read the record; when absent (a fresh namespace, or the record evicted) write a
+  new random epoch. Pages of an epoch whose record is gone are never read again: a lost record
+  costs hits, never correctness.
+* ``reset_prefix_cache(reset_connector=True)``: a new random epoch replaces the record.
+* every :data:`CHECK_S` the scheduler reads the record again, off its thread: resets made by
+  other engines are followed within that time, and the read keeps the record recently used in
+  the store's LRU.
+* store unreachable when the epoch is not known (start-up): the connector reads and writes
+  nothing (no lookup, no save) rather than risk an epoch a reset has retired, and asks again
+  (1 s doubling to :data:`CHECK_S`) until it knows.
+
+A reset made while the record's node is down lands on the next node; when the old node comes
+back, engines reading it follow its older record until it is evicted or reset again.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import time
+from typing import Any
+
+from pagekv.errors import StoreError
+from pagekv.store import Status
+
+__all__ = ["CHECK_S", "EpochRecord"]
+
+log = logging.getLogger("vllm.pagekv")
+
+CHECK_S = 30.0
+_PREFIX = b"pagekv-epoch:"
+
+
+def new_epoch() -> str:
+    return os.urandom(8).hex()
+
+
+def _parse(value: Any) -> str | None:
+    if value is None:
+        return None
+    raw = b"".join(bytes(v) for v in value) if isinstance(value, (list, tuple)) else bytes(value)
+    if not raw.startswith(_PREFIX):
+        return None
+    text = raw[len(_PREFIX) :].decode("ascii", "replace")
+    return text if len(text) == 16 and all(c in "0123456789abcdef" for c in text) else None
+
+
+class EpochRecord:
+    """Reads and writes one namespace's epoch record through a :class:`KVIndex`'s store client
+    (on its loop). The synchronous methods are bounded by ``timeout_s`` and return None when
+    the store could not answer; :meth:`poll` checks in the background."""
+
+    def __init__(self, index: Any, key: bytes, timeout_s: float) -> None:
+        self.index, self.key, self.timeout_s = index, key, timeout_s
+        self._pending: str | None = None  # a reset's epoch not yet recorded
+        self._check: concurrent.futures.Future | None = None
+        self._next_check = 0.0
+        self._retry_s = 1.0
+
+    # ---- store operations (coroutines on the index's loop) ---------------------------------
+    async def _read(self) -> str | None:
+        """The recorded epoch, "" when there is none (or it is unreadable), None when the
+        store did not answer."""
+        store = self.index.store
+        present = await store.exists_many([self.key])
+        if present.unanswered:
+            return None
+        if not present.found[0]:
+            return ""
+        (value,) = await store.get_many([self.key])
+        return _parse(value) or ""
+
+    async def _write(self, epoch: str, replace: bool) -> str | None:
+        """Record ``epoch`` (after deleting the current record when ``replace``), or adopt the
+        record another engine wrote first. The epoch in force, or None."""
+        store = self.index.store
+        if replace:
+            await store.delete_many([self.key])
+        (status,) = await store.put_many([self.key], [_PREFIX + epoch.encode()])
+        if status == Status.OK:
+            return epoch
+        if status == Status.EXISTS:
+            return await self._read() or None
+        return None
+
+    async def _establish(self) -> str | None:
+        current = await self._read()
+        if current is None:
+            return None
+        return current or await self._write(new_epoch(), replace=False)
+
+    def _call(self, coro: Any) -> str | None:
+        try:
+            return self.index.loop.call(coro, self.timeout_s)
+        except (TimeoutError, StoreError) as e:
+            log.debug("pagekv: epoch record: %r", e)
+            return None
+
+    # ---- for the scheduler -----------------------------------------------------------------
+    def establish(self) -> str | None:
+        """The namespace's epoch (written when there is none), or None (store unreachable)."""
+        return self._schedule(self._call(self._establish()))
+
+    def replace(self) -> tuple[str, bool]:
+        """A new epoch for a reset: ``(epoch, recorded)``. Not recorded (store unreachable):
+        the new epoch is used anyway (it reads nothing stale) and recorded by later checks."""
+        self._check = None  # a check in flight read the record before this reset: ignored
+        epoch = new_epoch()
+        recorded = self._schedule(self._call(self._write(epoch, replace=True)))
+        self._pending = None if recorded else epoch
+        return recorded or epoch, recorded is not None
+
+    def poll(self, current: str | None, now: float) -> str | None:
+        """The epoch to use from now on: ``current`` unless a background check found another.
+        Starts a check when one is due; never waits."""
+        check = self._check
+        if check is not None:
+            if not check.done():
+                return current
+            self._check = None
+            failed = check.cancelled() or check.exception() is not None
+            found = None if failed else check.result()
+            self._schedule(found)
+            if found is None:
+                return current
+            self._pending = None
+            if current is not None and found != current:
+                log.info("pagekv: the store's epoch record changed (a reset elsewhere): "
+                         "epoch %s -> %s", current, found)  # fmt: skip
+            return found
+        if now >= self._next_check:
+            pending = self._pending
+            coro = self._write(pending, replace=True) if pending else self._establish()
+            self._check = self.index.loop.submit(coro)
+        return current
+
+    def _schedule(self, found: str | None) -> str | None:
+        if found is None:
+            self._next_check = time.monotonic() + self._retry_s
+            self._retry_s = min(CHECK_S, self._retry_s * 2)
+        else:
+            self._next_check = time.monotonic() + CHECK_S
+            self._retry_s = 1.0
+        return found
