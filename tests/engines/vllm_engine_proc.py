@@ -129,6 +129,67 @@ def arm_kill(llm: Any, pid: int) -> None:
     conn.update_state_after_alloc = hooked
 
 
+def stall(llm: Any, cmd: dict) -> dict:
+    """Background requests decode; once each has a token, a request whose prefix the store
+    holds is added, and the store node ``pid`` is stopped (SIGSTOP) right before this worker
+    starts fetching its pages. Steps the engine until that request finishes (bounded by
+    ``limit_s``), then resumes the node (SIGCONT) and aborts the background requests.
+    Returns when the node was stopped, every output's (time, request, tokens so far) and the
+    hit request's output."""
+    from vllm import SamplingParams
+
+    engine, worker, pid = llm.llm_engine, _pagekv_worker(), cmd["pid"]
+    stopped: list[float] = []
+    original = worker._start_prefetch
+
+    def stop_then_fetch(*args: Any, **kwargs: Any) -> Any:
+        if not stopped:
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(time.monotonic())
+        return original(*args, **kwargs)
+
+    worker._start_prefetch = stop_then_fetch
+    bg = SamplingParams(temperature=0.0, max_tokens=cmd["bg_tokens"], ignore_eos=True)
+    hit = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], logprobs=20,
+                         ignore_eos=True)  # fmt: skip
+    names = [f"bg{i}" for i in range(len(cmd["background"]))]
+    for name, prompt in zip(names, cmd["background"]):
+        engine.add_request(name, {"prompt_token_ids": prompt}, bg)
+    before = counters(llm)
+    timeline: list[tuple[float, str, int]] = []
+    tokens: dict[str, int] = {}
+    result, added = None, False
+    deadline = time.monotonic() + cmd["limit_s"]
+    try:
+        while result is None and time.monotonic() < deadline:
+            for out in engine.step():
+                now = time.monotonic()
+                tokens[out.request_id] = len(out.outputs[0].token_ids)
+                timeline.append((now, out.request_id, tokens[out.request_id]))
+                if out.request_id == "hit" and out.finished:
+                    result = out
+            if not added and all(tokens.get(n) for n in names):  # every one is decoding
+                engine.add_request("hit", {"prompt_token_ids": cmd["prompt"]}, hit)
+                added = True
+    finally:
+        worker._start_prefetch = original
+        if stopped:
+            os.kill(pid, signal.SIGCONT)
+        engine.abort_request(names)
+        while engine.has_unfinished_requests() and time.monotonic() < deadline + 30:
+            engine.step()
+    if result is None:
+        raise RuntimeError(f"the hit request did not finish within {cmd['limit_s']} s")
+    after = counters(llm)
+    out = result.outputs[0]
+    logprobs = [{str(t): lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
+    return dict(
+        stopped_at=stopped[0] if stopped else None, timeline=timeline,
+        output=dict(tokens=list(out.token_ids), logprobs=logprobs),
+        metrics={k.removeprefix("vllm:"): after[k] - before[k] for k in after},
+    )  # fmt: skip
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -159,6 +220,8 @@ def main() -> None:
                 answer(dict(ok=all(llm.collective_rpc(flush_worker))))
             elif cmd["cmd"] == "stats":
                 answer(stats(llm))
+            elif cmd["cmd"] == "stall":
+                answer(stall(llm, cmd))
             elif cmd["cmd"] == "arm_kill":
                 arm_kill(llm, cmd["pid"])
                 answer(dict(ok=True))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import selectors
 import subprocess
 import sys
@@ -19,6 +20,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_PROC = Path(__file__).with_name("vllm_engine_proc.py")
 BLOCK = 128  # vLLM CPU's default block size: a page of the store is one block
+# prompts whose reference outputs (an engine without the connector) the tests need, per weights
+# ("good": make_tiny_llama seed 1, "other": seed 2); modules register theirs at import
+REFERENCE: dict[str, dict[str, list[int]]] = {"good": {}, "other": {}}
+
+
+def random_prompts(seed: int, lengths: dict[str, int]) -> dict[str, list[int]]:
+    """Token ids in [3, 512) (the tiny model's vocabulary less its special ids), per name."""
+    rng = random.Random(seed)
+    return {name: [rng.randrange(3, 512) for _ in range(n)] for name, n in lengths.items()}
 
 
 def make_tiny_llama(path: Path, seed: int) -> Path:

@@ -6,19 +6,24 @@ current epoch, a random token that is part of every page key (:meth:`EngineLayou
 Store values are write-once, so the record is changed by DELETE then PUT, and a PUT that finds
 the key present (``Status.EXISTS``) adopts the value another engine wrote first.
 
-* start-up: read the record; when absent (a fresh namespace, or the record evicted) write a
-  new random epoch. Pages of an epoch whose record is gone are never read again: a lost record
-  costs hits, never correctness.
+* start-up: read the record; when absent (a fresh namespace, a store restarted empty, the
+  record evicted) write a new random epoch. Pages of an epoch whose record is gone are not
+  read by engines that start then: a lost record costs hits, never correctness.
 * ``reset_prefix_cache(reset_connector=True)``: a new random epoch replaces the record.
-* every :data:`CHECK_S` the scheduler reads the record again, off its thread: resets made by
-  other engines are followed within that time, and the read keeps the record recently used in
-  the store's LRU.
+* every :data:`CHECK_S` (and soon after a lookup finds the store lacks blocks this engine
+  holds, the sign of a restarted store) the scheduler reads the record again, off its thread:
+  a different record is adopted (a reset made by another engine reaches this one within that
+  time); a missing one is written again with this engine's epoch, so that engines keep
+  sharing pages across a store restart. The read also keeps the record recently used in the
+  store's LRU.
 * store unreachable when the epoch is not known (start-up): the connector reads and writes
   nothing (no lookup, no save) rather than risk an epoch a reset has retired, and asks again
   (1 s doubling to :data:`CHECK_S`) until it knows.
 
-A reset made while the record's node is down lands on the next node; when the old node comes
-back, engines reading it follow its older record until it is evicted or reset again.
+Limits: a reset whose record is lost (restart, eviction) before another running engine has
+read it can be undone by that engine writing its older epoch back; a reset made while the
+record's node is down lands on the next node, and engines reading the old node when it comes
+back follow its older record until it is reset again or evicted.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ class EpochRecord:
         self.index, self.key, self.timeout_s = index, key, timeout_s
         self._pending: str | None = None  # a reset's epoch not yet recorded
         self._check: concurrent.futures.Future | None = None
-        self._next_check = 0.0
+        self._next_check = self._last_check = 0.0
         self._retry_s = 1.0
 
     # ---- store operations (coroutines on the index's loop) ---------------------------------
@@ -92,11 +97,13 @@ class EpochRecord:
             return await self._read() or None
         return None
 
-    async def _establish(self) -> str | None:
+    async def _establish(self, known: str | None = None) -> str | None:
+        """The recorded epoch; when there is none, ``known`` (this engine's) or a new one is
+        written (or the one another engine wrote first adopted). None: no answer."""
         current = await self._read()
         if current is None:
             return None
-        return current or await self._write(new_epoch(), replace=False)
+        return current or await self._write(known or new_epoch(), replace=False)
 
     def _call(self, coro: Any) -> str | None:
         try:
@@ -139,11 +146,18 @@ class EpochRecord:
             return found
         if now >= self._next_check:
             pending = self._pending
-            coro = self._write(pending, replace=True) if pending else self._establish()
+            coro = self._write(pending, replace=True) if pending else self._establish(current)
             self._check = self.index.loop.submit(coro)
+            self._next_check = now + 1.0  # (until the check's answer sets the next one)
         return current
 
+    def check_soon(self) -> None:
+        """Read the record at the next poll (at most one check a second): the store may have
+        lost it (a lookup found it lacks blocks this engine holds)."""
+        self._next_check = min(self._next_check, self._last_check + 1.0)
+
     def _schedule(self, found: str | None) -> str | None:
+        self._last_check = time.monotonic()
         if found is None:
             self._next_check = time.monotonic() + self._retry_s
             self._retry_s = min(CHECK_S, self._retry_s * 2)

@@ -209,6 +209,8 @@ class SchedulerSide:
                 self.recent.mark(h, now)
         n = len(check)
         st.missing = [i for i, stored in zip(check, found) if not stored]
+        if st.missing and self.epochs is not None:  # a restarted store lost the record too
+            self.epochs.check_soon()
         hit = next((j for j, stored in enumerate(found[n:]) if not stored), len(found) - n)
         self.counters["hit_tokens"] += hit * block
         st.load_async = self.load_async and hit > 0
@@ -377,6 +379,8 @@ class SchedulerSide:
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters, epoch=self.epoch, recent_blocks=len(self.recent))
+        if self.layout is not None:
+            out.update(model=self.layout.model_id, layout=self.layout.layout)
         if self.index is not None:
             out["index"] = self.index.stats()
         return out
