@@ -281,11 +281,15 @@ class SchedulerSide:
             if st is not None:
                 st.loading = False
         if self._to_save and self.ready:
-            scheduled = scheduler_output.num_scheduled_tokens
-            now = time.monotonic()
+            scheduled = scheduler_output.num_scheduled_tokens.get
+            block, now = self.layout.block_size, time.monotonic()
             try:
                 for req_id, st in list(self._to_save.items()):
-                    save = self._plan_save(req_id, st, scheduled.get(req_id, 0), now)
+                    n, first = scheduled(req_id, 0), st.next_save
+                    if first is not None and not st.resave:  # fast path: no block filled
+                        if (st.request.num_computed_tokens + n) // block <= first:
+                            continue
+                    save = self._plan_save(req_id, st, n, now)
                     if save is not None:
                         meta.saves.append(save)
             except Exception:  # a save not planned is a later miss; the loads still go out
