@@ -84,7 +84,7 @@ def test_layer_names_follow_the_allocation_order_and_refuse_hybrid_models():
 
 def test_config_from_extra_validates_every_key():
     cfg = VllmConnectorConfig.from_extra({"store": ["tcp://127.0.0.1:7400"], "host_bytes": "1GiB"})
-    assert cfg.host_bytes == 1 << 30 and cfg.load_timeout_s == 2.0 and not cfg.load_async
+    assert cfg.host_bytes == 1 << 30 and cfg.load_timeout_s == 2.0 and cfg.load_async
     assert cfg.client_config().endpoints == ("tcp://127.0.0.1:7400",)
     with pytest.raises(ConfigError, match="store"):
         VllmConnectorConfig.from_extra({})
