@@ -40,6 +40,7 @@ def main() -> None:
     else:
         dst = [torch.full_like(c.view(torch.int16), -0x5A5B).view(GEO.dtype) for c in src]
         conn = KVConnector(GEO, dst, cfg, host_pages=512, namespace=ns)
+        conn.connect(timeout_s=10)  # at start-up, as an engine does: lookups are bounded
         found = conn.lookup(tokens)
         handle = asyncio.run(conn.prefetch(tokens))
         dst_slots = torch.randperm(SLOTS)[: handle.num_tokens]
