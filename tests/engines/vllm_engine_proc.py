@@ -134,8 +134,9 @@ def stall(llm: Any, cmd: dict) -> dict:
     holds is added, and the store node ``pid`` is stopped (SIGSTOP) right before this worker
     starts fetching its pages. Steps the engine until that request finishes (bounded by
     ``limit_s``), then resumes the node (SIGCONT) and aborts the background requests.
-    Returns when the node was stopped, every output's (time, request, tokens so far) and the
-    hit request's output."""
+    Returns when the node was stopped, when the step that reported the stalled load ended
+    (synchronous loads: the step that waited for it), every output's (time, request, tokens so
+    far) and the hit request's output."""
     from vllm import SamplingParams
 
     engine, worker, pid = llm.llm_engine, _pagekv_worker(), cmd["pid"]
@@ -158,7 +159,7 @@ def stall(llm: Any, cmd: dict) -> dict:
     before = counters(llm)
     timeline: list[tuple[float, str, int]] = []
     tokens: dict[str, int] = {}
-    result, added = None, False
+    result, added, fetch_ended = None, False, None
     deadline = time.monotonic() + cmd["limit_s"]
     try:
         while result is None and time.monotonic() < deadline:
@@ -168,6 +169,8 @@ def stall(llm: Any, cmd: dict) -> dict:
                 timeline.append((now, out.request_id, tokens[out.request_id]))
                 if out.request_id == "hit" and out.finished:
                     result = out
+            if stopped and fetch_ended is None and not worker.pending_async:
+                fetch_ended = time.monotonic()  # the step that reported the load has ended
             if not added and all(tokens.get(n) for n in names):  # every one is decoding
                 engine.add_request("hit", {"prompt_token_ids": cmd["prompt"]}, hit)
                 added = True
@@ -184,7 +187,7 @@ def stall(llm: Any, cmd: dict) -> dict:
     out = result.outputs[0]
     logprobs = [{str(t): lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
     return dict(
-        stopped_at=stopped[0] if stopped else None, timeline=timeline,
+        stopped_at=stopped[0] if stopped else None, fetch_ended=fetch_ended, timeline=timeline,
         output=dict(tokens=list(out.token_ids), logprobs=logprobs),
         metrics={k.removeprefix("vllm:"): after[k] - before[k] for k in after},
     )  # fmt: skip

@@ -179,7 +179,7 @@ class WorkerSide:
                 elif ids:
                     self.conn.load(handle, ids)
                 loaded = len(ids)
-            except (PagekvError, ValueError, RuntimeError) as e:
+            except Exception as e:  # whatever it is, these blocks are recomputed
                 self._warn.warning("pagekv: load of request %s failed: %r", spec.req_id, e)
             finally:
                 self.conn.release(handle)
