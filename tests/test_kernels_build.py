@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagekv.kernels import jit
 
@@ -32,7 +33,7 @@ def test_sources_compile_and_library_loads(tmp_path):
     assert lib_path.exists() and lib_path.stat().st_size > 10_000
     assert jit.build_library("90", directory=tmp_path) == lib_path  # cached
     lib = jit._open(lib_path)
-    assert lib.pagekv_abi_version() == 3
+    assert lib.pagekv_abi_version() == 4
     # Bad launch parameters are refused before any CUDA call (cudaErrorInvalidValue == 1).
     err = lib.pagekv_page_transfer(0, 1, None, None, None, 0, None, 0, 1, 1, 1, 1, 1,
                                    256, 16, 2, 4, 0, 1, 3, 8, 1024, 4, None)  # fmt: skip
@@ -46,6 +47,21 @@ def test_sources_compile_and_library_loads(tmp_path):
     err = lib.pagekv_slot_copy(0, None, None, None, 0, None, 0, 1, 1, 1, 1, 1,
                                256, 2, 4, 3, 2, 16, 8, 1024, None)  # fmt: skip
     assert err == 1  # layers 3..4 of 4
+    # copy engine: bad descriptor forms are refused before any CUDA call
+    ce = lib.pagekv_ce_page_transfer
+    good = [0, 1, None, None, None, None, 1, 1, 1, 1, 256, 256, 16, 2, 4, 0, 4, 0, 0, 1, 2,
+            16384, None, None]  # fmt: skip
+    # rows mode, K/V groups, layers, first layer, page size, lanes (two), descriptors per call
+    bad = ((17, 3), (13, 3), (16, 5), (15, -1), (12, 0), (20, 0), (20, 9), (21, 0))
+    for index, value in bad:
+        args = list(good)
+        args[index] = value
+        assert ce(*args) == 1, (index, value)
+    args = list(good)
+    args[17], args[18] = 1, 256 * 16 - 1  # 2-D rows closer than a 16-token run
+    assert ce(*args) == 1
+    if not torch.cuda.is_available():
+        assert lib.pagekv_copy_engine_support(0) == 0
 
 
 def test_compile_failure_is_reported(tmp_path, monkeypatch):
@@ -116,8 +132,6 @@ def test_torch_mode_env(monkeypatch):
 
 
 def test_cuda_mode_without_gpu_raises(monkeypatch):
-    import torch
-
     if torch.cuda.is_available():
         pytest.skip("CPU-only check")
     monkeypatch.setenv("PAGEKV_KERNELS", "cuda")

@@ -94,6 +94,11 @@ def test_sdist_and_wheel_contents_and_no_build_warnings(dist):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("PAGEKV_OFFLINE") == "1",
+    reason="installs the wheel's dependencies from the package index, and PAGEKV_OFFLINE=1 says "
+    "there is none (scripts/gpu_check.sh sets it: the GPU machine has no network)",
+)
 def test_wheel_installs_and_runs_without_torch(dist, tmp_path):
     out, _ = dist
     (wheel,) = out.glob("*.whl")

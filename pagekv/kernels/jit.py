@@ -8,6 +8,9 @@ sources: ``tests/test_kernels_build.py``), and launches on the stream torch hand
   architecture and CUDA version; a file lock makes concurrent processes build once.
 * ``PAGEKV_KERNELS``: ``auto`` (default: kernels when possible, else torch with one warning),
   ``torch`` (always the reference path), ``cuda`` (kernels or an error saying why not).
+* ``PAGEKV_COPY_BACKEND``: what ``backend="auto"`` transfers use: ``auto`` (default: per
+  transfer shape, from the table measured once per device, :mod:`.copy_table`), or always
+  ``kernel``, ``copy_engine``, ``direct`` or ``torch``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ __all__ = [
     "KernelsUnavailable",
     "backend_mode",
     "build_library",
+    "copy_backend_setting",
     "find_nvcc",
     "kernels_unavailable_reason",
     "load_library",
@@ -39,9 +43,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "pagekv_kernels.cu",)
+SOURCES = (CSRC / "pagekv_kernels.cu", CSRC / "copy_engine.cu")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
-_ABI_VERSION = 3
+_ABI_VERSION = 4
+COPY_BACKENDS = ("auto", "kernel", "copy_engine", "direct", "torch")
 
 
 def backend_mode() -> str:
@@ -49,6 +54,14 @@ def backend_mode() -> str:
     if mode not in ("auto", "torch", "cuda"):
         raise ValueError(f"PAGEKV_KERNELS must be auto, torch or cuda, got {mode!r}")
     return mode
+
+
+def copy_backend_setting() -> str:
+    """``PAGEKV_COPY_BACKEND``: the backend ``backend="auto"`` transfers use (see module doc)."""
+    value = os.environ.get("PAGEKV_COPY_BACKEND", "auto").strip().lower()
+    if value not in COPY_BACKENDS:
+        raise ValueError(f"PAGEKV_COPY_BACKEND must be one of {COPY_BACKENDS}, got {value!r}")
+    return value
 
 
 def cache_dir() -> Path:
@@ -135,6 +148,11 @@ _SIGNATURES["pagekv_store_kv"] = (
 _SIGNATURES["pagekv_store_kv_plan"] = ([_P, _P, _P, _P, _L, _I, _I, _P], ctypes.c_int)
 _SIGNATURES["pagekv_direct_page_transfer"] = (
     [_I, _I, _P, _P, _P, _P] + [_L] * 3 + [_I] * 6 + [_P],
+    ctypes.c_int,
+)
+_SIGNATURES["pagekv_copy_engine_support"] = ([_I], ctypes.c_int)
+_SIGNATURES["pagekv_ce_page_transfer"] = (
+    [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 7 + [_L, _I, _I, _L, _P, ctypes.POINTER(_L)],
     ctypes.c_int,
 )
 

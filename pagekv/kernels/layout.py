@@ -36,6 +36,7 @@ __all__ = [
     "check_page_ids",
     "check_slots",
     "check_unique_slots",
+    "mean_run_bytes",
 ]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -252,3 +253,16 @@ def check_unique_slots(slots: torch.Tensor) -> None:
     valid = slots[slots >= 0]
     if torch.unique(valid).numel() != valid.numel():
         raise ValueError("slots repeat: a load would write two tokens into one slot")
+
+
+def mean_run_bytes(kv: DeviceKV, slots: torch.Tensor) -> float:
+    """Mean bytes of one run of consecutive device slots within a page (a copy's width when a
+    run is copied as one block): slots ``[n, page_size]`` on the CPU, negative = skipped."""
+    item = kv.geometry.item_bytes
+    valid = slots >= 0
+    if kv.slot_stride_bytes != item:
+        return float(item)
+    follows = torch.zeros_like(valid)
+    follows[:, 1:] = valid[:, 1:] & valid[:, :-1] & (slots[:, 1:] == slots[:, :-1] + 1)
+    runs = int((valid & ~follows).sum())
+    return item * int(valid.sum()) / max(runs, 1)

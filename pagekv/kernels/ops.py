@@ -1,17 +1,22 @@
 """Transfers and the fused KV store: one function per operation, each dispatching to
 
-* ``"kernel"``: the CUDA kernels (:mod:`.jit`), host memory read/written in place;
+* ``"kernel"``: the CUDA kernels (:mod:`.jit`), host memory read/written in place, on 4-8 SMs;
+* ``"copy_engine"``: batched DMA copies (:mod:`.copy_engine`), no SMs; needs CUDA >= 12.8;
 * ``"direct"``: one ``cudaMemcpyAsync`` per run of consecutive slots (large pages);
 * ``"torch"``: the reference (:mod:`.reference`), used on CPU and when kernels are unavailable.
 
-``backend="auto"`` picks: torch on CPU, direct when slot indices are on the CPU and their runs
-average at least ``DIRECT_MIN_RUN_BYTES`` per copy, else the kernel. Launches go on torch's
-current stream and neither allocate nor synchronise, so they can be captured in a CUDA graph
-(pass device index tensors and ``validate=False`` inside a capture).
+``backend="auto"`` picks: torch on CPU; the kernel when the page ids or slots are CUDA tensors
+(the other two build their copies on the host) or a CUDA graph is being captured; else the
+backend of the nearest shape in the table measured once for this GPU (:mod:`.copy_table`), the
+copy engine unless it is more than 10% slower. ``PAGEKV_COPY_BACKEND`` (:mod:`.jit`) replaces
+``auto`` with one backend. Launches go on torch's current stream and neither allocate nor
+synchronise, so kernel launches can be captured in a CUDA graph (pass device index tensors and
+``validate=False`` inside a capture).
 
 ``validate=True`` checks index values (range, repeats) before anything is written, which syncs
-when the indices are CUDA tensors. ``validate=False`` keeps the shape/dtype/device checks; the
-kernels then skip (never write) tokens whose index is out of range.
+when the indices are CUDA tensors. ``validate=False`` keeps the shape/dtype/device checks; every
+backend then skips (never writes) tokens whose page id or slot is out of range. ``copy_engine``
+and ``direct`` asked for with CUDA index tensors copy them to the host first (a sync).
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ from typing import Literal
 
 import torch
 
-from . import reference
-from .jit import KernelsUnavailable, load_library
+from . import copy_engine, copy_table, reference
+from .jit import KernelsUnavailable, copy_backend_setting, load_library
 from .layout import (
     DeviceKV,
     check_host,
@@ -32,12 +37,14 @@ from .layout import (
     check_page_ids,
     check_slots,
     check_unique_slots,
+    mean_run_bytes,
 )
 
 __all__ = ["DIRECT_MIN_RUN_BYTES", "Backend", "copy_slots", "load", "save"]
 
-Backend = Literal["auto", "kernel", "direct", "torch"]
-_BACKENDS = ("auto", "kernel", "direct", "torch")
+Backend = Literal["auto", "kernel", "copy_engine", "direct", "torch"]
+_BACKENDS = ("auto", "kernel", "copy_engine", "direct", "torch")
+_CUDA_BACKENDS = ("kernel", "copy_engine", "direct")
 # Thread blocks for host<->device transfers: enough to reach the bus, leaving the SMs to the
 # model (H100 measurements, docs/benchmarks.md). All-layer loads use 4: with 16 KiB page blocks
 # at random host addresses 8-16 blocks reading over PCIe lost ~15% (address-translation
@@ -52,8 +59,8 @@ UNROLL = 4  # chunks in flight per thread (kernels/csrc: kUnroll)
 # page kernels: chunks in flight per thread, 4 or 8 (benchmarks/results: the block/unroll sweep)
 UNROLL_LOAD = 4
 UNROLL_SAVE = 4
-# auto chooses the memcpy backend when runs average this many bytes: on the H100 it beat the
-# kernel from 4 MiB runs on, lost at 1 MiB (docs/benchmarks.md, "direct backend")
+# The direct memcpy backend beat the kernel from runs of this many bytes on the H100 (one
+# memcpy each; docs/benchmarks.md, "direct backend"); auto now decides from the measured table.
 DIRECT_MIN_RUN_BYTES = 4 << 20
 Index = torch.Tensor | Sequence[int]
 
@@ -108,25 +115,19 @@ def _kernel_lib(backend: str, cuda_ok: bool, why_not: str) -> ctypes.CDLL | None
     if backend == "torch":
         return None
     if not cuda_ok:
-        if backend in ("kernel", "direct"):
+        if backend in _CUDA_BACKENDS:
             raise ValueError(f"backend={backend!r} needs {why_not}")
         return None
     lib = load_library()
-    if lib is None and backend in ("kernel", "direct"):
+    if lib is None and backend in _CUDA_BACKENDS:
         raise KernelsUnavailable("CUDA kernels unavailable; see PAGEKV_KERNELS and the log")
     return lib
 
 
-def _mean_run_bytes(kv: DeviceKV, s: torch.Tensor) -> float:
-    """Average bytes per memcpy the direct backend would issue for slot table ``s`` (CPU)."""
-    item = kv.geometry.item_bytes
-    valid = s >= 0
-    if kv.slot_stride_bytes != item:
-        return float(item)
-    follows = torch.zeros_like(valid)
-    follows[:, 1:] = valid[:, 1:] & valid[:, :-1] & (s[:, 1:] == s[:, :-1] + 1)
-    runs = int((valid & ~follows).sum())
-    return item * int(valid.sum()) / max(runs, 1)
+def _host_indices(ids: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU int64 contiguous ``ids``/``slots`` for the copy engine (which applies the kernels'
+    bounds rule itself)."""
+    return ids.to("cpu", torch.int64).contiguous(), slots.to("cpu", torch.int64).contiguous()
 
 
 def _direct_bounds(
@@ -141,6 +142,28 @@ def _direct_bounds(
     s_h[bad_page] = -1
     s_h[s_h >= num_slots] = -1
     return ids_h.clamp(0, max(num_pages - 1, 0)), s_h
+
+
+def _auto_backend(
+    load: bool, kv: DeviceKV, ids: torch.Tensor, s: torch.Tensor, layer: int | None
+) -> str:
+    """See the module docstring: the setting, else the kernel or the measured table."""
+    setting = copy_backend_setting()
+    if setting != "auto":
+        return setting
+    if ids.device.type != "cpu" or s.device.type != "cpu" or not ids.numel():
+        return "kernel"
+    if torch.cuda.is_current_stream_capturing():
+        return "kernel"
+    device = kv.device.index or 0
+    allowed = ["kernel", "direct"]
+    if copy_engine.supported(device):
+        allowed.append("copy_engine")
+    geo = kv.geometry
+    rows = geo.num_layers * geo.num_kv if layer is None else geo.num_kv
+    total = ids.numel() * geo.page_size * rows * geo.item_bytes
+    shape = copy_table.Shape(load, layer is None, mean_run_bytes(kv, s), total)
+    return copy_table.calibrate(device).choose(shape, allowed)
 
 
 def _page_transfer(
@@ -184,12 +207,20 @@ def _page_transfer(
             reference.save_ref(kv, s, host, ids, layer=layer)
         return "torch"
     if backend == "auto":
-        cpu_slots = s.device.type == "cpu"
-        backend = (
-            "direct" if cpu_slots and _mean_run_bytes(kv, s) >= DIRECT_MIN_RUN_BYTES else "kernel"
-        )
+        backend = _auto_backend(load, kv, ids, s, layer)
+        if backend == "torch":
+            return _page_transfer(load, host, ids, kv, s, layer, "torch", None, validate)
     l0, nl = (0, geo.num_layers) if layer is None else (layer, 1)
     stream = current_stream(dev.index)
+    if backend == "copy_engine":
+        index = dev.index or 0
+        if copy_engine.supported(index):
+            ids_h, s_h = _host_indices(ids, s)
+            if copy_engine.page_transfer(lib, load, host, kv, ids_h, s_h, l0, nl, stream):
+                return "copy_engine"
+        else:
+            copy_engine.fail(index, copy_engine.disabled_reason(index) or "unavailable")
+        backend = "kernel"  # said once per device by copy_engine.fail
     if backend == "direct":
         ids_h, s_h = _direct_bounds(ids, s, host.shape[0], kv.num_slots)
         table = (ctypes.c_int64 * len(kv.layer_ptrs))(*kv.layer_ptrs)

@@ -3,6 +3,7 @@
 Run on a GPU machine (scripts/gpu_check.sh); skipped elsewhere.
 """
 
+import logging
 import random
 
 import pytest
@@ -11,8 +12,12 @@ import torch
 from pagekv.connector import HostPagePool, KVGeometry, host_pool
 from pagekv.kernels import (
     DeviceKV,
+    calibrate,
+    copy_engine,
     copy_slots,
     copy_slots_ref,
+    copy_table,
+    jit,
     load,
     load_ref,
     save,
@@ -69,7 +74,9 @@ def test_page_transfers_match_reference(dtype, mla, page_size, item_bytes, index
     ids = torch.randperm(n_pages + 3)[:n_pages].to(index_dtype)
     slots = slot_table(n_pages, page_size, num_slots, index_dtype)
     layer = random.randrange(geo.num_layers)
-    for backend in ("kernel", "direct"):
+    for backend in ("kernel", "copy_engine", "direct"):
+        if backend == "copy_engine":
+            require_copy_engine()
         for lay in (None, layer):
             idx = (ids.to(DEV), slots.to(DEV)) if backend == "kernel" else (ids, slots)
             want = poison_(pool.buffer.clone())
@@ -89,18 +96,157 @@ def test_page_transfers_match_reference(dtype, mla, page_size, item_bytes, index
             assert all(bits_equal(a, b) for a, b in zip(dst, ref)), ("load", backend, lay)
 
 
-def test_auto_picks_direct_for_long_runs_and_kernel_otherwise():
+def require_copy_engine():
+    if not copy_engine.supported(0):
+        pytest.skip(f"copy engine unavailable here: {copy_engine.disabled_reason(0)}")
+
+
+def test_auto_uses_the_measured_table_and_the_setting(monkeypatch):
+    monkeypatch.delenv("PAGEKV_COPY_BACKEND", raising=False)
     geo = KVGeometry(2, 128, 8, 128, "bf16")  # 128-token pages of 2 KiB rows: 256 KiB runs
     kv = DeviceKV.from_caches(geo, *device_caches(geo, 1024))
     pool = HostPagePool(geo, 8)
     contiguous = torch.arange(1024).view(8, 128)
-    from pagekv.kernels import ops
-
-    expect = "direct" if 128 * geo.item_bytes >= ops.DIRECT_MIN_RUN_BYTES else "kernel"
-    assert save(kv, contiguous, pool.buffer, list(range(8))) == expect
+    table = calibrate(0)
+    assert table.entries and all(
+        dict(e.seconds)["kernel"] > 0 for e in table.entries
+    )  # every shape timed the kernel
+    allowed = ["kernel", "direct"] + (["copy_engine"] if copy_engine.supported(0) else [])
+    for load_, all_layers in ((False, True), (True, False)):
+        rows = geo.num_layers * 2 if all_layers else 2
+        shape = copy_table.Shape(load_, all_layers, 128 * geo.item_bytes, 8 * 128 * rows * 2048)
+        want = table.choose(shape, allowed)
+        layer = None if all_layers else 1
+        if load_:
+            got = load(pool.buffer, list(range(8)), kv, contiguous, layer=layer)
+        else:
+            got = save(kv, contiguous, pool.buffer, list(range(8)), layer=layer)
+        assert got == want
+    # CUDA index tensors: the kernel (no copy can be built on the host without a sync)
     assert save(kv, contiguous.to(DEV), pool.buffer, torch.arange(8, device=DEV)) == "kernel"
-    scattered = torch.randperm(1024).view(8, 128)
-    assert save(kv, scattered, pool.buffer, list(range(8))) == "kernel"
+    for setting in ("kernel", "direct", "copy_engine"):
+        monkeypatch.setenv("PAGEKV_COPY_BACKEND", setting)
+        expect = setting if setting != "copy_engine" or copy_engine.supported(0) else "kernel"
+        assert save(kv, contiguous, pool.buffer, list(range(8))) == expect
+    torch.cuda.synchronize()
+
+
+def _layout(name, geo, num_slots):
+    """Device caches (poisoned) for ``geo`` laid out as ``name``; returns the per-kv groups."""
+    shape = geo.device_layer_shape
+    L, nkv = geo.num_layers, geo.num_kv
+    if name in ("separate", "one_d"):  # one tensor per K and V: 2-D copies over the layers
+        return [poison_(torch.empty(L, num_slots, *shape, dtype=geo.dtype, device=DEV))
+                for _ in range(nkv)]  # fmt: skip
+    if name == "interleaved":  # [layer, K/V, slot]: one 2-D copy over all rows
+        t = poison_(torch.empty(L, nkv, num_slots, *shape, dtype=geo.dtype, device=DEV))
+        return [t[:, c] for c in range(nkv)]
+    if name == "uneven":  # per-layer tensors at uneven distances: one copy per row
+        rows, gap = num_slots * geo.row_elems, 2048
+        flat = poison_(torch.empty(L * nkv * (rows + gap) + gap, dtype=geo.dtype, device=DEV))
+        offsets = [i * (rows + gap) + (i * i % 5) * 400 for i in range(L * nkv)]
+        views = [flat[o : o + rows].view(num_slots, *shape) for o in offsets]
+        return [views[c * L : (c + 1) * L] for c in range(nkv)]
+    if name == "strided":  # K and V of a slot side by side: slot stride 2 rows, 1-token runs
+        t = poison_(torch.empty(L, num_slots, 2, *shape, dtype=geo.dtype, device=DEV))
+        return [t[:, :, c] for c in range(nkv)]
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("layout", ["separate", "interleaved", "uneven", "strided", "one_d"])
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("page_size", [1, 16, 128])
+@pytest.mark.parametrize("on_default_stream", [True, False], ids=["default", "side"])
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_copy_engine_layouts_bounds_and_stream_order(
+    layout, mla, page_size, on_default_stream, lanes, monkeypatch
+):
+    """Every descriptor form against the reference, with out-of-range page ids and slots
+    skipped (validate=False), ordered after and before the stream's neighbouring work, on one
+    stream or split over three (7 descriptors per driver call)."""
+    require_copy_engine()
+    if layout == "one_d":
+        monkeypatch.setattr(copy_engine, "USE_2D", False)
+    monkeypatch.setattr(copy_engine, "LANES", lanes)
+    if lanes > 1:
+        monkeypatch.setattr(copy_engine, "MAX_OPS", 7)
+    geo = geometry(torch.bfloat16, mla, 1152 if mla else 512, page_size, num_layers=4)
+    n_pages = max(2, 256 // page_size)
+    num_slots = n_pages * page_size + 40
+    pool = HostPagePool(geo, n_pages + 4)
+    ids = torch.randperm(n_pages + 4)[:n_pages]
+    spare = sorted(set(range(n_pages + 4)) - set(ids.tolist()))
+    slots = slot_table(n_pages, page_size, num_slots, torch.int64)
+    every = slots.view(-1)[:: max(3, page_size // 2)]
+    every.copy_(torch.where(every >= 0, every + num_slots, every))  # out of range: skipped
+    ids[0], ids[-1] = n_pages + 4 + 7, -3  # out-of-range pages: skipped whole
+    # the same transfer in the reference's terms: bad slots -1, bad pages onto spare ids
+    ref_slots = slots.clone()
+    ref_slots[ref_slots >= num_slots] = -1
+    ref_slots[0], ref_slots[-1] = -1, -1
+    ref_ids = ids.clone()
+    ref_ids[0], ref_ids[-1] = spare[0], spare[1]
+    stream = torch.cuda.default_stream(DEV) if on_default_stream else torch.cuda.Stream(DEV)
+    layer = random.randrange(geo.num_layers)
+    for lay in (None, layer):
+        fresh = device_caches(geo, num_slots)
+        src = device_caches(geo, num_slots, poisoned=True)
+        want = poison_(pool.buffer.clone())
+        save_ref(DeviceKV.from_caches(geo, *fresh), ref_slots, want, ref_ids, layer=lay)
+        poison_(pool.buffer)
+        torch.cuda.synchronize()  # inputs ready; what follows is ordered by the stream alone
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(2_000_000)  # earlier work on the stream: the copies wait for it
+            for a, b in zip(src, fresh):
+                a.copy_(b)
+            got = save(DeviceKV.from_caches(geo, *src), slots, pool.buffer, ids, layer=lay,
+                       backend="copy_engine", validate=False)  # fmt: skip
+        stream.synchronize()  # the stream alone: it must have waited for the copies
+        assert got == "copy_engine" and bits_equal(pool.buffer, want), ("save", layout, lay)
+
+        pool.buffer.copy_(random_tensor(pool.buffer.shape, geo.dtype))
+        dst = DeviceKV.from_caches(geo, *_layout(layout, geo, num_slots))
+        ref = DeviceKV.from_caches(geo, *device_caches(geo, num_slots, poisoned=True))
+        load_ref(pool.buffer, ref_ids, ref, ref_slots, layer=lay)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(2_000_000)
+            for g in dst.layers:
+                for t in g:
+                    poison_(t)  # runs after the sleep: the load must come after it
+            got = load(pool.buffer, ids, dst, slots, layer=lay, backend="copy_engine",
+                       validate=False)  # fmt: skip
+            after = [[t.clone() for t in g] for g in dst.layers]  # must see the loaded rows
+        stream.synchronize()
+        assert got == "copy_engine", lay
+        for g_after, g_ref in zip(after, ref.layers):
+            assert all(bits_equal(a, b) for a, b in zip(g_after, g_ref)), ("load", layout, lay)
+
+
+def test_copy_engine_refused_falls_back_to_the_kernel_with_one_log_line(monkeypatch, caplog):
+    require_copy_engine()
+    lib = jit.load_library()
+    monkeypatch.setattr(copy_engine, "_failed", {})
+    calls = []
+    monkeypatch.setattr(lib, "pagekv_ce_page_transfer", lambda *a: calls.append(a) or 1)
+    geo = KVGeometry(3, 16, 2, 128, "bf16")
+    pool = HostPagePool(geo, 6)
+    ids = torch.tensor([4, 0, 2])
+    slots = torch.randperm(100)[:48].view(3, 16)
+    with caplog.at_level(logging.WARNING, logger="pagekv.kernels.copy_engine"):
+        for _ in range(2):
+            pool.buffer.copy_(random_tensor(pool.buffer.shape, geo.dtype))
+            dst = device_caches(geo, 100, poisoned=True)
+            ref = [d.clone() for d in dst]
+            load_ref(pool.buffer, ids, DeviceKV.from_caches(geo, *ref), slots)
+            got = load(pool.buffer, ids, DeviceKV.from_caches(geo, *dst), slots,
+                       backend="copy_engine")  # fmt: skip
+            torch.cuda.synchronize()
+            assert got == "kernel" and all(bits_equal(a, b) for a, b in zip(dst, ref))
+    lines = [r.getMessage() for r in caplog.records if "copy-engine" in r.getMessage()]
+    assert len(calls) == 1 and len(lines) == 1, lines
+    assert "cudaError 1" in lines[0] and "kernel" in lines[0]
+    assert not copy_engine.supported(0)
 
 
 def test_vllm_layout_and_per_layer_lists():

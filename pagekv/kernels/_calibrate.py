@@ -1,0 +1,75 @@
+"""Timing the transfer backends on this GPU for :mod:`.copy_table` (one grid, ~1 s).
+
+Each grid shape is a real :func:`~pagekv.kernels.load` / :func:`~pagekv.kernels.save` with CPU
+page ids and slots (what ``auto`` is asked to decide), on random bytes, pages in random order
+on shuffled page-sized runs of slots, on a stream of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from pagekv.geometry import KVGeometry
+
+from . import copy_engine, ops
+from .copy_table import BACKENDS, DIRECT_MAX_COPIES, TOTAL_BYTES, Entry, Shape, grid, median_seconds
+from .layout import DeviceKV
+
+__all__ = ["measure_entries"]
+
+
+def _geometry(all_layers: bool, run: int) -> KVGeometry:
+    heads = 1 if run <= 8192 else 8  # 256-byte rows (TP-8 slices) or 2 KiB rows (Llama-3-8B)
+    item = heads * 128 * 2
+    return KVGeometry(32 if all_layers else 2, run // item, heads, 128, "bf16")
+
+
+def _shape_seconds(
+    load: bool, all_layers: bool, run: int, total: int, host_raw: torch.Tensor, ce_ok: bool
+) -> Entry:
+    dev = torch.cuda.current_stream().device
+    geo = _geometry(all_layers, run)
+    per_page = geo.page_bytes if all_layers else geo.page_bytes // geo.num_layers
+    n_pages = max(1, total // per_page)
+    host = host_raw[: n_pages * geo.page_bytes].view(geo.dtype).view(n_pages, *geo.host_page_shape)
+    shape = (geo.num_layers, n_pages * geo.page_size, *geo.device_layer_shape)
+    caches = [torch.empty(shape, dtype=geo.dtype, device=dev) for _ in range(geo.num_kv)]
+    for c in caches:
+        c.view(torch.uint8).random_()
+    kv = DeviceKV.from_caches(geo, *caches)
+    slots = torch.randperm(n_pages)[:, None] * geo.page_size + torch.arange(geo.page_size)
+    ids = torch.randperm(n_pages)
+    layer = None if all_layers else 1
+    rows = geo.num_layers * geo.num_kv if all_layers else geo.num_kv
+    stream = torch.cuda.current_stream()
+    seconds = []
+    for backend in BACKENDS:
+        if (backend == "copy_engine" and not ce_ok) or (
+            backend == "direct" and n_pages * rows > DIRECT_MAX_COPIES
+        ):
+            seconds.append((backend, math.inf))
+            continue
+        if load:
+            fn = functools.partial(ops.load, host, ids, kv, slots, layer=layer, backend=backend,
+                                   validate=False)  # fmt: skip
+        else:
+            fn = functools.partial(ops.save, kv, slots, host, ids, layer=layer, backend=backend,
+                                   validate=False)  # fmt: skip
+        t = median_seconds(fn, stream.synchronize)
+        if backend == "copy_engine" and not copy_engine.supported(dev.index or 0):
+            t = math.inf  # the driver refused it: the kernel ran in its place
+        seconds.append((backend, t))
+    return Entry(Shape(load, all_layers, float(run), n_pages * per_page), tuple(seconds))
+
+
+def measure_entries(device: int) -> list[Entry]:
+    """One :class:`Entry` per grid shape, measured on ``device`` on a stream of its own."""
+    dev = torch.device("cuda", device)
+    host_raw = torch.empty(2 * max(TOTAL_BYTES), dtype=torch.uint8, pin_memory=True)
+    host_raw.random_()
+    ce_ok = copy_engine.supported(device)
+    with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.Stream(dev)):
+        return [_shape_seconds(*shape, host_raw, ce_ok) for shape in grid()]

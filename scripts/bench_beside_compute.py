@@ -1,0 +1,359 @@
+"""What a KV load costs the model running beside it (GPU).
+
+Part 1, a decode-like step: Llama-3-8B-shaped bf16 matmuls at batch 8 (32 layers of QKV, O,
+gate/up and down projections: 14 GB of weights read per step, as a decode reads them), captured
+in one CUDA graph and replayed on a stream of its own, each replay timed with events on that
+stream (never a device-wide sync). In each round and for each load -- a plain contiguous
+``cudaMemcpyAsync`` of the same bytes, the kernel, the copy engine, the direct backend -- the
+step is timed alone, then beside a 4 GiB all-layer load on a side stream; only steps that start
+and end inside the load's window (events on the side stream) count. A round's slowdown is the
+median beside over the median alone; the figure is the median over rounds, and the ratio of a
+backend's extra time to the plain copy's, per round, then its median.
+
+Part 2, the reference engine (``pagekv.engine``, Llama-3-8B shape, random weights, decode steps
+replayed from CUDA graphs): decode tokens/s of one request while other requests' prefixes of
+1-4 GiB are loaded layer by layer (one ``load(..., layer=l)`` per layer, prefix after prefix,
+enqueued when the prefill is done, on a side stream, as many as outlast the decode: checked
+each time), against the same decode alone, in alternated pairs.
+
+    python scripts/bench_beside_compute.py [--rounds 7] [--engine-sizes 1,4] [--skip-engine]
+                                           [--skip-decode]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from _bench_util import environment, parse_args, write_result
+
+from pagekv.connector import KVGeometry
+from pagekv.kernels import DeviceKV, calibrate, copy_engine, load
+
+DEV = torch.device("cuda")
+GIB = 1 << 30
+
+
+class DecodeStep:
+    """Llama-3-8B-shaped projections at batch ``batch`` in one CUDA graph (weights random)."""
+
+    SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # out, in
+
+    def __init__(self, layers: int = 32, batch: int = 8) -> None:
+        self.stream = torch.cuda.Stream()
+        gen = torch.Generator(device=DEV).manual_seed(0)
+        self.weights = [
+            [torch.empty(o, i, dtype=torch.bfloat16, device=DEV).normal_(0, 0.02, generator=gen)
+             for o, i in self.SHAPES]
+            for _ in range(layers)
+        ]  # fmt: skip
+        self.x = torch.randn(batch, 4096, device=DEV).to(torch.bfloat16)
+        self.bytes = sum(w.numel() * 2 for ws in self.weights for w in ws)
+        with torch.cuda.stream(self.stream):
+            for _ in range(2):
+                self._step()
+        self.stream.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=self.stream):
+            self.out = self._step()
+        self.stream.synchronize()
+
+    def _step(self) -> torch.Tensor:
+        h = self.x
+        for wqkv, wo, wgu, wd in self.weights:
+            qkv = torch.nn.functional.linear(h, wqkv)
+            h = torch.nn.functional.linear(qkv[:, :4096], wo)
+            gu = torch.nn.functional.linear(h, wgu)
+            h = torch.nn.functional.linear(gu[:, :14336], wd)
+        return h
+
+    def replay(self, n: int) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
+        """Enqueue ``n`` replays on the decode stream, each between two timing events."""
+        marks = []
+        with torch.cuda.stream(self.stream):
+            for _ in range(n):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(self.stream)
+                self.graph.replay()
+                b.record(self.stream)
+                marks.append((a, b))
+        return marks
+
+
+class Loads:
+    """4 GiB of Llama-3-8B KV (16-token pages) in pinned host pages and a device cache, and
+    the ways to move it host -> device on a side stream."""
+
+    def __init__(self, total: int, geo: KVGeometry) -> None:
+        self.geo = geo
+        self.n_pages = total // geo.page_bytes
+        self.nbytes = self.n_pages * geo.page_bytes
+        self.raw_host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+        self.raw_host.random_()
+        self.host = self.raw_host.view(geo.dtype).view(self.n_pages, *geo.host_page_shape)
+        n_tokens = self.n_pages * geo.page_size
+        self.dev_flat = torch.empty(self.nbytes, dtype=torch.uint8, device=DEV)
+        half = self.nbytes // geo.num_kv
+        shape = (geo.num_layers, n_tokens, *geo.device_layer_shape)
+        caches = [self.dev_flat[c * half : (c + 1) * half].view(geo.dtype).view(shape)
+                  for c in range(geo.num_kv)]  # fmt: skip
+        self.kv = DeviceKV.from_caches(geo, *caches)
+        order = torch.randperm(self.n_pages)
+        self.slots_cpu = (order[:, None] * geo.page_size + torch.arange(geo.page_size)).contiguous()
+        self.ids_cpu = torch.randperm(self.n_pages)
+        self.slots, self.ids = self.slots_cpu.to(DEV), self.ids_cpu.to(DEV)
+        self.stream = torch.cuda.Stream()
+
+    def run(self, how: str, layer: int | None = None, nbytes: int = 0) -> str:
+        """Enqueue one load of every page (or of ``layer``: ``nbytes`` of pages) on the side
+        stream; the plain copy moves the same number of bytes contiguously."""
+        with torch.cuda.stream(self.stream):
+            if how == "plain_copy":
+                if layer is None:
+                    self.dev_flat.copy_(self.raw_host, non_blocking=True)
+                else:
+                    n = nbytes // self.geo.num_layers
+                    self.dev_flat[layer * n : (layer + 1) * n].copy_(
+                        self.raw_host[layer * n : (layer + 1) * n], non_blocking=True
+                    )
+                return how
+            backend, _, lanes = how.partition("@")  # copy_engine@N: over N streams
+            cpu = backend in ("copy_engine", "direct")
+            pages = self.n_pages if layer is None else max(1, nbytes // self.geo.page_bytes)
+            ids = (self.ids_cpu if cpu else self.ids)[:pages]
+            slots = (self.slots_cpu if cpu else self.slots)[:pages]
+            saved = copy_engine.LANES
+            copy_engine.LANES = int(lanes) if lanes else saved
+            try:
+                return load(self.host, ids, self.kv, slots, layer=layer, backend=backend,
+                            validate=False)  # fmt: skip
+            finally:
+                copy_engine.LANES = saved
+
+    def timed(self, how: str) -> tuple[torch.cuda.Event, torch.cuda.Event, str]:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(self.stream)
+        used = self.run(how)
+        b.record(self.stream)
+        return a, b, used
+
+
+def _ms(ref: torch.cuda.Event, ev: torch.cuda.Event) -> float:
+    return ref.elapsed_time(ev)
+
+
+def decode_beside(args: argparse.Namespace, step: DecodeStep, loads: Loads) -> dict:
+    ce = [f"copy_engine@{n}" for n in args.ce_lanes] if copy_engine.supported(0) else []
+    backends = ["plain_copy", "kernel", *ce, "direct"]
+    # warm-up, and each load's time alone (sizes the decode run beside it)
+    load_ms = {}
+    for how in backends:
+        loads.run(how)
+        loads.stream.synchronize()
+        a, b, _ = loads.timed(how)
+        loads.stream.synchronize()
+        load_ms[how] = _ms(a, b)
+    marks = step.replay(10)
+    step.stream.synchronize()
+    step_ms = statistics.median(_ms(a, b) for a, b in marks)
+    print(f"decode step alone {step_ms:.3f} ms ({step.bytes / step_ms / 1e6:.0f} GB/s of "
+          f"weights); 4 GiB load alone: "
+          + ", ".join(f"{k} {v:.1f} ms ({loads.nbytes / v / 1e6:.1f} GB/s)"
+                      for k, v in load_ms.items()), flush=True)  # fmt: skip
+    rounds: list[dict] = []
+    for r in range(args.rounds):
+        row: dict = {}
+        for how in backends:
+            marks = step.replay(args.alone_steps)
+            step.stream.synchronize()
+            alone = [_ms(a, b) for a, b in marks]
+            n = int((load_ms[how] * 1.3 + 30) / step_ms) + 2
+            ref = torch.cuda.Event(enable_timing=True)
+            ref.record(step.stream)
+            marks = step.replay(n)  # the decode first: the load's host-side enqueue overlaps it
+            la, lb, used = loads.timed(how)
+            step.stream.synchronize()
+            loads.stream.synchronize()
+            ls, le = _ms(ref, la), _ms(ref, lb)
+            inside = [_ms(a, b) for a, b in marks if _ms(ref, a) >= ls and _ms(ref, b) <= le]
+            row[how] = dict(
+                used=used,
+                alone_ms=round(statistics.median(alone), 4),
+                beside_ms=round(statistics.median(inside), 4) if inside else None,
+                steps_inside=len(inside),
+                load_ms=round(le - ls, 2),
+            )
+            if inside:
+                row[how]["slowdown"] = round(
+                    statistics.median(inside) / statistics.median(alone), 4
+                )
+        base = row["plain_copy"].get("slowdown")
+        for how in backends:
+            s = row[how].get("slowdown")
+            if s is not None and base is not None and base > 1:
+                row[how]["extra_vs_plain"] = round((s - 1) / (base - 1), 3)
+        rounds.append(row)
+        print(f"round {r}: " + " | ".join(
+            f"{k} x{v.get('slowdown')} ({v['steps_inside']} steps, load {v['load_ms']} ms, "
+            f"{v['used']})" for k, v in row.items()), flush=True)  # fmt: skip
+    summary = {}
+    for how in backends:
+        sd = [x[how]["slowdown"] for x in rounds if x[how].get("slowdown") is not None]
+        ex = [x[how]["extra_vs_plain"] for x in rounds if "extra_vs_plain" in x[how]]
+        summary[how] = dict(
+            slowdown_median=round(statistics.median(sd), 4) if sd else None,
+            slowdowns=sd,
+            extra_vs_plain_median=round(statistics.median(ex), 3) if ex else None,
+            load_gbps_alone=round(loads.nbytes / load_ms[how] / 1e6, 2),
+        )
+    print("decode beside a 4 GiB load (median over rounds): " + " | ".join(
+        f"{k}: x{v['slowdown_median']} (extra time {v['extra_vs_plain_median']} of the plain "
+        f"copy's)" for k, v in summary.items()), flush=True)  # fmt: skip
+    return dict(step_ms_alone=round(step_ms, 4), weights_gb=round(step.bytes / 1e9, 2),
+                load_bytes=loads.nbytes, load_ms_alone={k: round(v, 2) for k, v in load_ms.items()},
+                rounds=rounds, summary=summary)  # fmt: skip
+
+
+def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
+    """Reference engine decode tokens/s alone and beside layer-by-layer prefix loads."""
+    from pagekv.engine import PRESETS, Engine, EngineConfig, Request
+
+    prompt_len = args.engine_prompt
+    cfg = EngineConfig(PRESETS["llama-3-8b"], page_size=16,
+                       num_slots=prompt_len + args.engine_tokens + 64, host_pages=16,
+                       dtype="bf16", device="cuda", decode_graphs=True)  # fmt: skip
+    engine = Engine(cfg)
+    engine.warmup(1024)
+    gen = torch.Generator().manual_seed(1)
+    geo = loads.geo
+    original = engine._save
+    state: dict = {}
+
+    def enqueue(how: str, size: int, repeats: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(loads.stream)
+        for _ in range(repeats):
+            for layer in range(geo.num_layers):
+                loads.run(how, layer, size)
+        end.record(loads.stream)
+        return start, end
+
+    def save_then_loads(*a, **kw):
+        # called when the prefill is done, right before the decode's timer starts: the prefix
+        # loads are enqueued here (host time outside the decode's) and run on the side stream
+        # beside the whole decode (checked: still running when it ends)
+        if state.get("how") is not None:
+            state["events"] = enqueue(state["how"], state["size"], state["repeats"])
+        return original(*a, **kw)
+
+    engine._save = save_then_loads
+    backends = ["plain_copy", "kernel"]
+    backends += [f"copy_engine@{n}" for n in args.ce_lanes] if copy_engine.supported(0) else []
+
+    def one(how: str | None, size: int, repeats: int = 0) -> dict:
+        state.clear()
+        state.update(how=how, size=size, repeats=repeats)
+        prompt = torch.randint(0, cfg.model.vocab_size, (prompt_len,), generator=gen).tolist()
+        r = engine.generate(Request(prompt, args.engine_tokens + 1, reuse=False, save=False))
+        out = dict(
+            tokens_per_s=round(r.decode_tokens_per_s, 2), decode_ms=round(r.decode_s * 1e3, 2)
+        )
+        if how is not None:
+            start, end = state["events"]
+            out["loads_outlasted_decode"] = not end.query()
+            loads.stream.synchronize()
+            out["prefixes"] = repeats
+            out["load_gbps"] = round(repeats * size / start.elapsed_time(end) / 1e6, 2)
+        return out
+
+    def covering(how: str, size: int) -> dict:
+        """One decode beside enough back-to-back prefix loads to outlast it (doubling the
+        prefixes up to --max-prefixes; a run whose loads ended first says so in its row)."""
+        repeats = state_repeats.get((how, size), 2)
+        while True:
+            res = one(how, size, repeats)
+            if res["loads_outlasted_decode"] or repeats * 2 > args.max_prefixes:
+                break
+            repeats *= 2
+        state_repeats[(how, size)] = repeats
+        print(f"  {how} {size / GIB:g} GiB: {res}", flush=True)
+        return res
+
+    state_repeats: dict = {}
+    one(None, 0)
+    out = {"config": cfg.describe(), "decode_tokens": args.engine_tokens, "sizes": []}
+    for gib in args.engine_sizes:
+        size = int(gib * GIB)
+        for how in backends:  # warm up, and find how many prefixes outlast a decode
+            covering(how, size)
+        pairs: dict[str, list] = {"alone": [], **{b: [] for b in backends}}
+        for _ in range(args.engine_pairs):
+            for how in [None, *backends]:
+                pairs["alone" if how is None else how].append(
+                    one(None, 0) if how is None else covering(how, size)
+                )
+        row = {"prefix_gib": gib, "runs": pairs, "tokens_per_s": {}, "slowdown": {}}
+        for k, v in pairs.items():
+            row["tokens_per_s"][k] = statistics.median(x["tokens_per_s"] for x in v)
+        for b in backends:
+            per_pair = [1 - x["tokens_per_s"] / a["tokens_per_s"]
+                        for a, x in zip(pairs["alone"], pairs[b])]  # fmt: skip
+            row["slowdown"][b] = round(statistics.median(per_pair), 4)
+        out["sizes"].append(row)
+        print(f"engine decode beside {gib} GiB layer-by-layer loads, back to back: "
+              f"alone {row['tokens_per_s']['alone']:.1f} tok/s | " + " | ".join(
+                  f"{b} {row['tokens_per_s'][b]:.1f} tok/s ({row['slowdown'][b]:+.1%})"
+                  for b in backends), flush=True)  # fmt: skip
+    engine.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--alone-steps", type=int, default=12)
+    ap.add_argument("--load-gib", type=float, default=4.0)
+    ap.add_argument("--geometry", default="llama3-8b",
+                    choices=["llama3-8b", "llama3-8b-tp8", "mla-576"])  # fmt: skip
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true", help="part 2 (the engine) only")
+    ap.add_argument("--engine-sizes", type=lambda s: [float(x) for x in s.split(",")],
+                    default=[1.0, 4.0])  # fmt: skip
+    ap.add_argument("--engine-pairs", type=int, default=5)
+    ap.add_argument("--engine-tokens", type=int, default=48)
+    ap.add_argument("--engine-prompt", type=int, default=512)
+    ap.add_argument("--max-prefixes", type=int, default=32, help="per decode, at most")
+    ap.add_argument("--ce-lanes", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[copy_engine.LANES], help="copy-engine streams to compare")  # fmt: skip
+    args = parse_args(ap)
+    env = environment()
+    print(f"# {env['device']} torch {env['torch']} cuda {env.get('cuda')} commit {env['commit']}")
+    spec = {
+        "llama3-8b": dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bf16"),
+        "llama3-8b-tp8": dict(num_layers=32, num_kv_heads=1, head_dim=128, dtype="bf16"),
+        "mla-576": dict(num_layers=61, num_kv_heads=1, head_dim=576, dtype="bf16", kind="mla"),
+    }[args.geometry]
+    geo = KVGeometry(page_size=16, **spec)
+    t = time.perf_counter()
+    loads = Loads(int(args.load_gib * GIB), geo)
+    table = calibrate(0)
+    print(
+        f"setup {time.perf_counter() - t:.1f} s; copy table: {len(table.entries)} shapes",
+        flush=True,
+    )
+    result: dict = {"env": env, "geometry": args.geometry, "args": vars(args)}
+    if not args.skip_decode:
+        step = DecodeStep()
+        result["decode"] = decode_beside(args, step, loads)
+        del step
+        torch.cuda.empty_cache()
+    if not args.skip_engine:
+        result["engine"] = engine_beside(args, loads)
+    print(f"wrote {write_result('bench_beside_compute', result)}")
+
+
+if __name__ == "__main__":
+    main()
