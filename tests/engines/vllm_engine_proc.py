@@ -143,11 +143,19 @@ def stall(llm: Any, cmd: dict) -> dict:
     stopped: list[float] = []
     original = worker._start_prefetch
 
+    fetch_done: list[tuple[float, str]] = []  # when the stalled fetch ended, the node's state
+
     def stop_then_fetch(*args: Any, **kwargs: Any) -> Any:
-        if not stopped:
-            os.kill(pid, signal.SIGSTOP)
-            stopped.append(time.monotonic())
-        return original(*args, **kwargs)
+        if stopped:
+            return original(*args, **kwargs)
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(time.monotonic())
+        deadline = stopped[0] + 5.0
+        while _state(pid) != "T" and time.monotonic() < deadline:  # the stop has taken effect
+            time.sleep(0.001)
+        future = original(*args, **kwargs)
+        future.add_done_callback(lambda f: fetch_done.append((time.monotonic(), _state(pid))))
+        return future
 
     worker._start_prefetch = stop_then_fetch
     bg = SamplingParams(temperature=0.0, max_tokens=cmd["bg_tokens"], ignore_eos=True)
@@ -188,9 +196,19 @@ def stall(llm: Any, cmd: dict) -> dict:
     logprobs = [{str(t): lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
     return dict(
         stopped_at=stopped[0] if stopped else None, fetch_ended=fetch_ended, timeline=timeline,
+        fetch_done=fetch_done[0] if fetch_done else None,
         output=dict(tokens=list(out.token_ids), logprobs=logprobs),
         metrics={k.removeprefix("vllm:"): after[k] - before[k] for k in after},
     )  # fmt: skip
+
+
+def _state(pid: int) -> str:
+    """The process state letter of ``pid`` (T: stopped), "" if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0]
+    except (FileNotFoundError, IndexError):
+        return ""
 
 
 def _alive(pid: int) -> bool:
