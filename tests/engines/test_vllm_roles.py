@@ -171,7 +171,10 @@ def test_a_store_restarted_empty_is_repopulated(producer, node, model, reference
     wait_until(saved_again, timeout=60, what="P to save its local prefix again")
     assert producer.call("flush")["ok"]
     p_stats = producer.call("stats")
-    c = Engine(model, store=[node[0].address], role="kv_consumer", extra=EXTRA)
+    # a generous lookup bound: a lookup past its bound is a miss, and on a loaded 2-core box
+    # this engine's first lookup once took longer than 1 s
+    c = Engine(model, store=[node[0].address], role="kv_consumer",
+               extra=dict(EXTRA, lookup_timeout_s=5.0))  # fmt: skip
     try:
         got = c.call("generate", prompts=[PROMPTS["re_b"]], max_tokens=8)
         c_stats = c.call("stats")
