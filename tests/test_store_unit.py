@@ -140,11 +140,21 @@ def test_client_config_validation():
         ClientConfig(("tcp://127.0.0.1:1",), replicas=2)
     with pytest.raises(ValueError, match="distinct"):
         ClientConfig(("tcp://127.0.0.1:1", "tcp://127.0.0.1:1"))
-    with pytest.raises(ValueError, match="tcp://"):
-        ClientConfig(("127.0.0.1:1",))
+    for bad in ("127.0.0.1", "udp://127.0.0.1:1", "host:port", "127.0.0.1:65536", ":7400", ""):
+        with pytest.raises(ValueError, match="not an endpoint"):
+            ClientConfig((bad,))
     with pytest.raises(ValueError, match="timeout_s"):
         ClientConfig(("tcp://127.0.0.1:1",), timeout_s=0)
     assert ClientConfig("tcp://127.0.0.1:1").endpoints == ("tcp://127.0.0.1:1",)
+    # host:port is tcp://host:port, so both spellings shard alike (and are one node)
+    assert ClientConfig(("127.0.0.1:1", "[::1]:2", "ipc:///tmp/x")).endpoints == (
+        "tcp://127.0.0.1:1",
+        "tcp://[::1]:2",
+        "ipc:///tmp/x",
+    )
+    with pytest.raises(ValueError, match="distinct"):
+        ClientConfig(("127.0.0.1:1", "tcp://127.0.0.1:1"))
+    assert NodeConfig(endpoint="127.0.0.1:0").bind_address == "tcp://127.0.0.1:0"
 
 
 def test_rendezvous_is_stable_and_balanced():

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from pagekv import env
 from pagekv.errors import KernelsUnavailable
 
 __all__ = [
@@ -45,14 +46,12 @@ _ABI_VERSION = 3
 
 
 def backend_mode() -> str:
-    mode = os.environ.get("PAGEKV_KERNELS", "auto").strip().lower()
-    if mode not in ("auto", "torch", "cuda"):
-        raise ValueError(f"PAGEKV_KERNELS must be auto, torch or cuda, got {mode!r}")
-    return mode
+    """``PAGEKV_KERNELS``: auto, torch or cuda (``ConfigError`` for anything else)."""
+    return env.KERNELS.get()
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PAGEKV_CACHE_DIR", Path.home() / ".cache" / "pagekv"))
+    return env.CACHE_DIR.get()
 
 
 def find_nvcc() -> str | None:

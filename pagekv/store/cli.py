@@ -2,8 +2,8 @@
 
 pagekv serve --host 127.0.0.1 --port 7400 --capacity 4GiB [--metrics-port 9400]
 pagekv cluster --nodes 3 --base-port 7400 --capacity 1GiB
-pagekv stats [--json] tcp://127.0.0.1:7400 tcp://127.0.0.1:7401
-pagekv ping tcp://127.0.0.1:7400
+pagekv stats [--json] 127.0.0.1:7400 127.0.0.1:7401
+pagekv ping 127.0.0.1:7400
 pagekv keygen DIR NAME [--force]      # CURVE certificate pair for the --curve-* options
 
 ``serve`` and ``cluster`` take every setting from a flag, else ``PAGEKV_<NAME>``, else the
@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
 import zmq
 
 import pagekv
+from pagekv import env
 from pagekv.errors import ConfigError
 
 from .cli_client import client_settings
 from .cli_serve import LOG_LEVEL, add_config_flag, serve_settings
+from .config import normalize_endpoint
 from .settings import SIZE_HELP, Setting, add_settings, resolve
 
 __all__ = ["build_parser", "main"]
@@ -61,7 +62,7 @@ def _settings_of(command: str) -> list[Setting]:
 def _run(args: argparse.Namespace) -> int:
     settings = _settings_of(args.command)
     config_path = getattr(args, "config", None) or (
-        os.environ.get("PAGEKV_CONFIG") if args.command in ("serve", "cluster") else None
+        env.CONFIG.get() if args.command in ("serve", "cluster") else None
     )
     values = resolve(args, settings, config_path)
     _setup_logging(values["log_level"])
@@ -76,14 +77,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.command in ("stats", "ping"):
         from .cli_client import run_ping, run_stats
 
-        for endpoint in args.addresses:
-            if not endpoint.startswith(("tcp://", "ipc://")):
-                raise ConfigError(f"{endpoint!r} is not a tcp:// or ipc:// endpoint")
+        try:
+            addresses = [normalize_endpoint(endpoint) for endpoint in args.addresses]
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if args.command == "stats":
-            return run_stats(values, args.addresses, args.json)
+            return run_stats(values, addresses, args.json)
         if args.count < 1:
             raise ConfigError(f"--count must be >= 1, got {args.count}")
-        return run_ping(values, args.addresses, args.count)
+        return run_ping(values, addresses, args.count)
     return _keygen(args)
 
 
@@ -114,7 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings(c, cluster_settings())
     for name, text in (("stats", "print each node's stats"), ("ping", "check nodes answer")):
         p = sub.add_parser(name, help=text)
-        p.add_argument("addresses", nargs="+", metavar="ENDPOINT", help="tcp://host:port ...")
+        p.add_argument(
+            "addresses",
+            nargs="+",
+            metavar="ENDPOINT",
+            help="host:port (or tcp://host:port, ipc://path) ...",
+        )
         add_settings(p, [*client_settings(), LOG_LEVEL])
         if name == "stats":
             p.add_argument("--json", action="store_true", help="one JSON document on stdout")

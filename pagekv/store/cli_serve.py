@@ -1,9 +1,9 @@
 """``pagekv serve``: settings, the checks a node must pass before it binds, and the run.
 
 Checks beyond :class:`NodeConfig`: a capacity of at least 1 MiB and within this machine's memory
-(``--force`` overrides the latter), a ``--max-message-size`` that holds a block header, CURVE
-files that exist and hold keys. Warnings: binding beyond loopback without CURVE, ``'*'`` as the
-allowed client keys, messages too small for the largest block.
+(``--force`` overrides the latter), CURVE files that exist and hold keys. Warnings, never given
+for the default settings: binding beyond loopback without CURVE, ``'*'`` as the allowed client
+keys.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from pagekv.errors import ConfigError
 
 from .auth import ALLOW_ANY, load_allowed_keys, load_secret_cert
 from .config import CurveClientKeys, NodeConfig
-from .protocol import MAX_KEY_BYTES, Op, Request, encode_request
 from .settings import MIN_CAPACITY, SIZE_HELP, Setting, format_size, memory_limit, node_settings
 
 __all__ = ["LOG_LEVEL", "check_node", "node_config", "run_serve", "serve_extras", "serve_settings"]
@@ -66,13 +65,6 @@ def node_config(values: dict[str, Any]) -> NodeConfig:
         raise ConfigError(text.replace("NodeConfig: ", "")) from None
 
 
-def _header_bytes() -> int:
-    """The largest header a one-block PUT can carry."""
-    big = (1 << 64) - 1
-    req = Request(Op.PUT, big, keys=[b"\xff" * MAX_KEY_BYTES], sizes=[big], sums=[big])
-    return len(encode_request(req))
-
-
 def _is_loopback(bind_address: str) -> bool:
     if bind_address.startswith("ipc://"):
         return True
@@ -100,19 +92,7 @@ def check_node(config: NodeConfig, *, force: bool, copies: int = 1) -> list[str]
             f"{what} = {format_size(total)} is more than this machine's memory "
             f"({format_size(limit)}); lower it, or pass --force to start anyway"
         )
-    header = _header_bytes()
-    if config.max_message_size <= header:
-        raise ConfigError(
-            f"--max-message-size {config.max_message_size} bytes cannot hold one block header "
-            f"({header} bytes) and its block; e.g. {format_size(config.max_block_size + header)}"
-        )
     warnings = []
-    if config.max_message_size < config.max_block_size + header:
-        warnings.append(
-            f"--max-message-size {format_size(config.max_message_size)} is smaller than "
-            f"--max-block-size {format_size(config.max_block_size)} plus a header: blocks over "
-            f"{format_size(config.max_message_size - header)} cannot be stored"
-        )
     if config.curve_secret_key is not None:
         load_secret_cert(config.curve_secret_key)
         if load_allowed_keys(config.curve_allow) is None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
+
+from pagekv import env
+from pagekv.env import parse_size
 
 from .protocol import MAX_HEADER_BYTES
 
@@ -17,6 +19,7 @@ __all__ = [
     "default_staging",
     "default_shm_threads",
     "default_streams",
+    "normalize_endpoint",
     "parse_size",
 ]
 
@@ -33,12 +36,6 @@ def default_streams() -> int:
     return min(4, max(1, _usable_cores() // 4))
 
 
-def _env_switch(name: str) -> bool | None:
-    """Environment variable ``name``: ``1`` on, ``0`` off, anything else (or unset) None: the
-    defaults below decide."""
-    return {"1": True, "0": False}.get(os.environ.get(name, ""))
-
-
 def default_staging(config: ClientConfig) -> bool:
     """Whether lane connections stage GETs through a cached ring by default
     (``ClientConfig.staged_receive``): ``PAGEKV_STAGED_RECEIVE`` (``1`` / ``0``) where set,
@@ -46,7 +43,7 @@ def default_staging(config: ClientConfig) -> bool:
     cores it may run on (``4 x nodes x streams <= cores``): a helper core per connection is
     worth it where cores are idle, not where the engine, the nodes and other streams need them.
     On the 16-core H100 host that is one node with 4 streams, not three; never on 2 cores."""
-    switch = _env_switch("PAGEKV_STAGED_RECEIVE")
+    switch = env.STAGED_RECEIVE.get()
     if switch is not None:
         return switch
     return 4 * len(config.endpoints) * config.streams <= _usable_cores()
@@ -59,7 +56,7 @@ def default_node_staging() -> int:
     on, at least 1). On the H100 host (scripts/diag_lane_put.py, 26e2ec9, one stream, two
     runs) a node receiving PUTs in place moved 0.87 and 1.03 of the hot ceiling, staged 0.83
     and 0.93: the PUT's pace is the sender's, and the helper is one more busy core."""
-    return max(1, _usable_cores() // 4) if _env_switch("PAGEKV_STAGED_RECEIVE") is True else 0
+    return max(1, _usable_cores() // 4) if env.STAGED_RECEIVE.get() is True else 0
 
 
 def default_bulk_puts(config: ClientConfig) -> bool:
@@ -75,7 +72,7 @@ def default_bulk_puts(config: ClientConfig) -> bool:
     three nodes (12 connections) 0.93 s against 0.72 s, so there ZeroMQ, whose few I/O
     threads send while the client hashes, keeps them. Without a pool the lane would hash
     each request right before sending it."""
-    switch = _env_switch("PAGEKV_BULK_PUTS")
+    switch = env.BULK_PUTS.get()
     if switch is not None:
         return switch
     return 1 < config.copy_threads and len(config.endpoints) * config.streams <= config.copy_threads
@@ -105,19 +102,20 @@ def _usable_cores() -> int:
 
 CONNECTION_OVERHEAD = 256 << 10  # libzmq session, pipes and buffers of one idle connection
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6}
-_UNITS.update({"mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40})
-_UNITS.update({"tb": 10**12, "tib": 1 << 40})
 
-
-def parse_size(text: str | int) -> int:
-    """Bytes from "4GiB", "512M", "1.5gb" or an int. Raises ``ValueError`` naming the input."""
-    if isinstance(text, int) and not isinstance(text, bool):
+def normalize_endpoint(text: str) -> str:
+    """An endpoint as ZeroMQ takes it: ``tcp://host:port`` and ``ipc://path`` as they are,
+    ``host:port`` (``[v6 address]:port``) as ``tcp://host:port``. Raises ``ValueError`` naming
+    the text for anything else."""
+    if not isinstance(text, str):
+        raise ValueError(f"an endpoint must be a string, got {text!r}")
+    if text.startswith("ipc://") and len(text) > len("ipc://"):
         return text
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 1000000)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    rest = text.removeprefix("tcp://")
+    host, sep, port = rest.rpartition(":")
+    if sep and host.strip("[]") and "/" not in host and port.isdigit() and int(port) < 65536:
+        return f"tcp://{rest}"
+    raise ValueError(f"not an endpoint: {text!r} (host:port, tcp://host:port or ipc://path)")
 
 
 def _positive(owner: str, **values: float) -> None:
@@ -196,8 +194,11 @@ class NodeConfig:
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"NodeConfig.{name} must be in [0, 65536), got "
                                  f"{getattr(self, name)}")  # fmt: skip
-        if self.endpoint is not None and not self.endpoint.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"NodeConfig.endpoint must be tcp:// or ipc://, got {self.endpoint}")
+        if self.endpoint is not None:
+            try:
+                object.__setattr__(self, "endpoint", normalize_endpoint(self.endpoint))
+            except ValueError as e:
+                raise ValueError(f"NodeConfig.endpoint: {e}") from None
         if (self.curve_secret_key is None) != (self.curve_allow is None):
             raise ValueError("NodeConfig: curve_secret_key and curve_allow go together")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
@@ -295,12 +296,13 @@ class ClientConfig:
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str):
             object.__setattr__(self, "endpoints", (self.endpoints,))
-        object.__setattr__(self, "endpoints", tuple(self.endpoints))
+        try:
+            endpoints = tuple(normalize_endpoint(ep) for ep in self.endpoints)
+        except ValueError as e:
+            raise ValueError(f"ClientConfig.endpoints: {e}") from None
+        object.__setattr__(self, "endpoints", endpoints)
         if not self.endpoints or len(set(self.endpoints)) != len(self.endpoints):
             raise ValueError("ClientConfig.endpoints must be distinct and non-empty")
-        for ep in self.endpoints:
-            if not isinstance(ep, str) or not ep.startswith(("tcp://", "ipc://")):
-                raise ValueError(f"ClientConfig.endpoints: {ep!r} is not tcp:// or ipc://")
         if not 1 <= self.replicas <= len(self.endpoints):
             raise ValueError(
                 f"ClientConfig.replicas must be in [1, {len(self.endpoints)}], got {self.replicas}"
@@ -316,7 +318,7 @@ class ClientConfig:
         if self.copy_threads is None:
             object.__setattr__(self, "copy_threads", default_copy_threads())
         if self.bulk is None:
-            object.__setattr__(self, "bulk", os.environ.get("PAGEKV_BULK_CLIENT", "1") != "0")
+            object.__setattr__(self, "bulk", env.BULK_CLIENT.get())
         if self.staged_receive is None:
             object.__setattr__(self, "staged_receive", default_staging(self))
         if type(self.staged_receive) is not bool:

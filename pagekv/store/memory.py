@@ -24,6 +24,8 @@ import logging
 import os
 import resource
 
+from pagekv import env
+
 __all__ = ["minor_faults", "raise_fd_limit", "rss_bytes", "tune_malloc_for_blocks", "trim_heap"]
 
 log = logging.getLogger(__name__)
@@ -44,8 +46,10 @@ def tune_malloc_for_blocks(
     """Apply the settings above to this process (glibc only). Returns whether they took.
     ``PAGEKV_MALLOC_ARENAS`` and ``PAGEKV_MALLOC_TOP_PAD`` (bytes) override ``arena_max`` and
     ``top_pad`` (an operator's or a benchmark's knobs)."""
-    arena_max = int(os.environ.get("PAGEKV_MALLOC_ARENAS", arena_max))
-    top_pad = int(os.environ.get("PAGEKV_MALLOC_TOP_PAD", top_pad))
+    if env.MALLOC_ARENAS.raw() is not None:
+        arena_max = env.MALLOC_ARENAS.get()
+    if env.MALLOC_TOP_PAD.raw() is not None:
+        top_pad = env.MALLOC_TOP_PAD.get()
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return False

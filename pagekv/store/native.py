@@ -43,6 +43,7 @@ try:
 except ImportError:  # pragma: no cover - the test environment has numpy
     np = None
 
+from pagekv import env
 from pagekv.errors import NativeCopyUnavailable
 
 __all__ = ["BLOCK_BYTES", "NativeCopy", "NativeCopyUnavailable", "Piece", "Value",
@@ -92,15 +93,12 @@ class Value(ctypes.Structure):
 
 
 def mode() -> str:
-    """``PAGEKV_NATIVE_COPY``: auto, on or off (ValueError for anything else)."""
-    value = os.environ.get("PAGEKV_NATIVE_COPY", "auto").strip().lower()
-    if value not in ("auto", "on", "off"):
-        raise ValueError(f"PAGEKV_NATIVE_COPY must be auto, on or off, got {value!r}")
-    return value
+    """``PAGEKV_NATIVE_COPY``: auto, on or off (``ConfigError`` for anything else)."""
+    return env.NATIVE_COPY.get()
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PAGEKV_CACHE_DIR") or Path.home() / ".cache" / "pagekv")
+    return env.CACHE_DIR.get()
 
 
 def compiler() -> tuple[str, ...]:
@@ -319,8 +317,7 @@ def _address(obj: Any, writable: bool, what: str, keep: list[Any]) -> tuple[int,
 
 def _settings() -> tuple[str | None, ...]:
     """The environment :func:`load` depends on (read on each call: cheap, and tests change it)."""
-    env = os.environ
-    return env.get("PAGEKV_NATIVE_COPY"), env.get("CC"), env.get("PAGEKV_CACHE_DIR")
+    return env.NATIVE_COPY.raw(), os.environ.get("CC"), env.CACHE_DIR.raw()
 
 
 @functools.cache

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from pagekv import env
+
 from . import handlers
 from .auth import NULL_ZAP_DOMAIN
 from .block_store import BlockStore
@@ -211,7 +213,7 @@ class StoreNode:
             signal.signal(sig, handler)
 
     def serve_forever(self) -> None:
-        if os.environ.get("PAGEKV_TUNE_MALLOC", "1") == "1":
+        if env.TUNE_MALLOC.get():
             tune_malloc_for_blocks()
         # Millions of long-lived blocks: collect the young generation far less often than the
         # default every 700 allocations (each pass costs; the index makes no reference cycles).

@@ -1,5 +1,6 @@
 """Command-line settings: each one from a flag, else ``PAGEKV_<NAME>``, else the ``--config``
 TOML file, else its default; and the checks a running node needs beyond :class:`NodeConfig`.
+Values are parsed by the same typed parsers as the process-wide variables (:mod:`pagekv.env`).
 
 Every :class:`NodeConfig` field is a setting (so a field added there gets a flag, an env var and a
 config key without touching this file); commands add their own (``nodes``, ``metrics_port``...).
@@ -21,9 +22,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pagekv.env import parse_bool, parse_float, parse_int, parse_size
 from pagekv.errors import ConfigError
 
-from .config import NodeConfig, parse_size
+from .config import NodeConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -35,6 +37,7 @@ __all__ = [
     "Setting",
     "add_settings",
     "format_size",
+    "markdown",
     "memory_limit",
     "node_settings",
     "resolve",
@@ -47,10 +50,17 @@ SIZE_HELP = "K/M/G/T and KiB/MiB/GiB/TiB = 1024^n, KB/MB/GB/TB = 1000^n, plain n
 _NODE_HELP: dict[str, tuple[str, str]] = {
     "host": ("bind address; anything but loopback should use CURVE", "str"),
     "port": ("TCP port (0: any free port, printed when ready)", "int"),
-    "endpoint": ("tcp:// or ipc:// endpoint to bind instead of --host/--port", "str"),
+    "endpoint": (
+        "endpoint to bind instead of --host/--port: host:port, tcp://host:port or ipc://path",
+        "str",
+    ),
     "capacity": ("bytes of blocks kept before the least recently used are evicted", "size"),
     "max_block_size": ("largest block accepted", "size"),
-    "max_message_size": ("largest request accepted (header plus blocks)", "size"),
+    "max_message_size": (
+        "largest payload of one request or reply (its blocks; the header is "
+        "bounded apart, at 1 MiB)",
+        "size",
+    ),
     "max_keys": ("most keys in one request", "int"),
     "verify_puts": ("check each PUT block's checksum before storing it", "bool"),
     "high_watermark": ("fraction of capacity at which eviction starts", "float"),
@@ -124,46 +134,12 @@ class Setting:
         return "PAGEKV_" + self.name.upper()
 
 
-def _parse_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"not a boolean: {value!r} (true/false, 1/0, yes/no, on/off)")
-
-
-def _parse_int(value: Any) -> int:
-    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-        raise ValueError(f"not an integer: {value!r}")
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"not an integer: {value!r}") from None
-
-
-def _parse_float(value: Any) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"not a number: {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"not a number: {value!r}") from None
-
-
 def _parse_size(value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"not a size: {value!r}")
-    size = parse_size(value if isinstance(value, int) else str(value))
-    if size < 0:
-        raise ValueError(f"not a size: {value!r} (sizes are >= 0)")
-    return size
+    return parse_size(value if isinstance(value, int) else str(value))
 
 
-_PARSERS = {"str": str, "path": str, "int": _parse_int, "float": _parse_float,
-            "bool": _parse_bool, "size": _parse_size}  # fmt: skip
+_PARSERS = {"str": str, "path": str, "int": parse_int, "float": parse_float,
+            "bool": parse_bool, "size": _parse_size}  # fmt: skip
 
 
 def format_size(n: int | float) -> str:
@@ -219,6 +195,17 @@ def add_settings(parser: argparse.ArgumentParser, settings: Sequence[Setting]) -
         else:
             meta = {"size": "SIZE", "path": "PATH", "int": "N", "float": "X"}.get(s.kind, "TEXT")
             parser.add_argument(s.flag, default=None, metavar=meta, help=text)
+
+
+def markdown(settings: Sequence[Setting]) -> str:
+    """A table of ``settings`` (flag, variable, default, meaning) for the README."""
+    rows = ["| flag | variable | default | meaning |", "|---|---|---|---|"]
+    for s in settings:
+        if s.sourced:
+            default = _describe_default(s).split(" = ")[0]
+            text = s.help.replace("|", "\\|")
+            rows.append(f"| `{s.flag}` | `{s.env_var}` | {default} | {text} |")
+    return "\n".join(rows) + "\n"
 
 
 def load_config_file(path: str) -> dict[str, Any]:

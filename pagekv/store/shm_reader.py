@@ -46,6 +46,8 @@ try:
 except ImportError:  # the store alone (pip install pagekv, no numpy): no shortcut
     np = None
 
+from pagekv import env
+
 from . import native
 from .config import default_shm_threads
 from .protocol import Code, Op, Request, Status
@@ -188,7 +190,7 @@ def reader_for(router: Router) -> ShmReader | None:
     (``PAGEKV_SHM_CLIENT=0``, :func:`disable`, or no numpy: the store installed without it)."""
     reader = router.__dict__.get("shm_reader", False)
     if reader is False:
-        on = os.environ.get("PAGEKV_SHM_CLIENT", "1") != "0" and np is not None
+        on = env.SHM_CLIENT.get() and np is not None
         reader = router.__dict__["shm_reader"] = ShmReader(router.counters) if on else None
     return reader
 
