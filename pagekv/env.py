@@ -29,7 +29,6 @@ from .errors import ConfigError
 
 __all__ = [
     "BULK_CLIENT",
-    "BULK_PUTS",
     "CACHE_DIR",
     "CONFIG",
     "ENGINE_VENVS",
@@ -42,7 +41,6 @@ __all__ = [
     "REQUIRE_SGLANG",
     "REQUIRE_VLLM",
     "SHM_CLIENT",
-    "STAGED_RECEIVE",
     "TUNE_MALLOC",
     "EnvVar",
     "markdown",
@@ -159,22 +157,15 @@ KERNELS = _var("KERNELS", _choice("auto", "torch", "cuda"), "auto",
                "kernels or an error saying why)", "auto, torch, cuda")  # fmt: skip
 NATIVE_COPY = _var("NATIVE_COPY", _choice("auto", "on", "off"), "auto",
                    "the native checked copy and receive (C, built with `$CC` on first use): "
-                   "`auto` (when it builds, else numpy with one warning; a node then offers no "
-                   "bulk lane and clients use none), `on` (it or an error saying why), `off`",
+                   "`auto` (when it builds, else numpy with one warning; clients then use no "
+                   "bulk lane), `on` (it or an error saying why), `off`",
                    "auto, on, off")  # fmt: skip
 CACHE_DIR = _var("CACHE_DIR", Path, _CACHE,
                  "where the CUDA kernels and the native library are built and cached",
                  "path", "~/.cache/pagekv")  # fmt: skip
 BULK_CLIENT = _var("BULK_CLIENT", parse_bool, True,
                    "default of `ClientConfig.bulk`: GETs of a node that offers a bulk lane go over "
-                   "it (off: ZeroMQ only)", "bool", "on")  # fmt: skip
-STAGED_RECEIVE = _var("STAGED_RECEIVE", parse_bool, None,
-                      "lane receives through a cached ring (client GETs; node PUTs): unset "
-                      "lets `ClientConfig`/`NodeConfig` choose by the cores", "bool",
-                      "unset")  # fmt: skip
-BULK_PUTS = _var("BULK_PUTS", parse_bool, None,
-                 "default of `ClientConfig.bulk_puts` (PUTs over the lane); unset: chosen by the "
-                 "client's copy pool", "bool", "unset")  # fmt: skip
+                   "it, where the native library is (off: ZeroMQ only)", "bool", "on")  # fmt: skip
 SHM_CLIENT = _var("SHM_CLIENT", parse_bool, True,
                   "clients read values of `--shm` nodes on this host straight out of their "
                   "segment (off: over TCP)",
@@ -203,8 +194,7 @@ REQUIRE_SGLANG = _var("REQUIRE_SGLANG", parse_bool, False,
                       "the same for SGLang (set by `make test-sglang`)", "bool", "off",
                       "tests/engines")  # fmt: skip
 
-REGISTRY: tuple[EnvVar[Any], ...] = (KERNELS, NATIVE_COPY, CACHE_DIR, BULK_CLIENT,
-                                     STAGED_RECEIVE, BULK_PUTS, SHM_CLIENT,
+REGISTRY: tuple[EnvVar[Any], ...] = (KERNELS, NATIVE_COPY, CACHE_DIR, BULK_CLIENT, SHM_CLIENT,
                                      EXIT_FLUSH_S, CONFIG, TUNE_MALLOC, MALLOC_ARENAS,
                                      MALLOC_TOP_PAD, ENGINE_VENVS, REQUIRE_VLLM,
                                      REQUIRE_SGLANG)  # fmt: skip

@@ -115,14 +115,12 @@ def streams_rows(args) -> dict:
                                copy_threads=args.copy_threads)  # fmt: skip
             client = AsyncStoreClient(node.address, config=cfg)
             copy_threads = client.config.copy_threads
-            # PUTs take the lane only with bulk_puts (config.default_bulk_puts), else ZeroMQ
-            puts = "bulk" if path == "bulk" and client.config.bulk_puts else "zmq"
             times = asyncio.run(_async_rounds(client, blocks, into, args.rounds))
             client.close()
             node.stop()
             put = gb / statistics.median(t[0] for t in times)
             get = gb / statistics.median(t[1] for t in times)
-            rows.append(dict(streams=k, path=path, puts=puts, cores=cores,
+            rows.append(dict(streams=k, path=path, cores=cores,
                              copy_threads=copy_threads,
                              put_gbps=round(put, 3), get_gbps=round(get, 3),
                              tcp_put_gbps=round(tcp_put, 3), tcp_get_gbps=round(tcp_get, 3),

@@ -1,5 +1,5 @@
-"""PNG of the streams section of ``bench_store.py``: GB/s against streams per node, for the bulk
-lane's and ZeroMQ's GETs and PUTs (a row's ``puts`` says where its PUTs went), with the hot and
+"""PNG of the streams section of ``bench_store.py``: GB/s against streams per node, for GETs over
+the bulk lane and over ZeroMQ and for PUTs (ZeroMQ in both rows of a K), with the hot and
 cold K-stream TCP ceilings of the same run (left), and each as a fraction of the hot ceiling
 with the issue's targets (right).
 
@@ -28,9 +28,7 @@ def main() -> None:
                for path in ("bulk", "zmq")}  # fmt: skip
     ref = by_path["zmq"] or by_path["bulk"]  # the ceilings are the same for both paths
     ks = [r["streams"] for r in ref]
-    # rows before the "puts" field sent every PUT over ZeroMQ
-    lane_puts = any(r.get("puts") == "bulk" for r in by_path["bulk"])
-    bulk_put = "put, bulk lane" if lane_puts else "put, ZeroMQ (run 2)"
+    bulk_put = "put, ZeroMQ (run 2)"
     # (label, GB/s per K, style): each path's rows, the ones it has
     series = [
         ("TCP ceiling, hot (get)", [r["tcp_get_gbps"] for r in ref], "k--"),

@@ -1,33 +1,29 @@
-"""Client side of the bulk lane (:mod:`.bulk_server`): a client's GET requests, and its PUTs
-with ``ClientConfig.bulk_puts`` (the default where it has a copy pool), to a node that
-advertises a lane (PING ``bulk``) go over plain TCP connections, one thread per connection.
-A PUT's values are hashed on the lanes' hasher while the call before it on its connection is
-sent (:meth:`BulkLanes.hash_ahead`), so a connection's turn is the send alone.
+"""Client side of the bulk lane (:mod:`.bulk_server`): a client's GET requests to a node that
+advertises a lane (PING ``bulk``) go over plain TCP connections, one thread per connection,
+when this process has the native library (:mod:`.native`; without it the client uses no lane).
 
 Each connection's thread sends a request and reads the reply's frames straight into the GET's
-destinations (``Call.sinks``) when their sizes match, each value hashed as it lands: with the
-native library, all of a reply's frames in one call without the GIL, each 256 KiB hashed right
-after it arrived (:func:`.bulk_wire.recv_values`); without it, one ``recv_into`` per frame, then
-xxhash (on the copy pool while the next frame arrives, when the client has at most half as
-many connections as the pool has threads). Then it runs the call's ``prepare`` there (which
-compares those digests). Up to ``DEPTH`` requests are out on a
-connection, so the node starts the next reply while this thread checks the last. The result
-goes back through a ``concurrent.futures.Future``: ``(reply, frames)``, ``None`` (the node
-failed this request: no answer in time, a reset, a malformed reply; its keys move on like any
-node failure) or :data:`FALLBACK` (the lane cannot be reached at all: the client sends the call
-over ZeroMQ instead, and leaves the lane alone for ``RECHECK_S``).
+destinations (``Call.sinks``) when their sizes match, all of a reply's frames in one native
+call without the GIL, each 256 KiB hashed right after it arrived (:func:`.bulk_wire.recv_values`).
+Then it runs the call's ``prepare`` there (which compares those digests). Up to ``DEPTH``
+requests are out on a connection, so the node starts the next reply while this thread checks
+the last. The result goes back through a ``concurrent.futures.Future``: ``(reply, frames)``,
+``None`` (the node failed this request: no answer in time, a reset, a malformed reply; its keys
+move on like any node failure) or :data:`FALLBACK` (the lane cannot be reached at all: the
+client sends the call over ZeroMQ instead, and leaves the lane alone for ``RECHECK_S``).
 
-Ownership: a call's ``sinks`` and ``payloads`` are used by its connection's thread until its
-future is done; a client that stops waiting early (cancelled, interrupted) must
-:meth:`BulkLanes.abort` the node's connections and wait for the futures before it returns (an
-aborted connection ends its calls at once). Not thread-safe apart from the futures: one
-``BulkLanes`` per client, used on the client's thread.
+Ownership: a call's ``sinks`` are written by its connection's thread until its future is done;
+a client that stops waiting early (cancelled, interrupted) must :meth:`BulkLanes.abort` the
+node's connections and wait for the futures before it returns (an aborted connection ends its
+calls at once). Not thread-safe apart from the futures: one ``BulkLanes`` per client, used on
+the client's thread.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import logging
 import queue
 import socket
@@ -35,17 +31,15 @@ import threading
 import time
 from typing import Any
 
-from pagekv.errors import ProtocolError
+from pagekv.errors import NativeCopyUnavailable, ProtocolError
 
+from . import native
 from .bulk_wire import (
     ClosedBetweenMessages,
-    load_native,
     new_buffer,
-    new_ring,
     read_head,
     recv_values,
     send_message,
-    stages,
     timeval,
 )
 from .config import ClientConfig
@@ -59,10 +53,6 @@ DEPTH = 2  # requests out on one connection: the next reply streams while the la
 RECHECK_S = 30.0  # a lane that could not be reached is left alone this long
 FALLBACK: Any = type("Fallback", (), {"__repr__": lambda self: "FALLBACK"})()
 COUNTERS = ("bulk_requests", "bulk_bytes_in", "bulk_failures", "bulk_fallbacks")
-# GETs always; PUTs with ClientConfig.bulk_puts. Until a611580 a lane connection hashed each
-# PUT right before sending it, and PUTs went slower over the lane than over ZeroMQ, whose I/O
-# thread sends while the client hashes (H100 host, one stream 2.0 against 3.0 GB/s; ba69fc9).
-_LANE_OPS = (Op.GET,)
 
 
 class _Conn:
@@ -77,10 +67,7 @@ class _Conn:
         # abort() counts up (client's thread); the connection's thread compares before each
         # send: a socket shut down while this thread was idle is replaced, not sent on
         self.aborts = self.aborts_seen = 0
-        self.ring: Any = None  # made by the connection's thread, which alone uses it
-        # the queued call taken ahead of its turn (its PUT values hashing on the lanes' hasher
-        # while the call before it is sent), or the closing sentinel taken early
-        self.ahead: list[Any] = []
+        self.ahead: list[Any] = []  # the closing sentinel, taken early by _fail
         self.thread = threading.Thread(target=self._run, name="pagekv-bulk-client", daemon=True)
         self.thread.start()
 
@@ -106,9 +93,6 @@ class _Conn:
 
     # ---- the connection's thread -----------------------------------------------------------
     def _run(self) -> None:
-        load_native()  # before the first request goes out: no node waits on a compiler
-        # this thread's staging ring (config.staged_receive), written now: in its cache, faulted
-        self.ring = new_ring() if self.config.staged_receive else None
         out: collections.deque = collections.deque()  # (call, future): requests sent
         closing = False
         resent: set[int] = set()  # requests sent again after their connection went stale
@@ -124,7 +108,6 @@ class _Conn:
                 call, fut = item
                 if not fut.set_running_or_notify_cancel():
                     continue
-                self._look_ahead()
                 outcome = self._send(call, idle=not out)
                 if outcome is not True:
                     fut.set_result(outcome)
@@ -197,21 +180,6 @@ class _Conn:
             return self.ahead.pop()
         return self.queue.get(block=block)
 
-    def _look_ahead(self) -> None:
-        """Take the next queued call now, before this thread sends the current one, and start
-        hashing its PUT values on the lanes' hasher (:meth:`BulkLanes.hash_ahead`): by the time
-        the current send returns its checksums are ready and its bytes are in the cache, where
-        hashing right before its own send would add the hash to every request's turn."""
-        if self.ahead or self.lanes.hasher is None:
-            return
-        try:
-            item = self.queue.get_nowait()
-        except queue.Empty:
-            return
-        self.ahead.append(item)
-        if item is not None:
-            self.lanes.hash_ahead(item[0])
-
     def _drop(self) -> None:
         if self.sock is not None:
             self.sock.close()
@@ -240,8 +208,7 @@ class _Conn:
         """Send ``call``'s request: True, else its result (FALLBACK: no connection; None).
         ``idle``: no request is out on this connection. A kept connection that turns out to
         be closed or reset by the node while idle (it restarted, or dropped the connection)
-        is replaced and the request sent once more: the node cannot have answered any of it
-        (a PUT stored twice stores the same bytes)."""
+        is replaced and the request sent once more: the node cannot have answered any of it."""
         if self.aborts != self.aborts_seen:  # shut down by abort(): never send on it
             self.aborts_seen = self.aborts
             self._drop()
@@ -279,10 +246,8 @@ class _Conn:
                 return reply, []
             raise ProtocolError(Code.BAD_HEADER, f"reply {reply.id} to request {call.request.id}")
         frames = _places(call, reply, head.sizes)
-        counts = reply.counts if call.request.op is Op.GET and reply.code is Code.OK else None
-        pool = self.router.pool if self.lanes.pool_hashing() else None
-        ring = self.ring if self.ring is not None and stages(head.payload_bytes) else None
-        call.digests = recv_values(self.sock, frames, counts, pool, ring)
+        counts = reply.counts if reply.code is Code.OK else None
+        call.digests = recv_values(self.sock, frames, counts)
         if call.prepare is not None:
             call.prepare(reply, frames)
         return reply, frames
@@ -318,45 +283,6 @@ class BulkLanes:
         self._down: dict[int, tuple[float, int]] = {}
         for name in COUNTERS:
             router.counters.setdefault(name, 0)
-        # hashes lane PUTs' values one call ahead of each connection's sends (a client with a
-        # copy pool, i.e. a few cores to spare; at most a thread per connection)
-        self.hasher: concurrent.futures.ThreadPoolExecutor | None = None
-        if config.bulk_puts and config.copy_threads > 1:
-            workers = min(config.copy_threads, config.streams * len(router.endpoints))
-            self.hasher = concurrent.futures.ThreadPoolExecutor(
-                workers, thread_name_prefix="pagekv-bulk-hash"
-            )
-
-    def hash_ahead(self, call: Call) -> None:
-        """Start ``call``'s ``before_send`` (a PUT's checksums) on :attr:`hasher` now; the
-        sender's ``request_header`` then waits for it, or runs it itself if it has not started
-        (on any transport: a call the lane hands to ZeroMQ too). Called by the one connection
-        thread that owns ``call``. The hash only reads the call's payloads and writes its
-        request's checksums; one running when its call fails or is abandoned (an aborted
-        batch) finishes on its own, a few milliseconds later, and its result goes unused."""
-        fill = call.before_send
-        if fill is None or self.hasher is None:
-            return
-        job = self.hasher.submit(fill)
-
-        def ready() -> None:
-            if job.cancel():  # not started (or the hasher was shut down): hash here
-                fill()
-            else:
-                job.result()  # started: wait for it (raises what the hash raised)
-
-        call.before_send = ready
-
-    def pool_hashing(self) -> bool:
-        """Whether received values are hashed on the copy pool when the native receive is not
-        there (:func:`.bulk_wire.recv_values`; with it, the pool is never used): only while the
-        client has at most half as many connections as the pool has threads. With more, the
-        connections' own threads keep the cores busy and every hand-off costs. Measured on the
-        H100 host (scripts/diag_lane.py, 4 GiB GET, 8 copy threads): 1, 2 or 4 connections to
-        one node about equal either way (one stream earlier: 2.6 GB/s inline, 3.1 on the pool);
-        6 connections (3 nodes x 2) 9.8 / 11.5 GB/s inline against 8.6 / 10.2 on the pool in
-        two runs; 8 streams to one node 13.8 inline, 10.6 on the pool."""
-        return 2 * sum(len(c) for _, c in self._conns.values()) <= self.config.copy_threads
 
     def down(self, node: int) -> bool:
         """Whether the node's lane failed to connect lately (at the port it still offers)."""
@@ -371,11 +297,10 @@ class BulkLanes:
         self._down[node] = (time.monotonic() + RECHECK_S, self.router.bulk_ports[node])
 
     def takes(self, call: Call) -> bool:
-        """Whether ``call`` goes over the lane: a GET (and a PUT with ``bulk_puts``) to a node
-        offering one."""
-        ops = (*_LANE_OPS, Op.PUT) if self.config.bulk_puts else _LANE_OPS
-        return (self.on and call.request.op in ops and self.router.bulk_ports[call.node] > 0
-                and not self.down(call.node))  # fmt: skip
+        """Whether ``call`` goes over the lane: a GET to a node offering one, from a process
+        that has the native receive."""
+        return (self.on and call.request.op is Op.GET and self.router.bulk_ports[call.node] > 0
+                and not self.down(call.node) and _native_receive())  # fmt: skip
 
     def submit(self, node: int, stream: int, call: Call) -> concurrent.futures.Future:
         port = self.router.bulk_ports[node]
@@ -412,5 +337,18 @@ class BulkLanes:
             for conn in conns:
                 conn.close()
         self._conns.clear()
-        if self.hasher is not None:  # a queued hash is cancelled; its sender would run it
-            self.hasher.shutdown(wait=False, cancel_futures=True)
+
+
+def _native_receive() -> bool:
+    """Whether this process has the native receive the lane needs (built or found in the cache
+    on first use; never raises: ``PAGEKV_NATIVE_COPY=on`` without it is logged, no lane)."""
+    try:
+        return native.load() is not None
+    except (NativeCopyUnavailable, ValueError) as e:
+        _say_no_lane(str(e))
+        return False
+
+
+@functools.cache
+def _say_no_lane(why: str) -> None:
+    log.warning("pagekv store: this client uses no bulk lane: %s", why)

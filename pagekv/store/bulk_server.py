@@ -1,23 +1,23 @@
-"""A node's bulk lane: PUT and GET payloads over plain TCP, read straight into place.
+"""A node's bulk lane: GET replies over plain TCP, which clients receive straight into place.
 
 Measured on the lent H100 host (16 cores, 2026-11-25): with K connections between one client
 process and one node process, a thread per connection receiving each frame into its final
 memory with one ``recv_into(MSG_WAITALL)`` moved 0.69 of the K-stream loopback ceiling for
 K = 4 and 8, where the same pattern over ZeroMQ (frames received into libzmq's buffers, then
 copied into place) moved 0.57 and 0.38: every frame crossed memory once more, and the bytes of
-all streams met in a few threads. The lane is the node's second listener; ZeroMQ stays the
-control path (PING, EXISTS, LOCATE, STATS, ...) and every client's fallback.
+all streams met in a few threads. The lane is the node's second listener and carries GETs only;
+ZeroMQ carries everything else (PUT, PING, EXISTS, LOCATE, STATS, ...).
 
-One thread per connection runs a loop: read a message (:mod:`.bulk_wire`; each payload frame
-into its own new buffer, which becomes the stored block), answer it with the node's store under
-:attr:`StoreNode.lock` (the same dispatch as the ZeroMQ loop's), send the reply outside the
-lock (``sendmsg`` straight from the stored frames), and only then release the reply's blocks
-(a ``--shm`` node frees or reuses their segment space only after that; see
-:meth:`.block_store.BlockStore.sent`). A connection holds at most one request and one reply:
-``max_message_size`` plus header bytes in, views of stored blocks out (docs/protocol.md,
-"Node memory"). Connections over ``bulk_connections`` are closed at once. A message that breaks
-the limits is answered with an error and its connection closed; a peer that stalls mid-message
-for ``handshake_s`` is dropped. Never raises into the node: every failure ends one connection.
+One thread per connection runs a loop: read a request (:mod:`.bulk_wire`: a GET header, no
+payload), answer it with the node's store under :attr:`StoreNode.lock` (the same dispatch as the
+ZeroMQ loop's), send the reply outside the lock (``sendmsg`` straight from the stored frames),
+and only then release the reply's blocks (a ``--shm`` node frees or reuses their segment space
+only after that; see :meth:`.block_store.BlockStore.sent`). A connection holds at most one
+request header and one reply (views of stored blocks; docs/protocol.md, "Node memory").
+Connections over ``bulk_connections`` are closed at once. A message with payload frames, over
+the limits or not in the lane's framing is answered with an error and its connection closed; any
+op but GET gets ``BAD_OP``; a peer that stalls mid-message for ``handshake_s`` is dropped. Never
+raises into the node: every failure ends one connection.
 """
 
 from __future__ import annotations
@@ -30,18 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagekv.errors import ProtocolError
 
-from .bulk_wire import (
-    PeerClosed,
-    load_native,
-    new_buffer,
-    new_ring,
-    read_head,
-    recv_values,
-    send_message,
-    stages,
-    timeval,
-)
-from .handlers import SHARED_BUFFER_BYTES
+from .bulk_wire import PeerClosed, read_head, send_message, timeval
 from .protocol import Code, Op, Reply, Request, decode_request, encode_reply
 
 if TYPE_CHECKING:
@@ -51,7 +40,7 @@ __all__ = ["BulkServer", "SendDone"]
 
 log = logging.getLogger("pagekv.store")
 COUNTERS = ("bulk_connections", "bulk_refused", "bulk_requests", "bulk_bad_messages",
-            "bulk_bytes_in", "bulk_bytes_out", "bulk_dropped", "bulk_staged")  # fmt: skip
+            "bulk_bytes_out", "bulk_dropped")  # fmt: skip
 
 
 class SendDone:
@@ -78,9 +67,6 @@ class BulkServer:
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
         self._closed = False
-        # lane PUTs received through a ring at once (each keeps a helper core busy); the rest
-        # are received in place
-        self._staging = threading.BoundedSemaphore(max(1, self.config.staged_receives))
         self._acceptor = threading.Thread(target=self._accept, name="pagekv-bulk-accept",
                                           daemon=True)  # fmt: skip
 
@@ -107,7 +93,6 @@ class BulkServer:
 
     # ---- connections -----------------------------------------------------------------------
     def _accept(self) -> None:
-        load_native()  # before the first connection is served (it waits in the backlog)
         while not self._closed:
             try:
                 conn, _ = self.listener.accept()
@@ -130,13 +115,12 @@ class BulkServer:
 
     def _serve(self, conn: socket.socket) -> None:
         stall = timeval(self.config.handshake_s)
-        ring: list[Any] = []  # this connection's staging ring, made for its first staged PUT
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, stall)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, stall)
-            while not self._closed and self._one(conn, ring):
+            while not self._closed and self._one(conn):
                 pass
         except (PeerClosed, OSError):
             pass  # the client went, stalled, or the node is stopping: this connection ends
@@ -148,17 +132,16 @@ class BulkServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _one(self, conn: socket.socket, ring: list[Any]) -> bool:
-        """Read one request and answer it; False when the connection must be closed. A PUT
-        is received through the connection's ``ring`` (made on first use) while one of the
-        node's ``staged_receives`` turns is free."""
-        cfg = self.config
-        try:
-            head = read_head(conn, max_frames=cfg.max_frames, max_frame_bytes=cfg.max_frame_size,
-                             max_payload_bytes=cfg.max_message_size, idle_ok=True)  # fmt: skip
+    def _one(self, conn: socket.socket) -> bool:
+        """Read one request and answer it; False when the connection must be closed."""
+        try:  # a GET carries no payload: any declared frame is over the limit
+            head = read_head(conn, max_frames=0, max_frame_bytes=0, max_payload_bytes=0,
+                             idle_ok=True)  # fmt: skip
         except ProtocolError as e:  # over a limit or not our framing: say why, then hang up
             self._count(bulk_bad_messages=1)
-            send_message(conn, encode_reply(Reply(0, code=e.code, error=str(e))), [])
+            error = f"{e} (the lane takes GET requests only)" if e.code is Code.TOO_LARGE else e
+            send_message(conn, encode_reply(Reply(0, code=e.code, error=str(error))), [])
+            _linger(conn)
             return False
         if head is None:
             return True  # idle: wait on
@@ -166,31 +149,18 @@ class BulkServer:
             req: Request | ProtocolError = decode_request(head.header)
         except ProtocolError as e:
             req = e
-        frames = [new_buffer(size) for size in head.sizes]
-        put = isinstance(req, Request) and req.op is Op.PUT and self.config.verify_puts
-        # without the native receive: hash on the pool while connections are few, else inline
-        few = self.open_connections < self.config.verify_threads
-        pool = self.node.verify_pool if few else None
-        staged = (put and self.config.staged_receives > 0 and stages(head.payload_bytes)
-                  and self._staging.acquire(False))  # fmt: skip
-        try:
-            if staged and not ring:
-                ring.append(new_ring())
-            digests = recv_values(conn, frames, req.counts if put else None, pool,
-                                  ring[0] if staged else None)  # fmt: skip
-        finally:
-            if staged:
-                self._staging.release()
-        if staged:
-            self._count(bulk_staged=1)  # before the reply: a client that saw it sees this
-        frames = [bytes(f) if len(f) <= SHARED_BUFFER_BYTES else f for f in frames]
-        rep, out, done = self._answer(req, frames, digests)
+        if isinstance(req, Request) and req.op is not Op.GET:
+            self._count(bulk_bad_messages=1)
+            error = f"{req.op.value} over the lane: it takes GET only"
+            rep, out, done = Reply(req.id, code=Code.BAD_OP, error=error), [], None
+        else:
+            rep, out, done = self._answer(req)
         try:
             sent = send_message(conn, encode_reply(rep), out)
         finally:
             if done is not None:
                 done.done = True  # the blocks' space may be reused from now on
-        self._count(bulk_requests=1, bulk_bytes_in=head.payload_bytes, bulk_bytes_out=sent)
+        self._count(bulk_requests=1, bulk_bytes_out=sent)
         return True
 
     def _count(self, **amounts: int) -> None:
@@ -198,12 +168,9 @@ class BulkServer:
             for name, n in amounts.items():
                 self.counters[name] += n
 
-    def _answer(
-        self, req: Request | ProtocolError, frames: list[Any], digests: list[int] | None
-    ) -> tuple[Reply, list[Any], SendDone | None]:
-        """The node's reply to one request (``digests``: a PUT's values' checksums, computed
-        as they landed), its payload frames and, when they are views of the node's segment,
-        the tracker that holds their space until they are sent."""
+    def _answer(self, req: Request | ProtocolError) -> tuple[Reply, list[Any], SendDone | None]:
+        """The node's reply to one GET, its payload frames and, when they are views of the
+        node's segment, the tracker that holds their space until they are sent."""
         node, start = self.node, time.perf_counter()
         if isinstance(req, Request) and len(req.keys) > self.config.max_keys:
             req = ProtocolError(Code.TOO_LARGE, f"{len(req.keys)} keys is over the limit")
@@ -212,7 +179,7 @@ class BulkServer:
             return Reply(0, code=req.code, error=str(req)), [], None
         op = req.op
         with node.lock:
-            rep, out, sent = node.dispatch_locked(req, frames, digests)
+            rep, out, sent = node.dispatch_locked(req)
             done = None
             if sent and out:
                 done = SendDone()
@@ -220,3 +187,23 @@ class BulkServer:
             if node.observe is not None:
                 node.observe(op, rep, time.perf_counter() - start)
         return rep, out, done
+
+
+LINGER_BYTES = 64 << 20  # what a refused sender may still have in flight, read and dropped
+
+
+def _linger(conn: socket.socket) -> None:
+    """Before closing a connection whose sender is still sending (a refused message): end our
+    side and drop what arrives until the peer closes, ``LINGER_BYTES`` or the connection's
+    receive timeout. Closed with unread bytes, the kernel would reset the connection, and the
+    peer might lose the error reply that says why."""
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        dropped = 0
+        while dropped < LINGER_BYTES:
+            got = len(conn.recv(1 << 20))
+            if not got:
+                return
+            dropped += got
+    except OSError:
+        return  # reset, timed out or gone: nothing more to wait for

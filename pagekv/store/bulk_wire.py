@@ -3,8 +3,8 @@ and :mod:`.bulk_client`; docs/protocol.md, "Bulk lane").
 
 The bulk lane carries the same messages as the ZeroMQ socket (a msgpack header, then payload
 frames; :mod:`.protocol`), framed so that the receiver knows every frame's size before it reads
-a byte of payload, and can therefore read each frame straight into its final place (a client's
-destination page, a node's new block) with one ``recv_into`` that waits for all of it::
+a byte of payload, and can therefore receive each frame straight into its final place (a
+client's destination page), hashing it as it lands (:func:`recv_values`, the native receive)::
 
     prefix   "<4sIIQ": magic b"PKB1", header bytes, frame count, payload bytes (sum of sizes)
     sizes    "<{count}Q": bytes of each payload frame
@@ -22,7 +22,6 @@ import logging
 import socket
 import struct
 from collections.abc import Sequence
-from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,14 +38,11 @@ from . import native
 from .handlers import SHARED_BUFFER_BYTES
 from .protocol import MAX_HEADER_BYTES, Code
 
-__all__ = ["MAGIC", "Head", "PeerClosed", "load_native", "new_buffer", "new_ring", "read_head",
-           "recv_exact", "recv_values", "send_message", "stages", "timeval"]  # fmt: skip
+__all__ = ["MAGIC", "Head", "PeerClosed", "new_buffer", "read_head", "recv_exact", "recv_values",
+           "send_message", "timeval"]  # fmt: skip
 
 log = logging.getLogger("pagekv.store")
 MAGIC = b"PKB1"
-POOL_HASH_BYTES = 256 << 10  # smaller values are hashed inline (a hand-off costs more)
-RING_BYTES = 1 << 20  # a staging ring: 4 chunks of 256 KiB, in a core's 2 MiB L2
-STAGED_MIN_BYTES = 1 << 20  # smaller messages are received in place (a helper costs ~50 us)
 PREFIX = struct.Struct("<4sIIQ")
 
 
@@ -99,103 +95,32 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += step
 
 
-def new_ring() -> Any:
-    """A staging ring for :func:`recv_values`: ``RING_BYTES``, every page written (faulted in
-    now, not during a transfer). One per connection, used by one message at a time."""
-    ring = new_buffer(RING_BYTES)
-    memoryview(ring).cast("B")[:] = bytes(RING_BYTES)
-    return ring
+def recv_values(sock: socket.socket, frames: Sequence[Any], counts: Sequence[int] | None) -> Any:
+    """Receive ``frames`` (writable buffers, in order) from the blocking ``sock`` with the native
+    receive (:meth:`.native.NativeCopy.recv_verify`: one C call, the GIL released, each 256 KiB
+    hashed right after it lands, while it is still in the cache) and, when ``counts`` (frames
+    per value, adding up to ``len(frames)``) is given, return the xxh3-64 of each value as it
+    landed; else None. On the H100 host (a 4 GiB GET in 2 MiB blocks over K connections of one
+    process) that moved 3.2-3.7 / 11.0-12.5 / 17.4-19.9 GB/s for K = 1 / 4 / 8, where
+    ``recv_into`` then xxhash per frame moved 2.7-2.8 / 9.3-9.4 / 15.5-15.8.
 
-
-def stages(payload_bytes: int) -> bool:
-    """Whether a message of ``payload_bytes`` is worth receiving through a ring (the callers of
-    :func:`recv_values` decide from the head they read): ``STAGED_MIN_BYTES`` or more, with the
-    native library loaded."""
-    return payload_bytes >= STAGED_MIN_BYTES and native.load() is not None
-
-
-def load_native() -> None:
-    """Load the native receive now (building it, about a second, once per cache directory),
-    from a thread no peer waits on, so that the first message is not held up by a compiler.
-    Never raises: when it cannot be had, :func:`recv_values` uses Python (``auto``: logged
-    once by :func:`.native.load`) or fails each message (``PAGEKV_NATIVE_COPY=on``)."""
-    try:
-        native.load()
-    except (NativeCopyUnavailable, ValueError) as e:
-        log.warning("pagekv store: native receive unavailable: %s", e)
-
-
-def recv_values(
-    sock: socket.socket,
-    frames: Sequence[Any],
-    counts: Sequence[int] | None,
-    pool: Executor | None = None,
-    ring: Any = None,
-) -> list[int] | None:
-    """Receive ``frames`` (writable buffers, in order) and, when ``counts`` (frames per value,
-    adding up to ``len(frames)``) is given, return the xxh3-64 of each value, hashed as it is
-    received, while it is still in the cache: one pass over memory instead of a receive and a
-    later checksum pass.
-
-    With the native library (:mod:`.native`; ``sock`` blocking) the whole message is one C
-    call with the GIL released, each 256 KiB hashed right after it lands, and ``pool`` is not
-    used. On the H100 host (2026-11-25, a 4 GiB GET in 2 MiB blocks over K connections of one
-    process, same run) that moved 3.2-3.7 / 11.0-12.5 / 17.4-19.9 GB/s for K = 1 / 4 / 8,
-    where ``recv_into`` then xxhash per frame moved 2.7-2.8 / 9.3-9.4 / 15.5-15.8: as much as
-    receiving without hashing at all. With a ``ring`` (:func:`new_ring`, owned by the caller's
-    connection; pass one only where :func:`stages` says so for the message's payload) the
-    message is received through it, a helper thread hashing each chunk there and streaming it
-    into place (see :meth:`.native.NativeCopy.recv_verify`); the ring is ignored on the Python
-    path. Without the library, each frame is received with one ``recv_into`` and then hashed,
-    on the ``pool`` (a large single-frame value, while this thread receives the next; the call
-    returns only when every hash it started is done) or inline. Raises as :func:`recv_exact`."""
+    Raises ``NativeCopyUnavailable`` without the native library (a client uses no lane then),
+    ``PeerClosed`` at end of stream, ``TimeoutError`` when the socket's receive timeout passes
+    with nothing read, ``OSError`` for the rest."""
     if counts is not None and (sum(counts) != len(frames) or min(counts, default=0) < 0):
         counts = None  # not a valid split of these frames: received, not hashed
-    if not frames:  # nothing to receive (every request but a PUT): no library needed
+    if not frames:  # nothing to receive (a reply without values): no library needed
         return None if counts is None else [xxhash.xxh3_64_intdigest(b"") for _ in counts]
     lib = native.load()
-    if lib is not None and sock.gettimeout() is None:
-        try:
-            return lib.recv_verify(sock.fileno(), frames, counts, ring=ring)
-        except EOFError as e:
-            raise PeerClosed(str(e)) from None
-        except BlockingIOError:  # SO_RCVTIMEO ran out with nothing read
-            raise TimeoutError("no data for the socket's receive timeout") from None
-    if counts is None:
-        for frame in frames:
-            recv_exact(sock, memoryview(frame).cast("B"))
-        return None
-    digests: list[Any] = []
+    if lib is None:
+        raise NativeCopyUnavailable(f"the lane's receive needs the native library: "
+                                    f"{native.unavailable_reason()}")  # fmt: skip
     try:
-        _recv_hashed(sock, frames, counts, pool, digests)
-    finally:  # never leave a hash running over the caller's buffers
-        pending = [d for d in digests if isinstance(d, Future)]
-        if pending:
-            wait(pending)
-    return [d.result() if isinstance(d, Future) else d for d in digests]
-
-
-def _recv_hashed(
-    sock: socket.socket, frames: Sequence[Any], counts: Sequence[int], pool: Executor | None,
-    digests: list[Any],
-) -> None:  # fmt: skip
-    at = 0
-    for count in counts:
-        if count == 1:
-            view = memoryview(frames[at]).cast("B")
-            recv_exact(sock, view)
-            if pool is not None and view.nbytes >= POOL_HASH_BYTES:
-                digests.append(pool.submit(xxhash.xxh3_64_intdigest, view))
-            else:
-                digests.append(xxhash.xxh3_64_intdigest(view))
-        else:
-            state = xxhash.xxh3_64()
-            for frame in frames[at : at + count]:
-                view = memoryview(frame).cast("B")
-                recv_exact(sock, view)
-                state.update(view)
-            digests.append(state.intdigest())
-        at += count
+        return lib.recv_verify(sock.fileno(), frames, counts)
+    except EOFError as e:
+        raise PeerClosed(str(e)) from None
+    except BlockingIOError:  # SO_RCVTIMEO ran out with nothing read
+        raise TimeoutError("no data for the socket's receive timeout") from None
 
 
 def send_message(sock: socket.socket, header: bytes, frames: Sequence[Any]) -> int:

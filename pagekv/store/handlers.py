@@ -23,14 +23,11 @@ SHARED_BUFFER_BYTES = 8192  # libzmq's receive batch: smaller frames may live in
 
 def put(
     store: BlockStore, config: NodeConfig, req: Request, payloads: list[Any],
-    pool: Executor | None = None, digests: list[int] | None = None,
+    pool: Executor | None = None,
 ) -> Reply:  # fmt: skip
     """Store a PUT's values. The frames are checked against the header as a whole first (count,
     every size: ``BAD_FRAMES``, nothing stored); then each key gets its own status. With a
-    ``pool``, the checksums of a large request are computed on several threads first;
-    ``digests`` (one per key: computed as the frames were received) are used instead."""
-    if digests is not None and len(digests) != len(req.keys):
-        digests = None
+    ``pool``, the checksums of a large request are computed on several threads first."""
     if len(payloads) != len(req.sizes):
         raise ProtocolError(
             Code.BAD_FRAMES, f"header declares {len(req.sizes)} frames, got {len(payloads)}"
@@ -43,8 +40,7 @@ def put(
     if len(payloads) == len(req.keys):  # one frame per value: the common case, made lean
         bad = int(Status.BAD_CHECKSUM)
         datas = [own(frame) for frame in payloads]
-        sums = digests if digests is not None or not verify else parallel_map(
-            xxh3_64_intdigest, datas, sum(req.sizes), pool)  # fmt: skip
+        sums = parallel_map(xxh3_64_intdigest, datas, sum(req.sizes), pool) if verify else []
         for j, (key, data, size, cs) in enumerate(zip(req.keys, datas, req.sizes, req.sums)):
             if verify and size <= most and sums[j] != cs:
                 status.append(bad)
@@ -52,12 +48,11 @@ def put(
                 status.append(store_put(key, (data,), size, cs))
         return Reply(req.id, status=status)
     start = 0
-    for j, (key, count, cs) in enumerate(zip(req.keys, req.counts, req.sums)):
+    for key, count, cs in zip(req.keys, req.counts, req.sums):
         frames = [own(f) for f in payloads[start : start + count]]
         size = sum(req.sizes[start : start + count])
         start += count
-        got = digests[j] if digests is not None else None
-        if verify and size <= most and (got if got is not None else checksum_frames(frames)) != cs:
+        if verify and size <= most and checksum_frames(frames) != cs:
             status.append(int(Status.BAD_CHECKSUM))
             continue
         status.append(store_put(key, tuple(frames), size, cs))

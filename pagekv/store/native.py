@@ -54,7 +54,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "copy_verify.c"
 HEADER = CSRC / "third_party" / "xxhash" / "xxhash.h"
 BASE_CFLAGS = ("-O3", "-fPIC", "-shared", "-pthread")  # no -march=native: runs on any host
-ABI = 3
+ABI = 4
 BLOCK_BYTES = 256 << 10  # copied then hashed while in L2
 MAX_THREADS = 64  # the C side's cap
 
@@ -182,13 +182,7 @@ class NativeCopy:
                          ctypes.POINTER(Value), ctypes.c_uint64, ctypes.c_uint64,
                          ctypes.POINTER(ctypes.c_uint64)]  # fmt: skip
         recv.restype = ctypes.c_int
-        staged = lib.pagekv_recv_verify_staged
-        staged.argtypes = [ctypes.c_int, ctypes.POINTER(Piece), ctypes.c_uint64,
-                           ctypes.POINTER(Value), ctypes.c_uint64, ctypes.c_uint64,
-                           ctypes.c_void_p, ctypes.c_uint64,
-                           ctypes.POINTER(ctypes.c_uint64)]  # fmt: skip
-        staged.restype = ctypes.c_int
-        self._lib, self._fn, self._recv, self._staged = lib, fn, recv, staged
+        self._lib, self._fn, self._recv = lib, fn, recv
 
     def copy_verify(
         self,
@@ -242,7 +236,6 @@ class NativeCopy:
         counts: Sequence[int] | None,
         *,
         chunk_bytes: int = BLOCK_BYTES,
-        ring: Any = None,
     ) -> list[int] | None:
         """Receive ``frames`` (writable C-contiguous buffers, in order) from the blocking
         socket ``fd``, each straight into its buffer, ``chunk_bytes`` per receive, the GIL
@@ -257,15 +250,7 @@ class NativeCopy:
         ``ValueError`` for counts that do not add up or a bad ``chunk_bytes``; after: ``EOFError``
         when the connection ends first (its message says how many bytes came),
         ``BlockingIOError`` when the socket's ``SO_RCVTIMEO`` passes with nothing read, or the
-        ``OSError`` of the failed receive.
-
-        ``ring``: a writable buffer of at least two chunks, owned by the caller and used by no
-        one else during the call (e.g. one per connection, reused call after call so it stays
-        in the cache). Given, the call receives each chunk into the ring while a helper thread
-        hashes it in the ring and copies it into place with streaming stores: the receiving
-        thread writes only to memory in its cache, the helper (one more core, for the call) to
-        the frames, without reading them first. Same results; the helper has stopped when the
-        call returns or raises. ``ValueError`` for a ring of fewer than two chunks."""
+        ``OSError`` of the failed receive."""
         if type(chunk_bytes) is not int or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
         if counts is not None and (any(c < 0 for c in counts) or sum(counts) != len(frames)):
@@ -282,15 +267,8 @@ class NativeCopy:
             first += count
         out = (Value * max(1, len(spans)))(*spans)
         received = ctypes.c_uint64(0)
-        if ring is None:
-            rc = self._recv(fd, pieces, len(plan), out, len(spans), chunk_bytes,
-                            ctypes.byref(received))  # fmt: skip
-        else:
-            at, size = _address(ring, True, "ring", keep)
-            if size // chunk_bytes < 2:
-                raise ValueError(f"ring of {size} bytes: need at least 2 chunks of {chunk_bytes}")
-            rc = self._staged(fd, pieces, len(plan), out, len(spans), chunk_bytes, at, size,
-                              ctypes.byref(received))  # fmt: skip
+        rc = self._recv(fd, pieces, len(plan), out, len(spans), chunk_bytes,
+                        ctypes.byref(received))  # fmt: skip
         del keep
         total = sum(p[2] for p in plan)
         if rc == 1:

@@ -367,18 +367,13 @@ class StoreNode:
                 if self.observe is not None:
                     self.observe(Op.GET, rep, time.perf_counter() - start)
 
-    def dispatch_locked(
-        self, req: Request, payloads: list[Any], digests: list[int] | None = None
-    ) -> tuple[Reply, list[Any], list[Any] | None]:
-        """Answer a well-formed request from another transport (the bulk lane), with
-        :attr:`lock` held by the caller: the reply, its payload frames (views of stored
-        blocks, valid while referenced) and, on a ``--shm`` node, the blocks the caller must
-        pass to ``store.sent`` before it releases the lock. ``digests``: a PUT's per-value
-        checksums of the payload as received (not computed again). The caller has bounded the
-        payload by ``max_message_size`` (the lane's ``read_head``). Never raises on input."""
-        self.counters["bytes_in"] += sum(map(len, payloads))
+    def dispatch_locked(self, req: Request) -> tuple[Reply, list[Any], list[Any] | None]:
+        """Answer a well-formed GET from the bulk lane, with :attr:`lock` held by the caller:
+        the reply, its payload frames (views of stored blocks, valid while referenced) and, on
+        a ``--shm`` node, the blocks the caller must pass to ``store.sent`` before it releases
+        the lock. Never raises on input."""
         try:
-            rep, out = self._dispatch(req, payloads, digests)
+            rep, out = self._dispatch(req, [])
         except Exception as e:
             rep, out = self._error_reply(req.id, e), []
         sent, self._sent_blocks = self._sent_blocks, None
@@ -403,15 +398,13 @@ class StoreNode:
             if sent and payloads:  # views of the segment: its space waits for this reply
                 self.store.sent(sent, self.outbox.last_tracker)
 
-    def _dispatch(
-        self, req: Request, payloads: list[Any], digests: list[int] | None = None
-    ) -> tuple[Reply, list[Any]]:
+    def _dispatch(self, req: Request, payloads: list[Any]) -> tuple[Reply, list[Any]]:
         self.counters[f"op_{req.op.value.lower()}"] += 1
         if req.op is not Op.PUT and payloads:
             raise ProtocolError(Code.BAD_FRAMES, f"{req.op.value} takes no payload frames")
         if req.op is Op.PUT:
             pool = self.verify_pool
-            return handlers.put(self.store, self.config, req, payloads, pool, digests), []
+            return handlers.put(self.store, self.config, req, payloads, pool), []
         if req.op is Op.GET:
             return self._get(req)
         if req.op is Op.EXISTS:

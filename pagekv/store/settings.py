@@ -95,18 +95,12 @@ _NODE_HELP: dict[str, tuple[str, str]] = {
         "bool",
     ),
     "bulk": (
-        "serve PUT and GET payloads on a second, plain TCP port too (the bulk lane: frames "
-        "received straight into place; off with CURVE); off: ZeroMQ only",
+        "serve GET replies on a second, plain TCP port too (the bulk lane: clients receive the "
+        "values straight into place; never with CURVE); off: ZeroMQ only",
         "bool",
     ),
     "bulk_port": ("TCP port of the bulk lane (0: any free port, advertised by PING)", "int"),
     "bulk_connections": ("bulk lane connections served at once; more are closed", "int"),
-    "staged_receives": (
-        "bulk lane PUTs received at once through a cached ring, each with a helper thread "
-        "copying it into place (unset: none, a quarter of the cores if "
-        "PAGEKV_STAGED_RECEIVE=1; 0: none)",
-        "int",
-    ),
 }
 
 
