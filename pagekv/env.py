@@ -177,7 +177,7 @@ CONFIG = _var("CONFIG", str, None,
               "TOML file of `pagekv serve`/`cluster` settings (as `--config`)", "path",
               "unset")  # fmt: skip
 TUNE_MALLOC = _var("TUNE_MALLOC", parse_bool, True,
-                   "nodes: keep blocks in an untrimmed glibc heap (`pagekv.store.memory`)",
+                   "nodes: keep blocks in an untrimmed glibc heap (`pagekv.store.node.memory`)",
                    "bool", "on")  # fmt: skip
 MALLOC_ARENAS = _var("MALLOC_ARENAS", parse_int, 2,
                      "nodes with `PAGEKV_TUNE_MALLOC`: glibc malloc arenas", "int")  # fmt: skip

@@ -7,10 +7,10 @@ count), all in the same run, round after round; medians reported.
                                 [--chunks-kib 256,1024,2048] [--native on|off|both]
                                 [--batch on|off|both]
 
-``--chunks-kib``: the checked copy's chunk (``pagekv.store.copies.CHUNK_BYTES``) to compare,
+``--chunks-kib``: the checked copy's chunk (``pagekv.store.wire.copies.CHUNK_BYTES``) to compare,
 shm and TCP rows per chunk size (the first is the headline), plus a "copy+hash" ceiling (the
 reader's threads copying then hashing each block: the two-pass work with no store around it).
-``--native``: the checked copy in C (``pagekv.store.native``, ``PAGEKV_NATIVE_COPY=on``), the
+``--native``: the checked copy in C (``pagekv.store.wire.native``, ``PAGEKV_NATIVE_COPY=on``), the
 numpy path (``off``) or both, rows ``shm_<native|numpy>_c<chunk>`` (the chunk applies to the
 numpy path only); ``--batch``: with native, a chunk of values in one call on the reader's
 threads (``on``, the default) or one call per value on the reader's pool (``off``).
@@ -28,8 +28,10 @@ import numpy as np
 from _bench_util import parse_args, write_result
 from xxhash import xxh3_64_intdigest
 
-from pagekv.store import Status, StoreClient, copies, native, parse_size, shm_reader
+from pagekv.store import Status, StoreClient, parse_size
+from pagekv.store.client import shm as shm_reader
 from pagekv.store.launch import NodeProcess
+from pagekv.store.wire import copies, native
 
 
 def memcpy_seconds(src: list[np.ndarray], dst: list[np.ndarray], pool) -> float:

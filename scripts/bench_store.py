@@ -34,7 +34,7 @@ from _ceilings import memcpy_ceiling, tcp_ceiling
 
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
 from pagekv.store.launch import NodeProcess
-from pagekv.store.memory import tune_malloc_for_blocks
+from pagekv.store.node.memory import tune_malloc_for_blocks
 
 PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
 MIB = 1 << 20

@@ -1,5 +1,5 @@
 """Regenerate the README's tables of settings: every ``PAGEKV_*`` variable (:mod:`pagekv.env`)
-and every ``pagekv serve`` setting (:mod:`pagekv.store.settings`). Each table sits between a
+and every ``pagekv serve`` setting (:mod:`pagekv.store.cli.settings`). Each table sits between a
 ``<!-- generated: NAME -->`` line and the next ``<!-- end generated -->`` line.
 
     python scripts/update_readme.py           # rewrite README.md
@@ -18,8 +18,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def tables() -> dict[str, str]:
     from pagekv import env
-    from pagekv.store.cli_serve import serve_settings
-    from pagekv.store.settings import markdown
+    from pagekv.store.cli.serve import serve_settings
+    from pagekv.store.cli.settings import markdown
 
     return {"env": env.markdown(), "serve-settings": markdown(serve_settings())}
 

@@ -14,9 +14,9 @@ import zmq.auth
 
 import pagekv
 from pagekv.store import NodeConfig, StoreClient
-from pagekv.store.auth import write_keypair
-from pagekv.store.cli_serve import check_node
-from pagekv.store.settings import Setting, format_size, memory_limit, resolve
+from pagekv.store.cli.serve import check_node
+from pagekv.store.cli.settings import Setting, format_size, memory_limit, resolve
+from pagekv.store.node.auth import write_keypair
 from tests.cli_helpers import Node, run_cli
 
 pytestmark = pytest.mark.slow

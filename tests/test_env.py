@@ -47,7 +47,7 @@ def test_every_variable_the_code_reads_is_registered_and_read_through_it():
         hand = re.findall(r"(?:environ(?:\.get)?|getenv)\(\s*[\"'](PAGEKV_\w+)", text)
         hand += re.findall(r"environ\[[\"'](PAGEKV_\w+)", text)
         assert not hand, f"{path.relative_to(ROOT)} reads {hand} by hand: use pagekv.env"
-    from pagekv.store.cli_serve import serve_settings
+    from pagekv.store.cli.serve import serve_settings
 
     settings = {s.env_var for s in serve_settings()}
     assert named <= registered | settings, named - registered - settings

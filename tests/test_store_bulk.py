@@ -23,12 +23,12 @@ from pagekv.store import (
     Status,
     StoreClient,
     StoreNode,
-    native,
 )
-from pagekv.store.bulk_wire import MAGIC, PREFIX, read_head, send_message
 from pagekv.store.config import ClientConfig
 from pagekv.store.launch import NodeProcess
-from pagekv.store.protocol import Reply, decode_request, encode_reply
+from pagekv.store.wire import native
+from pagekv.store.wire.lane import MAGIC, PREFIX, read_head, send_message
+from pagekv.store.wire.protocol import Reply, decode_request, encode_reply
 from tests.helpers import POISON
 
 
@@ -225,7 +225,7 @@ def _hung_up(sock: socket.socket) -> bool:
 
 
 def _answer(sock: socket.socket) -> Reply | None:
-    from pagekv.store.protocol import decode_reply
+    from pagekv.store.wire.protocol import decode_reply
 
     head = read_head(sock, max_frames=16, max_frame_bytes=1 << 20, max_payload_bytes=1 << 20)
     return decode_reply(head.header) if head is not None else None
@@ -457,7 +457,7 @@ def test_the_lane_takes_gets_only(served):
     next GET. A client's PUTs never touch the lane."""
     import xxhash
 
-    from pagekv.store.protocol import Op, Request, encode_request
+    from pagekv.store.wire.protocol import Op, Request, encode_request
 
     rng = random.Random(os.urandom(8))
     keys, values = rand_values(rng, 3, 1 << 19)

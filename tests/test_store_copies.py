@@ -1,6 +1,7 @@
-"""Checked copies (pagekv.store.copies) and the clients' copy pool: values checked and copied on
-pool threads are right on fresh random data, misses are counted, a node verifies large PUTs on
-its pool, and a call never returns while a pool thread still writes into the caller's buffers.
+"""Checked copies (pagekv.store.wire.copies) and the clients' copy pool: values checked and
+copied on pool threads are right on fresh random data, misses are counted, a node verifies large
+PUTs on its pool, and a call never returns while a pool thread still writes into the caller's
+buffers.
 Real node processes. The clients here use ZeroMQ only (``bulk=False``): it is the path these
 copies serve (the bulk lane receives in place; tests/test_store_bulk.py)."""
 
@@ -13,20 +14,14 @@ import threading
 import numpy as np
 import pytest
 
-from pagekv.store import (
-    AsyncStoreClient,
-    ClientConfig,
-    Status,
-    StoreClient,
-    async_client,
-    copies,
-    native,
-    operations,
-)
+from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
+from pagekv.store.client import client as async_client
+from pagekv.store.client import operations
 from pagekv.store.config import NodeConfig, default_copy_threads
-from pagekv.store.copies import copy_checksum, shared_pool
 from pagekv.store.launch import NodeProcess
-from pagekv.store.protocol import checksum_frames
+from pagekv.store.wire import copies, native
+from pagekv.store.wire.copies import copy_checksum, shared_pool
+from pagekv.store.wire.protocol import checksum_frames
 from tests.helpers import POISON, as_bytes, poisoned_like
 
 

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
-from pagekv.store.routing import Router
+from pagekv.store.client.routing import Router
 from tests.store_fakes import TamperingProxy, black_hole
 from tests.test_store_node import Running
 
@@ -261,7 +261,7 @@ def test_a_socket_failing_mid_send_is_a_failed_request_never_an_exception(node, 
     """A send that fails past its first frame (the peer gone mid-message: EFAULT from libzmq)
     may leave part of a message in the socket: the request fails, the socket is replaced, and
     the next call goes through on the new one."""
-    from pagekv.store import client as client_module
+    from pagekv.store.client import blocking as client_module
 
     real, fails = client_module._send_request, [1]
 

@@ -14,7 +14,7 @@ import zmq
 
 from pagekv.store import NodeConfig, Status, StoreClient
 from pagekv.store.launch import NodeProcess
-from pagekv.store.memory import minor_faults
+from pagekv.store.node.memory import minor_faults
 from tests.helpers import wait_until
 from tests.store_fakes import pack
 from tests.zmtp_raw import RawPeer

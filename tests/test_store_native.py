@@ -1,4 +1,4 @@
-"""The native checked copy (pagekv.store.native): digests equal xxhash's XXH3-64 of the bytes
+"""The native checked copy (pagekv.store.wire.native): digests equal xxhash's XXH3-64 of the bytes
 written, on fresh random data of many sizes, pieces and threads; bad buffers raise typed errors
 before anything is copied; PAGEKV_NATIVE_COPY off / on / auto with a broken compiler; two
 processes building into one fresh cache end with one library. The native receive
@@ -23,7 +23,7 @@ import xxhash
 import zmq
 
 from pagekv.errors import NativeCopyUnavailable
-from pagekv.store import copies, native
+from pagekv.store.wire import copies, native
 from tests.helpers import POISON
 
 pytestmark = pytest.mark.skipif(
@@ -275,7 +275,7 @@ def test_recv_verify_bad_input_refused_before_reading(lib):
 
 
 def _timeval(seconds: float) -> bytes:
-    from pagekv.store.bulk_wire import timeval
+    from pagekv.store.wire.lane import timeval
 
     return timeval(seconds)
 
@@ -326,7 +326,7 @@ def test_auto_with_a_broken_compiler_falls_back_and_says_so_once(fresh_cache, mo
     monkeypatch.setenv("CC", "/bin/false")
     native._log_once.cache_clear()
     src = os.urandom(3 << 20)
-    with caplog.at_level(logging.WARNING, logger="pagekv.store.native"):
+    with caplog.at_level(logging.WARNING, logger="pagekv.store.wire.native"):
         assert native.load() is None and native.load() is None
         target = memoryview(poisoned(len(src)))
         assert copies.copy_checksum([target], [src]) == xxh3(src) and target == src
@@ -347,7 +347,7 @@ def test_build_is_cached(fresh_cache):
 
 BUILDER = textwrap.dedent("""
     import sys
-    from pagekv.store import native
+    from pagekv.store.wire import native
     print("ready", flush=True)
     sys.stdin.readline()  # the parent starts both builds together
     lib = native.load()

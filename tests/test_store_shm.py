@@ -13,9 +13,11 @@ import time
 
 import pytest
 
-from pagekv.store import AsyncStoreClient, Status, StoreClient, shm_copy, shm_reader
+from pagekv.store import AsyncStoreClient, Status, StoreClient
+from pagekv.store.client import shm as shm_reader
+from pagekv.store.client import shm_copy
 from pagekv.store.launch import NodeProcess
-from pagekv.store.shm import FreeSpace
+from pagekv.store.node.segment import FreeSpace
 
 MIB = 1 << 20
 

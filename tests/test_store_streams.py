@@ -241,8 +241,8 @@ def test_a_put_s_requests_go_out_dealt_over_the_streams_in_turn(node_proc, monke
     writable yet may let the next one pass). When one stream's requests were all hashed and
     sent before the next stream's first (4 streams on the H100 host: the fourth began after
     42 ms of a 70 ms put), the streams ran one after the other."""
-    from pagekv.store import operations
-    from pagekv.store.protocol import checksum_frames
+    from pagekv.store.client import operations
+    from pagekv.store.wire.protocol import checksum_frames
 
     values = [os.urandom(64 << 10) for _ in range(32)]
     keys = [b"turn-%d" % i for i in range(len(values))]

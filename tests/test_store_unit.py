@@ -5,9 +5,10 @@ import pytest
 import zmq
 
 from pagekv.store import ClientConfig, Code, NodeConfig, Op, ProtocolError, Status, parse_size
-from pagekv.store.block_store import BLOCK_OVERHEAD, FRAME_OVERHEAD, BlockStore, block_cost
-from pagekv.store.guard import source_fd
-from pagekv.store.protocol import (
+from pagekv.store.client.routing import Router
+from pagekv.store.node.block_store import BLOCK_OVERHEAD, FRAME_OVERHEAD, BlockStore, block_cost
+from pagekv.store.node.guard import source_fd
+from pagekv.store.wire.protocol import (
     Reply,
     Request,
     decode_reply,
@@ -15,7 +16,6 @@ from pagekv.store.protocol import (
     encode_reply,
     encode_request,
 )
-from pagekv.store.routing import Router
 
 
 def test_request_round_trip():

@@ -1,11 +1,11 @@
 """pagekv.store: ZeroMQ store nodes and clients moving page blocks (see docs/protocol.md)."""
 
-from .async_client import AsyncStoreClient
-from .client import StoreClient
+from .client.blocking import StoreClient
+from .client.client import AsyncStoreClient
+from .client.routing import ExistsResult, StoreError, StoreUnavailable
 from .config import ClientConfig, CurveClientKeys, NodeConfig, parse_size
-from .protocol import PROTOCOL_VERSION, Code, Op, ProtocolError, Status
-from .routing import ExistsResult, StoreError, StoreUnavailable
-from .server import StoreNode
+from .node.server import StoreNode
+from .wire.protocol import PROTOCOL_VERSION, Code, Op, ProtocolError, Status
 
 __all__ = [
     "PROTOCOL_VERSION",

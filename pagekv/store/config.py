@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pagekv import env
 from pagekv.env import parse_size
 
-from .protocol import MAX_HEADER_BYTES
+from .wire.protocol import MAX_HEADER_BYTES
 
 __all__ = [
     "ClientConfig",

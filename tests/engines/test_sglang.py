@@ -43,8 +43,8 @@ import torch
 from pagekv.connector.sglang import PagekvStorage
 from pagekv.errors import ConfigError
 from pagekv.store import StoreClient
+from pagekv.store.client.routing import Router
 from pagekv.store.launch import NodeProcess, start_nodes
-from pagekv.store.routing import Router
 from tests.engines import sglang_harness as h
 
 ROOT = str(Path(__file__).resolve().parents[2])

@@ -28,7 +28,7 @@ from typing import Any
 
 from pagekv.errors import ConfigError
 
-from .cli_serve import check_node, node_config, serve_extras
+from .serve import check_node, node_config, serve_extras
 from .settings import Setting, node_settings
 
 __all__ = ["Supervisor", "cluster_settings"]

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
-from .protocol import MAX_KEY_BYTES, Status
-from .shm import GRANULE, Extent, Segment
+from ..wire.protocol import MAX_KEY_BYTES, Status
+from .segment import GRANULE, Extent, Segment
 
 __all__ = ["BLOCK_OVERHEAD", "FRAME_OVERHEAD", "Block", "BlockStore", "block_cost"]
 

@@ -48,11 +48,11 @@ except ImportError:  # the store alone (pip install pagekv, no numpy): no shortc
 
 from pagekv import env
 
-from . import native
-from .config import default_shm_threads
-from .protocol import Code, Op, Request, Status
+from ..config import default_shm_threads
+from ..node.segment import host_id
+from ..wire import native
+from ..wire.protocol import Code, Op, Request, Status
 from .routing import FALLBACK_LIMITS, Call, OpGen, Router
-from .shm import host_id
 from .shm_copy import copy_batch, copy_one, in_chunks
 
 __all__ = ["COUNTERS", "ShmReader", "disable", "get", "reader_for"]

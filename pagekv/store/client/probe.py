@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .config import CurveClientKeys
-from .protocol import Op, ProtocolError, Request, decode_reply, encode_request
+from ..config import CurveClientKeys
+from ..wire.protocol import Op, ProtocolError, Request, decode_reply, encode_request
 
 __all__ = ["Outcome", "ProbeResult", "probe"]
 

@@ -35,8 +35,7 @@ except ImportError:  # pragma: no cover - a store-only install
     np = None
 
 from . import native
-from .handlers import SHARED_BUFFER_BYTES
-from .protocol import MAX_HEADER_BYTES, Code
+from .protocol import MAX_HEADER_BYTES, SHARED_BUFFER_BYTES, Code
 
 __all__ = ["MAGIC", "Head", "PeerClosed", "new_buffer", "read_head", "recv_exact", "recv_values",
            "send_message", "timeval"]  # fmt: skip

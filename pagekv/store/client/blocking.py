@@ -30,9 +30,9 @@ from typing import Any
 
 import zmq
 
-from .client_base import _Base, shared_context
-from .config import ClientConfig
-from .protocol import Op, ProtocolError, Status, decode_reply
+from ..config import ClientConfig
+from ..wire.protocol import Op, ProtocolError, Status, decode_reply
+from .base import _Base, shared_context
 from .routing import Batch, Call, ExistsResult, OpGen, Results, request_header
 
 __all__ = ["StoreClient"]

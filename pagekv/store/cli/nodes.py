@@ -10,9 +10,9 @@ import json
 import sys
 from typing import Any
 
-from .auth import load_client_keys
-from .config import CurveClientKeys
-from .probe import Outcome, ProbeResult, probe
+from ..client.probe import Outcome, ProbeResult, probe
+from ..config import CurveClientKeys
+from ..node.auth import load_client_keys
 from .settings import Setting, format_size
 
 __all__ = ["client_settings", "run_ping", "run_stats"]
@@ -43,8 +43,8 @@ def _keys(values: dict[str, Any]) -> CurveClientKeys | None:
 def _fetch_stats(endpoint: str, curve: CurveClientKeys | None, timeout: float) -> dict:
     """``{"endpoint", "ok": True, "stats"}`` or ``{"endpoint", "ok": False, "error", "reason"}``:
     the node is probed first, so a silent one costs one timeout and says why."""
-    from .client import StoreClient
-    from .routing import StoreUnavailable
+    from ..client.blocking import StoreClient
+    from ..client.routing import StoreUnavailable
 
     why = probe(endpoint, curve=curve, timeout_s=timeout)
     if why.outcome is Outcome.OK:
@@ -85,7 +85,7 @@ def _ping_times(endpoint: str, curve: CurveClientKeys | None, timeout: float, co
     """Round trips (ms) of ``count`` PINGs on one connection; None where one got no answer."""
     import time
 
-    from .client import StoreClient
+    from ..client.blocking import StoreClient
 
     times: list[float | None] = []
     with StoreClient(endpoint, timeout_s=timeout, curve=curve) as client:

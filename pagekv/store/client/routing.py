@@ -36,7 +36,7 @@ import xxhash
 
 from pagekv.errors import StoreError, StoreUnavailable
 
-from .protocol import Code, Op, Reply, Request, Status, encode_request
+from ..wire.protocol import Code, Op, Reply, Request, Status, encode_request
 
 __all__ = [
     "Batch",
@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 Results = dict[int, "tuple[Reply, list[Any]] | None"]
-log = logging.getLogger("pagekv.store.routing")
+log = logging.getLogger("pagekv.store.client.routing")
 
 
 @dataclass

@@ -33,8 +33,9 @@ from typing import Any
 
 from pagekv.errors import NativeCopyUnavailable, ProtocolError
 
-from . import native
-from .bulk_wire import (
+from ..config import ClientConfig
+from ..wire import native
+from ..wire.lane import (
     ClosedBetweenMessages,
     new_buffer,
     read_head,
@@ -42,8 +43,7 @@ from .bulk_wire import (
     send_message,
     timeval,
 )
-from .config import ClientConfig
-from .protocol import Code, Op, Status, decode_reply
+from ..wire.protocol import Code, Op, Status, decode_reply
 from .routing import FALLBACK_LIMITS, Call, Router, request_header
 
 __all__ = ["COUNTERS", "DEPTH", "FALLBACK", "BulkLanes"]

@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
-from . import shm_reader
-from .copies import copy_checksum, parallel_map
-from .protocol import Code, Op, Request, Status, checksum_frames
+from ..wire.copies import copy_checksum, parallel_map
+from ..wire.protocol import Code, Op, Request, Status, checksum_frames
+from . import shm as shm_reader
 from .routing import Call, ExistsResult, OpGen, Router, reply_shape_problem
 
 __all__ = ["delete", "exists", "get", "put"]

@@ -25,7 +25,7 @@ from typing import Any
 from pagekv.env import parse_bool, parse_float, parse_int, parse_size
 from pagekv.errors import ConfigError
 
-from .config import NodeConfig
+from ..config import NodeConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

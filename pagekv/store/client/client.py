@@ -24,8 +24,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from .client_base import _Base, raise_unavailable, shared_context
-from .protocol import Op, ProtocolError, Status, decode_reply
+from ..wire.protocol import Op, ProtocolError, Status, decode_reply
+from .base import _Base, raise_unavailable, shared_context
 from .routing import Batch, Call, ExistsResult, OpGen, Results, request_header
 
 __all__ = ["AsyncStoreClient"]

@@ -24,9 +24,9 @@ import pagekv
 from pagekv import env
 from pagekv.errors import ConfigError
 
-from .cli_client import client_settings
-from .cli_serve import LOG_LEVEL, add_config_flag, serve_settings
-from .config import normalize_endpoint
+from ..config import normalize_endpoint
+from .nodes import client_settings
+from .serve import LOG_LEVEL, add_config_flag, serve_settings
 from .settings import SIZE_HELP, Setting, add_settings, resolve
 
 __all__ = ["build_parser", "main"]
@@ -51,7 +51,7 @@ def _settings_of(command: str) -> list[Setting]:
     if command == "serve":
         return serve_settings()
     if command == "cluster":
-        from .cli_cluster import cluster_settings
+        from .cluster import cluster_settings
 
         return cluster_settings()
     if command in ("stats", "ping"):
@@ -67,15 +67,15 @@ def _run(args: argparse.Namespace) -> int:
     values = resolve(args, settings, config_path)
     _setup_logging(values["log_level"])
     if args.command == "serve":
-        from .cli_serve import run_serve
+        from .serve import run_serve
 
         return run_serve(values)
     if args.command == "cluster":
-        from .cli_cluster import Supervisor
+        from .cluster import Supervisor
 
         return Supervisor(values).run()
     if args.command in ("stats", "ping"):
-        from .cli_client import run_ping, run_stats
+        from .nodes import run_ping, run_stats
 
         try:
             addresses = [normalize_endpoint(endpoint) for endpoint in args.addresses]
@@ -90,7 +90,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    from .auth import write_keypair
+    from ..node.auth import write_keypair
 
     try:
         public, secret = write_keypair(args.directory, args.name, force=args.force)
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings(s, serve_settings())
     c = sub.add_parser("cluster", help="run N local nodes under a supervisor", epilog=_EPILOG)
     add_config_flag(c)
-    from .cli_cluster import cluster_settings
+    from .cluster import cluster_settings
 
     add_settings(c, cluster_settings())
     for name, text in (("stats", "print each node's stats"), ("ping", "check nodes answer")):

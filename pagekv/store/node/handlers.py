@@ -11,14 +11,20 @@ import msgpack
 import zmq
 from xxhash import xxh3_64_intdigest
 
+from ..config import NodeConfig
+from ..wire.copies import parallel_map
+from ..wire.protocol import (
+    SHARED_BUFFER_BYTES,
+    Code,
+    ProtocolError,
+    Reply,
+    Request,
+    Status,
+    checksum_frames,
+)
 from .block_store import BlockStore
-from .config import NodeConfig
-from .copies import parallel_map
-from .protocol import Code, ProtocolError, Reply, Request, Status, checksum_frames
 
 __all__ = ["SHARED_BUFFER_BYTES", "best_effort_id", "get", "locate", "put"]
-
-SHARED_BUFFER_BYTES = 8192  # libzmq's receive batch: smaller frames may live inside one
 
 
 def put(

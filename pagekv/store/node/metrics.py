@@ -28,7 +28,7 @@ from prometheus_client.exposition import make_wsgi_app
 
 import pagekv
 
-from .protocol import Code, Op, Status
+from ..wire.protocol import Code, Op, Status
 
 __all__ = [
     "LATENCY_BUCKETS",
@@ -40,7 +40,7 @@ __all__ = [
     "ping_health",
 ]
 
-log = logging.getLogger("pagekv.store.metrics")
+log = logging.getLogger("pagekv.store.node.metrics")
 LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
                    5e-2, 0.1, 0.25, 0.5, 1.0)  # fmt: skip
 HealthCheck = Callable[[], "tuple[bool, dict[str, Any]]"]

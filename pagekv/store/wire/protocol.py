@@ -35,6 +35,7 @@ from pagekv.errors import ProtocolError
 __all__ = [
     "MAX_KEY_BYTES",
     "PROTOCOL_VERSION",
+    "SHARED_BUFFER_BYTES",
     "Code",
     "Op",
     "ProtocolError",
@@ -52,6 +53,7 @@ __all__ = [
 PROTOCOL_VERSION = 2
 MAX_KEY_BYTES = 256
 MAX_HEADER_BYTES = 1 << 20
+SHARED_BUFFER_BYTES = 8192  # libzmq's receive batch: smaller frames may live inside one
 
 
 class Op(str, enum.Enum):

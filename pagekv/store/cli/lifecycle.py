@@ -17,7 +17,7 @@ import sys
 
 __all__ = ["die_with_parent"]
 
-log = logging.getLogger("pagekv.store.lifecycle")
+log = logging.getLogger("pagekv.store.cli.lifecycle")
 _PR_SET_PDEATHSIG = 1
 
 

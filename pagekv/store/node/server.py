@@ -24,18 +24,9 @@ import zmq
 
 from pagekv import env
 
-from . import handlers
-from .auth import NULL_ZAP_DOMAIN
-from .block_store import BlockStore
-from .bulk_server import BulkServer
-from .config import NodeConfig
-from .copies import shared_pool
-from .guard import ConnectionGuard, source_fd, wire_bytes
-from .memory import tune_malloc_for_blocks
-from .monitor import EVENTS as MONITOR_EVENTS
-from .monitor import ConnectionMonitor
-from .outbox import Outbox
-from .protocol import (
+from ..config import NodeConfig
+from ..wire.copies import shared_pool
+from ..wire.protocol import (
     MAX_HEADER_BYTES,
     Code,
     Op,
@@ -46,7 +37,16 @@ from .protocol import (
     decode_request,
     encode_reply,
 )
-from .shm import Segment, host_id
+from . import handlers
+from .auth import NULL_ZAP_DOMAIN
+from .block_store import BlockStore
+from .guard import ConnectionGuard, source_fd, wire_bytes
+from .lane import BulkServer, LaneLimits, SendDone
+from .memory import tune_malloc_for_blocks
+from .monitor import EVENTS as MONITOR_EVENTS
+from .monitor import ConnectionMonitor
+from .outbox import Outbox
+from .segment import Segment, host_id
 
 if TYPE_CHECKING:
     from .auth import ZapAuthenticator
@@ -178,7 +178,8 @@ class StoreNode:
         if not cfg.bulk or cfg.curve_secret_key or not self.address.startswith("tcp://"):
             return None
         host = self.address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-        return BulkServer(self, host, cfg.bulk_port)
+        limits = LaneLimits(cfg.bulk_connections, cfg.max_keys, cfg.handshake_s)
+        return BulkServer(self._answer_lane_get, limits, host, cfg.bulk_port)
 
     def _setup_curve(self) -> None:
         from .auth import ZapAuthenticator, load_allowed_keys, load_secret_cert
@@ -367,18 +368,25 @@ class StoreNode:
                 if self.observe is not None:
                     self.observe(Op.GET, rep, time.perf_counter() - start)
 
-    def dispatch_locked(self, req: Request) -> tuple[Reply, list[Any], list[Any] | None]:
-        """Answer a well-formed GET from the bulk lane, with :attr:`lock` held by the caller:
-        the reply, its payload frames (views of stored blocks, valid while referenced) and, on
-        a ``--shm`` node, the blocks the caller must pass to ``store.sent`` before it releases
-        the lock. Never raises on input."""
-        try:
-            rep, out = self._dispatch(req, [])
-        except Exception as e:
-            rep, out = self._error_reply(req.id, e), []
-        sent, self._sent_blocks = self._sent_blocks, None
-        self.counters["bytes_out"] += sum(len(p) for p in out)
-        return rep, out, sent
+    def _answer_lane_get(self, req: Request) -> tuple[Reply, list[Any], SendDone | None]:
+        """The bulk lane's answer to one GET (:data:`.lane.Answer`; any connection thread):
+        dispatched under :attr:`lock` as the ZeroMQ loop's requests are. Never raises on
+        input."""
+        start = time.perf_counter()
+        with self.lock:
+            try:
+                rep, out = self._dispatch(req, [])
+            except Exception as e:
+                rep, out = self._error_reply(req.id, e), []
+            sent, self._sent_blocks = self._sent_blocks, None
+            self.counters["bytes_out"] += sum(len(p) for p in out)
+            done = None
+            if sent and out:  # views of the segment: its space waits for this reply
+                done = SendDone()
+                self.store.sent(sent, done)
+            if self.observe is not None:
+                self.observe(req.op, rep, time.perf_counter() - start)
+        return rep, out, done
 
     def _error_reply(self, rid: int, error: Exception) -> Reply:
         """The reply to a request that raised ``error`` (called in its ``except`` block):

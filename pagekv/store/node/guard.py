@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .config import NodeConfig
+from ..config import NodeConfig
+from ..wire.protocol import MAX_HEADER_BYTES
 from .memory import raise_fd_limit, rss_bytes, trim_heap
-from .protocol import MAX_HEADER_BYTES
 
 __all__ = ["ConnectionGuard", "source_fd", "wire_bytes"]
 

@@ -14,11 +14,11 @@ import zmq
 
 from pagekv.errors import AuthenticationFailed
 
+from ..config import ClientConfig, CurveClientKeys
+from ..wire.copies import shared_pool
+from ..wire.protocol import MAX_KEY_BYTES
 from . import operations
-from .bulk_client import FALLBACK, BulkLanes
-from .config import ClientConfig, CurveClientKeys
-from .copies import shared_pool
-from .protocol import MAX_KEY_BYTES
+from .lane import FALLBACK, BulkLanes
 from .routing import Batch, Call, Link, OpGen, Results, Router, StoreUnavailable
 
 __all__ = ["raise_unavailable", "shared_context"]

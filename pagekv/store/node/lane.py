@@ -8,11 +8,12 @@ copied into place) moved 0.57 and 0.38: every frame crossed memory once more, an
 all streams met in a few threads. The lane is the node's second listener and carries GETs only;
 ZeroMQ carries everything else (PUT, PING, EXISTS, LOCATE, STATS, ...).
 
-One thread per connection runs a loop: read a request (:mod:`.bulk_wire`: a GET header, no
-payload), answer it with the node's store under :attr:`StoreNode.lock` (the same dispatch as the
-ZeroMQ loop's), send the reply outside the lock (``sendmsg`` straight from the stored frames),
-and only then release the reply's blocks (a ``--shm`` node frees or reuses their segment space
-only after that; see :meth:`.block_store.BlockStore.sent`). A connection holds at most one
+One thread per connection runs a loop: read a request (:mod:`..wire.lane`: a GET header, no
+payload), have the node answer it (:data:`Answer`, the one callable the lane is given: the node
+answers under its store lock, with the same dispatch as its ZeroMQ loop), send the reply
+(``sendmsg`` straight from the stored frames), and only then mark the send done (a ``--shm``
+node frees or reuses the blocks' segment space only after that; see
+:meth:`.block_store.BlockStore.sent`). A connection holds at most one
 request header and one reply (views of stored blocks; docs/protocol.md, "Node memory").
 Connections over ``bulk_connections`` are closed at once. A message with payload frames, over
 the limits or not in the lane's framing is answered with an error and its connection closed; any
@@ -26,17 +27,16 @@ import logging
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from pagekv.errors import ProtocolError
 
-from .bulk_wire import PeerClosed, read_head, send_message, timeval
-from .protocol import Code, Op, Reply, Request, decode_request, encode_reply
+from ..wire.lane import PeerClosed, read_head, send_message, timeval
+from ..wire.protocol import Code, Op, Reply, Request, decode_request, encode_reply
 
-if TYPE_CHECKING:
-    from .server import StoreNode
-
-__all__ = ["BulkServer", "SendDone"]
+__all__ = ["Answer", "BulkServer", "LaneLimits", "SendDone"]
 
 log = logging.getLogger("pagekv.store")
 COUNTERS = ("bulk_connections", "bulk_refused", "bulk_requests", "bulk_bad_messages",
@@ -53,14 +53,31 @@ class SendDone:
         self.done = False
 
 
+# The node's answer to one GET (called on a connection's thread, any number at once): the reply,
+# its payload frames (views of stored blocks, valid while referenced) and, when they are views
+# of the node's segment, the tracker whose ``done`` the lane sets once they are sent. It never
+# raises on input (a bad request is an error reply).
+Answer = Callable[[Request], "tuple[Reply, list[Any], SendDone | None]"]
+
+
+@dataclass(frozen=True)
+class LaneLimits:
+    """What the lane enforces: connections served at once, keys per request, and how long a
+    peer may stall mid-message (seconds)."""
+
+    connections: int
+    max_keys: int
+    stall_s: float
+
+
 class BulkServer:
     """The bulk listener of one node (``host``: the node's TCP host; ``port`` 0: any free port,
-    read back from :attr:`port`). :meth:`start` after the node is built, :meth:`close` when it
-    stops (closes the listener and every connection; their threads end on their own)."""
+    read back from :attr:`port`), answering GETs with ``answer``. :meth:`start` after the node
+    is built, :meth:`close` when it stops (closes the listener and every connection; their
+    threads end on their own)."""
 
-    def __init__(self, node: StoreNode, host: str, port: int = 0) -> None:
-        self.node = node
-        self.config = node.config
+    def __init__(self, answer: Answer, limits: LaneLimits, host: str, port: int = 0) -> None:
+        self.answer, self.limits = answer, limits
         self.listener = socket.create_server((host, port), backlog=128)
         self.port: int = self.listener.getsockname()[1]
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
@@ -102,7 +119,7 @@ class BulkServer:
                 time.sleep(0.01)  # EMFILE and the like: the listener stays; try again shortly
                 continue
             with self._conns_lock:
-                full = len(self._conns) >= self.config.bulk_connections or self._closed
+                full = len(self._conns) >= self.limits.connections or self._closed
                 if not full:
                     self._conns.add(conn)
             if full:
@@ -114,7 +131,7 @@ class BulkServer:
                              daemon=True).start()  # fmt: skip
 
     def _serve(self, conn: socket.socket) -> None:
-        stall = timeval(self.config.handshake_s)
+        stall = timeval(self.limits.stall_s)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -169,24 +186,13 @@ class BulkServer:
                 self.counters[name] += n
 
     def _answer(self, req: Request | ProtocolError) -> tuple[Reply, list[Any], SendDone | None]:
-        """The node's reply to one GET, its payload frames and, when they are views of the
-        node's segment, the tracker that holds their space until they are sent."""
-        node, start = self.node, time.perf_counter()
-        if isinstance(req, Request) and len(req.keys) > self.config.max_keys:
+        """The reply to a GET (or to a request that could not be read), by the node."""
+        if isinstance(req, Request) and len(req.keys) > self.limits.max_keys:
             req = ProtocolError(Code.TOO_LARGE, f"{len(req.keys)} keys is over the limit")
         if isinstance(req, ProtocolError):
             self._count(bulk_bad_messages=1)
             return Reply(0, code=req.code, error=str(req)), [], None
-        op = req.op
-        with node.lock:
-            rep, out, sent = node.dispatch_locked(req)
-            done = None
-            if sent and out:
-                done = SendDone()
-                node.store.sent(sent, done)
-            if node.observe is not None:
-                node.observe(op, rep, time.perf_counter() - start)
-        return rep, out, done
+        return self.answer(req)
 
 
 LINGER_BYTES = 64 << 20  # what a refused sender may still have in flight, read and dropped

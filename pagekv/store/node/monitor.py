@@ -17,7 +17,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 __all__ = ["EVENTS", "ConnectionMonitor"]
 
-log = logging.getLogger("pagekv.store.monitor")
+log = logging.getLogger("pagekv.store.node.monitor")
 _LOG_EVERY_S = 60.0
 EVENTS = (
     zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED

@@ -27,7 +27,7 @@ from zmq.utils import z85
 
 from pagekv.errors import ConfigError
 
-from .config import CurveClientKeys
+from ..config import CurveClientKeys
 
 __all__ = [
     "ALLOW_ANY",
@@ -39,7 +39,7 @@ __all__ = [
     "write_keypair",
 ]
 
-log = logging.getLogger("pagekv.store.auth")
+log = logging.getLogger("pagekv.store.node.auth")
 ALLOW_ANY = "*"
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 # the ZAP domain of a node without CURVE: set only to make libzmq refuse pre-ZMTP-3 peers

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from . import native
-from .copies import copy_checksum
+from ..wire import native
+from ..wire.copies import copy_checksum
 
 __all__ = ["copy_batch", "copy_one", "in_chunks"]
 
@@ -39,7 +39,7 @@ def _prepare(job: tuple, targets: list[memoryview]) -> tuple[list[Any], int, int
 
 
 def _verify(job: tuple, first: int, last: int, copied: int) -> str:
-    """After the copy (see pagekv.store.shm): the granules' generations are still the
+    """After the copy (see pagekv.store.node.segment): the granules' generations are still the
     LOCATE's and the checksum of what was copied is the value's."""
     if not (job[1].gens[first:last] == job[5]).all() or copied != job[4]:
         return "mismatch"
@@ -52,7 +52,7 @@ def copy_one(job: tuple, targets: list[memoryview]) -> str:
     if isinstance(plan, str):
         return plan
     sources, first, last = plan
-    try:  # one pass: each chunk hashed as it lands (pagekv.store.copies)
+    try:  # one pass: each chunk hashed as it lands (pagekv.store.wire.copies)
         copied = copy_checksum(targets, sources)
     except ValueError:  # pragma: no cover - _prepare checked the sizes
         return "bad_reply"

@@ -22,8 +22,8 @@ import zmq
 
 from pagekv.errors import ConfigError
 
-from .auth import ALLOW_ANY, load_allowed_keys, load_secret_cert
-from .config import CurveClientKeys, NodeConfig
+from ..config import CurveClientKeys, NodeConfig
+from ..node.auth import ALLOW_ANY, load_allowed_keys, load_secret_cert
 from .settings import MIN_CAPACITY, SIZE_HELP, Setting, format_size, memory_limit, node_settings
 
 __all__ = ["LOG_LEVEL", "check_node", "node_config", "run_serve", "serve_extras", "serve_settings"]
@@ -129,10 +129,10 @@ def _describe_curve(config: NodeConfig) -> str:
 
 def run_serve(values: dict[str, Any]) -> int:
     """Run one node until SIGINT/SIGTERM. ``values``: resolved :func:`serve_settings`."""
+    from ..client.probe import probe
+    from ..node.metrics import node_metrics, ping_health
+    from ..node.server import StoreNode
     from .lifecycle import die_with_parent
-    from .metrics import node_metrics, ping_health
-    from .probe import probe
-    from .server import StoreNode
 
     if values["parent_pid"] is not None:
         die_with_parent(values["parent_pid"])
