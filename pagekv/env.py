@@ -167,8 +167,8 @@ BULK_CLIENT = _var("BULK_CLIENT", parse_bool, True,
                    "default of `ClientConfig.bulk`: GETs of a node that offers a bulk lane go over "
                    "it, where the native library is (off: ZeroMQ only)", "bool", "on")  # fmt: skip
 SHM_CLIENT = _var("SHM_CLIENT", parse_bool, True,
-                  "clients read values of `--shm` nodes on this host straight out of their "
-                  "segment (off: over TCP)",
+                  "default of `ClientConfig.shm`: GETs of `--shm` nodes on this host are read "
+                  "straight out of their segment (off: over TCP)",
                   "bool", "on")  # fmt: skip
 EXIT_FLUSH_S = _var("EXIT_FLUSH_S", parse_float, 10.0,
                     "seconds a process that exits without `KVConnector.close()` spends flushing "

@@ -13,6 +13,7 @@ import random
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
@@ -91,7 +92,7 @@ def test_values_round_trip_over_the_lane_into_place(served):
         views = client.get_many([*keys[:3], b"missing-key-0000"])
         assert [bytes(v) for v in views[:3]] == values[:3] and views[3] is None
         counters = client.counters
-    assert counters["bulk_requests"] >= 4 and counters["bulk_fallbacks"] == 0
+    assert counters["bulk_requests"] >= 4 and client.routes()[0].get == "lane"
     assert counters["bulk_bytes_in"] >= sum(map(len, values))
     stats = node.stats()
     assert stats["bulk_requests"] >= 4 and stats["bulk_bytes_out"] >= sum(map(len, values))
@@ -171,24 +172,42 @@ def test_without_a_compiler_the_client_uses_no_lane(served, monkeypatch, tmp_pat
     assert "no-such-cc" in caplog.text
 
 
-def test_an_unreachable_lane_falls_back_to_zeromq(served):
-    """A lane that cannot be reached: the calls go over ZeroMQ, values exact."""
+def lane_of(client):
+    """The lane transport of a client (blocking or async): tests point it at fake ports."""
+    return getattr(client, "_client", client)._lane
+
+
+@pytest.mark.usefixtures("receive")
+def test_a_lane_that_cannot_be_reached_is_a_node_failure(served):
+    """The node advertises a lane that does not connect (as if firewalled): the client PINGs
+    it once more (a restarted node's lane moves), finds the same port, and fails the node's
+    GETs as any node failure (misses with one node; nothing goes over ZeroMQ instead). Once
+    the lane is reachable and the node's back-off is over, the next PING gives the lane back
+    and every value comes back exactly over it."""
     node = served()
     rng = random.Random(os.urandom(8))
     keys, values = rand_values(rng, 6, 1 << 16)
-    cfg = ClientConfig((node.address,), streams=2, connect_timeout_s=1.0)
+    cfg = ClientConfig((node.address,), streams=2, connect_timeout_s=1.0, backoff_min_s=0.01,
+                       backoff_max_s=0.01)  # fmt: skip
+    real = node.bulk.port
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        node.bulk.port = s.getsockname()[1]  # what its PING replies advertise
     with StoreClient(node.address, config=cfg) as client:
-        assert client.ping() == [True]
-        with socket.socket() as s:  # a port nobody listens on, as if the lane were firewalled
-            s.bind(("127.0.0.1", 0))
-            dead = s.getsockname()[1]
-        client.router.bulk_ports[0] = dead
         assert client.put_many(keys, values) == [Status.OK] * len(keys)
-        into = [bytearray(len(v)) for v in values]
-        assert client.get_many(keys, into=into) == [True] * len(keys)
-        assert [bytes(b) for b in into] == values
-        assert client.counters["bulk_fallbacks"] >= 1 and client.counters["bulk_requests"] == 0
-    assert node.stats()["bulk_requests"] == 0 and node.stats()["op_put"] >= 1
+        into = [bytearray([POISON]) * len(v) for v in values]
+        assert client.get_many(keys, into=into) == [False] * len(keys)
+        assert all(bytes(b) == bytes([POISON]) * len(b) for b in into)
+        assert client.counters["node_failures"] == 1 and client.counters["bulk_failures"] >= 2
+        assert node.stats()["op_get"] == 0 and node.stats()["op_ping"] >= 2  # PINGed again
+        node.bulk.port = real
+        deadline = time.monotonic() + 10
+        while True:  # the back-off (10 ms) and the replaced links' handshake, bounded
+            got = client.get_many(keys, into=into)
+            if got == [True] * len(keys) or time.monotonic() > deadline:
+                break
+        assert got == [True] * len(keys) and [bytes(b) for b in into] == values
+        assert client.routes()[0].get == "lane" and node.stats()["bulk_requests"] >= 1
 
 
 def test_no_lane_beside_curve_or_when_off(tmp_path):
@@ -354,7 +373,7 @@ async def test_a_cancelled_get_never_leaves_the_lane_writing_into_the_buffer(ser
     client = AsyncStoreClient(node.address, config=ClientConfig((node.address,), streams=1))
     try:
         assert await client.ping() == [True]
-        client.router.bulk_ports[0] = lane.port  # this node's GETs go to the fake lane
+        lane_of(client)._ports[0] = lane.port  # this node's GETs go to the fake lane
         into = bytearray([POISON]) * len(value)
         task = asyncio.ensure_future(client.get_many([b"k" * 16], into=[into]))
         while not lane.half_sent.is_set():
@@ -417,7 +436,7 @@ def test_an_idle_connection_that_was_aborted_is_replaced_not_sent_on(served):
     with StoreClient(node.address, config=cfg) as client:
         assert client.put_many(keys, values) == [Status.OK] * len(keys)
         assert client.get_many(keys) == values  # both connections made, now idle
-        client.bulk.abort({0})
+        lane_of(client).abort({0})
         into = [bytearray([POISON]) * len(v) for v in values]
         assert client.get_many(keys, into=into) == [True] * len(keys)
         assert [bytes(b) for b in into] == values
@@ -442,7 +461,7 @@ def test_a_value_corrupted_on_the_lane_is_a_miss():
     try:
         with StoreClient(node.address, config=ClientConfig((node.address,), streams=1)) as c:
             assert c.ping() == [True]
-            c.router.bulk_ports[0] = lane.port
+            lane_of(client=c)._ports[0] = lane.port
             into = bytearray(len(value))
             assert c.get_many([b"k" * 16], into=[into]) == [False]
             assert c.counters["checksum_mismatch"] == 1

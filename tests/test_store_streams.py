@@ -78,7 +78,7 @@ async def test_async_streams_round_trip_random_data(node_proc):
         assert [as_bytes(b) for b in into] == [as_bytes(v) for v in values]
         views = await client.get_many(keys)
         assert [as_bytes(v) for v in views] == [as_bytes(v) for v in values]
-        used = [link for link in client._links[0] if link is not None and link.reader]
+        used = [link for link in client._zmq._links[0] if link is not None and link.reader]
         assert len(used) == 4, "the batch did not use every stream"
         absent = [rng.randbytes(16) for _ in range(20)]
         found = await client.exists_many(keys[:50] + absent + keys[50:60])
@@ -105,7 +105,7 @@ def test_blocking_streams_round_trip_random_data(node_proc):
         into = [poisoned_like(v) for v in values]
         assert client.get_many(keys, into=into) == [True] * len(keys)
         assert [as_bytes(b) for b in into] == [as_bytes(v) for v in values]
-        assert all(link is not None for link in client._links[0])
+        assert all(link is not None for link in client._client._zmq._links[0])
         assert client.delete_many(keys[:10]) == [True] * 10
         assert client.get_many(keys[:12]) == [None] * 10 + [as_bytes(v) for v in values[10:12]]
 
@@ -197,7 +197,7 @@ def test_closed_clients_leave_no_threads_or_sockets(node_proc):
         client = AsyncStoreClient(node_proc.address, streams=4, timeout_s=5)
         client.close()
     assert _threads() <= before + 4 + 2  # at most the async context's I/O threads (+ reaper)
-    assert client._links == {}
+    assert client._zmq._links == {}
 
 
 @pytest.mark.asyncio
@@ -218,12 +218,12 @@ async def test_reset_of_one_link_fails_only_its_requests():
 
         def reset_second_link(_i: int) -> None:
             if not resets:
-                resets.append(client._links[0][1])
-                client._reset(resets[0])
+                resets.append(client._zmq._links[0][1])
+                client._zmq._reset(resets[0])
 
         into = [bytearray([POISON]) * len(v) for v in values]
         ok = await client.get_many(keys, into=into, on_arrival=reset_second_link)
-        assert resets and resets[0].closed and client._links[0][1] is not resets[0]
+        assert resets and resets[0].closed and client._zmq._links[0][1] is not resets[0]
         assert len(keys) // 2 <= ok.count(True) < len(keys)
         for hit, buf, value in zip(ok, into, values):
             assert bytes(buf) == (value if hit else bytes([POISON]) * len(buf))

@@ -216,11 +216,14 @@ class ClientConfig:
     many I/O threads (see docs/protocol.md, "Streams"). ``copy_threads`` (default
     :func:`default_copy_threads`) check and copy the values of GET replies into the
     caller's buffers and checksum large put batches, on a pool shared by the process's
-    clients; 1 does that work on the client's own thread. ``bulk`` (default
-    ``PAGEKV_BULK_CLIENT``, on): GETs of a node that offers a bulk lane go over it (plain TCP,
-    received straight into place and hashed as they land; :mod:`.bulk_client`), ``streams``
-    connections per node, when this process has the native library; everything else goes over
-    ZeroMQ.
+    clients; 1 does that work on the client's own thread.
+
+    Transports (:mod:`.client.transport`; each node's chosen from its PING reply): ``shm``
+    (default ``PAGEKV_SHM_CLIENT``, on): GETs of a ``--shm`` node on this host are copied
+    straight out of its segment. ``bulk`` (default ``PAGEKV_BULK_CLIENT``, on): GETs of a node
+    that offers a bulk lane go over it (plain TCP, received straight into place and hashed as
+    they land), ``streams`` connections per node, when this process has the native library.
+    Everything else goes over ZeroMQ.
     """
 
     endpoints: tuple[str, ...]
@@ -236,6 +239,7 @@ class ClientConfig:
     streams: int | None = None  # connections per node; None: default_streams()
     copy_threads: int | None = None  # None: default_copy_threads(); 1: no pool
     bulk: bool | None = None  # GETs over nodes' bulk lanes; None: PAGEKV_BULK_CLIENT (on)
+    shm: bool | None = None  # GETs out of same-host --shm segments; None: PAGEKV_SHM_CLIENT (on)
 
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str):
@@ -263,6 +267,11 @@ class ClientConfig:
             object.__setattr__(self, "copy_threads", default_copy_threads())
         if self.bulk is None:
             object.__setattr__(self, "bulk", env.BULK_CLIENT.get())
+        if self.shm is None:
+            object.__setattr__(self, "shm", env.SHM_CLIENT.get())
+        for name in ("bulk", "shm"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"ClientConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if type(self.copy_threads) is not int or not 1 <= self.copy_threads <= MAX_STREAMS:
             raise ValueError(
                 f"ClientConfig.copy_threads must be an int in [1, {MAX_STREAMS}], "

@@ -1,338 +1,188 @@
-""":class:`AsyncStoreClient`: the store client for asyncio (see :mod:`.client` for the contract).
+""":class:`AsyncStoreClient`: the store client (asyncio). :class:`.blocking.StoreClient` runs one
+on a loop thread of its own for synchronous callers.
 
-``ClientConfig.streams`` DEALER sockets ("links", one per stream) per node, shared by every
-concurrent call; a call's requests to a node are dealt over the node's links. A reader task per
-link hands each reply to the request waiting for its id, so calls never wait on each other's
-replies. Sending a request's frames is the only section under a (per link) lock, and at most the
-node's ``window`` requests are in flight on a link. Each call gives up on a link on its own
-deadline (``timeout_for`` the bytes it has in flight there), so k concurrent calls to a dead
-node each finish within one timeout; the first to give up resets that link, which fails the
-others' requests on it at once (requests on the node's other links are untouched).
+A client takes one endpoint or several (sharded by rendezvous hashing, ``replicas`` copies each;
+see :mod:`.routing`). A value is one bytes-like or a sequence of bytes-likes (its frames, e.g. a
+page's K and V regions): one key, one checksum over all frames. Puts send the caller's buffers
+(host pool page views) as zero-copy frames: do not change them until the call returns. Gets
+verify each value's xxh3-64 checksum (a mismatch is a miss, counted) and either scatter its
+frames into the caller's buffers (``into=``) or return read-only views of them.
+
+One path for every call: an operation (:mod:`.operations`) yields batches of calls; each call
+goes to its node's transport (:mod:`.transport`: ZeroMQ for everything but GETs, GETs over the
+transport chosen from the node's PING reply); the replies go back to the operation, which moves
+a failed node's keys on to their next node. Requests are cut to each node's advertised limits
+(learned by that PING on first use), at most the node's ``window`` of them are in flight per
+connection, and a node that does not answer within ``ClientConfig.timeout_for(bytes in
+flight)`` fails: its keys move on to their next replica, its connection is replaced (a late
+reply can never be read as an answer to a later request) and it is backed off. Node failures
+never raise from the data calls (put_many, get_many, exists_many, delete_many): a key no node
+could answer is ``Status.UNAVAILABLE`` / ``None`` / ``False``. ``stats`` and ``ping`` raise
+``StoreUnavailable`` (``AuthenticationFailed`` for refused CURVE keys) when no node answers.
+Bad arguments raise ``ValueError``/``TypeError`` before anything is sent.
+
+Concurrency: calls of one client may run at once on its event loop (they share its
+connections); a client is used from one event loop. Cancelling a call is safe: it returns once
+nothing writes into its buffers any more, and a reply that arrives later is discarded.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import concurrent.futures
-import functools
-import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import zmq
-import zmq.asyncio
+from pagekv.errors import AuthenticationFailed
 
-from ..wire.protocol import Op, ProtocolError, Status, decode_reply
-from .base import _Base, raise_unavailable, shared_context
-from .routing import Batch, Call, ExistsResult, OpGen, Results, request_header
+from ..config import ClientConfig, CurveClientKeys
+from ..wire.copies import shared_pool
+from ..wire.protocol import MAX_KEY_BYTES, Op, Reply, Request, Status
+from . import operations
+from .lane import LaneTransport
+from .routing import Batch, Call, ExistsResult, OpGen, Results, Router, StoreUnavailable
+from .shm import ShmTransport
+from .transport import MOVED, Route, Transport, choose, gather_all
+from .zeromq import ZmqTransport
 
-__all__ = ["AsyncStoreClient"]
-
-log = logging.getLogger("pagekv.store")
-
-
-class _AsyncLink:
-    """A socket to one node, the replies awaited on it and its window of requests."""
-
-    def __init__(self, sock: zmq.asyncio.Socket, node: int, stream: int) -> None:
-        self.sock, self.created = sock, time.monotonic()
-        self.node, self.stream = node, stream
-        self.was_up = False  # connected when last looked at (see _Base._link_state)
-        self.pending: dict[int, asyncio.Future] = {}
-        self.send_lock = asyncio.Lock()
-        self.inflight = 0
-        self.waiters: collections.deque[asyncio.Future] = collections.deque()
-        self.reader: asyncio.Task | None = None
-        self.closed = False
-        self.retired = False  # replaced by a link to another endpoint: close once idle
-        self.endpoint = ""
-
-    async def acquire(self, window: int) -> None:
-        while self.inflight >= window and not self.closed:
-            waiter = asyncio.get_running_loop().create_future()
-            self.waiters.append(waiter)
-            try:
-                await waiter
-            finally:
-                if waiter in self.waiters:
-                    self.waiters.remove(waiter)
-        self.inflight += 1
-
-    def close_if_idle(self) -> None:
-        if self.retired and not self.closed and not self.inflight and not self.pending:
-            self.close()
-
-    def release(self) -> None:
-        self.inflight -= 1
-        if self.retired:
-            self.close_if_idle()
-        while self.waiters:
-            waiter = self.waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-
-    def close(self) -> None:
-        """Fail every request waiting on this socket (None) and close it."""
-        self.closed = True
-        for fut in self.pending.values():
-            if not fut.done():
-                fut.set_result(None)
-        self.pending.clear()
-        for waiter in self.waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        if self.reader is not None:
-            self.reader.cancel()
-        self.sock.close(linger=0)
+__all__ = ["AsyncStoreClient", "raise_unavailable"]
 
 
-class AsyncStoreClient(_Base):
-    """asyncio client with the same API as :class:`StoreClient` (coroutines). Cancelling a
-    call is safe: a reply that arrives later is discarded by its request id."""
+class AsyncStoreClient:
+    """asyncio store client (see the module docstring for what raises and what does not)."""
 
-    def __init__(self, endpoints: str | Sequence[str], **kwargs: Any) -> None:
-        super().__init__(endpoints, **kwargs)
-        self.ctx = shared_context(zmq.asyncio.Context, self.config.streams)
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        replicas: int = 1,
+        timeout_s: float = 5.0,
+        curve: CurveClientKeys | None = None,
+        config: ClientConfig | None = None,
+        streams: int | None = None,
+    ) -> None:
+        self.config = cfg = config or ClientConfig(
+            tuple([endpoints] if isinstance(endpoints, str) else endpoints),
+            replicas=replicas,
+            timeout_s=timeout_s,
+            curve=curve,
+            streams=streams,
+        )
+        self.router = Router(cfg.endpoints, cfg.replicas, (cfg.backoff_min_s, cfg.backoff_max_s),
+                             cfg.max_message_bytes)  # fmt: skip
+        self.router.pool = shared_pool(cfg.copy_threads)  # None: copies on the loop's thread
+        self.router.on_ping = self._choose
+        self._zmq = ZmqTransport(cfg, self.router)
+        self.router.link = self._zmq.link_state
+        self._lane = LaneTransport(cfg, self.router) if cfg.bulk else None
+        self._shm = ShmTransport(self.router, self._zmq) if cfg.shm else None
+        self._routes = [Route("zmq", "not PINGed yet") for _ in cfg.endpoints]
+        self._by_name: dict[str, Transport] = {"zmq": self._zmq}
+        for transport in (self._lane, self._shm):
+            if transport is not None:
+                self._by_name[transport.name] = transport
+        # the lane's connection threads and the shortcut's pools end with the client
+        weakref.finalize(self, _close_all, list(self._by_name.values()))
 
-    def _open(self, node: int, stream: int) -> _AsyncLink:
-        endpoint = self._endpoint(node, stream)
-        link = _AsyncLink(self._new_socket(self.ctx, endpoint, stream), node, stream)
-        link.endpoint = endpoint
-        self._links.setdefault(node, [None] * self.config.streams)[stream] = link
-        return link
+    @property
+    def counters(self) -> dict[str, int]:
+        """Counts of what happened (failures, misses by cause, transports' traffic)."""
+        return self.router.counters
 
-    def _retire(self, link: _AsyncLink) -> None:
-        """A call that already holds ``link`` may still send on it: it is closed when its
-        last request is released, or on the next turn of the loop if nothing takes it."""
-        link.retired = True
-        try:
-            asyncio.get_running_loop().call_soon(link.close_if_idle)
-        except RuntimeError:  # no running loop: nothing can be using it
-            link.close_if_idle()
+    def routes(self) -> list[Route]:
+        """Per node, how its GETs travel and why not faster (as of its last PING)."""
+        return list(self._routes)
 
-    def _reset(self, link: _AsyncLink) -> None:
-        """Replace ``link`` (its requests fail at once); the node's other links go on."""
-        node, stream = link.node, link.stream
-        if self._links.get(node, [None] * (stream + 1))[stream] is link:
-            link.close()
-            self._open(node, stream)  # reconnecting starts now
+    def nodes_down(self) -> list[bool]:
+        """Per node, whether it failed lately and is being backed off (used again only as a
+        last resort until its back-off is over)."""
+        now = time.monotonic()
+        return [not health.is_up(now) for health in self.router.health]
 
-    async def _read(self, link: _AsyncLink) -> None:
-        """Hand each reply to the request waiting for it; a reply that cannot be read
-        resets the socket (its requests fail and move on)."""
-        while not link.closed:
-            try:
-                frames = await link.sock.recv_multipart(copy=False)
-                reply = decode_reply(frames[0].buffer)
-            except ProtocolError:
-                self.router.counters["bad_replies"] += 1
-                self._reset(link)
-                return
-            except zmq.ZMQError:
-                return  # socket closed under us
-            fut = link.pending.pop(reply.id, None)
-            if fut is not None and not fut.done():
-                fut.set_result((reply, frames[1:]))
+    # ---- transports ------------------------------------------------------------------------
+    def _choose(self, node: int, reply: Reply) -> None:
+        """A node's transports, from its PING reply and this client's settings."""
+        self._zmq.take(node, reply.ports)
+        shm = self._shm.take(node, reply.shm) if self._shm is not None else None
+        lane = self._lane.take(node, reply.bulk) if self._lane is not None else None
+        self._routes[node] = choose(shm, lane)
 
-    async def _request(self, node: int, link: _AsyncLink, call: Call, clock: dict) -> Any:
-        """Send one request when the window allows and wait for its reply (None: failed)."""
-        await link.acquire(self._window(node))
-        rid = call.request.id
-        try:
-            if link.closed:
-                return None
-            if link.reader is None:
-                link.reader = asyncio.ensure_future(self._read(link))
-            fut = link.pending[rid] = asyncio.get_running_loop().create_future()
-            clock["sending"] += 1
-            clock["wake"]()  # the deadline is now the connection's
-            try:
-                async with link.send_lock:
-                    frames = [request_header(call), *call.payloads]
-                    await link.sock.send_multipart(frames, copy=False)
-            except zmq.ZMQError:  # e.g. Again after a writable event that did not last (the
-                # peer went), or the socket reset meanwhile: it may hold part of a message,
-                # so it is replaced, and this request failed (never raised to the caller)
-                self.router.counters["send_errors"] += 1
-                self._reset(link)
-                return None
-            finally:
-                clock["sending"] -= 1
-            if not clock["bytes"]:
-                clock["progress"] = time.monotonic()
-            clock["bytes"] += call.nbytes + 1
-            clock["wake"]()  # a send completed: the deadline moves (bytes in flight)
-            result = await fut
-            clock["bytes"] -= call.nbytes + 1
-            clock["progress"] = time.monotonic()
-            if result is not None and call.prepare is not None and self.router.pool is not None:
-                job = self.router.pool.submit(call.prepare, *result)
-                clock["jobs"].append(job)  # waited for by _stream_calls, even if cancelled
-                try:
-                    await asyncio.wrap_future(job)
-                except Exception:  # a bug in a prepare: on_reply does its work instead
-                    log.exception("pagekv store: a reply's copies failed")
-            if result is not None and call.on_reply is not None:
-                call.on_reply(*result)
-            return result
-        finally:
-            link.pending.pop(rid, None)
-            link.release()
+    def _transport(self, call: Call) -> Transport:
+        if call.request.op is Op.GET:
+            return self._by_name[self._routes[call.node].get]
+        return self._zmq
 
-    async def _node_calls(self, node: int, calls: Batch) -> Results:
-        """A node's calls of a batch: PUTs and GETs over its bulk lane when it offers one, the
-        rest (and the calls whose lane cannot be reached) over ZeroMQ."""
-        bulk, calls = self._bulk_split(calls)
-        jobs = [self._bulk_calls(node, bulk)] if bulk else []
-        if calls:
-            jobs.append(self._zmq_calls(node, calls))
-        parts = await asyncio.gather(*jobs)
-        return {rid: result for part in parts for rid, result in part.items()}
-
-    async def _bulk_calls(
-        self, node: int, bulk: list[tuple[Call, concurrent.futures.Future]]
-    ) -> Results:
-        """Await the bulk calls, handing each result on (on this loop) as it arrives: one
-        callback per call, no task per call (what a prefetch of thousands of pages spent its
-        loop's time on). Failed or cancelled, it stops the node's transfers (they write into
-        the caller's buffers), waits for them, and hands nothing more on."""
-        loop = asyncio.get_running_loop()
-        results: Results = {}
-        fallback: Batch = []
-        ended = loop.create_future()
-        left, reset = len(bulk), False
-
-        def take(call: Call, fut: concurrent.futures.Future) -> None:
-            nonlocal left, reset
-            if ended.done():
-                return  # the batch ended (an error, or the caller was cancelled)
-            try:
-                result = None if fut.cancelled() else fut.result()
-                failed = self._take_bulk(call, result, results, fallback)
-            except Exception as e:  # e.g. the caller's on_arrival raised: get_many raises it
-                ended.set_exception(e)
-                return
-            if failed and not reset:  # as after a ZeroMQ timeout: the node must connect
-                reset = True  # again (a handshake a stopped node cannot complete) before it
-                for link in self._links.get(node, []):  # is used, even as a last resort
-                    if link is not None:
-                        self._reset(link)
-            left -= 1
-            if not left:
-                ended.set_result(None)
-
-        def done(fut: concurrent.futures.Future, call: Call) -> None:  # a lane's thread
-            try:
-                loop.call_soon_threadsafe(take, call, fut)
-            except RuntimeError:  # the loop closed: the batch ended, nothing to hand on
-                return
-
-        if not bulk:
-            return results
-        for call, fut in bulk:
-            fut.add_done_callback(functools.partial(done, call=call))
-        try:
-            await ended
-        finally:
-            running = [fut for _, fut in bulk if not fut.done()]
-            if running:
-                self.bulk.abort({node})
-                concurrent.futures.wait(running)
-        if fallback:
-            results.update(await self._zmq_calls(node, fallback))
+    async def _exchange(self, batch: Batch) -> Results:
+        """Run a batch: each call on its node's transport, all transports at once."""
+        results = await self._dispatch(batch)
+        moved = [call for call in batch if results.get(call.request.id) is MOVED]
+        if moved:
+            results.update(await self._again(moved))
         return results
 
-    async def _zmq_calls(self, node: int, calls: Batch) -> Results:
-        parts = self._spread(node, calls)
-        if len(parts) == 1:
-            return await self._stream_calls(node, *parts[0])
-        done = await asyncio.gather(*(self._stream_calls(node, s, c) for s, c in parts))
-        return {rid: result for part in done for rid, result in part.items()}
+    async def _dispatch(self, batch: Batch) -> Results:
+        groups: dict[Transport, Batch] = {}
+        for call in batch:
+            groups.setdefault(self._transport(call), []).append(call)
+        parts = await gather_all([t.run(calls) for t, calls in groups.items()])
+        results: Results = {}
+        for (transport, calls), part in zip(groups.items(), parts):
+            results.update(part)
+            if transport is not self._zmq:
+                self._after_get_transport(calls, part)
+        return results
 
-    async def _stream_calls(self, node: int, stream: int, calls: Batch) -> Results:
-        """Run ``calls`` on one link of ``node`` until all are answered or their deadline
-        passes (see the module doc; the unanswered ones are None). Waits on one event that
-        completions, sends and the deadline timer set: O(1) work per wake-up (a wait over
-        every task each time cost O(tasks) and took the engine's GIL)."""
-        link = self._link(node, stream)
-        loop = asyncio.get_running_loop()
-        start = time.monotonic()
-        waker = asyncio.Event()
-        left_calls = len(calls)
+    def _after_get_transport(self, calls: Batch, results: Results) -> None:
+        """A GET transport that failed a node's call: as after a ZeroMQ timeout, the node must
+        connect again (a handshake a stopped node cannot complete) before it is used even as a
+        last resort, and it is PINGed again before its next use (its transports chosen
+        again)."""
+        for node in {c.node for c in calls if results.get(c.request.id) is None}:
+            self._zmq.reset_node(node)
+            self.router.forget(node)
 
-        def finished(_task: asyncio.Future) -> None:
-            nonlocal left_calls
-            left_calls -= 1
-            waker.set()
-
-        clock = {"progress": start, "bytes": 0, "sending": 0, "wake": waker.set, "jobs": []}
-        tasks: dict[asyncio.Future, Call] = {}
-        cfg = self.config
-        total = sum(c.nbytes for c in calls)
-        cap = start + cfg.timeout_for(total) + cfg.timeout_s
-        stretch = cfg.timeout_per_mib_s * total / (1 << 20)
-        try:
-            for call in calls:
-                task = asyncio.ensure_future(self._request(node, link, call, clock))
-                task.add_done_callback(finished)
-                tasks[task] = call
-                if call.before_send is not None and len(tasks) < len(calls):
-                    # A PUT's values are hashed as it is sent, on this loop: let the node's
-                    # other streams send their first requests before this one's next. Made all
-                    # at once, one stream's requests were hashed and sent before the next
-                    # stream's first (H100, 4 streams, 512 MiB: the fourth began at 42 ms).
-                    await asyncio.sleep(0)
-            while left_calls:
-                if clock["bytes"]:
-                    deadline = clock["progress"] + cfg.timeout_for(clock["bytes"])
-                elif clock["sending"]:  # waiting for the connection (stretched by the bytes)
-                    connect = min(cfg.connect_timeout_s, cfg.timeout_s)
-                    deadline = clock["progress"] + connect + stretch
-                else:  # waiting for window slots held by other calls (each on its deadline)
-                    deadline = cap
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    if clock["bytes"]:  # a request went out: fail the socket's requests
-                        self._reset(link)
-                    break  # (none did: the socket is kept, its age tells the node is down)
-                waker.clear()
-                timer = loop.call_later(left, waker.set)
-                try:
-                    await waker.wait()
-                finally:
-                    timer.cancel()
-        finally:
-            for task in tasks:
-                task.cancel()
-            # A prepare running on the copy pool writes into the caller's buffers: the call is
-            # over only when none is left (a queued one is cancelled with its task; a running
-            # one finishes within a copy of one reply, milliseconds)
-            running = [job for job in clock["jobs"] if not job.cancel() and not job.done()]
-            if running:
-                concurrent.futures.wait(running)
-        results: Results = dict.fromkeys((c.request.id for c in calls), None)
-        for t, c in tasks.items():
-            if t.done() and not t.cancelled():
-                results[c.request.id] = t.result()
+    async def _again(self, calls: Batch) -> Results:
+        """Calls whose node's GET transport found its address gone (a node restarted, its
+        lane on another port, or down): PING each such node (its transports chosen again) and
+        run the calls once more on what was chosen; a node that does not answer the PING fails
+        them (None), as does one found moved again."""
+        results: Results = {}
+        nodes = {call.node for call in calls}
+        pings = [Call(n, Request(Op.PING, self.router.next_id()), [], []) for n in nodes]
+        answers = await self._zmq.run(pings)
+        answered = set()
+        for ping in pings:
+            result = answers.get(ping.request.id)
+            if self.router.reply_problem(ping, result) is None:
+                self.router.learn_ping(ping.node, result[0])
+                answered.add(ping.node)
+        retry = [call for call in calls if call.node in answered]
+        results.update({c.request.id: None for c in calls if c.node not in answered})
+        if retry:
+            again = await self._dispatch(retry)
+            results.update({rid: (None if r is MOVED else r) for rid, r in again.items()})
         return results
 
     async def _run(self, gen: OpGen) -> Any:
         try:
             batch = next(gen)
             while True:
-                per_node: dict[int, Batch] = {}
-                for call in batch:
-                    per_node.setdefault(call.node, []).append(call)
-                parts = await asyncio.gather(*(self._node_calls(n, c) for n, c in per_node.items()))
-                batch = gen.send({rid: r for part in parts for rid, r in part.items()})
+                batch = gen.send(await self._exchange(batch))
         except StopIteration as done:
             return done.value
 
+    # ---- the calls -------------------------------------------------------------------------
     async def put_many(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[Status]:
-        return await self._run(self._plan_put(keys, buffers))
+        """Store each value under its key on ``replicas`` nodes; a status per key.
+
+        ``buffers[i]`` is a bytes-like or a sequence of bytes-likes (the value's frames, sent
+        as separate zero-copy frames and kept as such by the node). The caller must not change
+        them until the call returns. Raises ``ValueError``/``TypeError`` for bad arguments,
+        never for node failures (those are ``Status.UNAVAILABLE``)."""
+        _check_keys(keys, buffers, "buffers")
+        views = [_byte_views(b, False, "put_many") for b in buffers]
+        return await self._run(operations.put(self.router, keys, views))
 
     async def get_many(
         self,
@@ -340,24 +190,94 @@ class AsyncStoreClient(_Base):
         into: Sequence[Any] | None = None,
         on_arrival: Callable[[int], None] | None = None,
     ) -> list[Any]:
-        return await self._run(self._plan_get(keys, into, on_arrival))
+        """With ``into``: scatter each found value's frames into ``into[i]`` (a writable
+        buffer, or a sequence of them, one per frame with matching sizes) and return a bool per
+        key; a size or frame-count mismatch or a bad checksum is a miss (counted). A value is
+        checked as it is copied (one pass over memory), so after a miss ``into[i]`` holds
+        unspecified bytes (untouched, partly or wholly written): use it only on True. Without:
+        per found key a read-only memoryview (a single-frame value) or a list of them (one per
+        frame), None per miss; the views stay valid as long as they are referenced.
+        ``on_arrival(i)``, if given, is called on the client's loop as soon as key i's value is
+        verified and in place, while later keys are still on their way; if it raises, the call
+        stops and raises that error once nothing writes into ``into`` any more."""
+        _check_keys(keys, into, "into buffers")
+        targets = None if into is None else [_byte_views(b, True, "get_many") for b in into]
+        return await self._run(operations.get(self.router, keys, targets, on_arrival))
 
-    async def exists_many(self, keys: Sequence[bytes]) -> ExistsResult:
-        return await self._run(self._plan_exists(keys))
+    async def exists_many(
+        self, keys: Sequence[bytes], *, answer_s: float | None = None
+    ) -> ExistsResult:
+        """Which keys some node holds; ``.leading`` is the count of leading hits,
+        ``.unanswered`` of keys no node could answer for. ``answer_s``: a node that has not
+        answered this call within it is treated as after a missed deadline (failed, backed off,
+        its keys asked of their next node or unanswered): a lookup with a budget shorter than
+        the client's timeout."""
+        _check_keys(keys, None, "")
+        return await self._run(operations.exists(self.router, keys, answer_s))
 
     async def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return await self._run(self._plan_delete(keys))
+        """Delete each key wherever it may be; True where some node held it."""
+        _check_keys(keys, None, "")
+        return await self._run(operations.delete(self.router, keys))
 
     async def stats(self) -> list[dict | None]:
+        """Each node's stats (None for a node that did not answer)."""
         stats = await self._run(self.router.each_node(Op.STATS))
         if all(st is None for st in stats):
             await asyncio.to_thread(raise_unavailable, self.config)
         return stats
 
     async def ping(self) -> list[bool]:
+        """Whether each node answers a PING (its transports chosen again from it)."""
         return [s is not None for s in await self._run(self.router.each_node(Op.PING))]
 
     def close(self) -> None:
-        """Close every link (pending requests fail); the shared context stays (see
-        :func:`.client_base.shared_context`)."""
-        self._close_links()
+        """Close every connection (calls in flight fail); the shared ZeroMQ context and copy
+        pools stay (see :func:`.zeromq.shared_context`)."""
+        _close_all(list(self._by_name.values()))
+
+
+def _close_all(transports: list[Transport]) -> None:
+    for transport in transports:
+        transport.close()
+
+
+def _byte_views(value: Any, writable: bool, what: str) -> list[memoryview]:
+    """A value's frames as flat byte views: one bytes-like, or a sequence of them."""
+    if type(value) is bytes and not writable:
+        return [memoryview(value)]
+    try:
+        views = [memoryview(value)]
+    except TypeError:
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            msg = f"{what}: not a bytes-like or a sequence of them: {value!r:.60}"
+            raise TypeError(msg) from None
+        views = [memoryview(frame) for frame in value]
+        if not views:
+            raise ValueError(f"{what}: a value needs at least one frame") from None
+    if writable and any(v.readonly for v in views):
+        raise ValueError(f"{what}: a read-only buffer cannot be read into")
+    return [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
+
+
+def _check_keys(keys: Sequence[bytes], buffers: Sequence[Any] | None, what: str) -> None:
+    lengths = list(map(len, keys)) if set(map(type, keys)) <= {bytes} else None
+    if lengths is None or (lengths and not 0 < min(lengths) <= max(lengths) <= MAX_KEY_BYTES):
+        bad = next(k for k in keys if type(k) is not bytes or not 0 < len(k) <= MAX_KEY_BYTES)
+        raise ValueError(f"keys must be non-empty bytes of <= {MAX_KEY_BYTES}, got {bad!r:.40}")
+    if buffers is not None and len(buffers) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(buffers)} {what}")
+
+
+def raise_unavailable(cfg: ClientConfig) -> None:
+    """No node answered: probe each (a PING watched by a socket monitor) and raise
+    ``AuthenticationFailed`` if a node refused this client's CURVE keys, else
+    ``StoreUnavailable``, naming each node's outcome. Blocking (at most ~2 s per node)."""
+    from .probe import Outcome, probe
+
+    results = [probe(ep, curve=cfg.curve, timeout_s=min(cfg.timeout_s, 2.0))
+               for ep in cfg.endpoints]  # fmt: skip
+    why = "; ".join(f"{r.endpoint}: {r}" for r in results)
+    if any(r.outcome is Outcome.AUTH_FAILED for r in results):
+        raise AuthenticationFailed(f"store authentication failed ({why})")
+    raise StoreUnavailable(f"no store node answered ({why})")

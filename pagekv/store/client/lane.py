@@ -1,26 +1,29 @@
-"""Client side of the bulk lane (:mod:`.bulk_server`): a client's GET requests to a node that
-advertises a lane (PING ``bulk``) go over plain TCP connections, one thread per connection,
-when this process has the native library (:mod:`.native`; without it the client uses no lane).
+"""The lane transport: a client's GETs to a node that advertises a bulk lane (PING ``bulk``,
+:mod:`..node.lane`) over plain TCP connections, ``ClientConfig.streams`` per node, one thread
+each, when this process has the native receive (:mod:`..wire.native`).
 
 Each connection's thread sends a request and reads the reply's frames straight into the GET's
 destinations (``Call.sinks``) when their sizes match, all of a reply's frames in one native
-call without the GIL, each 256 KiB hashed right after it arrived (:func:`.bulk_wire.recv_values`).
-Then it runs the call's ``prepare`` there (which compares those digests). Up to ``DEPTH``
+call without the GIL, each 256 KiB hashed right after it arrived (:func:`..wire.lane.recv_values`),
+then runs the call's ``prepare`` there (which compares those digests). Up to ``DEPTH``
 requests are out on a connection, so the node starts the next reply while this thread checks
-the last. The result goes back through a ``concurrent.futures.Future``: ``(reply, frames)``,
-``None`` (the node failed this request: no answer in time, a reset, a malformed reply; its keys
-move on like any node failure) or :data:`FALLBACK` (the lane cannot be reached at all: the
-client sends the call over ZeroMQ instead, and leaves the lane alone for ``RECHECK_S``).
+the last. Each result goes back to the loop through a ``concurrent.futures.Future``:
+``(reply, frames)``; ``None`` when the node failed the request (no answer in time, a reset, a
+malformed reply: as any node failure, its keys move on); or :data:`.transport.MOVED` when the
+lane's port could not be connected to (the node restarted with its lane elsewhere, or is
+down: the client PINGs it, which tells).
+
+A kept connection the node closed while idle (a send that fails, or a reply that never starts)
+is replaced and the request sent once more: the node cannot have answered any of it.
 
 Ownership: a call's ``sinks`` are written by its connection's thread until its future is done;
-a client that stops waiting early (cancelled, interrupted) must :meth:`BulkLanes.abort` the
-node's connections and wait for the futures before it returns (an aborted connection ends its
-calls at once). Not thread-safe apart from the futures: one ``BulkLanes`` per client, used on
-the client's thread.
+:meth:`LaneTransport.run` stops the node's connections (:meth:`LaneTransport.abort`) and waits
+for the futures before it returns early (cancelled, or a callback raised).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import functools
@@ -28,7 +31,6 @@ import logging
 import queue
 import socket
 import threading
-import time
 from typing import Any
 
 from pagekv.errors import NativeCopyUnavailable, ProtocolError
@@ -43,25 +45,24 @@ from ..wire.lane import (
     send_message,
     timeval,
 )
-from ..wire.protocol import Code, Op, Status, decode_reply
-from .routing import FALLBACK_LIMITS, Call, Router, request_header
+from ..wire.protocol import Code, Status, decode_reply
+from .routing import FALLBACK_LIMITS, Call, Results, Router, request_header
+from .transport import MOVED, Transport
 
-__all__ = ["COUNTERS", "DEPTH", "FALLBACK", "BulkLanes"]
+__all__ = ["COUNTERS", "DEPTH", "LaneTransport"]
 
 log = logging.getLogger("pagekv.store")
 DEPTH = 2  # requests out on one connection: the next reply streams while the last is checked
-RECHECK_S = 30.0  # a lane that could not be reached is left alone this long
-FALLBACK: Any = type("Fallback", (), {"__repr__": lambda self: "FALLBACK"})()
-COUNTERS = ("bulk_requests", "bulk_bytes_in", "bulk_failures", "bulk_fallbacks")
+COUNTERS = ("bulk_requests", "bulk_bytes_in", "bulk_failures")
 
 
 class _Conn:
     """One connection of a client to a node's bulk lane and the thread that works it."""
 
     def __init__(self, address: tuple[str, int], config: ClientConfig, router: Router,
-                 node: int, lanes: BulkLanes) -> None:  # fmt: skip
+                 node: int, lib: native.NativeCopy) -> None:  # fmt: skip
         self.address, self.config, self.router, self.node = address, config, router, node
-        self.lanes = lanes
+        self.lib = lib  # the native receive
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.sock: socket.socket | None = None
         # abort() counts up (client's thread); the connection's thread compares before each
@@ -122,7 +123,7 @@ class _Conn:
             except ClosedBetweenMessages:
                 # nothing of the reply came: the node may have restarted and never read the
                 # request. GETs are idempotent: send them again on a new connection (once;
-                # twice stale, e.g. a node at its connection cap: ZeroMQ takes this call)
+                # twice stale, e.g. a node at its connection cap, is a node failure)
                 again = resent.isdisjoint({call.request.id})
                 resent.add(call.request.id)
                 self._resend([(call, fut), *out], out, again)
@@ -141,14 +142,13 @@ class _Conn:
         self._drop()
 
     def _resend(self, calls: list, out: collections.deque, again: bool) -> None:
-        """Send ``calls`` (their connection went stale) on a new connection; those that
-        cannot be sent get their outcome (FALLBACK when the lane cannot be reached)."""
+        """Send ``calls`` (their connection went stale) on a new connection (``again``: the
+        first time, else they fail); those that cannot be sent get their outcome (MOVED when
+        no new connection can be made)."""
         self._drop()
         out.clear()
-        if not again:
-            self.lanes.mark_down(self.node, "connections closed before any reply")
         for call, fut in calls:
-            outcome = self._send(call)
+            outcome = self._send(call) if again else None
             if outcome is True:
                 out.append((call, fut))
             else:
@@ -186,13 +186,11 @@ class _Conn:
             self.sock = None
 
     def _connect(self) -> bool:
-        if self.lanes.down(self.node):
-            return False
         cfg = self.config
         try:
             sock = socket.create_connection(self.address, timeout=cfg.connect_timeout_s)
         except OSError as e:
-            self.lanes.mark_down(self.node, f"{self.address[0]}:{self.address[1]}: {e}")
+            log.debug("pagekv store: bulk lane %s:%s: %s", *self.address, e)
             return False
         sock.settimeout(None)  # blocking: MSG_WAITALL waits for whole frames
         limits = self.router.limits[self.node] or FALLBACK_LIMITS
@@ -205,16 +203,17 @@ class _Conn:
         return True
 
     def _send(self, call: Call, idle: bool = False) -> Any:
-        """Send ``call``'s request: True, else its result (FALLBACK: no connection; None).
-        ``idle``: no request is out on this connection. A kept connection that turns out to
-        be closed or reset by the node while idle (it restarted, or dropped the connection)
-        is replaced and the request sent once more: the node cannot have answered any of it."""
+        """Send ``call``'s request: True, else its result (None: the node failed it; MOVED: no
+        connection could be made to the lane's port). ``idle``: no request is out on this
+        connection. A kept connection that turns out to be closed or reset by the node while
+        idle (it restarted, or dropped the connection) is replaced and the request sent once
+        more: the node cannot have answered any of it."""
         if self.aborts != self.aborts_seen:  # shut down by abort(): never send on it
             self.aborts_seen = self.aborts
             self._drop()
         kept = self.sock is not None
         if not kept and not self._connect():
-            return FALLBACK
+            return MOVED
         header = request_header(call)
         try:
             send_message(self.sock, header, call.payloads)
@@ -222,7 +221,7 @@ class _Conn:
             if not (kept and idle):
                 log.debug("pagekv store: bulk send to %s failed: %s", self.address, e)
                 return None
-            self._drop()  # stale: a new connection (or FALLBACK when the lane moved or went)
+            self._drop()  # stale: a new connection (or MOVED when the lane moved or went)
             return self._send(call)
         except OSError as e:
             log.debug("pagekv store: bulk send to %s failed: %s", self.address, e)
@@ -247,7 +246,7 @@ class _Conn:
             raise ProtocolError(Code.BAD_HEADER, f"reply {reply.id} to request {call.request.id}")
         frames = _places(call, reply, head.sizes)
         counts = reply.counts if reply.code is Code.OK else None
-        call.digests = recv_values(self.sock, frames, counts)
+        call.digests = recv_values(self.sock, frames, counts, self.lib)
         if call.prepare is not None:
             call.prepare(reply, frames)
         return reply, frames
@@ -271,63 +270,109 @@ def _places(call: Call, reply: Any, sizes: tuple[int, ...]) -> list[Any]:
     return frames
 
 
-class BulkLanes:
-    """A client's bulk connections: ``streams`` per node that advertises a lane, made on first
-    use and moved when the node advertises another port (a restarted node)."""
+class LaneTransport(Transport):
+    """A client's bulk lane connections: ``streams`` per node whose lane it took
+    (:meth:`take`), made on first use and replaced when the node advertises another port."""
+
+    name = "lane"
 
     def __init__(self, config: ClientConfig, router: Router) -> None:
         self.config, self.router = config, router
-        self.on = config.bulk
+        self._lib: native.NativeCopy | None = None  # the native receive, loaded by take()
+        self._ports: dict[int, int] = {}  # node -> its lane's port, for the nodes taken
         self._conns: dict[int, tuple[int, list[_Conn]]] = {}  # node -> (port, connections)
-        # node -> (monotonic time until which its lane is not tried, the port that failed)
-        self._down: dict[int, tuple[float, int]] = {}
+        self._turn: dict[int, int] = {}
         for name in COUNTERS:
             router.counters.setdefault(name, 0)
 
-    def down(self, node: int) -> bool:
-        """Whether the node's lane failed to connect lately (at the port it still offers)."""
-        until, port = self._down.get(node, (0.0, 0))
-        return time.monotonic() < until and port == self.router.bulk_ports[node]
+    def take(self, node: int, port: int) -> str | None:
+        """Carry ``node``'s GETs over its lane at ``port`` (its PING ``bulk``): "" when taken,
+        else why not (None: the node offers no lane)."""
+        self._ports.pop(node, None)
+        if not port:
+            return None
+        if not self.config.endpoints[node].startswith("tcp://"):
+            return "not a tcp:// node"
+        self._lib, why = _native_receive()
+        if self._lib is None:
+            return why
+        self._ports[node] = port
+        return ""
 
-    def mark_down(self, node: int, why: str) -> None:
-        """Called from a connection's thread: the lane cannot be reached."""
-        if not self.down(node):
-            log.warning("pagekv store: bulk lane %s not reachable (%s); using ZeroMQ for %.0f s",
-                        self.router.endpoints[node], why, RECHECK_S)  # fmt: skip
-        self._down[node] = (time.monotonic() + RECHECK_S, self.router.bulk_ports[node])
+    async def run(self, calls: list[Call]) -> Results:
+        """Send each call on one of its node's connections (dealt round-robin) and hand each
+        result on as it comes: one loop callback per call, no task per call (what a prefetch
+        of thousands of pages spent its loop's time on)."""
+        loop = asyncio.get_running_loop()
+        results: Results = {}
+        if not calls:
+            return results
+        ended = loop.create_future()
+        left = len(calls)
 
-    def takes(self, call: Call) -> bool:
-        """Whether ``call`` goes over the lane: a GET to a node offering one, from a process
-        that has the native receive."""
-        return (self.on and call.request.op is Op.GET and self.router.bulk_ports[call.node] > 0
-                and not self.down(call.node) and _native_receive())  # fmt: skip
+        def take(call: Call, fut: concurrent.futures.Future) -> None:
+            nonlocal left
+            if ended.done():
+                return  # the run ended (an error, or the caller was cancelled)
+            try:
+                result = None if fut.cancelled() else fut.result()
+                self._count(result)
+                results[call.request.id] = result
+                if result is not None and result is not MOVED and call.on_reply is not None:
+                    call.on_reply(*result)
+            except Exception as e:  # e.g. the caller's on_arrival raised: get_many raises it
+                ended.set_exception(e)
+                return
+            left -= 1
+            if not left:
+                ended.set_result(None)
 
-    def submit(self, node: int, stream: int, call: Call) -> concurrent.futures.Future:
-        port = self.router.bulk_ports[node]
+        def done(fut: concurrent.futures.Future, call: Call) -> None:  # a connection's thread
+            try:
+                loop.call_soon_threadsafe(take, call, fut)
+            except RuntimeError:  # the loop closed: the run ended, nothing to hand on
+                return
+
+        futures = []
+        for call in calls:
+            fut = self._conn_for(call.node).submit(call)
+            fut.add_done_callback(functools.partial(done, call=call))
+            futures.append(fut)
+        try:
+            await ended
+        finally:
+            running = [fut for fut in futures if not fut.done()]
+            if running:
+                self.abort({call.node for call in calls})
+                concurrent.futures.wait(running)
+        return results
+
+    def _conn_for(self, node: int) -> _Conn:
+        """The node's next connection, round-robin (made, or remade for a new port, here)."""
+        port = self._ports[node]
         have = self._conns.get(node)
         if have is None or have[0] != port:
             if have is not None:
                 for conn in have[1]:
                     conn.close()
-            host = self.router.endpoints[node][len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-            conns = [_Conn((host, port), self.config, self.router, node, self)
+            host = self.config.endpoints[node][len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+            conns = [_Conn((host, port), self.config, self.router, node, self._lib)
                      for _ in range(self.config.streams)]  # fmt: skip
             have = self._conns[node] = (port, conns)
-        return have[1][stream % len(have[1])].submit(call)
+        turn = self._turn.get(node, 0)
+        self._turn[node] = (turn + 1) % len(have[1])
+        return have[1][turn]
 
-    def count(self, call: Call, result: Any) -> None:
-        """Count one finished call (on the client's thread)."""
+    def _count(self, result: Any) -> None:
         counters = self.router.counters
-        if result is FALLBACK:
-            counters["bulk_fallbacks"] += 1
-            self.router.limits[call.node] = None  # PING again first: maybe a new bulk port
-        elif result is None:
+        if result is None or result is MOVED:
             counters["bulk_failures"] += 1
         else:
             counters["bulk_requests"] += 1
             counters["bulk_bytes_in"] += sum(memoryview(f).nbytes for f in result[1])
 
     def abort(self, nodes: set[int]) -> None:
+        """End the calls on ``nodes``' connections now (each gets None)."""
         for node in nodes:
             for conn in self._conns.get(node, (0, []))[1]:
                 conn.abort()
@@ -339,14 +384,18 @@ class BulkLanes:
         self._conns.clear()
 
 
-def _native_receive() -> bool:
-    """Whether this process has the native receive the lane needs (built or found in the cache
-    on first use; never raises: ``PAGEKV_NATIVE_COPY=on`` without it is logged, no lane)."""
+def _native_receive() -> tuple[native.NativeCopy | None, str]:
+    """The native receive the lane needs (built or found in the cache on first use), or None
+    and why not (said once)."""
     try:
-        return native.load() is not None
+        lib = native.load()
+        if lib is not None:
+            return lib, ""
+        why = native.unavailable_reason() or "PAGEKV_NATIVE_COPY=off"
     except (NativeCopyUnavailable, ValueError) as e:
-        _say_no_lane(str(e))
-        return False
+        why = str(e)
+    _say_no_lane(why)
+    return None, f"no native receive: {why.splitlines()[0]}"
 
 
 @functools.cache

@@ -14,7 +14,6 @@ from typing import Any
 
 from ..wire.copies import copy_checksum, parallel_map
 from ..wire.protocol import Code, Op, Request, Status, checksum_frames
-from . import shm as shm_reader
 from .routing import Call, ExistsResult, OpGen, Router, reply_shape_problem
 
 __all__ = ["delete", "exists", "get", "put"]
@@ -130,27 +129,28 @@ def get(
 ) -> OpGen:
     """``into[i]``: the byte views key i's frames are scattered into, or None for views.
     ``on_arrival(i)`` is called as soon as key i's value is verified and in place (before the
-    batch ends); it must not raise. With ``into`` and a client copy pool (``router.pool``),
-    each GET call carries a ``prepare`` that checks and copies its reply's values on a pool
-    thread before the reply is handled (see :class:`.routing.Call`)."""
+    batch ends); it must not raise. Each GET call carries a ``prepare`` that checks (and, for
+    ZeroMQ, copies) its reply's values, which a transport may run off the client's thread
+    before the reply is handled (see :class:`.routing.Call`)."""
     out: list[Any] = [None] * len(keys)
     expected = None if into is None else [sum(t.nbytes for t in targets) for targets in into]
     checked: dict[int, str] = {}  # key -> outcome of its copy done by a prepare (pool thread)
 
     def check(i: int, cs: int, frames: list[Any], digest: int | None = None) -> str:
         """Copy and verify key i's value: "" when in place, else the failed counter's name.
-        ``digest``: the checksum of the frames as they landed, when the bulk lane received
-        them in place and hashed them then. Touches only ``into[i]``: safe on any thread."""
+        ``digest``: the checksum of the frames as they landed, when a transport wrote them
+        itself (into the destinations, or new buffers) and hashed them then. Touches only
+        ``into[i]``: safe on any thread."""
         data = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
         if into is None:
-            if checksum_frames(data) != cs:
+            if (digest if digest is not None else checksum_frames(data)) != cs:
                 return "checksum_mismatch"
             views = [d.toreadonly() for d in data]
             out[i] = views[0] if len(views) == 1 else views
             return ""
         targets = into[i]
         if len(frames) == len(targets) and all(f is t for f, t in zip(frames, targets)):
-            # received in place (the bulk lane hands back the destination views themselves)
+            # written in place (the transport hands back the destination views themselves)
             got = digest if digest is not None else checksum_frames(targets)
             return "" if got == cs else "checksum_mismatch"
         if len(targets) != len(data) or any(t.nbytes != d.nbytes for t, d in zip(targets, data)):
@@ -169,7 +169,7 @@ def get(
         return True
 
     def prepare(call: Call, reply: Any, frames: list[Any]) -> None:
-        """The copies and checks of one well-formed reply, off the client's thread."""
+        """The copies and checks of one well-formed reply (any thread)."""
         if reply.code is not Code.OK or reply_shape_problem(call, reply, frames) is not None:
             return  # handled (and refused) on the client's thread
         j = start = 0
@@ -181,23 +181,21 @@ def get(
                 checked[i] = check(i, reply.sums[j], frames[start : start + count], digest)
                 j, start = j + 1, start + count
 
-    done: set[int] = set()
-    if into is not None:  # same-host shortcut (--shm nodes): what it copied is done
-        done = yield from shm_reader.get(router, keys, into, out, on_arrival)
-    # the ZeroMQ clients run a prepare only with a copy pool; the bulk lane always does
-    yield from _lookup(router, Op.GET, keys, on_hit, expected, done,
-                       prepare if into is not None else None, into)  # fmt: skip
+    yield from _lookup(router, Op.GET, keys, on_hit, expected, prepare=prepare, sinks=into)
     return out if into is None else [bool(x) for x in out]
 
 
-def exists(router: Router, keys: Sequence[bytes]) -> OpGen:
+def exists(router: Router, keys: Sequence[bytes], answer_s: float | None = None) -> OpGen:
+    """Which keys some node holds. ``answer_s``: a node that has not answered a request
+    within it fails that request (failed, backed off, its keys asked of their next node or
+    unanswered), as after a missed deadline."""
     found = [False] * len(keys)
 
     def on_hit(i: int, _cs: int | None, _frames: list[Any]) -> bool:
         found[i] = True
         return True
 
-    unanswered = yield from _lookup(router, Op.EXISTS, keys, on_hit, None)
+    unanswered = yield from _lookup(router, Op.EXISTS, keys, on_hit, None, answer_s=answer_s)
     return ExistsResult(found, unanswered)
 
 
@@ -231,19 +229,20 @@ def _lookup(
     keys: Sequence[bytes],
     on_hit: Callable[[int, Any, list[Any]], bool],
     expected: list[int] | None,
-    done: set[int] = frozenset(),
+    *,
     prepare: Callable[[Call, Any, list[Any]], None] | None = None,
     sinks: Sequence[list[memoryview]] | None = None,
+    answer_s: float | None = None,
 ) -> OpGen:
-    """Ask each key's nodes in turn until ``on_hit`` accepts a node's answer for it (keys in
-    ``done`` are answered already); returns the number of keys no node answered for.
-    ``prepare(call, reply, frames)`` becomes each call's ``prepare`` (see ``Call``); ``sinks``
-    (a GET's destinations, per key) give each call its ``sinks``."""
+    """Ask each key's nodes in turn until ``on_hit`` accepts a node's answer for it; returns
+    the number of keys no node answered for. ``prepare(call, reply, frames)`` becomes each
+    call's ``prepare`` (see ``Call``); ``sinks`` (a GET's destinations, per key) give each
+    call its ``sinks``; ``answer_s`` each call's ``answer_s``."""
     usable = router.usable()
     cands = router.candidates(keys, router.replicas + 1, usable)
     pos, deferred = [0] * len(keys), [0] * len(keys)
-    answered = [i in done for i in range(len(keys))] if done else [False] * len(keys)
-    pending = {i for i, nodes in enumerate(cands) if nodes and i not in done}
+    answered = [False] * len(keys)
+    pending = {i for i, nodes in enumerate(cands) if nodes}
 
     def advance(i: int) -> None:
         pos[i] += 1
@@ -285,7 +284,7 @@ def _lookup(
             else:
                 wave[node] = [i]
         need = {n: sum(expected[i] for i in idxs) if expected else 0 for n, idxs in wave.items()}
-        yield from router.learn(need)
+        yield from router.learn(need, answer_s)
         batch: list[Call] = []
         for node, idxs in wave.items():
             limits = router.limits[node]
@@ -296,7 +295,7 @@ def _lookup(
             for part in router.cut(keys, idxs, limits, nbytes=expected, most_keys=most):
                 req = Request(op, router.next_id(), [keys[i] for i in part])
                 nbytes = sum(expected[i] for i in part) if expected is not None else 0
-                call = Call(node, req, [], part, nbytes)
+                call = Call(node, req, [], part, nbytes, answer_s=answer_s)
                 call.on_reply = lambda reply, frames, call=call: handle(call, (reply, frames))
                 if prepare is not None:
                     call.prepare = lambda reply, frames, call=call: prepare(call, reply, frames)

@@ -1,4 +1,4 @@
-"""Cluster logic shared by the blocking and the asyncio client, free of I/O.
+"""The client's cluster logic, free of I/O: sharding, failover, node health and limits.
 
 Keys are sharded by rendezvous hashing: each key ranks every node by ``xxh3_64(node || key)``.
 Writes go to the first ``replicas`` usable nodes of that ranking, reads and lookups try up to
@@ -15,10 +15,11 @@ per call, and a node that comes back is read from again at once. Each node's lim
 frames, bytes and header size per request; requests in flight) are learned from its PING reply
 on first use and requests are cut to fit them.
 
-Each operation is a generator: it yields batches of :class:`Call`, receives ``{request id:
-(Reply, frames) | None}`` (None: no answer in time) and returns its result. The clients only
-move the batches; they call ``Call.on_reply`` as soon as a reply arrives (a GET's values are
-checked and copied out while later replies are still on the wire).
+Each operation (:mod:`.operations`) is a generator: it yields batches of :class:`Call`,
+receives ``{request id: (Reply, frames) | None}`` (None: no answer in time) and returns its
+result. The client hands each batch's calls to the transports of their nodes
+(:mod:`.transport`), which call ``Call.prepare`` and ``Call.on_reply`` as soon as a reply
+arrives (a GET's values are checked and copied out while later replies are still on the wire).
 """
 
 from __future__ import annotations
@@ -71,21 +72,25 @@ class Call:
     # and must be finished before the call counts as over (the client waits for it).
     prepare: Callable[[Reply, list[Any]], None] | None = None
     handled: bool = False
-    # GET with destinations: per key of the request, the views its frames go to. The bulk
-    # lane receives a reply's frames straight into them and hands those same view objects
-    # back as the frames (``prepare``/``on_reply`` then only verify them).
+    # GET with destinations: per key of the request, the views its frames go to. A transport
+    # that writes a reply's frames straight into them (the bulk lane, the same-host shortcut)
+    # hands those same view objects back as the frames (``prepare``/``on_reply`` then only
+    # verify them).
     sinks: list[list[memoryview]] | None = None
-    # the bulk lane: per found value of the reply, the xxh3-64 of the frames as they landed
+    # set by such a transport: per found value of the reply, the xxh3-64 of the frames as
+    # they landed
     digests: list[int] | None = None
-    # Run once, by whichever transport sends the request, right before its header is encoded
-    # (:func:`request_header`): a PUT fills in its values' checksums there, so hashing the
-    # next request's values overlaps the sending of this one's.
+    # Run once, right before the request's header is encoded (:func:`request_header`): a PUT
+    # fills in its values' checksums there, so hashing the next request's values overlaps the
+    # sending of this one's.
     before_send: Callable[[], None] | None = None
+    # a node that has not answered within this many seconds of the call's start fails it (a
+    # lookup with a budget shorter than the client's timeout); None: the client's timeouts
+    answer_s: float | None = None
 
 
 def request_header(call: Call) -> bytes:
-    """``call``'s request encoded for the wire, after the call's ``before_send`` (run once:
-    a call sent again, e.g. over ZeroMQ after the bulk lane, is not prepared twice)."""
+    """``call``'s request encoded for the wire, after the call's ``before_send`` (run once)."""
     if call.before_send is not None:
         prepare, call.before_send = call.before_send, None
         prepare()
@@ -183,11 +188,10 @@ class Router:
         self.link = link or (lambda node: Link.UP)
         self.health = [NodeHealth(*backoff) for _ in self.endpoints]
         self.limits: list[Limits | None] = [None] * len(self.endpoints)
-        self.shm_adverts: list[dict] = [{}] * len(self.endpoints)  # PING "shm" (same-host)
         self.pool: Executor | None = None  # the client's copy pool (see .copies); None: inline
-        self.stream_ports: list[list[int]] = [[] for _ in self.endpoints]  # PING "ports"
-        self.bulk_ports: list[int] = [0] * len(self.endpoints)  # PING "bulk" (0: none)
-        self.on_ports: Callable[[int], None] | None = None  # the client moves its streams
+        # called with each node's PING reply (on the client's loop): the client chooses the
+        # node's transports from it
+        self.on_ping: Callable[[int, Reply], None] | None = None
         self._salt = [ep.encode() for ep in self.endpoints]
         self._ids = itertools.count(1)
         self.counters = dict.fromkeys(
@@ -259,7 +263,7 @@ class Router:
         if reply.code is not Code.OK:
             self.counters["error_replies"] += 1
             if reply.code is Code.TOO_LARGE:
-                self.limits[call.node] = None  # learn them again before the next request
+                self.forget(call.node)  # learn its limits again before the next request
             return f"{reply.code.name}: {reply.error}"
         problem = _shape_problem(call.request.op, len(call.idxs), reply, len(frames))
         if problem is not None:
@@ -270,11 +274,11 @@ class Router:
         return None
 
     # ---- limits ----------------------------------------------------------------------------
-    def learn(self, nodes: dict[int, int]) -> OpGen:
+    def learn(self, nodes: dict[int, int], answer_s: float | None = None) -> OpGen:
         """Ask the nodes whose limits are unknown for them (PING); a node that does not
         answer is marked failed and keeps ``None``. ``nodes``: node -> bytes the operation
         will move there (the PING is its first round trip, and gets its time bound)."""
-        batch = [Call(n, Request(Op.PING, self.next_id()), [], [], nbytes)
+        batch = [Call(n, Request(Op.PING, self.next_id()), [], [], nbytes, answer_s=answer_s)
                  for n, nbytes in nodes.items() if self.limits[n] is None]  # fmt: skip
         if not batch:
             return
@@ -282,34 +286,18 @@ class Router:
         for call in batch:
             result = results.get(call.request.id)
             if self.reply_problem(call, result) is None:
-                self._learn_ping(call.node, result[0])
+                self.learn_ping(call.node, result[0])
 
-    def _learn_ping(self, node: int, reply: Reply) -> None:
-        """What a PING reply tells of a node: limits, segment, stream ports, bulk port."""
+    def learn_ping(self, node: int, reply: Reply) -> None:
+        """What a PING reply tells of a node: its limits here, its transports (``on_ping``)."""
         self.limits[node] = Limits.parse(reply.limits) or FALLBACK_LIMITS
-        self.shm_adverts[node] = reply.shm
-        self._learn_ports(node, reply.ports)
-        self.bulk_ports[node] = reply.bulk if self.endpoints[node].startswith("tcp://") else 0
+        if self.on_ping is not None:
+            self.on_ping(node, reply)
 
-    def _learn_ports(self, node: int, ports: list[int]) -> None:
-        """Take a node's advertised per-stream ports (valid TCP ports only, else none) and
-        let the client move its streams to them."""
-        ports = [p for p in ports if 0 < p < 65536] if self.endpoints[node].startswith(
-            "tcp://") else []  # fmt: skip
-        if ports != self.stream_ports[node]:
-            self.stream_ports[node] = ports
-            if self.on_ports is not None:
-                self.on_ports(node)
-
-    def forget_ports(self, node: int, why: str = "its stream ports do not connect") -> None:
-        """The node's stream ports do not connect (a firewall, a restarted node): use its
-        main endpoint, and learn its limits and ports again (PING) before the next request."""
-        if self.stream_ports[node]:
-            log.warning("pagekv store: %s: %s; using its main port", self.endpoints[node], why)
-            self.stream_ports[node] = []
-            self.limits[node] = None
-            if self.on_ports is not None:
-                self.on_ports(node)
+    def forget(self, node: int) -> None:
+        """PING the node again before its next request (its limits, ports or transports may
+        have changed: it restarted, or refused a request as too large)."""
+        self.limits[node] = None
 
     def cut(
         self,
@@ -360,7 +348,7 @@ class Router:
             if self.reply_problem(call, result) is None:
                 out[call.node] = result[0].stats
                 if op is Op.PING:
-                    self._learn_ping(call.node, result[0])
+                    self.learn_ping(call.node, result[0])
         return out
 
 

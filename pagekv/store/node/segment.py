@@ -34,32 +34,19 @@ import mmap
 import os
 import re
 import secrets
-import socket
 from dataclasses import dataclass
 from typing import Any
 
 from pagekv.errors import ConfigError
 
-__all__ = ["GRANULE", "Extent", "FreeSpace", "Segment", "host_id"]
+from ..wire.shm import GRANULE
+
+__all__ = ["GRANULE", "Extent", "FreeSpace", "Segment"]
 
 log = logging.getLogger("pagekv.store")
 
-GRANULE = 4096  # allocation unit (bytes) and the span one generation covers
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^pagekv-seg-(\d+)-[0-9a-f]+$")
-
-
-def host_id() -> str:
-    """This host and boot: /etc/machine-id (else the host name) and the kernel's boot id. Two
-    processes see the same segment files only where these match."""
-    parts = []
-    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
-        try:
-            with open(path) as f:
-                parts.append(f.read().strip())
-        except OSError:
-            parts.append(socket.gethostname() if path.startswith("/etc") else "")
-    return ":".join(parts)
 
 
 @dataclass(frozen=True)

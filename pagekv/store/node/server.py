@@ -37,6 +37,7 @@ from ..wire.protocol import (
     decode_request,
     encode_reply,
 )
+from ..wire.shm import host_id
 from . import handlers
 from .auth import NULL_ZAP_DOMAIN
 from .block_store import BlockStore
@@ -46,7 +47,7 @@ from .memory import tune_malloc_for_blocks
 from .monitor import EVENTS as MONITOR_EVENTS
 from .monitor import ConnectionMonitor
 from .outbox import Outbox
-from .segment import Segment, host_id
+from .segment import Segment
 
 if TYPE_CHECKING:
     from .auth import ZapAuthenticator

@@ -27,7 +27,7 @@ from typing import Any
 
 import xxhash
 
-from pagekv.errors import NativeCopyUnavailable, ProtocolError
+from pagekv.errors import ProtocolError
 
 try:  # buffers for large frames without zero-filling them (bytearray writes every byte first)
     import numpy as np
@@ -94,26 +94,24 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += step
 
 
-def recv_values(sock: socket.socket, frames: Sequence[Any], counts: Sequence[int] | None) -> Any:
+def recv_values(
+    sock: socket.socket, frames: Sequence[Any], counts: Sequence[int] | None,
+    lib: native.NativeCopy,
+) -> list[int] | None:  # fmt: skip
     """Receive ``frames`` (writable buffers, in order) from the blocking ``sock`` with the native
-    receive (:meth:`.native.NativeCopy.recv_verify`: one C call, the GIL released, each 256 KiB
-    hashed right after it lands, while it is still in the cache) and, when ``counts`` (frames
-    per value, adding up to ``len(frames)``) is given, return the xxh3-64 of each value as it
-    landed; else None. On the H100 host (a 4 GiB GET in 2 MiB blocks over K connections of one
-    process) that moved 3.2-3.7 / 11.0-12.5 / 17.4-19.9 GB/s for K = 1 / 4 / 8, where
+    receive ``lib`` (:meth:`.native.NativeCopy.recv_verify`: one C call, the GIL released, each
+    256 KiB hashed right after it lands, while it is still in the cache) and, when ``counts``
+    (frames per value, adding up to ``len(frames)``) is given, return the xxh3-64 of each value
+    as it landed; else None. On the H100 host (a 4 GiB GET in 2 MiB blocks over K connections
+    of one process) that moved 3.2-3.7 / 11.0-12.5 / 17.4-19.9 GB/s for K = 1 / 4 / 8, where
     ``recv_into`` then xxhash per frame moved 2.7-2.8 / 9.3-9.4 / 15.5-15.8.
 
-    Raises ``NativeCopyUnavailable`` without the native library (a client uses no lane then),
-    ``PeerClosed`` at end of stream, ``TimeoutError`` when the socket's receive timeout passes
-    with nothing read, ``OSError`` for the rest."""
+    Raises ``PeerClosed`` at end of stream, ``TimeoutError`` when the socket's receive timeout
+    passes with nothing read, ``OSError`` for the rest."""
     if counts is not None and (sum(counts) != len(frames) or min(counts, default=0) < 0):
         counts = None  # not a valid split of these frames: received, not hashed
-    if not frames:  # nothing to receive (a reply without values): no library needed
+    if not frames:  # nothing to receive (a reply without values)
         return None if counts is None else [xxhash.xxh3_64_intdigest(b"") for _ in counts]
-    lib = native.load()
-    if lib is None:
-        raise NativeCopyUnavailable(f"the lane's receive needs the native library: "
-                                    f"{native.unavailable_reason()}")  # fmt: skip
     try:
         return lib.recv_verify(sock.fileno(), frames, counts)
     except EOFError as e:
