@@ -207,7 +207,8 @@ def test_a_lane_that_cannot_be_reached_is_a_node_failure(served):
             if got == [True] * len(keys) or time.monotonic() > deadline:
                 break
         assert got == [True] * len(keys) and [bytes(b) for b in into] == values
-        assert client.routes()[0].get == "lane" and node.stats()["bulk_requests"] >= 1
+        assert client.routes()[0].get == "lane", client.routes()
+        assert client.counters["bulk_requests"] >= 1  # (the node counts after its reply)
 
 
 def test_no_lane_beside_curve_or_when_off(tmp_path):

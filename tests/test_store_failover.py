@@ -265,11 +265,11 @@ def test_a_socket_failing_mid_send_is_a_failed_request_never_an_exception(node, 
 
     real, fails = zeromq._send, [1]
 
-    async def breaking(sock, call):
+    def breaking(sock, call):
         if fails[0]:
             fails[0] -= 1
             raise zmq.ZMQError(errno.EFAULT)
-        return await real(sock, call)
+        return real(sock, call)
 
     keys = [os.urandom(16) for _ in range(3)]
     cfg = ClientConfig((node.address,), timeout_s=3, bulk=False)  # a ZeroMQ socket's failure

@@ -78,7 +78,7 @@ async def test_async_streams_round_trip_random_data(node_proc):
         assert [as_bytes(b) for b in into] == [as_bytes(v) for v in values]
         views = await client.get_many(keys)
         assert [as_bytes(v) for v in views] == [as_bytes(v) for v in values]
-        used = [link for link in client._zmq._links[0] if link is not None and link.reader]
+        used = [link for link in client._zmq._links[0] if link is not None and link.loop]
         assert len(used) == 4, "the batch did not use every stream"
         absent = [rng.randbytes(16) for _ in range(20)]
         found = await client.exists_many(keys[:50] + absent + keys[50:60])
