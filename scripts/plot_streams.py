@@ -3,7 +3,7 @@ the bulk lane and over ZeroMQ and for PUTs (ZeroMQ in both rows of a K), with th
 cold K-stream TCP ceilings of the same run (left), and each as a fraction of the hot ceiling
 with the issue's targets (right).
 
-python scripts/plot_streams.py [benchmarks/results/bench_store_streams_<commit>.json] [out.png]
+python scripts/plot_streams.py [benchmarks/results/bench_store_streams.json] [out.png]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 
 def main() -> None:
     root = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-    src = Path(sys.argv[1]) if len(sys.argv) > 1 else root / "bench_store_streams_cac739a.json"
+    src = Path(sys.argv[1]) if len(sys.argv) > 1 else root / "bench_store_streams.json"
     out = Path(sys.argv[2]) if len(sys.argv) > 2 else src.with_suffix(".png")
     data = json.loads(src.read_text())
     rows = data["streams"]["rows"]

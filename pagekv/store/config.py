@@ -43,7 +43,7 @@ def default_copy_threads() -> int:
 
 def default_shm_threads() -> int:
     """Threads of the same-host shortcut's copies (one native call per chunk of values): the
-    cores this process may run on, up to 16. On the 16-core H100 host (bench_shm, bc1855d)
+    cores this process may run on, up to 16. On the 16-core H100 host (bench_shm)
     8 threads read 17.6 GB/s out of a segment, 12 19.2 and 16 21.4: the copies are bound by
     memory, and more threads keep more of it busy."""
     return min(16, _usable_cores())

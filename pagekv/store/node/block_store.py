@@ -77,6 +77,9 @@ class BlockStore:
         self.used = 0  # real cost of the blocks held (block_cost)
         self.payload = 0  # their payload and key bytes (stats "bytes", as before protocol 2)
         self.hits = self.misses = self.evictions = 0
+        # bytes of requests on their way in (received, not yet stored; set by the node before
+        # each PUT): room kept for them, so that blocks plus arrivals stay within the watermarks
+        self.reserve = 0
         self.segment = segment
         self._sending: dict[int, list[Any]] = {}  # extent start -> trackers of replies
         self._quarantine: list[tuple[Extent, list[Any]]] = []  # freed, replies still sending
@@ -107,8 +110,8 @@ class BlockStore:
         need = size + len(key) + BLOCK_OVERHEAD + FRAME_OVERHEAD * len(frames)  # block_cost
         if need > self.capacity:
             return Status.NO_SPACE
-        if self.used + need > self.high:
-            self._evict_to(min(self.low, self.capacity - need))
+        if self.used + need + self.reserve > self.high:
+            self._evict_to(max(0, min(self.low, self.capacity - need) - self.reserve))
         self._blocks[key] = _new_block(Block, (tuple(frames), size, checksum, need, None, 0))
         self.used += need
         self.payload += size + len(key)

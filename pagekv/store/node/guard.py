@@ -82,6 +82,7 @@ class _Conn:
     seen: int = 0  # wire bytes of messages the node has read from it
     forgiven: int = HANDSHAKE_SLACK
     absorbed_at: float = 0.0
+    held: int = 0  # what it held at its last check
 
 
 class ConnectionGuard:
@@ -165,6 +166,9 @@ class ConnectionGuard:
             self._cursor += CHECKS_PER_TICK
         for fd in fds:
             held = self.held(fd, now)
+            conn = self.conns.get(fd)
+            if conn is not None:
+                conn.held = held or 0
             if held is not None and held > self.limit:
                 log.warning("pagekv node: closing a connection holding %d unread bytes", held)
                 self._close(fd)
@@ -172,6 +176,12 @@ class ConnectionGuard:
             self._trim_until = 0.0  # what the closed connections held has been given back
             trim_heap(keep_trimming=False)
         self._check_rss(now)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of requests libzmq holds for the node's connections, unread, as of each
+        connection's last check: memory the blocks they carry take before they are stored."""
+        return sum(conn.held for conn in self.conns.values())
 
     def held(self, fd: int, now: float | None = None) -> int | None:
         """Bytes libzmq holds for connection ``fd`` that the node has not read, beyond what

@@ -1,11 +1,11 @@
 """A node's bulk lane: GET replies over plain TCP, which clients receive straight into place.
 
-Measured on the lent H100 host (16 cores, 2026-11-25): with K connections between one client
-process and one node process, a thread per connection receiving each frame into its final
-memory with one ``recv_into(MSG_WAITALL)`` moved 0.69 of the K-stream loopback ceiling for
-K = 4 and 8, where the same pattern over ZeroMQ (frames received into libzmq's buffers, then
-copied into place) moved 0.57 and 0.38: every frame crossed memory once more, and the bytes of
-all streams met in a few threads. The lane is the node's second listener and carries GETs only;
+Why (H100 host, 16 cores): with K connections between one client process and one node
+process, a thread per connection receiving each frame into its final memory with one
+``recv_into(MSG_WAITALL)`` moved 0.69 of the K-stream loopback ceiling for K = 4 and 8, where
+the same pattern over ZeroMQ (frames received into libzmq's buffers, then copied into place)
+moved 0.57 and 0.38: every frame crossed memory once more, and the bytes of all streams met in
+a few threads. The lane is the node's second listener and carries GETs only;
 ZeroMQ carries everything else (PUT, PING, EXISTS, LOCATE, STATS, ...).
 
 One thread per connection runs a loop: read a request (:mod:`..wire.lane`: a GET header, no

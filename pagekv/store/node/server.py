@@ -204,9 +204,8 @@ class StoreNode:
     def install_signal_handlers(self) -> None:
         """SIGINT/SIGTERM stop :meth:`serve_forever` within one poll interval. The handler
         takes no lock: Python runs a handler between any two bytecodes of the main thread,
-        also inside the handler of an earlier signal; one that took the stop event's lock
-        there waited on itself forever (a cluster's node SIGTERMed twice as its parent died
-        stayed up, found by test_sigkilled_cluster_leaves_no_node_behind)."""
+        also inside the handler of an earlier signal, and one that took the stop event's
+        lock there would wait on itself forever (a node SIGTERMed twice as its parent dies)."""
 
         def handler(*_: object) -> None:
             self._signalled = True
@@ -413,6 +412,10 @@ class StoreNode:
             raise ProtocolError(Code.BAD_FRAMES, f"{req.op.value} takes no payload frames")
         if req.op is Op.PUT:
             pool = self.verify_pool
+            # room for what is on its way in: this request (its values are stored one by one,
+            # each evicting as needed) and the requests libzmq holds unread
+            held = self.guard.held_bytes if self.guard is not None else 0
+            self.store.reserve = held + sum(req.sizes)
             return handlers.put(self.store, self.config, req, payloads, pool), []
         if req.op is Op.GET:
             return self._get(req)
