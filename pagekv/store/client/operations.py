@@ -18,6 +18,7 @@ from .routing import Call, ExistsResult, OpGen, Router, reply_shape_problem
 
 __all__ = ["delete", "exists", "get", "put"]
 
+_OK, _DEFERRED = int(Status.OK), int(Status.DEFERRED)  # plain ints: statuses arrive as ints
 PUT_KEY_EXTRA, PUT_FRAME_EXTRA = 24, 9  # header bytes per key (bin, count, sum) and per frame
 MAX_DEFERRALS = 64  # a node that keeps deferring a key is treated as failing for it
 
@@ -256,11 +257,12 @@ def _lookup(
                 advance(i)
             return
         reply, frames = result
-        ok, j, start = Status.OK, 0, 0
+        j = start = 0
+        get = op is Op.GET
         for i, st in zip(call.idxs, reply.status):
             answered[i] = True
-            if st == ok:
-                if op is Op.GET:
+            if st == _OK:
+                if get:
                     count = reply.counts[j]
                     hit = on_hit(i, reply.sums[j], frames[start : start + count])
                     j, start = j + 1, start + count
@@ -269,10 +271,12 @@ def _lookup(
                 if hit:
                     pending.discard(i)
                     continue
-            elif st == Status.DEFERRED and deferred[i] < MAX_DEFERRALS:
+            elif st == _DEFERRED and deferred[i] < MAX_DEFERRALS:
                 deferred[i] += 1  # found but left out of the reply: ask the same node again
                 continue
-            advance(i)
+            pos[i] += 1  # this node said no (or failed): the key's next node, if any
+            if pos[i] >= len(cands[i]):
+                pending.discard(i)
 
     most = router.get_keys_per_request if op is Op.GET and expected is None else None
     while pending:
