@@ -438,3 +438,120 @@ def test_values_of_several_nodes_are_copied_in_key_order(monkeypatch, kind):
     finally:
         for n in nodes:
             n.stop()
+
+
+# ---- PUTs written straight into the segment (RESERVE, copy, COMMIT) ------------------------
+
+
+def test_puts_written_into_the_segment_land_exact(node):
+    """A same-host client writes its PUTs into the node's segment itself: every value (one
+    frame or several) reads back exact over TCP and through the segment; the node saw
+    RESERVE/COMMIT and no PUT; a key already stored is EXISTS, a value over the limit
+    TOO_LARGE, without touching the segment."""
+    rng = random.Random(21)
+    keys = [rng.randbytes(16) for _ in range(10)]
+    values = values_for(rng, len(keys), 3, 300_000)
+    with StoreClient(node.address, timeout_s=5) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        assert client.counters["shm_puts"] == len(keys)
+        big = [rng.randbytes(5 * MIB)]  # over --max-block-size 4MiB
+        got = client.put_many([keys[0], rng.randbytes(16)], [values[0], big])
+        assert got == [Status.EXISTS, Status.TOO_LARGE]
+        stats = client.stats()[0]
+        assert stats["op_reserve"] >= 2 and stats["op_commit"] >= 1 and stats["op_put"] == 0
+        assert stats["shm_reserved"] == 0
+        into = [poisoned(v) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert [[bytes(f) for f in v] for v in into] == values
+    with StoreClient(node.address, config=tcp_only(node.address)) as tcp:
+        got = tcp.get_many(keys)
+        assert [[bytes(f) for f in v] for v in got] == values
+
+
+def _raw(address: str):
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def _ask(sock, req):
+    from pagekv.store.wire.protocol import decode_reply, encode_request
+
+    sock.send(encode_request(req))
+    assert sock.poll(5000), "no reply"
+    return decode_reply(sock.recv_multipart()[0])
+
+
+def test_a_commit_whose_bytes_do_not_match_is_refused_and_its_space_freed(node):
+    """The bytes in a reservation must be the COMMIT's checksum (the node verifies them):
+    wrong bytes are BAD_CHECKSUM and nothing is stored; a COMMIT without a reservation is
+    NO_SPACE; a key reserved twice is EXISTS for the second; a key stored over TCP between
+    RESERVE and COMMIT commits as EXISTS. Every reservation's space comes back."""
+    import mmap
+
+    import xxhash
+
+    from pagekv.store.wire.protocol import Op, Request
+
+    sock = _raw(node.address)
+    try:
+        with StoreClient(node.address, config=tcp_only(node.address)) as tcp:
+            before = tcp.stats()[0]["shm_bytes_used"]
+            value = os.urandom(100_000)
+            a, b, c = (os.urandom(16) for _ in range(3))
+            rep = _ask(sock, Request(Op.RESERVE, 1, [a, b, c], [len(value)] * 3, [], [1, 1, 1]))
+            assert rep.status == [Status.OK] * 3 and len(rep.offs) == 3
+            assert _ask(sock, Request(Op.RESERVE, 2, [a], [10], [], [1])).status == [Status.EXISTS]
+            advert = rep.shm
+            with open(advert["path"], "r+b") as f:
+                mm = mmap.mmap(f.fileno(), advert["size"])
+                for off in rep.offs:
+                    mm[off : off + len(value)] = value
+                mm[rep.offs[0]] ^= 0xFF  # a's bytes are not the value any more
+                mm.close()
+            assert tcp.put_many([c], [value]) == [Status.OK]  # c stored meanwhile over TCP
+            cs = xxhash.xxh3_64_intdigest(value)
+            rep = _ask(sock, Request(Op.COMMIT, 3, [a, b, c, os.urandom(16)], [], [cs] * 4))
+            assert rep.status == [Status.BAD_CHECKSUM, Status.OK, Status.EXISTS,
+                                  Status.NO_SPACE]  # fmt: skip
+            assert tcp.exists_many([a, b, c]).found == [False, True, True]
+            assert bytes(tcp.get_many([b])[0]) == value
+            assert tcp.delete_many([b, c]) == [True, True]
+            stats = tcp.stats()[0]
+            assert stats["shm_reserved"] == 0 and stats["shm_bytes_used"] == before
+    finally:
+        sock.close(linger=0)
+
+
+def test_a_reservation_never_committed_is_freed():
+    from pagekv.store.node.block_store import RESERVATION_S, BlockStore
+    from pagekv.store.node.segment import Segment
+
+    segment = Segment(8 * MIB)
+    try:
+        store = BlockStore(8 * MIB, max_block_bytes=MIB, segment=segment)
+        status, held = store.reserve(b"k" * 16, (1000, 24), now=100.0)
+        assert held is not None and held.sizes == (1000, 24)
+        assert status is Status.OK and store.used > 0 and segment.used_bytes() > 0
+        assert store.expire(now=100.0 + RESERVATION_S - 1) == 0
+        assert store.expire(now=100.0 + RESERVATION_S) == 1
+        assert store.used == 0 and segment.used_bytes() == 0
+        assert store.commit(b"k" * 16, 0) is Status.NO_SPACE and len(store) == 0
+    finally:
+        segment.unlink()
+
+
+def test_a_node_without_a_segment_refuses_reserve_and_commit():
+    from pagekv.store.wire.protocol import Code, Op, Request
+
+    proc = NodeProcess("--capacity", "8MiB").start()
+    sock = _raw(proc.address)
+    try:
+        assert _ask(sock, Request(Op.RESERVE, 1, [b"k"], [1], [], [1])).code == Code.BAD_OP
+        assert _ask(sock, Request(Op.COMMIT, 2, [b"k"], [], [0])).code == Code.BAD_OP
+    finally:
+        sock.close(linger=0)
+        proc.stop()

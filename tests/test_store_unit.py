@@ -180,13 +180,13 @@ def test_a_frame_without_a_source_descriptor_reads_none():
 
 
 def test_eviction_keeps_room_for_what_is_on_its_way_in():
-    """With ``reserve`` bytes arriving (requests received, not yet stored), a put evicts until
+    """With ``arriving`` bytes (requests received, not yet stored), a put evicts until
     blocks and arrivals together are within the low watermark."""
     store = BlockStore(1000 * 1024, max_block_bytes=64 * 1024)
     value = b"v" * (60 * 1024)
     for i in range(15):
         assert store.put(f"k{i}".encode(), (value,), len(value), 0) is Status.OK
     assert store.evictions == 0
-    store.reserve = 300 * 1024
+    store.arriving = 300 * 1024
     assert store.put(b"next", (value,), len(value), 0) is Status.OK
-    assert store.evictions > 0 and store.used + store.reserve <= store.high
+    assert store.evictions > 0 and store.used + store.arriving <= store.high

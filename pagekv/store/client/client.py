@@ -109,8 +109,11 @@ class AsyncStoreClient:
         self._routes[node] = choose(shm, lane)
 
     def _transport(self, call: Call) -> Transport:
-        if call.request.op is Op.GET:
+        op = call.request.op
+        if op is Op.GET:
             return self._by_name[self._routes[call.node].get]
+        if op is Op.PUT and self._shm is not None and self._shm.writes(call.node):
+            return self._shm
         return self._zmq
 
     async def _exchange(self, batch: Batch) -> Results:

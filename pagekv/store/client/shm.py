@@ -46,12 +46,12 @@ from ..wire.copies import copy_checksum
 from ..wire.protocol import Code, Op, Reply, Request, Status
 from ..wire.shm import ADVERT, host_id
 from .routing import Call, Results, Router
-from .transport import Transport
+from .transport import Transport, gather_all
 from .zeromq import ZmqTransport
 
 __all__ = ["COUNTERS", "ShmTransport"]
 
-COUNTERS = ("shm_hits", "shm_evicted")
+COUNTERS = ("shm_hits", "shm_evicted", "shm_puts")
 PARALLEL_BYTES = 4 << 20  # runs smaller than this are copied on the loop's thread
 CHUNK_BYTES = 64 << 20  # replies are handed on after each chunk of copies
 # Chunks copied at once (at least 2: the next chunk is copied while this one is handed on).
@@ -64,11 +64,13 @@ PIPELINE = 2
 
 @dataclass
 class Mapped:
-    """A read-only mapping of one node's segment file."""
+    """A mapping of one node's segment file (writable where the node takes values written by
+    its clients and this process may write the file)."""
 
     advert: dict[str, Any]
     bytes: Any  # numpy uint8 over the whole file
     gens: Any  # numpy uint64 per granule of the data area
+    writable: bool = False
 
 
 @dataclass
@@ -122,8 +124,9 @@ class ShmTransport(Transport):
         self._slots: asyncio.Semaphore | None = None  # chunks in copy at once (PIPELINE)
 
     def take(self, node: int, advert: dict[str, Any]) -> str | None:
-        """Carry ``node``'s GETs out of the segment its PING advertised: "" when taken, else
-        why not (None: it advertises none)."""
+        """Carry ``node``'s GETs (and its PUTs, where it takes values written by clients and
+        this process may write the file) through the segment its PING advertised: "" when
+        taken, else why not (None: it advertises none)."""
         mapped = self._mapped.pop(node, None)
         if not advert:
             return None
@@ -140,6 +143,11 @@ class ShmTransport(Transport):
         self._mapped[node] = mapped
         return ""
 
+    def writes(self, node: int) -> bool:
+        """Whether ``node``'s PUTs are written into its segment by this client."""
+        mapped = self._mapped.get(node)
+        return mapped is not None and mapped.writable
+
     def close(self) -> None:
         self._mapped.clear()
         for pool in (self._driver, self._pool):
@@ -148,6 +156,18 @@ class ShmTransport(Transport):
 
     # ---- calls -----------------------------------------------------------------------------
     async def run(self, calls: list[Call]) -> Results:
+        gets = [call for call in calls if call.request.op is Op.GET]
+        puts = [call for call in calls if call.request.op is Op.PUT]
+        parts = await gather_all(
+            [
+                job
+                for job in (self._gets(gets) if gets else None, self._puts(puts) if puts else None)
+                if job
+            ]
+        )
+        return {rid: result for part in parts for rid, result in part.items()}
+
+    async def _gets(self, calls: list[Call]) -> Results:
         results: Results = {}
         locates = [Call(c.node, Request(Op.LOCATE, self.router.next_id(), c.request.keys), [],
                         c.idxs, answer_s=c.answer_s) for c in calls]  # fmt: skip
@@ -197,6 +217,113 @@ class ShmTransport(Transport):
             running = [fut for fut in futures if not fut.done()]
             if running:
                 concurrent.futures.wait(running)
+
+    async def _puts(self, calls: list[Call]) -> Results:
+        """PUT calls written straight into the segments: a RESERVE of each call's values over
+        ZeroMQ, a checked copy of each reserved value into its place (its digest computed as
+        it is written), then a COMMIT of those digests. Each call's reply is the PUT's: a
+        status per key (RESERVE's for the values not reserved, COMMIT's for the others)."""
+        results: Results = {}
+        reserves = [Call(c.node, Request(Op.RESERVE, self.router.next_id(), c.request.keys,
+                                         c.request.sizes, [], c.request.counts), [], c.idxs,
+                         answer_s=c.answer_s) for c in calls]  # fmt: skip
+        reserved = await self.zmq.run(reserves)
+        writes: list[tuple[Call, Reply, list[int], list[tuple[list[Any], list[Any]]]]] = []
+        for call, reservation in zip(calls, reserves):
+            plan = self._put_plan(call, reserved.get(reservation.request.id))
+            if plan is None:
+                results[call.request.id] = None
+            else:
+                writes.append((call, *plan))
+        values = [value for *_, jobs in writes for value in jobs]
+        digests = iter(await self._write(values))
+        commits, commit_of = [], {}
+        for call, _reply, keys, jobs in writes:
+            if keys:
+                sums = [next(digests) for _ in jobs]
+                commit = Call(call.node, Request(Op.COMMIT, self.router.next_id(), keys, [],
+                                                 sums), [], [], answer_s=call.answer_s)  # fmt: skip
+                commits.append(commit)
+                commit_of[call.request.id] = commit
+        committed = await self.zmq.run(commits) if commits else {}
+        for call, reply, keys, _ in writes:
+            commit = commit_of.get(call.request.id)
+            if commit is not None:
+                done = _committed(committed.get(commit.request.id), len(keys))
+                if done is None:
+                    self.router.counters["bad_replies"] += 1
+                    results[call.request.id] = None
+                    continue
+                taken = iter(done)
+                reply.status = [next(taken) if st == Status.OK else st for st in reply.status]
+            self.counters["shm_puts"] += sum(st == Status.OK for st in reply.status)
+            results[call.request.id] = (reply, [])
+            if call.on_reply is not None:
+                call.on_reply(reply, [])
+        return results
+
+    def _put_plan(self, call: Call, result: Any) -> tuple[Reply, list[bytes], list] | None:
+        """From one RESERVE's result: the PUT reply to fill in (RESERVE's statuses), the keys
+        reserved and, per reserved value, ``(targets in the segment, the value's frames)``;
+        None when the RESERVE failed or its reply does not make sense (a node failure)."""
+        mapped = self._mapped.get(call.node)
+        if result is None or mapped is None or not mapped.writable:
+            return None
+        reply, frames = result
+        req = call.request
+        ok = reply.status.count(Status.OK)
+        if (reply.code is not Code.OK or reply.shm != mapped.advert or frames
+                or len(reply.status) != len(req.keys) or len(reply.offs) != ok
+                or len(reply.gens) != ok or not _RESERVED.issuperset(reply.status)):  # fmt: skip
+            self.router.counters["bad_replies"] += 1
+            return None
+        keys, jobs, j, start = [], [], 0, 0
+        adv, whole = mapped.advert, mapped.bytes
+        for key, st, count in zip(req.keys, reply.status, req.counts):
+            sizes = req.sizes[start : start + count]
+            sources = call.payloads[start : start + count]
+            start += count
+            if st != Status.OK:
+                continue
+            off = reply.offs[j]
+            j += 1
+            if off < adv["data_offset"] or off + sum(sizes) > adv["size"]:
+                self.router.counters["bad_replies"] += 1
+                return None  # a place outside the segment: nothing is written
+            targets, pos = [], off
+            for n in sizes:
+                targets.append(whole[pos : pos + n])
+                pos += n
+            keys.append(key)
+            jobs.append((targets, sources))
+        return Reply(req.id, status=list(reply.status)), keys, jobs
+
+    async def _write(self, values: list[tuple[list[Any], list[Any]]]) -> list[int]:
+        """Copy each value's frames into its targets and return the digest of what was
+        written, value by value (the native checked copy on the transport's threads, on a
+        driver thread; inline when small). Returns only once every copy is done."""
+        nbytes = sum(sum(memoryview(f).nbytes for f in sources) for _, sources in values)
+        if nbytes < PARALLEL_BYTES or self.workers < 2:
+            return [copy_checksum(targets, sources) for targets, sources in values]
+        if self._driver is None:
+            self._driver = ThreadPoolExecutor(PIPELINE, thread_name_prefix="pagekv-shm-driver")
+            weakref.finalize(self, self._driver.shutdown, wait=False)
+            self._slots = asyncio.Semaphore(PIPELINE)
+        fut = self._driver.submit(self._write_all, values)
+        try:
+            return await asyncio.wrap_future(fut)
+        finally:  # never return while a copy still reads the caller's buffers
+            if not fut.done():
+                concurrent.futures.wait([fut])
+
+    def _write_all(self, values: list[tuple[list[Any], list[Any]]]) -> list[int]:
+        lib = native.load()
+        if lib is not None:
+            return lib.copy_verify(values, threads=min(self.workers, native.MAX_THREADS))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="pagekv-shm")
+            weakref.finalize(self, self._pool.shutdown, wait=False)
+        return list(self._pool.map(lambda value: copy_checksum(*value), values))
 
     def _plan(self, call: Call, result: Any) -> _Plan | None:
         """The copy jobs of one GET call from its LOCATE's result; None when the LOCATE
@@ -278,6 +405,24 @@ class ShmTransport(Transport):
                 call.on_reply(reply, frames)
 
 
+_RESERVED = frozenset(int(s) for s in (Status.OK, Status.EXISTS, Status.TOO_LARGE,
+                                         Status.NO_SPACE, Status.BAD_KEY))  # fmt: skip
+_COMMITTED = frozenset(int(s) for s in (Status.OK, Status.EXISTS, Status.NO_SPACE,
+                                          Status.BAD_CHECKSUM))  # fmt: skip
+
+
+def _committed(result: Any, n: int) -> list[int] | None:
+    """A COMMIT's statuses (``n`` of them), or None when it failed or makes no sense."""
+    if result is None:
+        return None
+    reply, frames = result
+    if reply.code is not Code.OK or frames or len(reply.status) != n:
+        return None
+    if not _COMMITTED.issuperset(reply.status):
+        return None
+    return list(reply.status)
+
+
 def _targets(call: Call, k: int, sizes: Sequence[int]) -> list[Any]:
     """Where key ``k``'s frames go: the call's destination views when they match the located
     sizes, else new buffers (numpy's, not written: only the GET's size check sees them when
@@ -339,13 +484,29 @@ def _in_chunks(plans: list[_Plan], chunk_bytes: int) -> list[list[_Plan]]:
 
 
 def _map(advert: dict[str, Any]) -> tuple[Mapped | None, str]:
-    """A read-only mapping of the advertised file, or None and why not."""
+    """A mapping of the advertised file (writable where the node takes values written by its
+    clients and the file opens for writing), or None and why not."""
+    writable = bool(advert.get("writes"))
+    try:
+        fd = os.open(advert["path"], (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+    except PermissionError:
+        return _map_read_only(advert) if writable else (None, "no access (another user)")
+    except OSError:
+        return None, "the segment file is gone"
+    return _mapped(advert, fd, writable)
+
+
+def _map_read_only(advert: dict[str, Any]) -> tuple[Mapped | None, str]:
     try:
         fd = os.open(advert["path"], os.O_RDONLY | os.O_CLOEXEC)
     except PermissionError:
         return None, "no access (another user)"
     except OSError:
         return None, "the segment file is gone"
+    return _mapped(advert, fd, False)
+
+
+def _mapped(advert: dict[str, Any], fd: int, writable: bool) -> tuple[Mapped | None, str]:
     try:
         st = os.fstat(fd)
         size, granules = advert["size"], advert["granules"]
@@ -353,10 +514,12 @@ def _map(advert: dict[str, Any]) -> tuple[Mapped | None, str]:
                 or advert["data_offset"] < 8 * granules
                 or advert["data_offset"] + granules * advert["granule"] > size):  # fmt: skip
             return None, "the segment file is gone"  # another file by that name, or nonsense
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
     except (OSError, ValueError):
         return None, "the segment file is gone"
     finally:
         os.close(fd)
     data = np.frombuffer(mm, dtype=np.uint8)
-    return Mapped(dict(advert), data, np.frombuffer(mm, dtype=np.uint64, count=granules)), ""
+    gens = np.frombuffer(mm, dtype=np.uint64, count=granules)
+    return Mapped(dict(advert), data, gens, writable), ""

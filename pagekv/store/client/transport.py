@@ -6,7 +6,8 @@
 * :class:`.lane.LaneTransport`: the node's bulk lane (plain TCP), GETs only, each reply received
   straight into its destinations by the native receive.
 * :class:`.shm.ShmTransport`: a ``--shm`` node on this host: GETs copied straight out of its
-  segment (a LOCATE over ZeroMQ, then checked copies).
+  segment (a LOCATE over ZeroMQ, then checked copies), and PUTs written straight into it
+  (RESERVE, checked copies, COMMIT) where the node takes them.
 
 A node's GET transport is chosen from its PING reply and the client's settings
 (:func:`choose`), once per PING: never per call, never by a fallback in the middle of a batch. A

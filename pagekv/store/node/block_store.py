@@ -13,11 +13,17 @@ With a shared segment (``--shm``, :mod:`.shm`) a block's frames are copied into 
 put and the block holds read-only views of them; its space is freed when it is evicted or
 deleted, but not before every reply that was sending those views has been written
 (:meth:`BlockStore.sent`); space freed is reused only after its granules get a new generation.
+A client on the same host may write a value into the segment itself: :meth:`BlockStore.reserve`
+allocates its space (counted as used, stamped with a fresh generation before the client writes)
+and :meth:`BlockStore.commit` stores it once written; a reservation not committed within
+``RESERVATION_S`` is freed (:meth:`BlockStore.expire`).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ..wire.protocol import MAX_KEY_BYTES, Status
@@ -31,6 +37,17 @@ __all__ = ["BLOCK_OVERHEAD", "FRAME_OVERHEAD", "Block", "BlockStore", "block_cos
 BLOCK_OVERHEAD = 320
 FRAME_OVERHEAD = 448
 SHM_FRAME_OVERHEAD = 192  # with --shm: a frame is a memoryview into the segment
+RESERVATION_S = 60.0  # a reservation not committed by then is freed
+
+
+class Reservation(NamedTuple):
+    """Room in the segment for one value a client writes itself (see :meth:`BlockStore.reserve`)."""
+
+    extent: Extent
+    gen: int
+    sizes: tuple[int, ...]  # its frames' sizes, back to back
+    cost: int
+    expires: float  # monotonic
 
 
 def block_cost(key: bytes, size: int, nframes: int) -> int:
@@ -79,8 +96,9 @@ class BlockStore:
         self.hits = self.misses = self.evictions = 0
         # bytes of requests on their way in (received, not yet stored; set by the node before
         # each PUT): room kept for them, so that blocks plus arrivals stay within the watermarks
-        self.reserve = 0
+        self.arriving = 0
         self.segment = segment
+        self._pending: dict[bytes, Reservation] = {}  # reserved, not committed yet
         self._sending: dict[int, list[Any]] = {}  # extent start -> trackers of replies
         self._quarantine: list[tuple[Extent, list[Any]]] = []  # freed, replies still sending
 
@@ -110,8 +128,8 @@ class BlockStore:
         need = size + len(key) + BLOCK_OVERHEAD + FRAME_OVERHEAD * len(frames)  # block_cost
         if need > self.capacity:
             return Status.NO_SPACE
-        if self.used + need + self.reserve > self.high:
-            self._evict_to(max(0, min(self.low, self.capacity - need) - self.reserve))
+        if self.used + need + self.arriving > self.high:
+            self._evict_to(max(0, min(self.low, self.capacity - need) - self.arriving))
         self._blocks[key] = _new_block(Block, (tuple(frames), size, checksum, need, None, 0))
         self.used += need
         self.payload += size + len(key)
@@ -119,9 +137,22 @@ class BlockStore:
 
     def _put_shared(self, key: bytes, frames: tuple[Any, ...], size: int, checksum: int) -> Status:
         """Copy the value into the segment: evict (LRU) until a free run holds it."""
+        place = self._room(key, size, len(frames))
+        if isinstance(place, Status):
+            return place
+        extent, gen, need = place
+        views = self.segment.write(self.segment.offset(extent), frames)
+        self._blocks[key] = _new_block(Block, (views, size, checksum, need, extent, gen))
+        self.used += need
+        self.payload += size + len(key)
+        return Status.OK
+
+    def _room(self, key: bytes, size: int, nframes: int) -> tuple[Extent, int, int] | Status:
+        """Space in the segment for a value (LRU evicted until a free run holds it): its
+        extent, generation and cost (counted as used by the caller), or why not."""
         seg = self.segment
         span = max(1, -(-size // GRANULE)) * GRANULE
-        need = span + len(key) + BLOCK_OVERHEAD + SHM_FRAME_OVERHEAD * len(frames)
+        need = span + len(key) + BLOCK_OVERHEAD + SHM_FRAME_OVERHEAD * nframes
         if need > self.capacity or span > seg.granules * GRANULE:
             return Status.NO_SPACE
         if self.used + need > self.high:
@@ -131,12 +162,65 @@ class BlockStore:
             if not self._reclaim() and not self._evict_one():
                 return Status.NO_SPACE  # the rest is still being sent: transient
             place = seg.alloc(size)
-        extent, gen = place
-        views = seg.write(seg.offset(extent), frames)
-        self._blocks[key] = _new_block(Block, (views, size, checksum, need, extent, gen))
+        return (*place, need)
+
+    def reserve(self, key: bytes, sizes: tuple[int, ...], now: float | None = None
+                ) -> tuple[Status, Reservation | None]:  # fmt: skip
+        """Room in the segment for a value of frames of ``sizes`` that the caller will write
+        itself: ``(Status.OK, reservation)`` (its bytes start at the extent's offset, frames
+        back to back; counted as used from now), else a status (``EXISTS``: stored, or being
+        written by another reservation)."""
+        if self.segment is None:
+            raise RuntimeError("reserve: this store keeps no segment")
+        if not key or len(key) > MAX_KEY_BYTES:
+            return Status.BAD_KEY, None
+        if key in self._blocks or key in self._pending:
+            return Status.EXISTS, None
+        size = sum(sizes)
+        if size > self.max_block_bytes:
+            return Status.TOO_LARGE, None
+        place = self._room(key, size, len(sizes))
+        if isinstance(place, Status):
+            return place, None
+        extent, gen, need = place
+        expires = (time.monotonic() if now is None else now) + RESERVATION_S
+        self._pending[key] = reservation = Reservation(extent, gen, tuple(sizes), need, expires)
         self.used += need
+        return Status.OK, reservation
+
+    def commit(self, key: bytes, checksum: int,
+               digest: Callable[[tuple[Any, ...]], int] | None = None) -> Status:  # fmt: skip
+        """Store the value written into ``key``'s reservation, under ``checksum``; with
+        ``digest`` (the checksum of frames: a node verifying PUTs), only if the bytes there have
+        that checksum (else ``BAD_CHECKSUM`` and the space is freed). ``NO_SPACE`` when there is
+        no reservation (it expired); ``EXISTS`` when the key was stored meanwhile."""
+        held = self._pending.pop(key, None)
+        if held is None:
+            return Status.NO_SPACE
+        seg = self.segment
+        views = seg.views(seg.offset(held.extent), list(held.sizes))
+        if key in self._blocks or (digest is not None and digest(views) != checksum):
+            self.used -= held.cost
+            seg.space.free(held.extent)
+            return Status.EXISTS if key in self._blocks else Status.BAD_CHECKSUM
+        size = sum(held.sizes)
+        self._blocks[key] = _new_block(Block, (views, size, checksum, held.cost, held.extent,
+                                               held.gen))  # fmt: skip
         self.payload += size + len(key)
         return Status.OK
+
+    def pending(self, key: bytes) -> Reservation | None:
+        return self._pending.get(key)
+
+    def expire(self, now: float | None = None) -> int:
+        """Free the reservations not committed in time; returns how many."""
+        now = time.monotonic() if now is None else now
+        late = [key for key, held in self._pending.items() if held.expires <= now]
+        for key in late:
+            held = self._pending.pop(key)
+            self.used -= held.cost
+            self.segment.space.free(held.extent)
+        return len(late)
 
     def sent(self, blocks: list[Block], tracker: Any) -> None:
         """``blocks``' views are in a reply tracked by ``tracker``: their space is not freed
@@ -219,6 +303,7 @@ class BlockStore:
                 "shm_bytes_used": self.segment.used_bytes(),
                 "shm_bytes_free": self.segment.free_bytes(),
                 "shm_bytes_quarantined": sum(e.count for e, _ in self._quarantine) * GRANULE,
+                "shm_reserved": len(self._pending),
             }
         return {
             **shared,

@@ -4,6 +4,7 @@ whose frames do not match its header, and nothing else on input."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -24,7 +25,7 @@ from ..wire.protocol import (
 )
 from .block_store import BlockStore
 
-__all__ = ["SHARED_BUFFER_BYTES", "best_effort_id", "get", "locate", "put"]
+__all__ = ["best_effort_id", "commit", "get", "locate", "put", "reserve"]
 
 
 def put(
@@ -112,6 +113,52 @@ def locate(store: BlockStore, req: Request, advert: dict[str, Any]) -> Reply:
         rep.counts.append(len(block.frames))
         rep.sizes.extend(len(f) for f in block.frames)
     return rep
+
+
+def reserve(store: BlockStore, req: Request, advert: dict[str, Any]) -> Reply:
+    """Room in the shared segment for each value of a RESERVE (``counts``, ``sizes``): per key
+    a status, and for each reserved one (``OK``), in key order, where its frames go (``offs``:
+    the byte offset of its first frame, the others back to back) and its generation
+    (``gens``); the segment in ``shm``."""
+    if store.segment is None:
+        raise ProtocolError(Code.BAD_OP, "RESERVE: this node keeps no shared segment (--shm)")
+    rep = Reply(req.id, shm=advert)
+    start = 0
+    for key, count in zip(req.keys, req.counts):
+        status, held = store.reserve(key, tuple(req.sizes[start : start + count]))
+        start += count
+        rep.status.append(int(status))
+        if held is not None:
+            rep.offs.append(store.segment.offset(held.extent))
+            rep.gens.append(held.gen)
+    return rep
+
+
+def commit(store: BlockStore, config: NodeConfig, req: Request, pool: Executor | None) -> Reply:
+    """Store each reserved value of a COMMIT under its ``sums``: checked against the bytes in
+    the segment first when the node verifies PUTs (several values at once on ``pool``)."""
+    if store.segment is None:
+        raise ProtocolError(Code.BAD_OP, "COMMIT: this node keeps no shared segment (--shm)")
+    digests: dict[bytes, int] = {}
+    if config.verify_puts:
+        held = [(key, store.pending(key)) for key in req.keys]
+        held = [(key, r) for key, r in held if r is not None]
+        seg = store.segment
+        views = [seg.views(seg.offset(r.extent), list(r.sizes)) for _, r in held]
+        nbytes = sum(sum(r.sizes) for _, r in held)
+        digests = dict(zip((key for key, _ in held),
+                           parallel_map(checksum_frames, views, nbytes, pool)))  # fmt: skip
+    status = []
+    for key, cs in zip(req.keys, req.sums):
+        check = None  # the node does not verify PUTs
+        if config.verify_puts:  # the digest computed above (a key repeated: hashed again)
+            check = _known(digests.pop(key)) if key in digests else checksum_frames
+        status.append(int(store.commit(key, cs, check)))
+    return Reply(req.id, status=status)
+
+
+def _known(digest: int) -> Callable[[Any], int]:
+    return lambda _views: digest
 
 
 def own(frame: Any) -> Any:

@@ -139,7 +139,7 @@ class Segment:
         """What a PING or LOCATE reply tells clients about this segment (``shm``)."""
         return {"path": self.path, "size": self.size, "inode": self.inode, "host": host,
                 "data_offset": self.data_offset, "granule": GRANULE,
-                "granules": self.granules}  # fmt: skip
+                "granules": self.granules, "writes": 1}  # fmt: skip
 
     def alloc(self, nbytes: int) -> tuple[Extent, int] | None:
         """Room for ``nbytes`` (whole granules) and its fresh generation, stamped into every
@@ -166,6 +166,14 @@ class Segment:
             n = len(frame)
             whole[pos : pos + n] = memoryview(frame)  # a zmq.Frame itself crashes pyzmq 27 here
             views.append(whole[pos : pos + n].toreadonly())
+            pos += n
+        return tuple(views)
+
+    def views(self, offset: int, sizes: list[int]) -> tuple[memoryview, ...]:
+        """Read-only views of frames of ``sizes`` lying back to back from ``offset``."""
+        views, pos = [], offset
+        for n in sizes:
+            views.append(self.view[pos : pos + n].toreadonly())
             pos += n
         return tuple(views)
 

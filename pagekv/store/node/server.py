@@ -243,6 +243,8 @@ class StoreNode:
                     self.guard.tick(now)
                 if now - swept > 1.0:
                     self.outbox.sweep()
+                    if self.segment is not None:
+                        self.store.expire(now)  # reservations never committed
                     swept = now
         finally:
             self.close()
@@ -415,7 +417,7 @@ class StoreNode:
             # room for what is on its way in: this request (its values are stored one by one,
             # each evicting as needed) and the requests libzmq holds unread
             held = self.guard.held_bytes if self.guard is not None else 0
-            self.store.reserve = held + sum(req.sizes)
+            self.store.arriving = held + sum(req.sizes)
             return handlers.put(self.store, self.config, req, payloads, pool), []
         if req.op is Op.GET:
             return self._get(req)
@@ -430,6 +432,10 @@ class StoreNode:
             return Reply(req.id, status=status), []
         if req.op is Op.LOCATE:
             return handlers.locate(self.store, req, self.shm_advert), []
+        if req.op is Op.RESERVE:
+            return handlers.reserve(self.store, req, self.shm_advert), []
+        if req.op is Op.COMMIT:
+            return handlers.commit(self.store, self.config, req, self.verify_pool), []
         if req.op is Op.STATS:
             return Reply(req.id, stats=self.stats()), []
         bulk = self.bulk.port if self.bulk is not None else 0  # PING from here on

@@ -4,7 +4,7 @@ A message is one msgpack header frame followed by raw payload frames, sent and r
 ``copy=False``. A value may be several frames (e.g. a page's K and V regions): one key, one
 checksum over all its frames in order, frames kept and returned as they were sent. Request::
 
-    {"v": 2, "id": <uint>, "op": "PUT"|"GET"|"EXISTS"|"DELETE"|"STATS"|"PING"|"LOCATE",
+    {"v": 2, "id": <uint>, "op": "PUT"|"GET"|"EXISTS"|"DELETE"|"STATS"|"PING"|"LOCATE"|...,
      "keys": [bytes...],
      "counts": [frames per key...], "sizes": [bytes per frame...], "sums": [xxh3 per key...]}
                                                                   # counts/sizes/sums: PUT only
@@ -17,7 +17,9 @@ Reply header::
 
 A node started with ``--shm`` advertises its shared segment in PING replies (``shm``: path,
 size, inode, host id, ...) and answers LOCATE: per found key where its frames lie in the segment
-(``offs``, ``counts``, ``sizes`` per frame, ``sums``, ``gens``); see docs/protocol.md.
+(``offs``, ``counts``, ``sizes`` per frame, ``sums``, ``gens``); RESERVE (``counts``, ``sizes``
+as a PUT's, no payload): per key room for its value in the segment (``offs``, ``gens``), which
+the client writes itself; COMMIT (``sums``): store the values written; see docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ class Op(str, enum.Enum):
     STATS = "STATS"
     PING = "PING"
     LOCATE = "LOCATE"  # --shm nodes: where found values lie in the shared segment
+    RESERVE = "RESERVE"  # --shm nodes: room in the segment for values a client writes itself
+    COMMIT = "COMMIT"  # --shm nodes: the reserved values are written; store them
 
 
 class Code(enum.IntEnum):
@@ -132,8 +136,8 @@ class Reply:
     counts: list[int] = field(default_factory=list)  # GET: frames of each found value
     limits: dict[str, int] = field(default_factory=dict)  # PING: what requests may carry
     shm: dict[str, Any] = field(default_factory=dict)  # PING, LOCATE: the node's segment
-    offs: list[int] = field(default_factory=list)  # LOCATE: byte offset of each found value
-    gens: list[int] = field(default_factory=list)  # LOCATE: generation of each found value
+    offs: list[int] = field(default_factory=list)  # LOCATE, RESERVE: byte offset of each value
+    gens: list[int] = field(default_factory=list)  # LOCATE, RESERVE: generation of each value
     sizes: list[int] = field(default_factory=list)  # LOCATE: bytes of each found frame
     ports: list[int] = field(default_factory=list)  # PING: the node's per-stream TCP ports
     bulk: int = 0  # PING: the TCP port of the node's bulk lane (0: none)
@@ -143,9 +147,11 @@ def encode_request(req: Request) -> bytes:
     head: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": req.id, "op": req.op.value}
     if req.keys:
         head["keys"] = req.keys
-    if req.op is Op.PUT:
+    if req.op in (Op.PUT, Op.RESERVE):
         head["counts"] = req.counts or [1] * len(req.keys)
-        head["sizes"], head["sums"] = req.sizes, req.sums
+        head["sizes"] = req.sizes
+    if req.op in (Op.PUT, Op.COMMIT):
+        head["sums"] = req.sums
     return msgpack.packb(head, use_bin_type=True)
 
 
@@ -186,9 +192,10 @@ def decode_request(frame: bytes | memoryview) -> Request:
     if not all(isinstance(k, bytes) for k in keys):
         raise ProtocolError(Code.BAD_HEADER, "field 'keys' must be a list of bytes")
     req = Request(op, rid, keys)
-    if op is Op.PUT:
+    if op in (Op.PUT, Op.RESERVE):
         req.counts = _int_list(head, "counts", len(keys), least=1)
         req.sizes = _int_list(head, "sizes", sum(req.counts))
+    if op in (Op.PUT, Op.COMMIT):
         req.sums = _int_list(head, "sums", len(keys))
     return req
 
