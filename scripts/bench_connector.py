@@ -24,7 +24,7 @@ from _ceilings import memcpy_ceiling, tcp_ceiling
 from pagekv.connector import KeyNamespace, KVConnector, KVGeometry
 from pagekv.store import AsyncStoreClient, ClientConfig, StoreClient
 from pagekv.store.launch import start_nodes
-from pagekv.store.memory import tune_malloc_for_blocks
+from pagekv.store.node.memory import tune_malloc_for_blocks
 
 
 def sync() -> None:

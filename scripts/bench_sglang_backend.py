@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +28,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _bench_util import git_commit  # noqa: E402
 
 from pagekv.connector.sglang.pages import PoolPages  # noqa: E402
 from pagekv.store import StoreClient  # noqa: E402
@@ -101,7 +102,7 @@ def measure(stack: st.Stack, address: str, args: argparse.Namespace) -> dict:
     return {
         "bench": "sglang_backend",
         "date": datetime.date.today().isoformat(),
-        "commit": _commit(),
+        "commit": git_commit(),
         "machine": f"{platform.node()} ({os.cpu_count()} cores)",
         "page_bytes": batch_bytes // 128,
         "pages": n,
@@ -109,15 +110,6 @@ def measure(stack: st.Stack, address: str, args: argparse.Namespace) -> dict:
         "gbps": {name: batch_bytes / m / 1e9 for name, m in medians.items()},
         "ratio_backend_to_client": medians["client"] / medians["backend"],
     }
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                             capture_output=True, text=True, check=True)  # fmt: skip
-        return os.environ.get("PAGEKV_COMMIT", out.stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("PAGEKV_COMMIT", "unknown")
 
 
 if __name__ == "__main__":

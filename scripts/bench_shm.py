@@ -5,15 +5,13 @@ count), all in the same run, round after round; medians reported.
 
     python scripts/bench_shm.py [--blocks 64] [--block-size 2MiB] [--rounds 7] [--save]
                                 [--chunks-kib 256,1024,2048] [--native on|off|both]
-                                [--batch on|off|both]
 
-``--chunks-kib``: the checked copy's chunk (``pagekv.store.copies.CHUNK_BYTES``) to compare,
+``--chunks-kib``: the checked copy's chunk (``pagekv.store.wire.copies.CHUNK_BYTES``) to compare,
 shm and TCP rows per chunk size (the first is the headline), plus a "copy+hash" ceiling (the
 reader's threads copying then hashing each block: the two-pass work with no store around it).
-``--native``: the checked copy in C (``pagekv.store.native``, ``PAGEKV_NATIVE_COPY=on``), the
+``--native``: the checked copy in C (``pagekv.store.wire.native``, ``PAGEKV_NATIVE_COPY=on``), the
 numpy path (``off``) or both, rows ``shm_<native|numpy>_c<chunk>`` (the chunk applies to the
-numpy path only); ``--batch``: with native, a chunk of values in one call on the reader's
-threads (``on``, the default) or one call per value on the reader's pool (``off``).
+numpy path only).
 """
 
 from __future__ import annotations
@@ -28,8 +26,9 @@ import numpy as np
 from _bench_util import parse_args, write_result
 from xxhash import xxh3_64_intdigest
 
-from pagekv.store import Status, StoreClient, copies, native, parse_size, shm_reader
+from pagekv.store import ClientConfig, Status, StoreClient, parse_size
 from pagekv.store.launch import NodeProcess
+from pagekv.store.wire import copies, native
 
 
 def memcpy_seconds(src: list[np.ndarray], dst: list[np.ndarray], pool) -> float:
@@ -69,15 +68,12 @@ def main() -> None:
     ap.add_argument("--chunks-kib", type=lambda s: [int(x) for x in s.split(",")],
                     default=[copies.CHUNK_BYTES >> 10])  # fmt: skip
     ap.add_argument("--native", choices=["on", "off", "both"], default="both")
-    ap.add_argument("--batch", choices=["on", "off", "both"], default="on")
     ap.add_argument("--more-threads", type=lambda s: [int(x) for x in s.split(",")], default=[],
                     help="also time the shortcut with these reader thread counts (native, "
                     "first chunk), each against the memcpy ceiling of as many threads")  # fmt: skip
     args = parse_args(ap)
     natives = {"on": ["native"], "off": ["numpy"], "both": ["native", "numpy"]}[args.native]
-    batches = {"on": [True], "off": [False], "both": [True, False]}[args.batch]
-    variants = [(m, b) for m in natives for b in (batches if m == "native" else [True])]
-    label = {(m, b): m + ("" if b or m == "numpy" else "_nobatch") for m, b in variants}
+    label = {mode: mode for mode in natives}
     if "native" in natives:
         os.environ["PAGEKV_NATIVE_COPY"] = "on"
         native.load()  # built before anything is timed
@@ -89,9 +85,10 @@ def main() -> None:
     keys = [f"bench-shm-{i}".encode() for i in range(n)]
     into = [bytearray(size) for _ in range(n)]  # touched once: like pinned pages, no faults
     dst = [np.frombuffer(b, dtype=np.uint8) for b in into]
-    fast, tcp = StoreClient(node.address), StoreClient(node.address)
-    shm_reader.disable(tcp.router)
-    threads = shm_reader.reader_for(fast.router).workers
+    fast = StoreClient(node.address)
+    tcp = StoreClient(node.address, config=ClientConfig((node.address,), shm=False))
+    reader = fast._client._shm  # the same-host transport: its copy threads
+    threads = reader.workers
     pool = ThreadPoolExecutor(threads)
     rows: dict[str, list[float]] = {"memcpy_1": [], f"memcpy_{threads}": [], "copy+hash": []}
     for name in label.values():
@@ -109,9 +106,8 @@ def main() -> None:
             rows["memcpy_1"].append(memcpy_seconds(blocks, dst, None))
             rows[f"memcpy_{threads}"].append(memcpy_seconds(blocks, dst, pool))
             rows["copy+hash"].append(copy_hash_seconds(blocks, dst, pool))
-            for (mode, batch), name in label.items():
+            for mode, name in label.items():
                 os.environ["PAGEKV_NATIVE_COPY"] = "on" if mode == "native" else "off"
-                shm_reader.BATCH = batch
                 for chunk in args.chunks_kib:
                     copies.CHUNK_BYTES = chunk << 10
                     into[0][:8] = b"\0" * 8
@@ -119,7 +115,6 @@ def main() -> None:
                     if bytes(into[0][:64]) != blocks[0][:64].tobytes():
                         raise RuntimeError("shm get returned wrong bytes")
                     rows[f"tcp_{name}_c{chunk}"].append(get_seconds(tcp, keys, into))
-            reader, shm_reader.BATCH = shm_reader.reader_for(fast.router), True
             os.environ["PAGEKV_NATIVE_COPY"] = "on"
             copies.CHUNK_BYTES = args.chunks_kib[0] << 10
             for t in more:
@@ -149,7 +144,7 @@ def main() -> None:
               "shm_over_memcpy_n": gbps["shm"] / gbps[f"memcpy_{threads}"],
               "shm_over_tcp": gbps["shm"] / gbps["tcp"],
               "node_locates": node_stats["op_locate"], "native": args.native,
-              "batch": args.batch, "over_memcpy": over}  # fmt: skip
+              "over_memcpy": over}  # fmt: skip
     print(f"{n} x {size >> 10} KiB, {os.cpu_count()} cores, reader threads {threads}, "
           f"median of {args.rounds} rounds (GB/s):")  # fmt: skip
     for name, value in gbps.items():

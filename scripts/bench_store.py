@@ -3,6 +3,9 @@
 * headline: 64 blocks of 2 MiB, put then get into preallocated buffers, fresh keys per round,
   one stream (``StoreClient(streams=1)``); each round also times the raw 1-stream TCP socket
   ceiling (scripts/_ceilings.py), and the ratio is the median of per-round ratios;
+* user: what a user's ``put_many``/``get_many`` of 32 x 2 MiB (64 MiB) moves with the default
+  ``StoreClient`` and a default node, the values and destinations allocated anew every round
+  (as a caller's are), against the hot 1-stream TCP ceiling of the same rounds;
 * streams: the host's K-stream TCP ceilings (K process pairs) and K-thread memcpy ceilings for
   K = 1, 2, 4, 8, and ``AsyncStoreClient(streams=K)`` (the connector's client) put/get GB/s of
   the same 64 x 2 MiB against a node with K I/O threads; ratios to the K-stream and 1-stream
@@ -12,9 +15,11 @@
 * peers (Redis, Mooncake Store TCP, a naive ZeroMQ store) on the same workload, in the same run,
   when ../shared/peers/setup.sh has installed them;
 * put/get GB/s over block sizes 256 KiB-8 MiB and batches 1-128;
-* EXISTS latency for 1,024 keys; node RSS against capacity under a put stream of 3x capacity.
+* EXISTS latency for 1,024 keys; node RSS against capacity under a put stream of 3x capacity
+  (``peak_over_capacity``: the node's peak RSS over its RSS at start, in capacities).
 
     python scripts/bench_store.py [--quick] [--save]     # --save: into benchmarks/results/
+    python scripts/bench_store.py --only user,rss         # some sections
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from _ceilings import memcpy_ceiling, tcp_ceiling
 
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
 from pagekv.store.launch import NodeProcess
-from pagekv.store.memory import tune_malloc_for_blocks
+from pagekv.store.node.memory import tune_malloc_for_blocks
 
 PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
 MIB = 1 << 20
@@ -78,6 +83,35 @@ def headline(args) -> dict:
     return dict(median=med, rounds=rows)
 
 
+def user_rounds(args) -> dict:
+    """A user's put_many/get_many of 32 x 2 MiB with the default client (its streams, copy
+    pool and transports) and fresh buffers each round, against the 1-stream TCP ceiling."""
+    size, n = 2 * MIB, 32
+    node = NodeProcess("--capacity", "1GiB").start()
+    rows = []
+    with StoreClient(node.address, timeout_s=30) as client:
+        for r in range(args.rounds + 1):  # the first warms the links, the node and the pools
+            blocks = [os.urandom(size) for _ in range(n)]
+            into = [bytearray(size) for _ in range(n)]
+            put, get = put_get_round(client, blocks, into, f"user{r}")
+            if into[-1] != blocks[-1]:
+                raise RuntimeError("user round: the last value came back wrong")
+            if r == 0:
+                continue
+            tcp_put, tcp_get = tcp_ceiling(1, size, n, 1)
+            gb = size * n / 1e9
+            rows.append(dict(put_gbps=gb / put, get_gbps=gb / get, tcp_put_gbps=tcp_put,
+                             tcp_get_gbps=tcp_get))  # fmt: skip
+        config = client.config
+    node.stop()
+    med = {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
+    med["put_ratio"] = round(statistics.median(r["put_gbps"] / r["tcp_put_gbps"] for r in rows), 3)
+    med["get_ratio"] = round(statistics.median(r["get_gbps"] / r["tcp_get_gbps"] for r in rows), 3)
+    med.update(streams=config.streams, copy_threads=config.copy_threads, cores=os.cpu_count())
+    print(f"user 32 x 2 MiB, fresh buffers: {med}", flush=True)
+    return dict(median=med, rounds=rows)
+
+
 async def _async_rounds(client, blocks: list, into: list, rounds: int, warmed=None) -> list[tuple]:
     """(put s, get s) of each round after a first that warms the links and the node;
     ``warmed`` (if given) is called once that first round is done."""
@@ -115,14 +149,12 @@ def streams_rows(args) -> dict:
                                copy_threads=args.copy_threads)  # fmt: skip
             client = AsyncStoreClient(node.address, config=cfg)
             copy_threads = client.config.copy_threads
-            # PUTs take the lane only with bulk_puts (config.default_bulk_puts), else ZeroMQ
-            puts = "bulk" if path == "bulk" and client.config.bulk_puts else "zmq"
             times = asyncio.run(_async_rounds(client, blocks, into, args.rounds))
             client.close()
             node.stop()
             put = gb / statistics.median(t[0] for t in times)
             get = gb / statistics.median(t[1] for t in times)
-            rows.append(dict(streams=k, path=path, puts=puts, cores=cores,
+            rows.append(dict(streams=k, path=path, cores=cores,
                              copy_threads=copy_threads,
                              put_gbps=round(put, 3), get_gbps=round(get, 3),
                              tcp_put_gbps=round(tcp_put, 3), tcp_get_gbps=round(tcp_get, 3),
@@ -249,7 +281,7 @@ def main() -> None:
     )
     ap.add_argument("--copy-threads", type=int, default=None, help="client copy pool (streams)")
     ap.add_argument("--only", type=lambda s: s.split(","),
-                    default=["headline", "streams", "peers", "exists", "rss", "grid"],
+                    default=["headline", "user", "streams", "peers", "exists", "rss", "grid"],
                     help="sections to run, comma-separated")  # fmt: skip
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--default-malloc", action="store_true", help="client: glibc defaults")
@@ -262,8 +294,9 @@ def main() -> None:
     env = environment()
     print(f"# {env['device']}, {env['cpu_count']} cpus, commit {env['commit']}", flush=True)
     peers = (lambda a: {}) if args.skip_peers else peer_rows
-    sections = {"headline": headline, "streams": streams_rows, "peers": peers,
-                "exists": exists_latency, "rss": rss_under_stream, "grid": grid}  # fmt: skip
+    sections = {"headline": headline, "user": user_rounds, "streams": streams_rows,
+                "peers": peers, "exists": exists_latency, "rss": rss_under_stream,
+                "grid": grid}  # fmt: skip
     result = {name: fn(args) for name, fn in sections.items() if name in args.only}
     reason = "no raw-TCP peer measured (peers not installed or --skip-peers)"
     print(f"wrote {write_result('bench_store', result, nan_reason=reason)}")

@@ -25,7 +25,7 @@ import torch
 from pagekv.connector import KeyNamespace, KVConnector, KVGeometry
 from pagekv.store import AsyncStoreClient, ClientConfig
 from pagekv.store.launch import start_nodes
-from pagekv.store.memory import tune_malloc_for_blocks
+from pagekv.store.node.memory import tune_malloc_for_blocks
 
 
 def thread_times(pids: tuple[int, ...] = ()) -> dict[str, tuple[str, int]]:

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 from pagekv.store import AsyncStoreClient, ClientConfig, Status
 from pagekv.store.launch import NodeProcess
-from pagekv.store.memory import tune_malloc_for_blocks
+from pagekv.store.node.memory import tune_malloc_for_blocks
 
 TICK = os.sysconf("SC_CLK_TCK")
 

@@ -1,9 +1,9 @@
-"""PNG of the streams section of ``bench_store.py``: GB/s against streams per node, for the bulk
-lane's and ZeroMQ's GETs and PUTs (a row's ``puts`` says where its PUTs went), with the hot and
+"""PNG of the streams section of ``bench_store.py``: GB/s against streams per node, for GETs over
+the bulk lane and over ZeroMQ and for PUTs (ZeroMQ in both rows of a K), with the hot and
 cold K-stream TCP ceilings of the same run (left), and each as a fraction of the hot ceiling
 with the issue's targets (right).
 
-python scripts/plot_streams.py [benchmarks/results/bench_store_streams_<commit>.json] [out.png]
+python scripts/plot_streams.py [benchmarks/results/bench_store_streams.json] [out.png]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 
 def main() -> None:
     root = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-    src = Path(sys.argv[1]) if len(sys.argv) > 1 else root / "bench_store_streams_cac739a.json"
+    src = Path(sys.argv[1]) if len(sys.argv) > 1 else root / "bench_store_streams.json"
     out = Path(sys.argv[2]) if len(sys.argv) > 2 else src.with_suffix(".png")
     data = json.loads(src.read_text())
     rows = data["streams"]["rows"]
@@ -28,9 +28,7 @@ def main() -> None:
                for path in ("bulk", "zmq")}  # fmt: skip
     ref = by_path["zmq"] or by_path["bulk"]  # the ceilings are the same for both paths
     ks = [r["streams"] for r in ref]
-    # rows before the "puts" field sent every PUT over ZeroMQ
-    lane_puts = any(r.get("puts") == "bulk" for r in by_path["bulk"])
-    bulk_put = "put, bulk lane" if lane_puts else "put, ZeroMQ (run 2)"
+    bulk_put = "put, ZeroMQ (run 2)"
     # (label, GB/s per K, style): each path's rows, the ones it has
     series = [
         ("TCP ceiling, hot (get)", [r["tcp_get_gbps"] for r in ref], "k--"),

@@ -14,9 +14,9 @@ import zmq.auth
 
 import pagekv
 from pagekv.store import NodeConfig, StoreClient
-from pagekv.store.auth import write_keypair
-from pagekv.store.cli_serve import check_node
-from pagekv.store.settings import Setting, format_size, memory_limit, resolve
+from pagekv.store.cli.serve import check_node
+from pagekv.store.cli.settings import Setting, format_size, memory_limit, resolve
+from pagekv.store.node.auth import write_keypair
 from tests.cli_helpers import Node, run_cli
 
 pytestmark = pytest.mark.slow
@@ -52,8 +52,9 @@ BAD_INPUTS = [
     (["serve", "--capacity", "10"], {}, "below the 1 MiB minimum", 2),
     (["serve", "--capacity", "lots"], {}, "--capacity: not a size: 'lots'", 2),
     (["serve", "--capacity", TOO_MUCH], {}, "more than this machine's memory", 2),
-    (["serve", "--max-message-size", "100", "--max-block-size", "64"], {},
-     "cannot hold one block header", 2),
+    (["serve", "--max-message-size", "1MiB"], {},
+     "--max-block-size (33554432) must be <= max_message_size (1048576)", 2),
+    (["serve", "--endpoint", "nowhere"], {}, "not an endpoint: 'nowhere'", 2),
     (["serve", "--port", "70000"], {}, "--port must be in [0, 65536)", 2),
     (["serve", "--curve-secret-key", "x.key_secret"], {}, "go together", 2),
     (["serve", "--log-level", "loud"], {}, "--log-level 'loud'", 2),
@@ -63,7 +64,8 @@ BAD_INPUTS = [
     (["cluster", "--nodes", "2", "--capacity", str(memory_limit() // 2 + (1 << 20))], {},
      "2 nodes x", 2),
     (["cluster", "--base-port", "65535", "--nodes", "3"], {}, "--base-port 65535 + 3 nodes", 2),
-    (["stats", "localhost:7400"], {}, "not a tcp:// or ipc:// endpoint", 2),
+    (["stats", "localhost"], {}, "not an endpoint: 'localhost' (host:port", 2),
+    (["ping", "tcp://127.0.0.1:99999"], {}, "not an endpoint: 'tcp://127.0.0.1:99999'", 2),
     (["ping", "--count", "0", "tcp://127.0.0.1:1"], {}, "--count must be >= 1", 2),
     (["keygen", "keys", "a/b"], {}, "no path separators", 2),
 ]  # fmt: skip
@@ -140,9 +142,10 @@ def test_non_loopback_without_curve_warns_and_loopback_does_not():
     assert not warns(endpoint="ipc:///tmp/pagekv-test.sock")
 
 
-def test_log_lines_have_level_and_logger_name():
-    node = Node("--capacity", "8MiB")
+def test_log_lines_have_level_and_logger_name_and_defaults_warn_of_nothing():
+    node = Node("--capacity", "64MiB")
     assert node.stop() == 0
+    assert not [line for line in node.lines if " WARNING " in line], node.lines
     lines = [line for line in node.lines if not line.startswith("pagekv node ready")]
     assert lines and all(
         re.match(r"\d{4}-\d\d-\d\d [\d:,]+ (DEBUG|INFO|WARNING|ERROR) pagekv\.[\w.]+: ", line)
@@ -166,10 +169,16 @@ def test_stats_table_json_and_ping():
         ok, down = doc["nodes"]
         assert ok["ok"] and ok["stats"]["blocks"] == 3 and ok["stats"]["bytes"] == truth["bytes"]
         assert not down["ok"] and down["error"] == "unreachable" and down["endpoint"] == dead
-        ping = run_cli("ping", node.address)
+        bare = node.address.removeprefix("tcp://")  # host:port, as operators type it
+        ping = run_cli("ping", bare)
         assert ping.returncode == 0 and re.fullmatch(
             rf"{re.escape(node.address)} ok [\d.]+ ms \(median of 3; .*\)\n", ping.stdout
         ), ping.stdout
+        table = run_cli("stats", bare, "--timeout", "3")
+        assert table.returncode == 0 and table.stdout.splitlines()[1].split()[:2] == [
+            node.address,
+            "3",
+        ]
         ping = run_cli("ping", "--count", "1", dead, "--timeout", "3")
         assert ping.returncode == 1 and ping.stdout.startswith(f"{dead} unreachable")
     finally:

@@ -8,7 +8,7 @@ import re
 import pytest
 import zmq.auth
 
-from pagekv.store.auth import write_keypair
+from pagekv.store.node.auth import write_keypair
 from tests.cli_helpers import Node, Proc, run_cli
 
 pytestmark = pytest.mark.slow

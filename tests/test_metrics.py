@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagekv.connector import KeyNamespace, KVConnector, KVGeometry, KVIndex
 from pagekv.connector.metrics import StatsCollector, register_stats, serve_stats
 from pagekv.store import ClientConfig, NodeConfig, StoreClient, StoreNode
-from pagekv.store.metrics import MetricsServer, node_metrics, ping_health
-from pagekv.store.probe import probe
-from pagekv.store.protocol import Code, Op, Request, Status, decode_reply, encode_request
+from pagekv.store.client.probe import probe
+from pagekv.store.node.metrics import MetricsServer, node_metrics, ping_health
+from pagekv.store.wire.protocol import Code, Op, Request, Status, decode_reply, encode_request
 from tests.cli_helpers import Node, wait_for
 
 GEO = KVGeometry(2, 4, 2, 8, "bf16")
@@ -186,7 +186,7 @@ def test_dead_store_is_logged_counted_and_exported(caplog):
     config = ClientConfig((dead,), timeout_s=0.2)
     index = KVIndex(KeyNamespace("metrics-model", GEO), config, lookup_timeout_s=2.0)
     try:
-        with caplog.at_level(logging.WARNING, logger="pagekv.store.routing"):
+        with caplog.at_level(logging.WARNING, logger="pagekv.store.client.routing"):
             assert index.lookup(list(range(16))) == 0
             wait_for(lambda: index.stats()["store"]["node_failures"] >= 1, 5, "a node failure")
         assert any(dead in r.getMessage() and r.levelno == logging.WARNING

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 import pagekv
-from pagekv.store.settings import tomllib
+from pagekv import env
+from pagekv.store.cli.settings import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-NATIVE_SOURCES = tuple(f"pagekv/store/csrc/{name}" for name in (
+NATIVE_SOURCES = tuple(f"pagekv/store/wire/csrc/{name}" for name in (
     "copy_verify.c", "third_party/xxhash/xxhash.h", "third_party/xxhash/LICENSE"))  # fmt: skip
 NO_TORCH = "import sys; sys.modules['torch'] = None\n"
 
@@ -30,7 +31,8 @@ def run_py(code, **kw):
 
 def test_store_and_cli_run_without_torch_and_the_rest_says_what_to_install():
     code = NO_TORCH + (
-        "import pagekv.store, pagekv.store.cli, pagekv.store.metrics, pagekv.store.settings\n"
+        "import pagekv.store, pagekv.store.cli, pagekv.store.node.metrics\n"
+        "import pagekv.store.cli.settings\n"
         "assert sys.modules['torch'] is None\n"
         "for name in ('pagekv.connector', 'pagekv.kernels', 'pagekv.geometry'):\n"
         "    try:\n"
@@ -95,7 +97,7 @@ def test_sdist_and_wheel_contents_and_no_build_warnings(dist):
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    os.environ.get("PAGEKV_OFFLINE") == "1",
+    env.OFFLINE.get(),
     reason="installs the wheel's dependencies from the package index, and PAGEKV_OFFLINE=1 says "
     "there is none (scripts/gpu_check.sh sets it: the GPU machine has no network)",
 )
@@ -115,8 +117,8 @@ def test_wheel_installs_and_runs_without_torch(dist, tmp_path):
                              capture_output=True, text=True, timeout=60)  # fmt: skip
     assert version.stdout.strip() == f"pagekv {pagekv.__version__}"
     if shutil.which(os.environ.get("CC") or "cc"):  # the native copy builds from the wheel's files
-        build = subprocess.run([str(py), "-c", "import sys, pathlib; from pagekv.store import "
-                                "native; print(native.build_library(directory=pathlib.Path("
+        build = subprocess.run([str(py), "-c", "import sys, pathlib; from pagekv.store.wire "
+                                "import native; print(native.build_library(directory=pathlib.Path("
                                 "sys.argv[1])))", str(tmp_path / "cache")], capture_output=True,
                                text=True, timeout=300, cwd=tmp_path)  # fmt: skip
         assert build.returncode == 0 and Path(build.stdout.strip()).is_file(), build.stderr

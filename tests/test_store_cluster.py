@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from pagekv.store import ClientConfig, Status, StoreClient, operations
+from pagekv.store import ClientConfig, Status, StoreClient
+from pagekv.store.client import operations
 from pagekv.store.launch import NodeProcess
-from pagekv.store.protocol import checksum_frames
+from pagekv.store.wire.protocol import checksum_frames
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow

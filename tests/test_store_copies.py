@@ -1,6 +1,7 @@
-"""Checked copies (pagekv.store.copies) and the clients' copy pool: values checked and copied on
-pool threads are right on fresh random data, misses are counted, a node verifies large PUTs on
-its pool, and a call never returns while a pool thread still writes into the caller's buffers.
+"""Checked copies (pagekv.store.wire.copies) and the clients' copy pool: values checked and
+copied on pool threads are right on fresh random data, misses are counted, a node verifies large
+PUTs on its pool, and a call never returns while a pool thread still writes into the caller's
+buffers.
 Real node processes. The clients here use ZeroMQ only (``bulk=False``): it is the path these
 copies serve (the bulk lane receives in place; tests/test_store_bulk.py)."""
 
@@ -13,20 +14,13 @@ import threading
 import numpy as np
 import pytest
 
-from pagekv.store import (
-    AsyncStoreClient,
-    ClientConfig,
-    Status,
-    StoreClient,
-    async_client,
-    copies,
-    native,
-    operations,
-)
+from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
+from pagekv.store.client import operations, zeromq
 from pagekv.store.config import NodeConfig, default_copy_threads
-from pagekv.store.copies import copy_checksum, shared_pool
 from pagekv.store.launch import NodeProcess
-from pagekv.store.protocol import checksum_frames
+from pagekv.store.wire import copies, native
+from pagekv.store.wire.copies import copy_checksum, shared_pool
+from pagekv.store.wire.protocol import checksum_frames
 from tests.helpers import POISON, as_bytes, poisoned_like
 
 
@@ -215,7 +209,7 @@ async def test_a_call_never_returns_while_its_pool_still_copies(node_proc, monke
     try:
         assert await client.put_many(keys, values) == [Status.OK] * len(keys)
         monkeypatch.setattr(operations, "copy_checksum", held_copy)
-        monkeypatch.setattr(async_client.concurrent.futures, "wait", waiting)
+        monkeypatch.setattr(zeromq.concurrent.futures, "wait", waiting)
         into = [bytearray([POISON]) * len(v) for v in values]
         got = await client.get_many(keys, into=into)
         with lock:
@@ -251,8 +245,9 @@ def test_node_advertises_a_port_per_io_thread_and_streams_use_them():
             assert client.put_many(keys, values) == [Status.OK] * len(keys)  # PINGs first
             ports = client.stats()[0]["stream_ports"]
             assert len(ports) == 3 and len(set(ports)) == 3
-            assert client.router.stream_ports[0] == ports
-            endpoints = sorted(link.endpoint for link in client._links[0])
+            zmq_links = client._client._zmq
+            assert zmq_links._ports[0] == ports
+            endpoints = sorted(link.endpoint for link in zmq_links._links[0])
             assert endpoints == sorted(f"tcp://127.0.0.1:{p}" for p in ports)
             into = [bytearray([POISON]) * len(v) for v in values]
             assert client.get_many(keys, into=into) == [True] * len(keys)
@@ -268,7 +263,7 @@ def test_no_stream_ports_when_turned_off():
         with StoreClient(node.address, config=cfg) as client:
             assert client.stats()[0]["stream_ports"] == []
             assert client.put_many([b"k" * 16], [b"v" * 100]) == [Status.OK]
-            assert {link.endpoint for link in client._links[0]} == {node.address}
+            assert {link.endpoint for link in client._client._zmq._links[0]} == {node.address}
     finally:
         node.stop()
 
@@ -286,15 +281,15 @@ async def test_unreachable_stream_ports_fall_back_to_the_main_port():
         try:
             assert await client.ping() == [True]
             dead = [free_port(), free_port()]
-            client.router._learn_ports(0, dead)  # as if the node had advertised them
-            assert {link.endpoint for link in client._links[0]} == {
+            client._zmq.take(0, dead)  # as if the node had advertised them
+            assert {link.endpoint for link in client._zmq._links[0]} == {
                 f"tcp://127.0.0.1:{p}" for p in dead
             }
             deadline = asyncio.get_running_loop().time() + 15
             while await client.put_many([b"k" * 16], [b"v" * 64]) != [Status.OK]:
                 assert asyncio.get_running_loop().time() < deadline, "no fallback"
-            assert client.router.stream_ports[0] == []
-            assert {link.endpoint for link in client._links[0]} == {node.address}
+            assert client._zmq._ports[0] == []
+            assert {link.endpoint for link in client._zmq._links[0]} == {node.address}
         finally:
             client.close()
     finally:
@@ -323,12 +318,12 @@ async def test_a_retired_link_is_closed_only_when_idle():
             keys = [rng.randbytes(16) for _ in range(32)]
             values = [rng.randbytes(512 << 10) for _ in keys]
             assert await client.put_many(keys, values) == [Status.OK] * len(keys)
-            old = list(client._links[0])
+            old = list(client._zmq._links[0])
             into = [bytearray(len(v)) for v in values]
             call = asyncio.ensure_future(client.get_many(keys, into=into))
             while not any(link.inflight for link in old):  # the get holds the old links
                 await asyncio.sleep(0)
-            client.router._learn_ports(0, list(reversed(client.router.stream_ports[0])))
+            client._zmq.take(0, list(reversed(client._zmq._ports[0])))
             assert all(link.retired for link in old)
             assert await call == [True] * len(keys)
             assert [bytes(b) for b in into] == values

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
-from pagekv.store.routing import Router
+from pagekv.store.client.routing import Router
 from tests.store_fakes import TamperingProxy, black_hole
 from tests.test_store_node import Running
 
@@ -261,9 +261,9 @@ def test_a_socket_failing_mid_send_is_a_failed_request_never_an_exception(node, 
     """A send that fails past its first frame (the peer gone mid-message: EFAULT from libzmq)
     may leave part of a message in the socket: the request fails, the socket is replaced, and
     the next call goes through on the new one."""
-    from pagekv.store import client as client_module
+    from pagekv.store.client import zeromq
 
-    real, fails = client_module._send_request, [1]
+    real, fails = zeromq._send, [1]
 
     def breaking(sock, call):
         if fails[0]:
@@ -275,7 +275,7 @@ def test_a_socket_failing_mid_send_is_a_failed_request_never_an_exception(node, 
     cfg = ClientConfig((node.address,), timeout_s=3, bulk=False)  # a ZeroMQ socket's failure
     with StoreClient(node.address, config=cfg) as client:
         assert client.put_many(keys, [b"v"] * 3) == [Status.OK] * 3
-        monkeypatch.setattr(client_module, "_send_request", breaking)
+        monkeypatch.setattr(zeromq, "_send", breaking)
         assert client.get_many(keys) == [None] * 3
         assert client.counters["send_errors"] == 1
         client.router.health[0].down_until = 0.0  # its back-off over: the next call goes to it

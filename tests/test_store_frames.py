@@ -10,9 +10,8 @@ import xxhash
 import zmq
 
 from pagekv.store import AsyncStoreClient, Code, Status, StoreClient
-from pagekv.store.block_store import block_cost
-from pagekv.store.handlers import SHARED_BUFFER_BYTES
-from pagekv.store.protocol import checksum_frames
+from pagekv.store.node.block_store import block_cost
+from pagekv.store.wire.protocol import SHARED_BUFFER_BYTES, checksum_frames
 from tests.test_store_node import Running, ask, raw_socket
 
 

@@ -12,9 +12,9 @@ import time
 import pytest
 import zmq
 
-from pagekv.store import NodeConfig, Status, StoreClient
+from pagekv.store import ClientConfig, NodeConfig, Status, StoreClient
 from pagekv.store.launch import NodeProcess
-from pagekv.store.memory import minor_faults
+from pagekv.store.node.memory import minor_faults
 from tests.helpers import wait_until
 from tests.store_fakes import pack
 from tests.zmtp_raw import RawPeer
@@ -284,3 +284,24 @@ def test_a_node_reuses_freed_block_memory_without_faulting_it_again(io_threads):
         assert max(per_round[2:]) < 0.1, per_round
     finally:
         node.stop()
+
+
+def test_blocks_and_requests_on_their_way_stay_within_the_capacity():
+    """A node fed 2 MiB blocks by a client with 4 streams (4 requests of 16 MiB in flight at
+    once, as on a 16-core host) keeps room for what is on its way in: its RSS peaks within
+    capacity + 10% (without that room it peaked at 1.15-1.24x of a 256 MiB capacity)."""
+    capacity = 256 * MIB
+    w = Watched("--capacity", str(capacity), "--io-threads", "4")
+    try:
+        data = [os.urandom(2 * MIB) for _ in range(16)]
+        cfg = ClientConfig((w.node.address,), timeout_s=30, streams=4)
+        with StoreClient(w.node.address, config=cfg) as client:
+            for i in range(3 * capacity // (32 * MIB)):
+                keys = [f"flow-{i}-{j}".encode() for j in range(16)]
+                assert client.put_many(keys, data) == [Status.OK] * 16
+                w.sample()
+            stats = client.stats()[0]
+        report("3x capacity of 2 MiB blocks over 4 streams", w, evictions=stats["evictions"])
+        assert stats["evictions"] > 0 and w.peak <= 1.1 * capacity
+    finally:
+        w.stop()

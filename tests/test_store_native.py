@@ -1,10 +1,10 @@
-"""The native checked copy (pagekv.store.native): digests equal xxhash's XXH3-64 of the bytes
+"""The native checked copy (pagekv.store.wire.native): digests equal xxhash's XXH3-64 of the bytes
 written, on fresh random data of many sizes, pieces and threads; bad buffers raise typed errors
 before anything is copied; PAGEKV_NATIVE_COPY off / on / auto with a broken compiler; two
 processes building into one fresh cache end with one library. The native receive
-(``recv_verify``), in place and staged through a ring: bytes and digests exact over a socket in
-any chunk size, a peer that closes or stalls (what arrived is in place), a shutdown from another
-thread, bad input refused before a byte is read."""
+(``recv_verify``): bytes and digests exact over a socket in any chunk size and alignment, a
+peer that closes or stalls (what arrived is in place), a shutdown from another thread, bad
+input refused before a byte is read."""
 
 import logging
 import mmap
@@ -23,7 +23,7 @@ import xxhash
 import zmq
 
 from pagekv.errors import NativeCopyUnavailable
-from pagekv.store import copies, native
+from pagekv.store.wire import copies, native
 from tests.helpers import POISON
 
 pytestmark = pytest.mark.skipif(
@@ -147,20 +147,9 @@ def _send_in_thread(sock: socket.socket, data: list[bytes]) -> threading.Thread:
     return thread
 
 
-def _receiver(lib, staged: bool):
-    """``lib.recv_verify``, in place or staged through a ring of two chunks and a bit (the
-    smallest: every slot is reused as soon as the rules allow), poisoned, made per call."""
-
-    def call(fd: int, frames, counts, chunk_bytes: int = BLOCK):
-        ring = np.full(2 * chunk_bytes + 5, POISON, np.uint8) if staged else None
-        return lib.recv_verify(fd, frames, counts, chunk_bytes=chunk_bytes, ring=ring)
-
-    return call
-
-
-@pytest.fixture(params=["in place", "staged"])
-def receive(lib, request):
-    return _receiver(lib, request.param == "staged")
+@pytest.fixture
+def receive(lib):
+    return lib.recv_verify
 
 
 @pytest.mark.parametrize("chunk", [7, 4096, BLOCK, 8 << 20])
@@ -187,24 +176,9 @@ def test_recv_verify_lands_and_hashes_every_value_exactly(receive, rng, chunk):
 
 
 def test_recv_verify_into_frames_at_every_alignment(receive, rng):
-    """Frames that start at any offset from a cache line and end mid-line (the staged helper
-    streams whole aligned lines and copies the ends): exact bytes, nothing written around
-    them, exact digests; chunks of 4 KiB + 1 so that chunk starts drift too."""
-    _lands_at_every_alignment(receive, rng)
-
-
-def test_staged_receive_built_without_avx2_lands_exactly(fresh_cache, monkeypatch, rng):
-    """The library as a host without AVX2 builds it (the helper's SSE2 streaming stores)."""
-    monkeypatch.setattr(native, "CFLAGS", native.BASE_CFLAGS)
-    monkeypatch.setenv("PAGEKV_NATIVE_COPY", "auto")
-    lib = native.load()
-    if lib is None:
-        pytest.skip(f"native receive unavailable: {native.unavailable_reason()}")
-
-    _lands_at_every_alignment(_receiver(lib, staged=True), rng)
-
-
-def _lands_at_every_alignment(receive, rng) -> None:
+    """Frames that start at any offset from a cache line and end mid-line: exact bytes,
+    nothing written around them, exact digests; chunks of 4 KiB + 1 so that chunk starts
+    drift too."""
     sizes = [int(n) for n in rng.choice(SIZES[4:], 8)] + [BLOCK + 4099]
     offsets = [int(o) for o in rng.integers(1, 64, len(sizes))]
     data = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
@@ -295,17 +269,13 @@ def test_recv_verify_bad_input_refused_before_reading(lib):
                 lib.recv_verify(b.fileno(), frames, counts)
         with pytest.raises(ValueError, match="chunk_bytes"):
             lib.recv_verify(b.fileno(), [poisoned(10)], [1], chunk_bytes=0)
-        with pytest.raises(ValueError, match="need at least 2 chunks"):
-            lib.recv_verify(b.fileno(), [poisoned(10)], [1], chunk_bytes=4, ring=poisoned(7))
-        with pytest.raises(TypeError, match="ring is read-only"):
-            lib.recv_verify(b.fileno(), [poisoned(10)], [1], chunk_bytes=4, ring=bytes(8))
         frame = poisoned(10)  # every byte is still there to read
         assert lib.recv_verify(b.fileno(), [frame], [1]) == [xxh3(b"0123456789")]
         assert frame == b"0123456789"
 
 
 def _timeval(seconds: float) -> bytes:
-    from pagekv.store.bulk_wire import timeval
+    from pagekv.store.wire.lane import timeval
 
     return timeval(seconds)
 
@@ -356,7 +326,7 @@ def test_auto_with_a_broken_compiler_falls_back_and_says_so_once(fresh_cache, mo
     monkeypatch.setenv("CC", "/bin/false")
     native._log_once.cache_clear()
     src = os.urandom(3 << 20)
-    with caplog.at_level(logging.WARNING, logger="pagekv.store.native"):
+    with caplog.at_level(logging.WARNING, logger="pagekv.store.wire.native"):
         assert native.load() is None and native.load() is None
         target = memoryview(poisoned(len(src)))
         assert copies.copy_checksum([target], [src]) == xxh3(src) and target == src
@@ -377,7 +347,7 @@ def test_build_is_cached(fresh_cache):
 
 BUILDER = textwrap.dedent("""
     import sys
-    from pagekv.store import native
+    from pagekv.store.wire import native
     print("ready", flush=True)
     sys.stdin.readline()  # the parent starts both builds together
     lib = native.load()

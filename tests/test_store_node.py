@@ -20,7 +20,7 @@ from pagekv.store import (
     StoreNode,
     StoreUnavailable,
 )
-from pagekv.store.protocol import checksum
+from pagekv.store.wire.protocol import checksum
 from tests.helpers import bits_equal, wait_until
 
 
@@ -246,7 +246,7 @@ def test_probe_after_a_refused_handshake_says_so_and_never_blocks(certs):
     there waited until the test run's timeout. The probe reports the refusal instead."""
     from zmq.utils.monitor import recv_monitor_message
 
-    from pagekv.store import probe as probe_module
+    from pagekv.store.client import probe as probe_module
 
     running = Running(curve_secret_key=certs["server_sec"], curve_allow=certs["allow"])
     sock = zmq.Context.instance().socket(zmq.DEALER)

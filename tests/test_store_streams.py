@@ -10,7 +10,6 @@ import time
 import pytest
 
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
-from pagekv.store import config as config_module
 from pagekv.store.config import MAX_STREAMS, default_streams
 from pagekv.store.launch import NodeProcess
 from tests.helpers import POISON, as_bytes, poisoned_like
@@ -48,76 +47,20 @@ def test_streams_config_is_validated():
             ClientConfig(("tcp://127.0.0.1:1",), streams=bad)
 
 
-def test_staged_receive_defaults_to_where_cores_are_idle(monkeypatch):
-    """Auto: staged while 4 x nodes x streams fits the usable cores; the env var wins over
-    that; an explicit value wins over both; anything but a bool is refused."""
-    monkeypatch.delenv("PAGEKV_STAGED_RECEIVE", raising=False)
-    monkeypatch.setattr(config_module, "_usable_cores", lambda: 16)
-    one, three = ("tcp://127.0.0.1:1",), tuple(f"tcp://127.0.0.1:{p}" for p in (1, 2, 3))
-    assert ClientConfig(one, streams=4).staged_receive is True
-    assert ClientConfig(three, streams=4).staged_receive is False
-    assert ClientConfig(three, streams=1).staged_receive is True
-    monkeypatch.setattr(config_module, "_usable_cores", lambda: 2)
-    assert ClientConfig(one, streams=1).staged_receive is False
-    monkeypatch.setenv("PAGEKV_STAGED_RECEIVE", "1")
-    assert ClientConfig(one, streams=1).staged_receive is True
-    assert ClientConfig(one, streams=1, staged_receive=False).staged_receive is False
-    monkeypatch.setenv("PAGEKV_STAGED_RECEIVE", "0")
-    assert ClientConfig(three, streams=4, staged_receive=True).staged_receive is True
-    assert ClientConfig(one, streams=1).staged_receive is False
-    for bad in (1, "yes", 0.0):
-        with pytest.raises(ValueError, match="staged_receive"):
-            ClientConfig(one, staged_receive=bad)
-
-
-def test_node_staged_receives_default_and_validation(monkeypatch, capfd):
-    """A node receives lane PUTs in place unless PAGEKV_STAGED_RECEIVE=1 (then a quarter of its
-    cores' at once, at least one) or a count is given; a negative or non-int count is refused,
-    also from ``pagekv serve``'s flag."""
+def test_removed_lane_switches_are_gone(capfd):
+    """Staged receives and lane PUTs were removed: their config fields and the node's flag are
+    refused, not ignored."""
     from pagekv.store import NodeConfig
     from pagekv.store.cli import main as cli_main
 
-    monkeypatch.delenv("PAGEKV_STAGED_RECEIVE", raising=False)
-    monkeypatch.setattr(config_module, "_usable_cores", lambda: 16)
-    assert NodeConfig(port=0).staged_receives == 0
-    assert NodeConfig(port=0, staged_receives=3).staged_receives == 3
-    monkeypatch.setenv("PAGEKV_STAGED_RECEIVE", "1")
-    assert NodeConfig(port=0).staged_receives == 4
-    assert NodeConfig(port=0, staged_receives=0).staged_receives == 0
-    monkeypatch.setattr(config_module, "_usable_cores", lambda: 2)
-    assert NodeConfig(port=0).staged_receives == 1
-    monkeypatch.setenv("PAGEKV_STAGED_RECEIVE", "0")
-    assert NodeConfig(port=0).staged_receives == 0
-    for bad in (-1, 1.5, "2", True):
-        with pytest.raises(ValueError, match="staged_receives"):
-            NodeConfig(port=0, staged_receives=bad)
-    assert cli_main(["serve", "--port", "0", "--staged-receives", "-1"]) == 2
-    assert "staged-receives must be an int >= 0, got -1" in capfd.readouterr().err
-
-
-def test_bulk_puts_default_where_the_client_can_hash_ahead(monkeypatch):
-    """PUTs go over the lane by default where the client has a copy pool with a thread for each
-    lane connection (its hasher works one call ahead of each), over ZeroMQ otherwise;
-    PAGEKV_BULK_PUTS=1/0 or the field decides over that; anything but a bool is refused."""
-    one = ("tcp://127.0.0.1:1",)
-    three = tuple(f"tcp://127.0.0.1:{p}" for p in (1, 2, 3))
-    monkeypatch.delenv("PAGEKV_BULK_PUTS", raising=False)
-    assert ClientConfig(one, copy_threads=8, streams=4).bulk_puts is True
-    assert ClientConfig(three, copy_threads=8, streams=2).bulk_puts is True
-    assert ClientConfig(three, copy_threads=8, streams=4).bulk_puts is False  # 12 > 8
-    assert ClientConfig(one, copy_threads=1, streams=1).bulk_puts is False
-    monkeypatch.setattr(config_module, "_usable_cores", lambda: 2)  # no pool by default there
-    assert ClientConfig(one).copy_threads == 1 and ClientConfig(one).bulk_puts is False
-    monkeypatch.setattr(config_module, "_usable_cores", lambda: 16)
-    assert ClientConfig(one).bulk_puts is True
-    monkeypatch.setenv("PAGEKV_BULK_PUTS", "0")
-    assert ClientConfig(one, copy_threads=8).bulk_puts is False
-    assert ClientConfig(one, copy_threads=8, bulk_puts=True).bulk_puts is True
-    monkeypatch.setenv("PAGEKV_BULK_PUTS", "1")
-    assert ClientConfig(one, copy_threads=1).bulk_puts is True
-    for bad in (1, "yes", 0):
-        with pytest.raises(ValueError, match="bulk_puts"):
-            ClientConfig(one, bulk_puts=bad)
+    with pytest.raises(TypeError, match="staged_receives"):
+        NodeConfig(port=0, staged_receives=1)
+    for field in ("staged_receive", "bulk_puts"):
+        with pytest.raises(TypeError, match=field):
+            ClientConfig(("tcp://127.0.0.1:1",), **{field: True})
+    with pytest.raises(SystemExit):
+        cli_main(["serve", "--port", "0", "--staged-receives", "1"])
+    assert "unrecognized arguments: --staged-receives" in capfd.readouterr().err
 
 
 @pytest.mark.asyncio
@@ -135,7 +78,7 @@ async def test_async_streams_round_trip_random_data(node_proc):
         assert [as_bytes(b) for b in into] == [as_bytes(v) for v in values]
         views = await client.get_many(keys)
         assert [as_bytes(v) for v in views] == [as_bytes(v) for v in values]
-        used = [link for link in client._links[0] if link is not None and link.reader]
+        used = [link for link in client._zmq._links[0] if link is not None and link.loop]
         assert len(used) == 4, "the batch did not use every stream"
         absent = [rng.randbytes(16) for _ in range(20)]
         found = await client.exists_many(keys[:50] + absent + keys[50:60])
@@ -162,7 +105,7 @@ def test_blocking_streams_round_trip_random_data(node_proc):
         into = [poisoned_like(v) for v in values]
         assert client.get_many(keys, into=into) == [True] * len(keys)
         assert [as_bytes(b) for b in into] == [as_bytes(v) for v in values]
-        assert all(link is not None for link in client._links[0])
+        assert all(link is not None for link in client._client._zmq._links[0])
         assert client.delete_many(keys[:10]) == [True] * 10
         assert client.get_many(keys[:12]) == [None] * 10 + [as_bytes(v) for v in values[10:12]]
 
@@ -254,7 +197,7 @@ def test_closed_clients_leave_no_threads_or_sockets(node_proc):
         client = AsyncStoreClient(node_proc.address, streams=4, timeout_s=5)
         client.close()
     assert _threads() <= before + 4 + 2  # at most the async context's I/O threads (+ reaper)
-    assert client._links == {}
+    assert client._zmq._links == {}
 
 
 @pytest.mark.asyncio
@@ -275,12 +218,12 @@ async def test_reset_of_one_link_fails_only_its_requests():
 
         def reset_second_link(_i: int) -> None:
             if not resets:
-                resets.append(client._links[0][1])
-                client._reset(resets[0])
+                resets.append(client._zmq._links[0][1])
+                client._zmq._reset(resets[0])
 
         into = [bytearray([POISON]) * len(v) for v in values]
         ok = await client.get_many(keys, into=into, on_arrival=reset_second_link)
-        assert resets and resets[0].closed and client._links[0][1] is not resets[0]
+        assert resets and resets[0].closed and client._zmq._links[0][1] is not resets[0]
         assert len(keys) // 2 <= ok.count(True) < len(keys)
         for hit, buf, value in zip(ok, into, values):
             assert bytes(buf) == (value if hit else bytes([POISON]) * len(buf))
@@ -298,8 +241,8 @@ def test_a_put_s_requests_go_out_dealt_over_the_streams_in_turn(node_proc, monke
     writable yet may let the next one pass). When one stream's requests were all hashed and
     sent before the next stream's first (4 streams on the H100 host: the fourth began after
     42 ms of a 70 ms put), the streams ran one after the other."""
-    from pagekv.store import operations
-    from pagekv.store.protocol import checksum_frames
+    from pagekv.store.client import operations
+    from pagekv.store.wire.protocol import checksum_frames
 
     values = [os.urandom(64 << 10) for _ in range(32)]
     keys = [b"turn-%d" % i for i in range(len(values))]

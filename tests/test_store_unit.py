@@ -5,9 +5,10 @@ import pytest
 import zmq
 
 from pagekv.store import ClientConfig, Code, NodeConfig, Op, ProtocolError, Status, parse_size
-from pagekv.store.block_store import BLOCK_OVERHEAD, FRAME_OVERHEAD, BlockStore, block_cost
-from pagekv.store.guard import source_fd
-from pagekv.store.protocol import (
+from pagekv.store.client.routing import Router
+from pagekv.store.node.block_store import BLOCK_OVERHEAD, FRAME_OVERHEAD, BlockStore, block_cost
+from pagekv.store.node.guard import source_fd
+from pagekv.store.wire.protocol import (
     Reply,
     Request,
     decode_reply,
@@ -15,7 +16,6 @@ from pagekv.store.protocol import (
     encode_reply,
     encode_request,
 )
-from pagekv.store.routing import Router
 
 
 def test_request_round_trip():
@@ -140,11 +140,21 @@ def test_client_config_validation():
         ClientConfig(("tcp://127.0.0.1:1",), replicas=2)
     with pytest.raises(ValueError, match="distinct"):
         ClientConfig(("tcp://127.0.0.1:1", "tcp://127.0.0.1:1"))
-    with pytest.raises(ValueError, match="tcp://"):
-        ClientConfig(("127.0.0.1:1",))
+    for bad in ("127.0.0.1", "udp://127.0.0.1:1", "host:port", "127.0.0.1:65536", ":7400", ""):
+        with pytest.raises(ValueError, match="not an endpoint"):
+            ClientConfig((bad,))
     with pytest.raises(ValueError, match="timeout_s"):
         ClientConfig(("tcp://127.0.0.1:1",), timeout_s=0)
     assert ClientConfig("tcp://127.0.0.1:1").endpoints == ("tcp://127.0.0.1:1",)
+    # host:port is tcp://host:port, so both spellings shard alike (and are one node)
+    assert ClientConfig(("127.0.0.1:1", "[::1]:2", "ipc:///tmp/x")).endpoints == (
+        "tcp://127.0.0.1:1",
+        "tcp://[::1]:2",
+        "ipc:///tmp/x",
+    )
+    with pytest.raises(ValueError, match="distinct"):
+        ClientConfig(("127.0.0.1:1", "tcp://127.0.0.1:1"))
+    assert NodeConfig(endpoint="127.0.0.1:0").bind_address == "tcp://127.0.0.1:0"
 
 
 def test_rendezvous_is_stable_and_balanced():
@@ -167,3 +177,16 @@ def test_a_frame_without_a_source_descriptor_reads_none():
     there, never an error. Fails on f1eb0b9 (no source_fd; the node read
     ``frame.get(zmq.SRCFD)``, which raised EINVAL out of its loop)."""
     assert source_fd(zmq.Frame(b"no metadata")) is None
+
+
+def test_eviction_keeps_room_for_what_is_on_its_way_in():
+    """With ``arriving`` bytes (requests received, not yet stored), a put evicts until
+    blocks and arrivals together are within the low watermark."""
+    store = BlockStore(1000 * 1024, max_block_bytes=64 * 1024)
+    value = b"v" * (60 * 1024)
+    for i in range(15):
+        assert store.put(f"k{i}".encode(), (value,), len(value), 0) is Status.OK
+    assert store.evictions == 0
+    store.arriving = 300 * 1024
+    assert store.put(b"next", (value,), len(value), 0) is Status.OK
+    assert store.evictions > 0 and store.used + store.arriving <= store.high

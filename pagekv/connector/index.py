@@ -143,7 +143,7 @@ class KVIndex:
     def _diagnose(self) -> None:
         """Probe each node once and log what is wrong: "authentication failed" (a CURVE
         misconfiguration) reads differently from "unreachable" or "no answer"."""
-        from pagekv.store.probe import Outcome, probe
+        from pagekv.store.client.probe import Outcome, probe
 
         cfg = self._probe_config
         try:

@@ -53,7 +53,8 @@ from pagekv.errors import ConnectorClosed, PoolExhausted
 from pagekv.geometry import KVGeometry
 from pagekv.kernels import DeviceKV, load, save
 from pagekv.kernels.layout import check_slots
-from pagekv.store import ClientConfig, native
+from pagekv.store import ClientConfig
+from pagekv.store.wire import native
 
 from .fetch import Fetcher, Waiter
 from .handles import Prefetch, SaveHandle

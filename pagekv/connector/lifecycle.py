@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import weakref
 from typing import Any
 
+from pagekv import env
 from pagekv.errors import WriteBackFailed
 
 __all__ = ["close_connector", "register_exit_flush"]
@@ -58,7 +58,7 @@ def register_exit_flush(conn: Any) -> None:
 
 
 def _flush_at_exit() -> None:
-    budget = float(os.environ.get("PAGEKV_EXIT_FLUSH_S", "10"))
+    budget = env.EXIT_FLUSH_S.get()
     for conn in list(_live):
         if conn.closed:
             continue

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pagekv.store.metrics import HealthCheck, MetricsServer
+from pagekv.store.node.metrics import HealthCheck, MetricsServer
 
 __all__ = ["StatsCollector", "register_stats", "serve_stats"]
 

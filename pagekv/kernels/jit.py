@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from pagekv import env
 from pagekv.errors import KernelsUnavailable
 
 __all__ = [
@@ -46,26 +47,21 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "pagekv_kernels.cu", CSRC / "copy_engine.cu")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 _ABI_VERSION = 4
-COPY_BACKENDS = ("auto", "kernel", "copy_engine", "direct", "torch")
 
 
 def backend_mode() -> str:
-    mode = os.environ.get("PAGEKV_KERNELS", "auto").strip().lower()
-    if mode not in ("auto", "torch", "cuda"):
-        raise ValueError(f"PAGEKV_KERNELS must be auto, torch or cuda, got {mode!r}")
-    return mode
+    """``PAGEKV_KERNELS``: auto, torch or cuda (``ConfigError`` for anything else)."""
+    return env.KERNELS.get()
 
 
 def copy_backend_setting() -> str:
-    """``PAGEKV_COPY_BACKEND``: the backend ``backend="auto"`` transfers use (see module doc)."""
-    value = os.environ.get("PAGEKV_COPY_BACKEND", "auto").strip().lower()
-    if value not in COPY_BACKENDS:
-        raise ValueError(f"PAGEKV_COPY_BACKEND must be one of {COPY_BACKENDS}, got {value!r}")
-    return value
+    """``PAGEKV_COPY_BACKEND``: the backend ``backend="auto"`` transfers use (see module doc;
+    ``ConfigError`` for anything else)."""
+    return env.COPY_BACKEND.get()
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PAGEKV_CACHE_DIR", Path.home() / ".cache" / "pagekv"))
+    return env.CACHE_DIR.get()
 
 
 def find_nvcc() -> str | None:

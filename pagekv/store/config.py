@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
-from .protocol import MAX_HEADER_BYTES
+from pagekv import env
+from pagekv.env import parse_size
+
+from .wire.protocol import MAX_HEADER_BYTES
 
 __all__ = [
     "ClientConfig",
     "CurveClientKeys",
     "NodeConfig",
     "default_copy_threads",
-    "default_node_staging",
-    "default_staging",
     "default_shm_threads",
     "default_streams",
+    "normalize_endpoint",
     "parse_size",
 ]
 
@@ -33,54 +34,6 @@ def default_streams() -> int:
     return min(4, max(1, _usable_cores() // 4))
 
 
-def _env_switch(name: str) -> bool | None:
-    """Environment variable ``name``: ``1`` on, ``0`` off, anything else (or unset) None: the
-    defaults below decide."""
-    return {"1": True, "0": False}.get(os.environ.get(name, ""))
-
-
-def default_staging(config: ClientConfig) -> bool:
-    """Whether lane connections stage GETs through a cached ring by default
-    (``ClientConfig.staged_receive``): ``PAGEKV_STAGED_RECEIVE`` (``1`` / ``0``) where set,
-    else only while the client's connections with their helpers would take at most half the
-    cores it may run on (``4 x nodes x streams <= cores``): a helper core per connection is
-    worth it where cores are idle, not where the engine, the nodes and other streams need them.
-    On the 16-core H100 host that is one node with 4 streams, not three; never on 2 cores."""
-    switch = _env_switch("PAGEKV_STAGED_RECEIVE")
-    if switch is not None:
-        return switch
-    return 4 * len(config.endpoints) * config.streams <= _usable_cores()
-
-
-def default_node_staging() -> int:
-    """How many bulk-lane PUTs a node receives through a cached ring at once, each with a helper
-    thread copying it into place (``NodeConfig.staged_receives``; the others are received in
-    place): none unless ``PAGEKV_STAGED_RECEIVE=1`` (then a quarter of the cores it may run
-    on, at least 1). On the H100 host (scripts/diag_lane_put.py, 26e2ec9, one stream, two
-    runs) a node receiving PUTs in place moved 0.87 and 1.03 of the hot ceiling, staged 0.83
-    and 0.93: the PUT's pace is the sender's, and the helper is one more busy core."""
-    return max(1, _usable_cores() // 4) if _env_switch("PAGEKV_STAGED_RECEIVE") is True else 0
-
-
-def default_bulk_puts(config: ClientConfig) -> bool:
-    """Whether a client sends PUTs over the nodes' bulk lanes (``ClientConfig.bulk_puts``):
-    ``PAGEKV_BULK_PUTS`` (``1`` / ``0``) where set, else where the client has a copy pool
-    (``copy_threads`` > 1: 4 cores or more) with a thread for each lane connection
-    (``nodes x streams <= copy_threads``): the lanes' hasher hashes each connection's next PUT
-    while the current one is sent (:meth:`.bulk_client.BulkLanes.hash_ahead`).
-
-    On the H100 host (16 cores, 2026-11-25, same calls): one node, one stream, lane PUTs
-    3.81, 3.30, 3.02 and 3.19 GB/s against 3.06, 2.32, 2.85 and 3.17 over ZeroMQ
-    (bench_store); a 4 GiB write-back to one node with 4 streams 1.36 s against 1.76 s; to
-    three nodes (12 connections) 0.93 s against 0.72 s, so there ZeroMQ, whose few I/O
-    threads send while the client hashes, keeps them. Without a pool the lane would hash
-    each request right before sending it."""
-    switch = _env_switch("PAGEKV_BULK_PUTS")
-    if switch is not None:
-        return switch
-    return 1 < config.copy_threads and len(config.endpoints) * config.streams <= config.copy_threads
-
-
 def default_copy_threads() -> int:
     """Threads that check and copy received values (:mod:`.copies`): half the cores this
     process may run on, 1 to 8 (1: on the calling thread, no pool). A 2-core machine copies on
@@ -90,7 +43,7 @@ def default_copy_threads() -> int:
 
 def default_shm_threads() -> int:
     """Threads of the same-host shortcut's copies (one native call per chunk of values): the
-    cores this process may run on, up to 16. On the 16-core H100 host (bench_shm, bc1855d)
+    cores this process may run on, up to 16. On the 16-core H100 host (bench_shm)
     8 threads read 17.6 GB/s out of a segment, 12 19.2 and 16 21.4: the copies are bound by
     memory, and more threads keep more of it busy."""
     return min(16, _usable_cores())
@@ -105,19 +58,20 @@ def _usable_cores() -> int:
 
 CONNECTION_OVERHEAD = 256 << 10  # libzmq session, pipes and buffers of one idle connection
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6}
-_UNITS.update({"mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40})
-_UNITS.update({"tb": 10**12, "tib": 1 << 40})
 
-
-def parse_size(text: str | int) -> int:
-    """Bytes from "4GiB", "512M", "1.5gb" or an int. Raises ``ValueError`` naming the input."""
-    if isinstance(text, int) and not isinstance(text, bool):
+def normalize_endpoint(text: str) -> str:
+    """An endpoint as ZeroMQ takes it: ``tcp://host:port`` and ``ipc://path`` as they are,
+    ``host:port`` (``[v6 address]:port``) as ``tcp://host:port``. Raises ``ValueError`` naming
+    the text for anything else."""
+    if not isinstance(text, str):
+        raise ValueError(f"an endpoint must be a string, got {text!r}")
+    if text.startswith("ipc://") and len(text) > len("ipc://"):
         return text
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 1000000)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    rest = text.removeprefix("tcp://")
+    host, sep, port = rest.rpartition(":")
+    if sep and host.strip("[]") and "/" not in host and port.isdigit() and int(port) < 65536:
+        return f"tcp://{rest}"
+    raise ValueError(f"not an endpoint: {text!r} (host:port, tcp://host:port or ipc://path)")
 
 
 def _positive(owner: str, **values: float) -> None:
@@ -159,20 +113,13 @@ class NodeConfig:
     shm: bool = False  # keep blocks in a shared segment under /dev/shm (same-host shortcut)
     verify_threads: int = 0  # threads checking large PUTs; 0: default_copy_threads(); 1: none
     stream_ports: bool = True  # a TCP port per I/O thread, advertised to clients (see server)
-    bulk: bool = True  # the bulk lane (plain TCP for PUT/GET payloads); never with CURVE
+    bulk: bool = True  # the bulk lane (plain TCP for GET replies); never with CURVE
     bulk_port: int = 0  # its TCP port; 0: any free port (clients learn it from PING)
     bulk_connections: int = 64  # bulk connections served at once; more are closed at once
-    staged_receives: int | None = None  # lane PUTs staged at once; None: default_node_staging()
 
     def __post_init__(self) -> None:
         for name in ("capacity", "max_block_size", "max_message_size"):
             object.__setattr__(self, name, parse_size(getattr(self, name)))
-        if self.staged_receives is None:
-            object.__setattr__(self, "staged_receives", default_node_staging())
-        if type(self.staged_receives) is not int or self.staged_receives < 0:
-            raise ValueError(
-                f"NodeConfig.staged_receives must be an int >= 0, got {self.staged_receives!r}"
-            )
         if self.io_threads == 0:  # one I/O thread per stream a same-host client opens
             object.__setattr__(self, "io_threads", default_streams())
         if self.verify_threads == 0:
@@ -196,8 +143,11 @@ class NodeConfig:
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"NodeConfig.{name} must be in [0, 65536), got "
                                  f"{getattr(self, name)}")  # fmt: skip
-        if self.endpoint is not None and not self.endpoint.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"NodeConfig.endpoint must be tcp:// or ipc://, got {self.endpoint}")
+        if self.endpoint is not None:
+            try:
+                object.__setattr__(self, "endpoint", normalize_endpoint(self.endpoint))
+            except ValueError as e:
+                raise ValueError(f"NodeConfig.endpoint: {e}") from None
         if (self.curve_secret_key is None) != (self.curve_allow is None):
             raise ValueError("NodeConfig: curve_secret_key and curve_allow go together")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
@@ -266,14 +216,14 @@ class ClientConfig:
     many I/O threads (see docs/protocol.md, "Streams"). ``copy_threads`` (default
     :func:`default_copy_threads`) check and copy the values of GET replies into the
     caller's buffers and checksum large put batches, on a pool shared by the process's
-    clients; 1 does that work on the client's own thread. ``bulk``: PUT and GET payloads go
-    over the node's bulk lane (plain TCP, received straight into place; :mod:`.bulk_client`)
-    when the node offers one, ``streams`` connections per node, ZeroMQ otherwise.
-    ``staged_receive`` (default :func:`default_staging`): each lane connection receives a GET's
-    frames into a small ring that stays in its core's cache while a helper thread copies them
-    into place (one more busy core per connection during a transfer; see
-    :meth:`.native.NativeCopy.recv_verify`). ``bulk_puts`` (default :func:`default_bulk_puts`):
-    PUTs go over the lane too (else over ZeroMQ; GETs use the lane either way).
+    clients; 1 does that work on the client's own thread.
+
+    Transports (:mod:`.client.transport`; each node's chosen from its PING reply): ``shm``
+    (default ``PAGEKV_SHM_CLIENT``, on): GETs of a ``--shm`` node on this host are copied
+    straight out of its segment. ``bulk`` (default ``PAGEKV_BULK_CLIENT``, on): GETs of a node
+    that offers a bulk lane go over it (plain TCP, received straight into place and hashed as
+    they land), ``streams`` connections per node, when this process has the native library.
+    Everything else goes over ZeroMQ.
     """
 
     endpoints: tuple[str, ...]
@@ -288,19 +238,19 @@ class ClientConfig:
     connect_timeout_s: float | None = None  # None: timeout_s
     streams: int | None = None  # connections per node; None: default_streams()
     copy_threads: int | None = None  # None: default_copy_threads(); 1: no pool
-    bulk: bool | None = None  # PUT/GET over nodes' bulk lanes; None: unless PAGEKV_BULK_CLIENT=0
-    staged_receive: bool | None = None  # lane GETs through a cached ring; None: default_staging()
-    bulk_puts: bool | None = None  # PUTs over the lane too; None: default_bulk_puts()
+    bulk: bool | None = None  # GETs over nodes' bulk lanes; None: PAGEKV_BULK_CLIENT (on)
+    shm: bool | None = None  # GETs out of same-host --shm segments; None: PAGEKV_SHM_CLIENT (on)
 
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str):
             object.__setattr__(self, "endpoints", (self.endpoints,))
-        object.__setattr__(self, "endpoints", tuple(self.endpoints))
+        try:
+            endpoints = tuple(normalize_endpoint(ep) for ep in self.endpoints)
+        except ValueError as e:
+            raise ValueError(f"ClientConfig.endpoints: {e}") from None
+        object.__setattr__(self, "endpoints", endpoints)
         if not self.endpoints or len(set(self.endpoints)) != len(self.endpoints):
             raise ValueError("ClientConfig.endpoints must be distinct and non-empty")
-        for ep in self.endpoints:
-            if not isinstance(ep, str) or not ep.startswith(("tcp://", "ipc://")):
-                raise ValueError(f"ClientConfig.endpoints: {ep!r} is not tcp:// or ipc://")
         if not 1 <= self.replicas <= len(self.endpoints):
             raise ValueError(
                 f"ClientConfig.replicas must be in [1, {len(self.endpoints)}], got {self.replicas}"
@@ -316,22 +266,17 @@ class ClientConfig:
         if self.copy_threads is None:
             object.__setattr__(self, "copy_threads", default_copy_threads())
         if self.bulk is None:
-            object.__setattr__(self, "bulk", os.environ.get("PAGEKV_BULK_CLIENT", "1") != "0")
-        if self.staged_receive is None:
-            object.__setattr__(self, "staged_receive", default_staging(self))
-        if type(self.staged_receive) is not bool:
-            raise ValueError(
-                f"ClientConfig.staged_receive must be a bool, got {self.staged_receive!r}"
-            )
+            object.__setattr__(self, "bulk", env.BULK_CLIENT.get())
+        if self.shm is None:
+            object.__setattr__(self, "shm", env.SHM_CLIENT.get())
+        for name in ("bulk", "shm"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"ClientConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if type(self.copy_threads) is not int or not 1 <= self.copy_threads <= MAX_STREAMS:
             raise ValueError(
                 f"ClientConfig.copy_threads must be an int in [1, {MAX_STREAMS}], "
                 f"got {self.copy_threads!r}"
             )
-        if self.bulk_puts is None:
-            object.__setattr__(self, "bulk_puts", default_bulk_puts(self))
-        if type(self.bulk_puts) is not bool:
-            raise ValueError(f"ClientConfig.bulk_puts must be a bool, got {self.bulk_puts!r}")
         if isinstance(self.timeout_per_mib_s, bool) or not self.timeout_per_mib_s >= 0:
             raise ValueError(
                 f"ClientConfig.timeout_per_mib_s must be >= 0, got {self.timeout_per_mib_s!r}"

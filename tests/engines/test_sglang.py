@@ -47,8 +47,8 @@ import xxhash
 
 from pagekv.connector.sglang import PagekvStorage
 from pagekv.errors import ConfigError
+from pagekv.store.client.routing import Router
 from pagekv.store.launch import NodeProcess, start_nodes
-from pagekv.store.routing import Router
 from tests.engines import sglang_stack as st
 
 ROOT = str(Path(__file__).resolve().parents[2])

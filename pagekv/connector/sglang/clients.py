@@ -1,18 +1,16 @@
 """One blocking store client per calling thread, and the backend's counters.
 
 SGLang's cache controller calls the backend from three threads at once (prefetch query,
-prefetch I/O, backup); ZeroMQ sockets must not be shared between threads, so each thread gets
-its own :class:`StoreClient` (its own sockets, its own view of node health), created on its
-first call. A blocking client is used rather than an event loop thread: when a call returns,
-nothing touches the host pool's pages any more (a timed-out request's socket is closed, a late
-reply cannot land in a page SGLang has since reused).
+prefetch I/O, backup); each thread gets its own :class:`StoreClient` (its own connections, its
+own view of node health), created on its first call. When a blocking call returns, nothing
+touches the host pool's pages any more (a timed-out request's socket is closed, a late reply
+cannot land in a page SGLang has since reused).
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-import time
 import weakref
 from typing import Any
 
@@ -51,8 +49,7 @@ class ThreadClients:
 
     def all_down(self, client: StoreClient) -> bool:
         """Whether ``client`` has found every node unreachable and is still backing off."""
-        now = time.monotonic()
-        return not any(h.is_up(now) for h in client.router.health)
+        return all(client.nodes_down())
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,179 @@
+"""``pagekv serve``: settings, the checks a node must pass before it binds, and the run.
+
+Checks beyond :class:`NodeConfig`: a capacity of at least 1 MiB and within this machine's memory
+(``--force`` overrides the latter), CURVE files that exist and hold keys. Warnings, never given
+for the default settings: binding beyond loopback without CURVE, ``'*'`` as the allowed client
+keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import ipaddress
+import logging
+import os
+import re
+import signal
+import sys
+from typing import Any
+
+import zmq
+
+from pagekv.errors import ConfigError
+
+from ..config import CurveClientKeys, NodeConfig
+from ..node.auth import ALLOW_ANY, load_allowed_keys, load_secret_cert
+from .settings import MIN_CAPACITY, SIZE_HELP, Setting, format_size, memory_limit, node_settings
+
+__all__ = ["LOG_LEVEL", "check_node", "node_config", "run_serve", "serve_extras", "serve_settings"]
+
+log = logging.getLogger("pagekv.store.cli")
+LOG_LEVEL = Setting("log_level", "info", "log level: debug, info, warning, error")
+
+
+def serve_extras() -> list[Setting]:
+    """Settings of a serving process that are not NodeConfig fields."""
+    return [
+        Setting(
+            "metrics_port",
+            None,
+            "serve Prometheus /metrics and /health on this port (0: any free port)",
+            "int",
+        ),
+        Setting("metrics_host", None, "address for --metrics-port (unset: the node's --host)"),
+        Setting("force", False, "start even when --capacity exceeds this machine's memory", "bool"),
+        LOG_LEVEL,
+    ]
+
+
+def serve_settings() -> list[Setting]:
+    parent = Setting("parent_pid", None, "exit when this process dies (set by pagekv cluster)",
+                     "int", sourced=False)  # fmt: skip
+    return [*node_settings(), *serve_extras(), parent]
+
+
+def node_config(values: dict[str, Any]) -> NodeConfig:
+    """A NodeConfig from resolved settings; its errors name the flag (``--port``), not the field."""
+    fields = {k: v for k, v in values.items() if k in NodeConfig.__dataclass_fields__}
+    if (fields.get("curve_secret_key") is None) != (fields.get("curve_allow") is None):
+        raise ConfigError("--curve-secret-key and --curve-allow go together (CURVE needs both)")
+    try:
+        return NodeConfig(**fields)
+    except ValueError as e:
+        text = re.sub(r"NodeConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e))
+        raise ConfigError(text.replace("NodeConfig: ", "")) from None
+
+
+def _is_loopback(bind_address: str) -> bool:
+    if bind_address.startswith("ipc://"):
+        return True
+    host = bind_address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost", "lo"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # '*', an interface name or a host name: assume reachable from outside
+
+
+def check_node(config: NodeConfig, *, force: bool, copies: int = 1) -> list[str]:
+    """Raise :class:`ConfigError` for a config no node should start with; return warnings.
+    ``copies``: nodes sharing this machine (``pagekv cluster``)."""
+    if config.capacity < MIN_CAPACITY:
+        raise ConfigError(
+            f"--capacity {config.capacity} is {config.capacity} bytes, below the 1 MiB minimum; "
+            f"give a unit ({SIZE_HELP}): e.g. 10GiB"
+        )
+    total, limit = config.capacity * copies, memory_limit()
+    if total > limit and not force:
+        what = f"{copies} nodes x {format_size(config.capacity)}" if copies > 1 else "--capacity"
+        raise ConfigError(
+            f"{what} = {format_size(total)} is more than this machine's memory "
+            f"({format_size(limit)}); lower it, or pass --force to start anyway"
+        )
+    warnings = []
+    if config.curve_secret_key is not None:
+        load_secret_cert(config.curve_secret_key)
+        if load_allowed_keys(config.curve_allow) is None:
+            warnings.append("CURVE with --curve-allow '*': any client key is accepted; traffic "
+                            "is encrypted but clients are not authenticated")  # fmt: skip
+    elif not _is_loopback(config.bind_address):
+        warnings.append(
+            f"binding {config.bind_address} beyond loopback without CURVE: anyone who reaches "
+            "this port can read and write every block; use --curve-secret-key and --curve-allow "
+            "(pagekv keygen) or bind 127.0.0.1"
+        )
+    return warnings
+
+
+def _health_keys(node: Any) -> CurveClientKeys | None:
+    """Keys for the node's own health PING: an ephemeral pair its authenticator admits."""
+    if node.auth is None:
+        return None
+    public, secret = zmq.curve_keypair()
+    if node.auth.allowed is not None:
+        node.auth.allowed[public] = "pagekv-health-check"
+    server_public, _ = load_secret_cert(node.config.curve_secret_key)
+    return CurveClientKeys(server_public, public, secret)
+
+
+def _describe_curve(config: NodeConfig) -> str:
+    if config.curve_secret_key is None:
+        return "CURVE off"
+    if config.curve_allow == ALLOW_ANY:
+        return "CURVE on, any client key"
+    count = len(load_allowed_keys(config.curve_allow) or {})
+    return f"CURVE on, {count} allowed client key{'s' if count != 1 else ''}"
+
+
+def run_serve(values: dict[str, Any]) -> int:
+    """Run one node until SIGINT/SIGTERM. ``values``: resolved :func:`serve_settings`."""
+    from ..client.probe import probe
+    from ..node.metrics import node_metrics, ping_health
+    from ..node.server import StoreNode
+    from .lifecycle import die_with_parent
+
+    if values["parent_pid"] is not None:
+        die_with_parent(values["parent_pid"])
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where it is stuck
+    config = node_config(values)
+    for warning in check_node(config, force=values["force"]):
+        log.warning("pagekv node: %s", warning)
+    try:
+        node = StoreNode(config)
+    except zmq.ZMQError as e:
+        log.error("pagekv node: cannot bind %s: %s", config.bind_address, e)
+        return 1
+    node.install_signal_handlers()
+    monitor = node.connections  # the node's guard owns the socket's one monitor and feeds it
+    metrics = None
+    if values["metrics_port"] is not None:
+        keys = _health_keys(node)
+        health = ping_health(lambda: probe(node.address, curve=keys, timeout_s=1.0))
+        host = values["metrics_host"] or (config.host if config.endpoint is None else "127.0.0.1")
+        try:
+            metrics = node_metrics(node, monitor, host, values["metrics_port"], health)
+        except OSError as e:
+            log.error("pagekv node: cannot serve metrics on %s:%s: %s", host,
+                      values["metrics_port"], e.strerror or e)  # fmt: skip
+            node.close()
+            monitor.stop()
+            return 1
+    log.info("pagekv node: %s, capacity %s, pid %d", _describe_curve(config),
+             format_size(config.capacity), os.getpid())  # fmt: skip
+    extra = f" metrics {metrics.url}" if metrics else ""
+    print(f"pagekv node ready {node.address}{extra}", file=sys.stderr, flush=True)
+    try:
+        node.serve_forever()
+    finally:
+        if metrics is not None:
+            metrics.close()
+        monitor.stop()
+    return 0
+
+
+def add_config_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, metavar="PATH",
+                        help="TOML file of settings (keys as the flags: capacity = \"4GiB\"); "
+                        "flags and PAGEKV_* variables override it [env PAGEKV_CONFIG]")  # fmt: skip

@@ -1,0 +1,403 @@
+"""The lane transport: a client's GETs to a node that advertises a bulk lane (PING ``bulk``,
+:mod:`..node.lane`) over plain TCP connections, ``ClientConfig.streams`` per node, one thread
+each, when this process has the native receive (:mod:`..wire.native`).
+
+Each connection's thread sends a request and reads the reply's frames straight into the GET's
+destinations (``Call.sinks``) when their sizes match, all of a reply's frames in one native
+call without the GIL, each 256 KiB hashed right after it arrived (:func:`..wire.lane.recv_values`),
+then runs the call's ``prepare`` there (which compares those digests). Up to ``DEPTH``
+requests are out on a connection, so the node starts the next reply while this thread checks
+the last. Each result goes back to the loop through a ``concurrent.futures.Future``:
+``(reply, frames)``; ``None`` when the node failed the request (no answer in time, a reset, a
+malformed reply: as any node failure, its keys move on); or :data:`.transport.MOVED` when the
+lane's port could not be connected to (the node restarted with its lane elsewhere, or is
+down: the client PINGs it, which tells).
+
+A kept connection the node closed while idle (a send that fails, or a reply that never starts)
+is replaced and the request sent once more: the node cannot have answered any of it.
+
+Ownership: a call's ``sinks`` are written by its connection's thread until its future is done;
+:meth:`LaneTransport.run` stops the node's connections (:meth:`LaneTransport.abort`) and waits
+for the futures before it returns early (cancelled, or a callback raised).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import functools
+import logging
+import queue
+import socket
+import threading
+from typing import Any
+
+from pagekv.errors import NativeCopyUnavailable, ProtocolError
+
+from ..config import ClientConfig
+from ..wire import native
+from ..wire.lane import (
+    ClosedBetweenMessages,
+    new_buffer,
+    read_head,
+    recv_values,
+    send_message,
+    timeval,
+)
+from ..wire.protocol import Code, Status, decode_reply
+from .routing import FALLBACK_LIMITS, Call, Results, Router, request_header
+from .transport import MOVED, Transport
+
+__all__ = ["COUNTERS", "DEPTH", "LaneTransport"]
+
+log = logging.getLogger("pagekv.store")
+DEPTH = 2  # requests out on one connection: the next reply streams while the last is checked
+COUNTERS = ("bulk_requests", "bulk_bytes_in", "bulk_failures")
+
+
+class _Conn:
+    """One connection of a client to a node's bulk lane and the thread that works it."""
+
+    def __init__(self, address: tuple[str, int], config: ClientConfig, router: Router,
+                 node: int, lib: native.NativeCopy) -> None:  # fmt: skip
+        self.address, self.config, self.router, self.node = address, config, router, node
+        self.lib = lib  # the native receive
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.sock: socket.socket | None = None
+        # abort() counts up (client's thread); the connection's thread compares before each
+        # send: a socket shut down while this thread was idle is replaced, not sent on
+        self.aborts = self.aborts_seen = 0
+        self.ahead: list[Any] = []  # the closing sentinel, taken early by _fail
+        self.thread = threading.Thread(target=self._run, name="pagekv-bulk-client", daemon=True)
+        self.thread.start()
+
+    def submit(self, call: Call) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.queue.put((call, fut))
+        return fut
+
+    def abort(self) -> None:
+        """End the calls on this connection now (each gets None); the next call reconnects
+        (also when the connection was idle: its socket is shut down all the same)."""
+        self.aborts += 1
+        sock = self.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread in recv/send
+            except OSError:
+                pass  # not connected (any more): nothing to wake
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.abort()
+
+    # ---- the connection's thread -----------------------------------------------------------
+    def _run(self) -> None:
+        out: collections.deque = collections.deque()  # (call, future): requests sent
+        closing = False
+        resent: set[int] = set()  # requests sent again after their connection went stale
+        while out or not closing:
+            while len(out) < DEPTH and not closing:
+                try:
+                    item = self._next(block=not out)
+                except queue.Empty:
+                    break
+                if item is None:
+                    closing = True
+                    break
+                call, fut = item
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                outcome = self._send(call, idle=not out)
+                if outcome is not True:
+                    fut.set_result(outcome)
+                    self._fail(out, queued=outcome is None)
+                    continue
+                out.append((call, fut))
+            if not out:
+                continue
+            call, fut = out.popleft()
+            try:
+                result = self._receive(call)
+            except ClosedBetweenMessages:
+                # nothing of the reply came: the node may have restarted and never read the
+                # request. GETs are idempotent: send them again on a new connection (once;
+                # twice stale, e.g. a node at its connection cap, is a node failure)
+                again = resent.isdisjoint({call.request.id})
+                resent.add(call.request.id)
+                self._resend([(call, fut), *out], out, again)
+                continue
+            except (OSError, ProtocolError) as e:
+                log.debug("pagekv store: bulk lane to %s failed: %s", self.address, e)
+                self._fail(out, queued=True)
+                result = None
+            except Exception:  # a bug: this call fails like a node failure, the lane goes on
+                log.exception("pagekv store: bulk lane reply could not be handled")
+                self._fail(out, queued=True)
+                result = None
+            if self.sock is None:  # dropped while answering: the rest sent on it are lost
+                self._fail(out)
+            fut.set_result(result)
+        self._drop()
+
+    def _resend(self, calls: list, out: collections.deque, again: bool) -> None:
+        """Send ``calls`` (their connection went stale) on a new connection (``again``: the
+        first time, else they fail); those that cannot be sent get their outcome (MOVED when
+        no new connection can be made)."""
+        self._drop()
+        out.clear()
+        for call, fut in calls:
+            outcome = self._send(call) if again else None
+            if outcome is True:
+                out.append((call, fut))
+            else:
+                fut.set_result(outcome)
+
+    def _fail(self, out: collections.deque, queued: bool = False) -> None:
+        """The connection is unusable: drop it and fail the calls whose requests went out and,
+        with ``queued`` (the node did not answer in time), those waiting to be sent: each
+        would otherwise wait one more timeout on a new connection to the same node (the
+        ZeroMQ path fails a stream's whole part of a batch the same way)."""
+        self._drop()
+        while out:
+            out.popleft()[1].set_result(None)
+        while queued:
+            try:
+                item = self._next(block=False)
+            except queue.Empty:
+                return
+            if item is None:
+                self.ahead.append(None)  # closing: leave the sentinel for the loop
+                return
+            if item[1].set_running_or_notify_cancel():
+                item[1].set_result(None)
+
+    def _next(self, block: bool) -> Any:
+        """The next queued item: the one taken ahead, else from the queue (``queue.Empty``
+        when none is there and not ``block``)."""
+        if self.ahead:
+            return self.ahead.pop()
+        return self.queue.get(block=block)
+
+    def _drop(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def _connect(self) -> bool:
+        cfg = self.config
+        try:
+            sock = socket.create_connection(self.address, timeout=cfg.connect_timeout_s)
+        except OSError as e:
+            log.debug("pagekv store: bulk lane %s:%s: %s", *self.address, e)
+            return False
+        sock.settimeout(None)  # blocking: MSG_WAITALL waits for whole frames
+        limits = self.router.limits[self.node] or FALLBACK_LIMITS
+        wait = timeval(cfg.timeout_for(limits.max_message_size))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, wait)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, wait)
+        self.sock = sock
+        return True
+
+    def _send(self, call: Call, idle: bool = False) -> Any:
+        """Send ``call``'s request: True, else its result (None: the node failed it; MOVED: no
+        connection could be made to the lane's port). ``idle``: no request is out on this
+        connection. A kept connection that turns out to be closed or reset by the node while
+        idle (it restarted, or dropped the connection) is replaced and the request sent once
+        more: the node cannot have answered any of it."""
+        if self.aborts != self.aborts_seen:  # shut down by abort(): never send on it
+            self.aborts_seen = self.aborts
+            self._drop()
+        kept = self.sock is not None
+        if not kept and not self._connect():
+            return MOVED
+        header = request_header(call)
+        try:
+            send_message(self.sock, header, call.payloads)
+        except ConnectionError as e:
+            if not (kept and idle):
+                log.debug("pagekv store: bulk send to %s failed: %s", self.address, e)
+                return None
+            self._drop()  # stale: a new connection (or MOVED when the lane moved or went)
+            return self._send(call)
+        except OSError as e:
+            log.debug("pagekv store: bulk send to %s failed: %s", self.address, e)
+            return None
+        return True
+
+    def _receive(self, call: Call) -> tuple[Any, list[Any]]:
+        """Read ``call``'s reply, its frames into the call's sinks where they fit, and run its
+        ``prepare``. Raises ``ProtocolError`` for a reply to another request or over the
+        node's limits (the connection is then dropped), ``OSError`` for the rest."""
+        limits = self.router.limits[self.node] or FALLBACK_LIMITS
+        wait = timeval(self.config.timeout_for(call.nbytes))  # as the ZeroMQ path's deadline
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, wait)
+        head = read_head(self.sock, max_frames=max(1, len(call.request.keys)) * limits.max_frames,
+                         max_frame_bytes=limits.max_message_size,
+                         max_payload_bytes=limits.max_message_size)  # fmt: skip
+        reply = decode_reply(head.header)
+        if reply.id != call.request.id:
+            if reply.id == 0 and reply.code is not Code.OK and not head.sizes:
+                self._drop()  # the node refused the message and hung up: its answer stands
+                return reply, []
+            raise ProtocolError(Code.BAD_HEADER, f"reply {reply.id} to request {call.request.id}")
+        frames = _places(call, reply, head.sizes)
+        counts = reply.counts if reply.code is Code.OK else None
+        call.digests = recv_values(self.sock, frames, counts, self.lib)
+        if call.prepare is not None:
+            call.prepare(reply, frames)
+        return reply, frames
+
+
+def _places(call: Call, reply: Any, sizes: tuple[int, ...]) -> list[Any]:
+    """Where each frame of a reply goes: the call's own sink views (the same objects) for a
+    found key whose frame count and sizes match its destination, else new buffers."""
+    sinks = call.sinks
+    found = [k for k, st in enumerate(reply.status) if st == Status.OK]
+    if (sinks is None or reply.code is not Code.OK or len(reply.status) != len(sinks)
+            or len(reply.counts) != len(found) or sum(reply.counts) != len(sizes)):  # fmt: skip
+        return [new_buffer(n) for n in sizes]
+    frames: list[Any] = []
+    for k, count in zip(found, reply.counts):
+        targets, mine = sinks[k], sizes[len(frames) : len(frames) + count]
+        if len(targets) == count and all(t.nbytes == n for t, n in zip(targets, mine)):
+            frames.extend(targets)
+        else:
+            frames.extend(new_buffer(n) for n in mine)
+    return frames
+
+
+class LaneTransport(Transport):
+    """A client's bulk lane connections: ``streams`` per node whose lane it took
+    (:meth:`take`), made on first use and replaced when the node advertises another port."""
+
+    name = "lane"
+
+    def __init__(self, config: ClientConfig, router: Router) -> None:
+        self.config, self.router = config, router
+        self._lib: native.NativeCopy | None = None  # the native receive, loaded by take()
+        self._ports: dict[int, int] = {}  # node -> its lane's port, for the nodes taken
+        self._conns: dict[int, tuple[int, list[_Conn]]] = {}  # node -> (port, connections)
+        self._turn: dict[int, int] = {}
+        for name in COUNTERS:
+            router.counters.setdefault(name, 0)
+
+    def take(self, node: int, port: int) -> str | None:
+        """Carry ``node``'s GETs over its lane at ``port`` (its PING ``bulk``): "" when taken,
+        else why not (None: the node offers no lane)."""
+        self._ports.pop(node, None)
+        if not port:
+            return None
+        if not self.config.endpoints[node].startswith("tcp://"):
+            return "not a tcp:// node"
+        self._lib, why = _native_receive()
+        if self._lib is None:
+            return why
+        self._ports[node] = port
+        return ""
+
+    async def run(self, calls: list[Call]) -> Results:
+        """Send each call on one of its node's connections (dealt round-robin) and hand each
+        result on as it comes: one loop callback per call, no task per call (what a prefetch
+        of thousands of pages spent its loop's time on)."""
+        loop = asyncio.get_running_loop()
+        results: Results = {}
+        if not calls:
+            return results
+        ended = loop.create_future()
+        left = len(calls)
+
+        def take(call: Call, fut: concurrent.futures.Future) -> None:
+            nonlocal left
+            if ended.done():
+                return  # the run ended (an error, or the caller was cancelled)
+            try:
+                result = None if fut.cancelled() else fut.result()
+                self._count(result)
+                results[call.request.id] = result
+                if result is not None and result is not MOVED and call.on_reply is not None:
+                    call.on_reply(*result)
+            except Exception as e:  # e.g. the caller's on_arrival raised: get_many raises it
+                ended.set_exception(e)
+                return
+            left -= 1
+            if not left:
+                ended.set_result(None)
+
+        def done(fut: concurrent.futures.Future, call: Call) -> None:  # a connection's thread
+            try:
+                loop.call_soon_threadsafe(take, call, fut)
+            except RuntimeError:  # the loop closed: the run ended, nothing to hand on
+                return
+
+        futures = []
+        for call in calls:
+            fut = self._conn_for(call.node).submit(call)
+            fut.add_done_callback(functools.partial(done, call=call))
+            futures.append(fut)
+        try:
+            await ended
+        finally:
+            running = [fut for fut in futures if not fut.done()]
+            if running:
+                self.abort({call.node for call in calls})
+                concurrent.futures.wait(running)
+        return results
+
+    def _conn_for(self, node: int) -> _Conn:
+        """The node's next connection, round-robin (made, or remade for a new port, here)."""
+        port = self._ports[node]
+        have = self._conns.get(node)
+        if have is None or have[0] != port:
+            if have is not None:
+                for conn in have[1]:
+                    conn.close()
+            host = self.config.endpoints[node][len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+            conns = [_Conn((host, port), self.config, self.router, node, self._lib)
+                     for _ in range(self.config.streams)]  # fmt: skip
+            have = self._conns[node] = (port, conns)
+        turn = self._turn.get(node, 0)
+        self._turn[node] = (turn + 1) % len(have[1])
+        return have[1][turn]
+
+    def _count(self, result: Any) -> None:
+        counters = self.router.counters
+        if result is None or result is MOVED:
+            counters["bulk_failures"] += 1
+        else:
+            counters["bulk_requests"] += 1
+            counters["bulk_bytes_in"] += sum(memoryview(f).nbytes for f in result[1])
+
+    def abort(self, nodes: set[int]) -> None:
+        """End the calls on ``nodes``' connections now (each gets None)."""
+        for node in nodes:
+            for conn in self._conns.get(node, (0, []))[1]:
+                conn.abort()
+
+    def close(self) -> None:
+        for _, conns in self._conns.values():
+            for conn in conns:
+                conn.close()
+        self._conns.clear()
+
+
+def _native_receive() -> tuple[native.NativeCopy | None, str]:
+    """The native receive the lane needs (built or found in the cache on first use), or None
+    and why not (said once)."""
+    try:
+        lib = native.load()
+        if lib is not None:
+            return lib, ""
+        why = native.unavailable_reason() or "PAGEKV_NATIVE_COPY=off"
+    except (NativeCopyUnavailable, ValueError) as e:
+        why = str(e)
+    _say_no_lane(why)
+    return None, f"no native receive: {why.splitlines()[0]}"
+
+
+@functools.cache
+def _say_no_lane(why: str) -> None:
+    log.warning("pagekv store: this client uses no bulk lane: %s", why)

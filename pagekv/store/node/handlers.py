@@ -1,0 +1,179 @@
+"""What a node does with a well-formed PUT or GET (the loop, parsing and replies are in
+:mod:`.server`). Functions of the store they act on; they raise ``ProtocolError`` for a request
+whose frames do not match its header, and nothing else on input."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any
+
+import msgpack
+import zmq
+from xxhash import xxh3_64_intdigest
+
+from ..config import NodeConfig
+from ..wire.copies import parallel_map
+from ..wire.protocol import (
+    SHARED_BUFFER_BYTES,
+    Code,
+    ProtocolError,
+    Reply,
+    Request,
+    Status,
+    checksum_frames,
+)
+from .block_store import BlockStore
+
+__all__ = ["best_effort_id", "commit", "get", "locate", "put", "reserve"]
+
+
+def put(
+    store: BlockStore, config: NodeConfig, req: Request, payloads: list[Any],
+    pool: Executor | None = None,
+) -> Reply:  # fmt: skip
+    """Store a PUT's values. The frames are checked against the header as a whole first (count,
+    every size: ``BAD_FRAMES``, nothing stored); then each key gets its own status. With a
+    ``pool``, the checksums of a large request are computed on several threads first."""
+    if len(payloads) != len(req.sizes):
+        raise ProtocolError(
+            Code.BAD_FRAMES, f"header declares {len(req.sizes)} frames, got {len(payloads)}"
+        )
+    for i, (frame, size) in enumerate(zip(payloads, req.sizes)):
+        if len(frame) != size:
+            raise ProtocolError(Code.BAD_FRAMES, f"frame {i} has {len(frame)} bytes, not {size}")
+    verify, most, store_put = config.verify_puts, config.max_block_size, store.put
+    status = []
+    if len(payloads) == len(req.keys):  # one frame per value: the common case, made lean
+        bad = int(Status.BAD_CHECKSUM)
+        datas = [own(frame) for frame in payloads]
+        sums = parallel_map(xxh3_64_intdigest, datas, sum(req.sizes), pool) if verify else []
+        for j, (key, data, size, cs) in enumerate(zip(req.keys, datas, req.sizes, req.sums)):
+            if verify and size <= most and sums[j] != cs:
+                status.append(bad)
+            else:
+                status.append(store_put(key, (data,), size, cs))
+        return Reply(req.id, status=status)
+    start = 0
+    for key, count, cs in zip(req.keys, req.counts, req.sums):
+        frames = [own(f) for f in payloads[start : start + count]]
+        size = sum(req.sizes[start : start + count])
+        start += count
+        if verify and size <= most and checksum_frames(frames) != cs:
+            status.append(int(Status.BAD_CHECKSUM))
+            continue
+        status.append(store_put(key, tuple(frames), size, cs))
+    return Reply(req.id, status=status)
+
+
+def get(
+    store: BlockStore, room: int, req: Request, sent: list[Any] | None = None
+) -> tuple[Reply, list[Any], int]:
+    """Found values in key order while the reply's payload stays within ``room`` bytes; the
+    found ones after that are ``DEFERRED`` (the client asks again). Returns the reply, its
+    payload frames and how many values were deferred. ``sent`` (with a segment) gets the
+    blocks whose views the reply carries (see :meth:`BlockStore.sent`)."""
+    status, sums, counts, out, deferred = [], [], [], [], 0
+    for key in req.keys:
+        block = store.get(key)
+        if block is None:
+            status.append(int(Status.NOT_FOUND))
+        elif block.size > room:
+            status.append(int(Status.DEFERRED))
+            deferred += 1
+        else:
+            room -= block.size
+            status.append(int(Status.OK))
+            sums.append(block.checksum)
+            counts.append(len(block.frames))
+            out.extend(block.frames)
+            if sent is not None:
+                sent.append(block)
+    return Reply(req.id, status=status, sums=sums, counts=counts), out, deferred
+
+
+def locate(store: BlockStore, req: Request, advert: dict[str, Any]) -> Reply:
+    """Where each found value lies in the shared segment: per found key, in key order, its byte
+    offset (``offs``), frame count (``counts``) and frame lengths (``sizes``, frames back to
+    back), checksum (``sums``) and generation (``gens``); the segment itself in ``shm``."""
+    if store.segment is None:
+        raise ProtocolError(Code.BAD_OP, "LOCATE: this node keeps no shared segment (--shm)")
+    rep = Reply(req.id, shm=advert)
+    status, ok, missing = rep.status, int(Status.OK), int(Status.NOT_FOUND)
+    offset = store.segment.offset
+    for key in req.keys:
+        block = store.locate(key)
+        if block is None:
+            status.append(missing)
+            continue
+        status.append(ok)
+        rep.offs.append(offset(block.extent))
+        rep.gens.append(block.gen)
+        rep.sums.append(block.checksum)
+        rep.counts.append(len(block.frames))
+        rep.sizes.extend(len(f) for f in block.frames)
+    return rep
+
+
+def reserve(store: BlockStore, req: Request, advert: dict[str, Any]) -> Reply:
+    """Room in the shared segment for each value of a RESERVE (``counts``, ``sizes``): per key
+    a status, and for each reserved one (``OK``), in key order, where its frames go (``offs``:
+    the byte offset of its first frame, the others back to back) and its generation
+    (``gens``); the segment in ``shm``."""
+    if store.segment is None:
+        raise ProtocolError(Code.BAD_OP, "RESERVE: this node keeps no shared segment (--shm)")
+    rep = Reply(req.id, shm=advert)
+    start = 0
+    for key, count in zip(req.keys, req.counts):
+        status, held = store.reserve(key, tuple(req.sizes[start : start + count]))
+        start += count
+        rep.status.append(int(status))
+        if held is not None:
+            rep.offs.append(store.segment.offset(held.extent))
+            rep.gens.append(held.gen)
+    return rep
+
+
+def commit(store: BlockStore, config: NodeConfig, req: Request, pool: Executor | None) -> Reply:
+    """Store each reserved value of a COMMIT under its ``sums``: checked against the bytes in
+    the segment first when the node verifies PUTs (several values at once on ``pool``)."""
+    if store.segment is None:
+        raise ProtocolError(Code.BAD_OP, "COMMIT: this node keeps no shared segment (--shm)")
+    digests: dict[bytes, int] = {}
+    if config.verify_puts:
+        held = [(key, store.pending(key)) for key in req.keys]
+        held = [(key, r) for key, r in held if r is not None]
+        seg = store.segment
+        views = [seg.views(seg.offset(r.extent), list(r.sizes)) for _, r in held]
+        nbytes = sum(sum(r.sizes) for _, r in held)
+        digests = dict(zip((key for key, _ in held),
+                           parallel_map(checksum_frames, views, nbytes, pool)))  # fmt: skip
+    status = []
+    for key, cs in zip(req.keys, req.sums):
+        check = None  # the node does not verify PUTs
+        if config.verify_puts:  # the digest computed above (a key repeated: hashed again)
+            check = _known(digests.pop(key)) if key in digests else checksum_frames
+        status.append(int(store.commit(key, cs, check)))
+    return Reply(req.id, status=status)
+
+
+def _known(digest: int) -> Callable[[Any], int]:
+    return lambda _views: digest
+
+
+def own(frame: Any) -> Any:
+    """A stored frame: small ones as bytes, never a view into libzmq's shared receive buffer
+    (a 512-byte frame kept by reference would pin the whole ~18 KiB buffer it arrived in)."""
+    if isinstance(frame, bytes) or len(frame) > SHARED_BUFFER_BYTES:
+        return frame
+    return frame.bytes
+
+
+def best_effort_id(header: zmq.Frame) -> int:
+    """The request id of a header we could not fully parse, when it can be read; else 0."""
+    try:
+        head = msgpack.unpackb(header.buffer, raw=False)
+        rid = head.get("id") if isinstance(head, dict) else None
+        return rid if type(rid) is int and rid >= 0 else 0
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError):
+        return 0

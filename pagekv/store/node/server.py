@@ -1,0 +1,454 @@
+"""A store node: one ROUTER socket, blocks kept in memory as the frames they arrived in.
+
+Every request gets a reply (an error reply naming the problem when it is malformed) unless its
+sender cannot be addressed or does not read its replies; the loop never raises on input.
+Single-threaded: ZeroMQ's I/O thread moves the bytes, this loop only indexes frames. Memory is
+bounded against any peer (docs/protocol.md, "Node memory"): frame size, requests queued per
+connection, payload per message and frames per message are limited; replies in flight per
+connection are budgeted (:mod:`.outbox`); peers that make libzmq buffer more than a connection
+may are disconnected (:mod:`.guard`).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from pagekv import env
+
+from ..config import NodeConfig
+from ..wire.copies import shared_pool
+from ..wire.protocol import (
+    MAX_HEADER_BYTES,
+    Code,
+    Op,
+    ProtocolError,
+    Reply,
+    Request,
+    Status,
+    decode_request,
+    encode_reply,
+)
+from ..wire.shm import host_id
+from . import handlers
+from .auth import NULL_ZAP_DOMAIN
+from .block_store import BlockStore
+from .guard import ConnectionGuard, source_fd, wire_bytes
+from .lane import BulkServer, LaneLimits, SendDone
+from .memory import tune_malloc_for_blocks
+from .monitor import EVENTS as MONITOR_EVENTS
+from .monitor import ConnectionMonitor
+from .outbox import Outbox
+from .segment import Segment
+
+if TYPE_CHECKING:
+    from .auth import ZapAuthenticator
+
+__all__ = ["StoreNode"]
+
+log = logging.getLogger("pagekv.store")
+
+
+class StoreNode:
+    """Owns its socket, store and stats. ``serve_forever`` until :meth:`stop` or a signal."""
+
+    def __init__(self, config: NodeConfig, *, context: zmq.Context | None = None) -> None:
+        self.config = config
+        self.ctx = context or zmq.Context(io_threads=config.io_threads)
+        self.store = BlockStore(
+            config.capacity,
+            max_block_bytes=config.max_block_size,
+            high_watermark=config.high_watermark,
+            low_watermark=config.low_watermark,
+        )
+        self.sock = self._make_socket()
+        self._auth: ZapAuthenticator | None = None
+        # called after each reply with (op or None, reply, seconds): metrics hook
+        self.observe: Callable[[Op | None, Reply, float], None] | None = None
+        if config.curve_secret_key:
+            self._setup_curve()
+        self.sock.bind(config.bind_address)
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.stream_ports = self._bind_stream_ports()
+        # The store is used by this loop and by the bulk lane's connection threads: each
+        # request is answered (and a reply's blocks marked as being sent) under this lock
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._signalled = False  # set by the signal handlers: a plain store, no lock
+        self.started = time.time()
+        self.counters: dict[str, int] = {f"op_{op.value.lower()}": 0 for op in Op}
+        self.counters.update(bytes_in=0, bytes_out=0, bad_requests=0, dropped=0, internal_errors=0,
+                             dropped_replies=0, dropped_requests=0, deferred=0)  # fmt: skip
+        budget = config.max_message_size + MAX_HEADER_BYTES
+        self.outbox = Outbox(self.sock, budget, config.window, self.counters)
+        self._sent_blocks: list[Any] | None = None  # blocks whose views the next reply sends
+        self.verify_pool = shared_pool(config.verify_threads)  # checksums of large PUTs
+        # libzmq gives a socket one monitor: the guard owns it and feeds the connection
+        # counts of the metrics; without a guard the counter watches the socket itself
+        self.guard: ConnectionGuard | None = None
+        if config.guard_interval_s > 0:
+            self.connections = ConnectionMonitor(None)
+            self.guard = ConnectionGuard(self.sock, config, self.counters,
+                                         self.connections.on_event, MONITOR_EVENTS)  # fmt: skip
+        else:
+            self.connections = ConnectionMonitor(self.sock)
+        self.segment: Segment | None = None
+        self.shm_advert: dict[str, Any] = {}  # PING and LOCATE replies' ``shm``
+        self.bulk: BulkServer | None = None
+        try:
+            self.bulk = self._make_bulk()
+            if self.bulk is not None:  # serving from here on (its own threads): a node's
+                self.bulk.start()  # threads all exist once it is built; close() ends them
+        except BaseException:
+            self.close()
+            raise
+        if config.shm:  # last: a node that fails to start leaves no segment file behind
+            try:
+                self.segment = self.store.segment = Segment(config.capacity)
+            except BaseException:
+                self.close()
+                raise
+            self.shm_advert = self.segment.advert(host_id())
+
+    def _make_socket(self) -> zmq.Socket:
+        cfg = self.config
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.copy_threshold = 0  # zero-copy replies, so their last frame can be tracked
+        options = {
+            zmq.LINGER: 0,
+            zmq.ROUTER_MANDATORY: 1,  # a full or vanished peer: an error, not a silent drop
+            zmq.MAXMSGSIZE: cfg.max_frame_size,
+            zmq.RCVHWM: cfg.recv_hwm,
+            zmq.SNDHWM: 4 * cfg.window + 64,  # header-only replies; payload is budgeted
+            zmq.HANDSHAKE_IVL: int(cfg.handshake_s * 1000),
+            zmq.TCP_KEEPALIVE: 1,
+        }
+        if not cfg.curve_secret_key:
+            # libzmq takes a connection whose first bytes are no ZMTP 3 greeting for a ZMTP 1.0
+            # (or 2.0) peer: these have no handshake, so any bytes become messages (which carry
+            # no metadata, so no ZMQ_SRCFD), and a 1.0 peer whose handshake ends as the socket
+            # closes can fail an assertion (zmtp_engine.cpp, process_routing_id_msg). libzmq
+            # refuses 1.0 and 2.0 peers on a socket with ZAP on: CURVE turns it on, a ZAP
+            # domain does for NULL. With no ZAP handler in the context NULL handshakes go on
+            # unasked; a CURVE node's handler in the same context admits them.
+            options[zmq.ZAP_DOMAIN] = NULL_ZAP_DOMAIN
+        if cfg.heartbeat_s:
+            options[zmq.HEARTBEAT_IVL] = int(cfg.heartbeat_s * 1000)
+            options[zmq.HEARTBEAT_TIMEOUT] = int(3 * cfg.heartbeat_s * 1000)
+        if cfg.socket_buffer:  # 0: leave it to the kernel's TCP autotuning
+            options[zmq.SNDBUF] = options[zmq.RCVBUF] = cfg.socket_buffer
+        for option, value in options.items():
+            sock.setsockopt(option, value)
+        return sock
+
+    def _bind_stream_ports(self) -> list[int]:
+        """One more TCP port per I/O thread, each served by its thread, for clients' streams.
+
+        libzmq gives an accepted connection to the least loaded I/O thread, but a thread's load
+        is counted only once a connection is set up: a client's streams, which connect
+        together, mostly landed on one or two threads. A listener keeps the ``ZMQ_AFFINITY``
+        the socket had when it was bound, so port i's connections are all served by I/O thread
+        i. Same socket: same CURVE, guard, limits and outbox. Advertised in PING replies
+        (``ports``); clients that ignore them use the main port as before."""
+        cfg = self.config
+        if not cfg.stream_ports or cfg.io_threads < 2 or not self.address.startswith("tcp://"):
+            return []
+        host = self.address[len("tcp://") :].rsplit(":", 1)[0]
+        ports = []
+        try:
+            for thread in range(cfg.io_threads):
+                self.sock.setsockopt(zmq.AFFINITY, 1 << thread)
+                self.sock.bind(f"tcp://{host}:0")
+                ports.append(int(self.sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]))
+        finally:
+            self.sock.setsockopt(zmq.AFFINITY, 0)
+        return ports
+
+    def _make_bulk(self) -> BulkServer | None:
+        """The bulk lane (:mod:`.bulk_server`) on the node's TCP host, when it is on and safe:
+        never beside CURVE (the lane is neither encrypted nor authenticated) nor on ipc://."""
+        cfg = self.config
+        if not cfg.bulk or cfg.curve_secret_key or not self.address.startswith("tcp://"):
+            return None
+        host = self.address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+        limits = LaneLimits(cfg.bulk_connections, cfg.max_keys, cfg.handshake_s)
+        return BulkServer(self._answer_lane_get, limits, host, cfg.bulk_port)
+
+    def _setup_curve(self) -> None:
+        from .auth import ZapAuthenticator, load_allowed_keys, load_secret_cert
+
+        public, secret = load_secret_cert(self.config.curve_secret_key)
+        allowed = load_allowed_keys(self.config.curve_allow)  # refuses a missing/empty dir
+        self._auth = ZapAuthenticator(self.ctx, allowed)  # logs rejected keys
+        self.sock.curve_secretkey = secret
+        self.sock.curve_publickey = public
+        self.sock.curve_server = True
+
+    @property
+    def auth(self) -> ZapAuthenticator | None:
+        """The CURVE authenticator (None without CURVE): its ``allowed`` keys and counts."""
+        return self._auth
+
+    # ---- loop ------------------------------------------------------------------------------
+    def stop(self) -> None:
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        """SIGINT/SIGTERM stop :meth:`serve_forever` within one poll interval. The handler
+        takes no lock: Python runs a handler between any two bytecodes of the main thread,
+        also inside the handler of an earlier signal, and one that took the stop event's
+        lock there would wait on itself forever (a node SIGTERMed twice as its parent dies)."""
+
+        def handler(*_: object) -> None:
+            self._signalled = True
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, handler)
+
+    def serve_forever(self) -> None:
+        if env.TUNE_MALLOC.get():
+            tune_malloc_for_blocks()
+        # Millions of long-lived blocks: collect the young generation far less often than the
+        # default every 700 allocations (each pass costs; the index makes no reference cycles).
+        gc.set_threshold(50_000, 20, 20)
+        log.info(
+            "pagekv node serving on %s (capacity %d bytes, pid %d)",
+            self.address, self.config.capacity, os.getpid(),
+        )  # fmt: skip
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        if self.guard is not None:
+            poller.register(self.guard.monitor, zmq.POLLIN)
+        idle_ms = int(self.config.guard_interval_s * 1000) or 100
+        swept = time.monotonic()
+        try:
+            while not (self._signalled or self._stop.is_set()):
+                events = dict(poller.poll(1 if self.outbox.parked else idle_ms))
+                if self.guard is not None and self.guard.monitor in events:
+                    self.guard.on_events()
+                if self.sock in events:
+                    self._read_some(1024)  # then housekeeping, even under a flood
+                if self.outbox.parked:
+                    self._serve_parked()
+                now = time.monotonic()
+                if self.guard is not None:
+                    self.guard.tick(now)
+                if now - swept > 1.0:
+                    self.outbox.sweep()
+                    if self.segment is not None:
+                        self.store.expire(now)  # reservations never committed
+                    swept = now
+        finally:
+            self.close()
+            log.info("pagekv node %s stopped", self.address)
+
+    def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self.guard is not None:
+            self.guard.close()
+        self.connections.stop()
+        if self.bulk is not None:
+            self.bulk.close()
+        self.sock.close(linger=0)
+        if self.segment is not None:
+            self.segment.unlink()  # clients' mappings stay valid; the memory goes with them
+
+    def _read_some(self, most: int) -> None:
+        """Read up to ``most`` requests, part by part: the header first, then each payload
+        frame as its declared size says (small ones copied out at once, which is faster than
+        a zero-copy frame and frees libzmq's receive buffer); parts beyond ``max_frames`` are
+        dropped as they are read."""
+        recv, keep, curve = self.sock.recv, self.config.max_frames, self._auth is not None
+        option, rcvmore = self.sock.get, zmq.RCVMORE
+        for _ in range(most):
+            try:
+                ident = recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if not ident.more:
+                self.counters["dropped"] += 1  # no header: nothing to answer
+                continue
+            header = recv(copy=False)
+            more, parsed = header.more, self._parse(header)
+            sizes = parsed.sizes if isinstance(parsed, Request) else ()
+            parts, extra, wire = [], 0, wire_bytes([len(header)], curve)
+            while more:
+                i = len(parts) + extra
+                if i < len(sizes) and sizes[i] <= handlers.SHARED_BUFFER_BYTES:
+                    data = recv()
+                    more = option(rcvmore)
+                else:
+                    data = recv(copy=False)
+                    more = data.more
+                size = len(data)
+                wire += size + 33 + (2 if size < 223 else 9) if curve else size + (
+                    2 if size < 256 else 9)  # fmt: skip
+                if len(parts) < keep:
+                    parts.append(data)
+                else:
+                    extra += 1
+            if self.guard is not None:
+                self.guard.seen(source_fd(header), wire)
+            self._answer(ident.bytes, header, parsed, parts, extra)
+
+    def _parse(self, header: zmq.Frame) -> Request | ProtocolError:
+        try:
+            req = decode_request(header.buffer)
+        except ProtocolError as e:
+            return e
+        if len(req.keys) > self.config.max_keys:
+            return ProtocolError(Code.TOO_LARGE, f"{len(req.keys)} keys is over the limit")
+        return req
+
+    # ---- requests --------------------------------------------------------------------------
+    def handle(self, frames: list[Any], extra_frames: int = 0) -> None:
+        """Answer one request given as frames (identity, header, payloads...)."""
+        if len(frames) < 2:
+            self.counters["dropped"] += 1  # no header: nothing to answer
+            return
+        header = frames[1] if isinstance(frames[1], zmq.Frame) else zmq.Frame(frames[1])
+        ident = frames[0].bytes if isinstance(frames[0], zmq.Frame) else frames[0]
+        self._answer(ident, header, self._parse(header), frames[2:], extra_frames)
+
+    def _answer(
+        self, ident: bytes, header: zmq.Frame, parsed: Request | ProtocolError,
+        payloads: list[Any], extra_frames: int,
+    ) -> None:  # fmt: skip
+        """Answer one request; malformed input gets an error reply, never an exception."""
+        with self.lock:
+            self._answer_locked(ident, header, parsed, payloads, extra_frames)
+
+    def _answer_locked(
+        self, ident: bytes, header: zmq.Frame, parsed: Request | ProtocolError,
+        payloads: list[Any], extra_frames: int,
+    ) -> None:  # fmt: skip
+        start, op = time.perf_counter(), None
+        size = sum(map(len, payloads))
+        self.counters["bytes_in"] += size + len(header)
+        try:
+            if size > self.config.max_message_size:
+                raise ProtocolError(Code.TOO_LARGE, f"payload of {size} bytes is over the limit")
+            if extra_frames:
+                raise ProtocolError(Code.TOO_LARGE, f"over {self.config.max_frames} frames")
+            if isinstance(parsed, ProtocolError):
+                raise parsed
+            op = parsed.op
+            if op is Op.GET and not payloads and self.outbox.must_park(ident):
+                self.outbox.park(ident, parsed)  # answered when its replies drain
+                return
+            rep, out = self._dispatch(parsed, payloads)
+        except Exception as e:
+            rep, out = self._error_reply(handlers.best_effort_id(header), e), []
+        self._send(ident, rep, out)
+        if self.observe is not None:
+            self.observe(op, rep, time.perf_counter() - start)
+
+    def _get(self, req: Request) -> tuple[Reply, list[Any]]:
+        sent = [] if self.segment is not None else None
+        rep, out, deferred = handlers.get(self.store, self.config.max_message_size, req, sent)
+        self.counters["deferred"] += deferred
+        self._sent_blocks = sent
+        return rep, out
+
+    def _serve_parked(self) -> None:
+        for ident, req in self.outbox.ready():
+            start = time.perf_counter()
+            with self.lock:
+                self.counters["op_get"] += 1
+                rep, out = self._get(req)
+                self._send(ident, rep, out)
+                if self.observe is not None:
+                    self.observe(Op.GET, rep, time.perf_counter() - start)
+
+    def _answer_lane_get(self, req: Request) -> tuple[Reply, list[Any], SendDone | None]:
+        """The bulk lane's answer to one GET (:data:`.lane.Answer`; any connection thread):
+        dispatched under :attr:`lock` as the ZeroMQ loop's requests are. Never raises on
+        input."""
+        start = time.perf_counter()
+        with self.lock:
+            try:
+                rep, out = self._dispatch(req, [])
+            except Exception as e:
+                rep, out = self._error_reply(req.id, e), []
+            sent, self._sent_blocks = self._sent_blocks, None
+            self.counters["bytes_out"] += sum(len(p) for p in out)
+            done = None
+            if sent and out:  # views of the segment: its space waits for this reply
+                done = SendDone()
+                self.store.sent(sent, done)
+            if self.observe is not None:
+                self.observe(req.op, rep, time.perf_counter() - start)
+        return rep, out, done
+
+    def _error_reply(self, rid: int, error: Exception) -> Reply:
+        """The reply to a request that raised ``error`` (called in its ``except`` block):
+        bad input (``ProtocolError``) is counted; anything else is a bug, logged and answered
+        ``INTERNAL``, and the node keeps serving."""
+        if isinstance(error, ProtocolError):
+            self.counters["bad_requests"] += 1
+            return Reply(id=rid, code=error.code, error=str(error))
+        log.exception("pagekv node: internal error on a request")
+        self.counters["internal_errors"] += 1
+        return Reply(id=rid, code=Code.INTERNAL, error=repr(error))
+
+    def _send(self, ident: bytes, rep: Reply, payloads: list[Any]) -> None:
+        sent, self._sent_blocks = self._sent_blocks, None
+        if self.outbox.send(ident, encode_reply(rep), payloads):
+            self.counters["bytes_out"] += sum(len(p) for p in payloads)
+            if sent and payloads:  # views of the segment: its space waits for this reply
+                self.store.sent(sent, self.outbox.last_tracker)
+
+    def _dispatch(self, req: Request, payloads: list[Any]) -> tuple[Reply, list[Any]]:
+        self.counters[f"op_{req.op.value.lower()}"] += 1
+        if req.op is not Op.PUT and payloads:
+            raise ProtocolError(Code.BAD_FRAMES, f"{req.op.value} takes no payload frames")
+        if req.op is Op.PUT:
+            pool = self.verify_pool
+            # room for what is on its way in: this request (its values are stored one by one,
+            # each evicting as needed) and the requests libzmq holds unread
+            held = self.guard.held_bytes if self.guard is not None else 0
+            self.store.arriving = held + sum(req.sizes)
+            return handlers.put(self.store, self.config, req, payloads, pool), []
+        if req.op is Op.GET:
+            return self._get(req)
+        if req.op is Op.EXISTS:
+            status = self.store.statuses(req.keys)
+            hits = next((i for i, s in enumerate(status) if s), len(status))
+            return Reply(req.id, status=status, hits=hits), []
+        if req.op is Op.DELETE:
+            status = [
+                int(Status.OK if self.store.delete(k) else Status.NOT_FOUND) for k in req.keys
+            ]
+            return Reply(req.id, status=status), []
+        if req.op is Op.LOCATE:
+            return handlers.locate(self.store, req, self.shm_advert), []
+        if req.op is Op.RESERVE:
+            return handlers.reserve(self.store, req, self.shm_advert), []
+        if req.op is Op.COMMIT:
+            return handlers.commit(self.store, self.config, req, self.verify_pool), []
+        if req.op is Op.STATS:
+            return Reply(req.id, stats=self.stats()), []
+        bulk = self.bulk.port if self.bulk is not None else 0  # PING from here on
+        return Reply(req.id, limits=self.config.limits(), shm=self.shm_advert,
+                     ports=self.stream_ports, bulk=bulk), []  # fmt: skip
+
+    def stats(self) -> dict[str, Any]:
+        guard, auth = self.guard, self._auth.stats() if self._auth is not None else {}
+        return {**self.store.stats(), **self.counters, **auth, "address": self.address,
+                "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
+                "connections": len(guard.conns) if guard else -1,
+                "reply_bytes_in_flight": self.outbox.inflight_bytes(),
+                "parked": self.outbox.parked, "stream_ports": self.stream_ports,
+                "bulk_port": self.bulk.port if self.bulk else 0,
+                "bulk_open": self.bulk.open_connections if self.bulk else 0,
+                **(self.bulk.counters if self.bulk else {})}  # fmt: skip

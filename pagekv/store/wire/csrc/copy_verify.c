@@ -1,0 +1,192 @@
+/* Checked copies for pagekv.store.native: copy values piece by piece and hash what landed,
+ * or receive them from a socket piece by piece and hash what landed (pagekv_recv_verify).
+ *
+ * A value is a run of pieces (dst, src, nbytes). Each piece is copied in blocks of
+ * `block_bytes` (cache-sized: 256 KiB by default), and each block is hashed right after it was
+ * written, read back from dst while it is still in the core's cache: memory is read once, and
+ * the digest is of what the destination holds, not of the source (a source that changes under
+ * the copy, e.g. a shared segment being reused, gives a digest that does not match). The
+ * digest is XXH3-64, seed 0, streamed over the value's pieces in order: the same number as
+ * Python's xxhash.xxh3_64() fed the same bytes.
+ *
+ * With threads > 1 the values are shared out between that many threads (whole values each,
+ * taken in order from a shared counter). Nothing here touches Python: the caller (ctypes)
+ * releases the GIL around the call and keeps the buffers alive.
+ *
+ * Build: cc -O3 -fPIC -shared -pthread [-mavx2] copy_verify.c -o libpagekv_copy_verify.so
+ * (XXH3 picks its vector code at compile time: -mavx2 where the CPU has it, see native.py).
+ */
+#define XXH_INLINE_ALL
+#include "third_party/xxhash/xxhash.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+
+#define PAGEKV_COPY_VERIFY_ABI 4
+#define MAX_THREADS 64
+
+typedef struct {
+    void *dst;
+    const void *src;
+    uint64_t nbytes;
+} pagekv_piece; /* mirrored by pagekv.store.native.Piece */
+
+typedef struct {
+    uint64_t first;  /* index of the value's first piece */
+    uint64_t count;  /* its number of pieces */
+    uint64_t digest; /* out: XXH3-64 of the bytes written */
+} pagekv_value; /* mirrored by pagekv.store.native.Value */
+
+typedef struct {
+    const pagekv_piece *pieces;
+    pagekv_value *values;
+    uint64_t nvalues;
+    uint64_t block;
+    atomic_uint_fast64_t next;
+} job_t;
+
+int pagekv_copy_verify_abi(void) { return PAGEKV_COPY_VERIFY_ABI; }
+
+static void copy_value(const pagekv_piece *pieces, pagekv_value *value, uint64_t block) {
+    XXH3_state_t state;
+    XXH3_64bits_reset(&state);
+    for (uint64_t p = value->first; p < value->first + value->count; p++) {
+        unsigned char *dst = (unsigned char *)pieces[p].dst;
+        const unsigned char *src = (const unsigned char *)pieces[p].src;
+        for (uint64_t off = 0; off < pieces[p].nbytes; off += block) {
+            uint64_t n = pieces[p].nbytes - off < block ? pieces[p].nbytes - off : block;
+            memcpy(dst + off, src + off, n);
+            /* the hash must read dst: no load of it may be replaced by what was copied */
+            __asm__ __volatile__("" ::: "memory");
+            XXH3_64bits_update(&state, dst + off, n);
+        }
+    }
+    value->digest = XXH3_64bits_digest(&state);
+}
+
+static void *worker(void *arg) {
+    job_t *job = (job_t *)arg;
+    for (;;) {
+        uint64_t v = atomic_fetch_add(&job->next, 1);
+        if (v >= job->nvalues) return NULL;
+        copy_value(job->pieces, &job->values[v], job->block);
+    }
+}
+
+/* Copy and hash `nvalues` values whose pieces are in `pieces[0..npieces)`.
+ * Returns 0, or -1 when a value's pieces lie outside `pieces` or block_bytes is 0 (nothing is
+ * copied then). Threads that cannot be started are not an error: the calling thread does
+ * their share. */
+int pagekv_copy_verify(const pagekv_piece *pieces, uint64_t npieces, pagekv_value *values,
+                       uint64_t nvalues, uint64_t block_bytes, int threads) {
+    if (block_bytes == 0) return -1;
+    for (uint64_t v = 0; v < nvalues; v++) {
+        if (values[v].first > npieces || values[v].count > npieces - values[v].first) return -1;
+    }
+    job_t job = {pieces, values, nvalues, block_bytes, 0};
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if ((uint64_t)threads > nvalues) threads = (int)nvalues;
+    pthread_t ids[MAX_THREADS];
+    int started = 0;
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&ids[started], NULL, worker, &job) != 0) break;
+        started++;
+    }
+    worker(&job);
+    for (int t = 0; t < started; t++) pthread_join(ids[t], NULL);
+    return 0;
+}
+
+/* Digests of values (consecutive runs of pieces) over bytes that arrive piece by piece: both
+ * receives below feed it the same calls in the same order. */
+typedef struct {
+    pagekv_value *values;
+    uint64_t nvalues, value, left_in_value;
+    XXH3_state_t state;
+} hasher_t;
+
+static int values_cover(const pagekv_value *values, uint64_t nvalues, uint64_t npieces) {
+    uint64_t expect = 0;
+    for (uint64_t v = 0; v < nvalues; v++) {
+        if (values[v].first != expect || values[v].count > npieces - expect) return 0;
+        expect += values[v].count;
+    }
+    return nvalues == 0 || expect == npieces;
+}
+
+static void hasher_piece_begins(hasher_t *h) {
+    if (h->nvalues == 0 || h->left_in_value != 0) return;
+    /* values of zero pieces get the digest of no bytes */
+    while (h->values[h->value].count == 0) h->values[h->value++].digest = XXH3_64bits(NULL, 0);
+    XXH3_64bits_reset(&h->state);
+    h->left_in_value = h->values[h->value].count;
+}
+
+static void hasher_update(hasher_t *h, const unsigned char *bytes, uint64_t n) {
+    if (h->nvalues > 0) XXH3_64bits_update(&h->state, bytes, (size_t)n);
+}
+
+static void hasher_piece_ends(hasher_t *h) {
+    if (h->nvalues > 0 && --h->left_in_value == 0) {
+        h->values[h->value++].digest = XXH3_64bits_digest(&h->state);
+    }
+}
+
+static void hasher_finish(hasher_t *h) { /* trailing values of zero pieces */
+    while (h->value < h->nvalues) h->values[h->value++].digest = XXH3_64bits(NULL, 0);
+}
+
+/* recv exactly n bytes into buf (retrying after EINTR and short returns): 0, 1 on EOF, or
+ * -errno. *received counts what arrived. */
+static int recv_all(int fd, unsigned char *buf, uint64_t n, uint64_t *received) {
+    uint64_t got = 0;
+    while (got < n) {
+        ssize_t r = recv(fd, buf + got, (size_t)(n - got), MSG_WAITALL);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        if (r == 0) return 1;
+        got += (uint64_t)r;
+        *received += (uint64_t)r;
+    }
+    return 0;
+}
+
+/* Receive `npieces` pieces, in order, from the connected blocking socket `fd`, each straight
+ * into its place (pieces[k].dst, pieces[k].nbytes; src is not used), `chunk_bytes` at a time
+ * (recv with MSG_WAITALL). With `nvalues` > 0 the values (consecutive runs of pieces that
+ * together cover all of them, in order) are hashed as they arrive: each chunk right after it
+ * landed, while it is still in the core's cache, so memory is crossed once; digests as
+ * pagekv_copy_verify's. Without values nothing is hashed.
+ *
+ * Returns 0 when every byte arrived; 1 when the peer closed the connection (or it was shut
+ * down) before; -errno for a failed receive (-EAGAIN / -EWOULDBLOCK: the socket's SO_RCVTIMEO
+ * passed with nothing read in one receive); -EINVAL, before anything is read, for values that
+ * do not cover the pieces in order or a chunk_bytes of 0. `*received`: the bytes received
+ * before the return. A receive interrupted by a signal is retried. */
+int pagekv_recv_verify(int fd, const pagekv_piece *pieces, uint64_t npieces,
+                       pagekv_value *values, uint64_t nvalues, uint64_t chunk_bytes,
+                       uint64_t *received) {
+    *received = 0;
+    if (chunk_bytes == 0 || !values_cover(values, nvalues, npieces)) return -EINVAL;
+    hasher_t h = {.values = values, .nvalues = nvalues};
+    for (uint64_t p = 0; p < npieces; p++) {
+        hasher_piece_begins(&h);
+        unsigned char *dst = (unsigned char *)pieces[p].dst;
+        for (uint64_t off = 0, n = pieces[p].nbytes; off < n; off += chunk_bytes) {
+            uint64_t want = n - off < chunk_bytes ? n - off : chunk_bytes;
+            int rc = recv_all(fd, dst + off, want, received);
+            if (rc != 0) return rc;
+            hasher_update(&h, dst + off, want);
+        }
+        hasher_piece_ends(&h);
+    }
+    hasher_finish(&h);
+    return 0;
+}
