@@ -20,7 +20,7 @@ def engine(role, endpoints, replicas=1, seed=7, tokens=PROMPT):
         sys.executable,
         ENGINE,
         role,
-        ",".join(endpoints),
+        " ".join(endpoints),
         str(replicas),
         str(seed),
         str(tokens),
@@ -34,8 +34,8 @@ def result(proc):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_engine_b_loads_what_engine_a_saved(three_nodes):
-    eps = [n.address for n in three_nodes]
+def test_engine_b_loads_what_engine_a_saved(store_addresses):
+    eps = store_addresses
     saved = result(engine("save", eps))
     assert saved["saved"] == 128 and saved["writeback_written"] == 128
     loaded = result(engine("load", eps))
@@ -50,8 +50,8 @@ def test_replicas_survive_kill_9(three_nodes):
     assert loaded["prefetched"] == 2048 and loaded["equal"]
 
 
-def test_two_engines_prefetch_the_same_prefix_at_once(three_nodes):
-    eps = [n.address for n in three_nodes]
+def test_two_engines_prefetch_the_same_prefix_at_once(store_addresses):
+    eps = store_addresses
     result(engine("save", eps, seed=11))
     procs = [engine("load", eps, seed=11) for _ in range(2)]
     for p in procs:
