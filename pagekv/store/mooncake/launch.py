@@ -83,10 +83,13 @@ class _Proc:
 
 
 class MooncakeCluster:
-    """A master and ``stores`` store processes of ``segment`` bytes each, on loopback."""
+    """A master and ``stores`` store processes of ``segment`` bytes each, on loopback.
+    ``lease_ms``: the master's ``--default_kv_lease_ttl``: a get whose transfer takes longer
+    than this fails (LEASE_EXPIRED, a miss), so it must exceed the time one call of
+    ``max_call_bytes`` takes on a loaded machine."""
 
     def __init__(self, *, stores: int = 1, segment: int | str = "256MiB",
-                 lease_ms: int = 500, timeout_s: float = 2.0) -> None:  # fmt: skip
+                 lease_ms: int = 5000, timeout_s: float = 2.0) -> None:  # fmt: skip
         self.bin = binaries_dir()
         self.segment = parse_size(segment)
         self.lease_ms, self.timeout_s = lease_ms, timeout_s
