@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pagekv.errors import ConfigError
 from pagekv.store.backend import open_backend, store_config
+from pagekv.store.cli.settings import tomllib
 from pagekv.store.client.blocking import StoreClient
 from pagekv.store.config import ClientConfig
 from pagekv.store.mooncake import MooncakeConfig, values
@@ -63,6 +66,20 @@ def test_without_the_package_a_mooncake_address_is_a_typed_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "mooncake.store", None)
     with pytest.raises(ConfigError, match=r"pagekv\[mooncake\]"):
         open_backend("mooncake://127.0.0.1:1?metadata=P2PHANDSHAKE")
+
+
+def test_importing_pagekv_never_imports_mooncake():
+    code = ("import sys, pagekv, pagekv.connector, pagekv.store.backend, pagekv.store.mooncake;"
+            "from pagekv.store.backend import store_config;"
+            "store_config('mooncake://m:1?metadata=x');"
+            "assert not [m for m in sys.modules if m.startswith('mooncake')]")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_extra_names_the_package():
+    meta = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert any(r.startswith("mooncake-transfer-engine")
+               for r in meta["optional-dependencies"]["mooncake"])  # fmt: skip
 
 
 def test_the_trailer_binds_bytes_length_and_key():
