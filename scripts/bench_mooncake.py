@@ -101,20 +101,22 @@ def raw_batch_get_into(conn: KVConnector, tokens, geo: KVGeometry, rounds: int) 
     try:
         store = handle.store()
 
-        def get(part: slice) -> None:
+        def get(part: slice) -> int:
+            """Keys of ``part`` that did not arrive (a 4 GiB call on a slow box outlives
+            Mooncake's transfer timeouts: TRANSFER_FAIL), counted, not fatal."""
             codes = store.batch_get_into(names[part], ptrs[part], [size] * len(names[part]))
-            if any(c != size for c in codes):
-                raise RuntimeError(f"batch_get_into: {sorted(set(codes))}")
+            return sum(c != size for c in codes)
 
         with concurrent.futures.ThreadPoolExecutor(cfg.workers) as pool:
             for name, run in (("one_call", lambda: get(slice(None))),
-                              ("calls", lambda: list(pool.map(get, chunks)))):  # fmt: skip
-                times = []
+                              ("calls", lambda: sum(pool.map(get, chunks)))):  # fmt: skip
+                times, failed = [], []
                 for _ in range(rounds):
                     t = time.perf_counter()
-                    run()
+                    failed.append(run())
                     times.append(time.perf_counter() - t)
                 out[f"raw_batch_get_into_{name}_rounds_s"] = [round(x, 4) for x in times]
+                out[f"raw_batch_get_into_{name}_failed_keys"] = failed
                 out[f"raw_batch_get_into_{name}_s"] = statistics.median(times[1:])
     finally:
         release(handle)
@@ -162,18 +164,16 @@ def main() -> None:
     for name, key in (("mooncake", "prefetch_s"), ("pagekv", "prefetch_s"),
                       ("mooncake", "raw_batch_get_into_one_call_s"),
                       ("mooncake", "raw_batch_get_into_calls_s")):  # fmt: skip
-        out[f"{name}_{key.removesuffix('_s')}_gbps"] = round(nbytes / out[name][key] / 1e9, 3)
-    mc_out = out["mooncake"]
-    out["mooncake_prefetch_vs_raw_calls"] = round(
-        mc_out["raw_batch_get_into_calls_s"] / mc_out["prefetch_s"], 3
-    )
-    out["mooncake_prefetch_vs_raw_one_call"] = round(
-        mc_out["raw_batch_get_into_one_call_s"] / mc_out["prefetch_s"], 3
-    )
+        failed = out[name].get(key.removesuffix("_s") + "_failed_keys", [0])
+        gbps = nbytes / out[name][key] / 1e9 if not any(failed) else float("nan")
+        out[f"{name}_{key.removesuffix('_s')}_gbps"] = round(gbps, 3)
+    for variant in ("calls", "one_call"):  # > 1: the backend's prefetch is faster
+        raw = out[f"mooncake_raw_batch_get_into_{variant}_gbps"]
+        out[f"mooncake_prefetch_vs_raw_{variant}"] = round(out["mooncake_prefetch_gbps"] / raw, 3)
     out["mooncake_vs_pagekv_prefetch"] = round(
-        out["pagekv"]["prefetch_s"] / mc_out["prefetch_s"], 3
+        out["pagekv"]["prefetch_s"] / out["mooncake"]["prefetch_s"], 3
     )
-    path = write_result("mooncake", out)
+    path = write_result("mooncake", out, nan_reason="keys failed (see *_failed_keys)")
     summary = {k: v for k, v in out.items() if not isinstance(v, dict)}
     print(summary, "->", path, flush=True)
 
