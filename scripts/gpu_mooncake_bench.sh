@@ -23,8 +23,9 @@ if ! $PY -c "import mooncake.store" 2>/dev/null; then
   wheel=$(ls "$WHEEL_DIR"/mooncake_transfer_engine*-"$tag"-*.whl 2>/dev/null | head -1)
   [ -n "$wheel" ] || { echo "gpu_mooncake_bench: no Mooncake wheel for $tag in $WHEEL_DIR"; exit 2; }
   $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$wheel" || exit 2
-  chmod +x "$SITE"/mooncake/mooncake_master "$SITE"/mooncake/mooncake_client
 fi
+MC=$($PY -c 'import importlib.util as u; print(list(u.find_spec("mooncake").submodule_search_locations)[0])')
+chmod +x "$MC/mooncake_master" "$MC/mooncake_client" 2>/dev/null || true
 for lib in libibverbs.so.1 libnuma.so.1; do
   if ! ldconfig -p | grep -q "$lib "; then
     echo "gpu_mooncake_bench: $lib not on this host: using $WHEEL_DIR/mooncake-libs"
