@@ -155,6 +155,8 @@ class MooncakeHandle:
                 self.counters["setups"] += 1
             except Exception as e:
                 self.counters["setup_failures"] += 1
+                log.warning("pagekv: Mooncake client set-up failed (%s): every call is a miss; "
+                            "retrying in %.2f s", e, self._setup_backoff)  # fmt: skip
                 self._next_setup = time.monotonic() + self._setup_backoff
                 self._setup_backoff = min(self.config.backoff_max_s, 2 * self._setup_backoff)
                 if isinstance(e, StoreError):
@@ -224,6 +226,8 @@ class MooncakeHandle:
             if now >= self._down_until:  # a new failure: double
                 self._backoff = min(self.config.backoff_max_s,
                                     max(self.config.backoff_min_s, 2 * self._backoff))  # fmt: skip
+                log.warning("pagekv: Mooncake master %s failed a call: calls are misses for "
+                            "%.2f s", self.config.master, self._backoff)  # fmt: skip
             self._down_until = now + self._backoff
 
     def answered(self) -> None:
