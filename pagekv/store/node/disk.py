@@ -63,7 +63,7 @@ from .disk_format import (
     record_bytes,
     segment_name,
 )
-from .disk_index import DiskIndex, Entry, entry_of, recover, write_directory
+from .disk_index import DiskIndex, Entry, Recovered, entry_of, recover, write_directory
 from .disk_segment import IOV_MAX, FileOps, Segment, payload_checksum
 
 __all__ = ["DiskBlock", "DiskConfig", "DiskDirLocked", "DiskFormatError", "DiskTier",
@@ -200,6 +200,7 @@ class _Completions:
 
     def __init__(self) -> None:
         self._items: deque = deque()
+        self.closed = False
         if hasattr(os, "eventfd"):
             self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             self._wfd = self.fd
@@ -209,7 +210,8 @@ class _Completions:
 
     def push(self, item: Any) -> None:
         self._items.append(item)
-        os.write(self._wfd, (1).to_bytes(8, "little"))
+        if not self.closed:
+            os.write(self._wfd, (1).to_bytes(8, "little"))
 
     def drain(self) -> list:
         try:
@@ -220,6 +222,7 @@ class _Completions:
         return [items.popleft() for _ in range(len(items))]
 
     def close(self) -> None:
+        self.closed = True
         for fd in {self.fd, self._wfd}:
             os.close(fd)
 
@@ -272,7 +275,7 @@ class DiskTier:
             os.makedirs(cfg.dir, exist_ok=True)
             self._lock_fd = _lock_directory(cfg.dir)
             _check_format(cfg.dir)
-            found = recover(cfg.dir, self.io, direct=cfg.direct_reads, verify=cfg.verify_scan)
+            self._adopt(recover(cfg.dir, self.io, direct=cfg.direct_reads, verify=cfg.verify_scan))
         except DiskTierError:
             self._release_lock()
             raise
@@ -280,18 +283,23 @@ class DiskTier:
             if e.errno in _MISCONFIGURED:
                 self._release_lock()
                 raise DiskTierError(f"disk tier directory {cfg.dir}: {e}") from None
-            self._disable(f"opening {cfg.dir}: {e}")
+            self._io_failed(f"opening {cfg.dir}", e)
             return
+        log.info("pagekv disk tier %s: %d blocks, %d bytes in %d segments, index rebuilt in "
+                 "%.3f s", cfg.dir, len(self._index), self._used, len(self._segments),
+                 self.rebuild_seconds)  # fmt: skip
+
+    def _adopt(self, found: Recovered) -> None:
+        """Serve what :func:`recover` found (reclaiming down to a capacity set lower since)."""
         self._index, self._seq, self._next_id = found.index, found.next_seq, found.next_id
         self._segments = {seg.id: seg for seg in found.segments}
         self._used = sum(seg.end for seg in found.segments) + found.directory_bytes
         self.rebuild_seconds = found.seconds
         self.counters.update(rebuild_scanned_bytes=found.scanned_bytes, rebuild_torn=found.torn,
                              rebuild_blocks=len(found.index))  # fmt: skip
+        while self._used > self.config.capacity and self._reclaim_oldest():
+            pass
         self._update_rewrite_threshold()
-        log.info("pagekv disk tier %s: %d blocks, %d bytes in %d segments, index rebuilt in "
-                 "%.3f s", cfg.dir, len(self._index), self._used, len(self._segments),
-                 found.seconds)  # fmt: skip
 
     def _release_lock(self) -> None:
         if self._lock_fd >= 0:
