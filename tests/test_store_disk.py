@@ -173,6 +173,20 @@ def test_blocks_of_several_frames_come_back_as_their_frames(tiers, poisoned):
     assert all(f.readonly for f in block.frames)
 
 
+def test_blocks_written_together_are_read_together(tiers, poisoned):
+    tier = tiers(capacity=32 * MIB, segment_bytes=4 * MIB, read_threads=2)
+    for i in range(40):  # 40 x 100 kB: a 4 MiB run holds 41 of them
+        offer(tier, i, 100_000)
+    assert tier.close(10)
+    tier = tiers(capacity=32 * MIB, segment_bytes=4 * MIB, read_threads=2)
+    wanted = [*range(5, 25), 30, 32, 99]  # two shares of 11: two runs, and 30 and 32 alone
+    found = read_all(tier, wanted)
+    assert found[99] is None
+    for i in wanted[:-1]:
+        assert joined(found[i]) == payload(i, 100_000)
+    assert tier.stats()["disk_read_ops"] == 4
+
+
 def test_completions_wake_the_polled_fd(tiers):
     tier = tiers()
     for i in range(3):

@@ -57,9 +57,9 @@ from .disk_format import (
     RECORD_ALIGN,
     Record,
     align_up,
+    check_record_header,
     directory_name,
     pack_record_header,
-    parse_record_header,
     record_bytes,
     segment_name,
 )
@@ -159,15 +159,17 @@ class _Write:
 
 
 class _Batch:
-    """One :meth:`DiskTier._submit`: results filled by reader threads; ``done`` called once."""
+    """One :meth:`DiskTier._submit`, read by ``left`` jobs: ``done`` is called once, by the
+    last job to finish."""
 
     __slots__ = ("done", "left", "lock", "results")
 
     def __init__(self, results: list, left: int, done: Callable[[list], None]) -> None:
         self.results, self.left, self.done, self.lock = results, left, done, threading.Lock()
 
-    def finish(self, i: int, block: DiskBlock | None) -> None:
-        self.results[i] = block
+    def finish(self, found: list[tuple[int, DiskBlock | None]]) -> None:
+        for i, block in found:
+            self.results[i] = block
         with self.lock:
             self.left -= 1
             last = self.left == 0
@@ -478,8 +480,9 @@ class DiskTier:
 
     # ---- reads (reader threads) --------------------------------------------------------------
     def _submit(self, keys: Sequence[bytes], done: Callable[[list], None]) -> None:
+        """Read ``keys`` on up to ``read_threads`` jobs (each a share of them, in order)."""
         results: list[DiskBlock | None] = [None] * len(keys)
-        jobs = []
+        todo = []
         with self._lock:
             if self._error is None and not self._closing:
                 for i, key in enumerate(keys):
@@ -488,53 +491,93 @@ class DiskTier:
                         results[i] = DiskBlock(item.frames, item.size, item.checksum)
                         self.counters["hits"] += 1
                     elif key in self._index:
-                        jobs.append(i)
+                        todo.append(i)
                     else:
                         self.counters["misses"] += 1
-        if not jobs:
+        if not todo:
             done(results)
             return
-        batch = _Batch(results, len(jobs), done)
-        for n, i in enumerate(jobs):
+        jobs = min(len(todo), self.config.read_threads)
+        batch = _Batch(results, jobs, done)
+        submitted = time.perf_counter()
+        for n in range(jobs):  # contiguous shares: records written together stay together
+            share = todo[n * len(todo) // jobs : (n + 1) * len(todo) // jobs]
             try:
-                self._pool.submit(self._read_job, batch, i, keys[i], time.perf_counter())
+                self._pool.submit(self._read_job, batch, share, keys, submitted)
             except RuntimeError:  # closed meanwhile: these are misses
-                for j in jobs[n:]:
-                    batch.finish(j, None)
-                return
+                batch.finish([])
 
-    def _read_job(self, batch: _Batch, i: int, key: bytes, submitted: float) -> None:
-        block = None
+    def _read_job(self, batch: _Batch, share: list[int], keys: Sequence[bytes], t: float) -> None:
+        """Read a share of a batch: its records looked up (and their segments pinned) at once,
+        then read run by run (records next to each other in a segment: one read)."""
+        found: list[tuple[int, DiskBlock | None]] = []
         try:
-            block = self._read_one(key, submitted)
+            plan = []
+            with self._lock:
+                for i in share:
+                    entry = self._index.get(keys[i]) if self._error is None else None
+                    if entry is None:
+                        self.counters["misses"] += 1
+                        continue
+                    seg = self._segments[entry.seg]
+                    seg.refs += 1
+                    plan.append((keys[i], i, entry, seg))
+            for run in _runs(plan):
+                found += self._read_run(run, t)
         except BaseException as e:  # a bug: said once, tier off, the batch still completes
             self._disable(f"a read failed unexpectedly: {e!r}", exc=e)
-        batch.finish(i, block)
+        batch.finish(found)
 
-    def _read_one(self, key: bytes, submitted: float) -> DiskBlock | None:
-        with self._lock:
-            entry = self._index.get(key) if self._error is None else None
-            if entry is None:
-                self.counters["misses"] += 1
-                return None
-            seg = self._segments[entry.seg]
-            seg.refs += 1
+    def _read_run(self, run: list[tuple[bytes, int, Entry, Segment]],
+                  submitted: float) -> list[tuple[int, DiskBlock | None]]:  # fmt: skip
+        """Read records lying back to back in one segment (pinned by the caller, unpinned
+        here) with one read, and check each: a bad one is a miss and is dropped."""
+        seg, start, last = run[0][3], run[0][2].offset, run[-1][2]
         try:
-            record = seg.read(entry.offset, entry.header_len + entry.size)
-            block = None if record is None else _checked(record, key, entry)
+            data: memoryview | OSError | None = seg.read(
+                start, last.offset + last.header_len + last.size - start
+            )
         except OSError as e:
-            self._io_failed(f"reading {seg.path}", e)
-            return None
-        finally:
-            self._unref(seg)
-        if block is None:
-            self._corrupt(key, entry, seg.path)
-            return None
+            data = e
+        found = []
+        for key, i, entry, _ in run:
+            block = None
+            if isinstance(data, memoryview):
+                at = entry.offset - start
+                block = _checked(data[at : at + entry.header_len + entry.size], key, entry)
+            found.append((i, block))
+        bad = self._settle(run, found, submitted, dropped=not isinstance(data, OSError))
+        if isinstance(data, OSError):
+            self._io_failed(f"reading {seg.path}", data)
+        elif bad is not None:
+            log.warning("pagekv disk: %s: the record at offset %d does not match its checksum "
+                        "or key; dropped (a miss)", seg.path, bad.offset)  # fmt: skip
+        return found
+
+    def _settle(self, run: list, found: list, submitted: float, dropped: bool) -> Entry | None:
+        """Unpin the run's segment and count its outcome: hits, and misses (dropped from the
+        index, as corrupt, unless the read failed); the first corrupt entry to be said (the
+        first 10 are), or None."""
+        now, seg, bad = time.perf_counter(), run[0][3], None
         with self._lock:
-            self.counters["hits"] += 1
-            self.counters["read_bytes"] += entry.size
-            self._read_latency.observe(time.perf_counter() - submitted)
-        return block
+            self.counters["read_ops"] += 1
+            seg.refs -= len(run)
+            last = seg.dead and seg.refs == 0
+            for (key, _, entry, _), (_, block) in zip(run, found):
+                if block is not None:
+                    self.counters["hits"] += 1
+                    self.counters["read_bytes"] += entry.size
+                    self._read_latency.observe(now - submitted)
+                    continue
+                self.counters["misses"] += 1
+                if dropped:
+                    self._index.drop(key, entry)
+                    self.counters["corrupt"] += 1
+                    if bad is None and self.counters["corrupt"] <= 10:
+                        bad = entry
+        if last:
+            seg.close()
+        return bad
 
     def _unref(self, seg: Segment) -> None:
         with self._lock:
@@ -542,16 +585,6 @@ class DiskTier:
             last = seg.dead and seg.refs == 0
         if last:
             seg.close()
-
-    def _corrupt(self, key: bytes, entry: Entry, path: str) -> None:
-        with self._lock:
-            self._index.drop(key, entry)
-            self.counters["misses"] += 1
-            self.counters["corrupt"] += 1
-            first = self.counters["corrupt"] <= 10
-        if first:
-            log.warning("pagekv disk: %s: the record at offset %d does not match its checksum "
-                        "or key; dropped (a miss)", path, entry.offset)  # fmt: skip
 
     # ---- writes (the writer thread) ----------------------------------------------------------
     def _run(self) -> None:
@@ -825,11 +858,32 @@ class DiskTier:
 
 
 _COUNTERS = (
-    "hits", "misses", "read_bytes", "corrupt", "writes", "write_bytes", "write_skipped",
+    "hits", "misses", "read_bytes", "read_ops", "corrupt", "writes", "write_bytes", "write_skipped",
     "rewrites", "write_dropped", "write_nospace", "write_too_large", "write_dropped_at_close",
     "write_dropped_off", "reclaimed_segments", "reclaimed_blocks", "reclaimed_bytes",
     "rebuild_blocks", "rebuild_scanned_bytes", "rebuild_torn",
 )  # fmt: skip
+
+
+MAX_RUN_BYTES = 4 << 20  # records read together: the blocks share this buffer while held
+
+
+def _runs(plan: list[tuple[bytes, int, Entry, Segment]]) -> list[list]:
+    """``plan``'s records in disk order, cut into runs of records that lie back to back in one
+    segment, each at most ``MAX_RUN_BYTES`` (or one record)."""
+    runs: list[list] = []
+    end = -1
+    for item in sorted(plan, key=lambda p: (p[2].seg, p[2].offset)):
+        entry = item[2]
+        run = runs[-1] if runs else None
+        if (run is not None and run[-1][2].seg == entry.seg and entry.offset == end
+                and entry.offset + entry.header_len + entry.size - run[0][2].offset
+                <= MAX_RUN_BYTES):  # fmt: skip
+            run.append(item)
+        else:
+            runs.append([item])
+        end = align_up(entry.offset + entry.header_len + entry.size, RECORD_ALIGN)
+    return runs
 
 
 def _span(item: _Write) -> int:
@@ -838,18 +892,18 @@ def _span(item: _Write) -> int:
 
 def _checked(record: memoryview, key: bytes, entry: Entry) -> DiskBlock | None:
     """The block in ``record`` (its header and payload, as read) when it is intact and is the
-    one the index names (key, sequence number, size, checksum), else None."""
-    header = parse_record_header(record)
-    if (header is None or header.key != key or header.seq != entry.seq or header.flags
-            or header.payload_len != entry.size or header.checksum != entry.checksum):  # fmt: skip
+    one the index names (key, sequence number, lengths, checksum), else None."""
+    sizes = check_record_header(record, key, entry.seq, entry.header_len, entry.size,
+                                entry.checksum)  # fmt: skip
+    if sizes is None:
         return None
-    payload = record[header.header_len :].toreadonly()
-    if payload_checksum(payload) != header.checksum:
+    payload = record[entry.header_len :].toreadonly()
+    if payload_checksum(payload) != entry.checksum:
         return None
-    if len(header.frame_sizes) == 1:
+    if len(sizes) == 1:
         return DiskBlock((payload,), entry.size, entry.checksum)
     frames, pos = [], 0
-    for size in header.frame_sizes:
+    for size in sizes:
         frames.append(payload[pos : pos + size])
         pos += size
     return DiskBlock(tuple(frames), entry.size, entry.checksum)

@@ -12,10 +12,9 @@ Segment file: ``SEGMENT_HEADER`` (magic, version, id, created; its own checksum)
 ``PAGE`` bytes, then records, each starting at a multiple of ``RECORD_ALIGN``::
 
     record header  RECORD_FIXED: magic, flags, key_len, nframes, header_len, seq, payload_len,
-                   checksum (xxh3-64 of the payload: the block's checksum), header_sum
-                   (xxh3-64 of the header's other bytes: its first 40, the key, the sizes)
-                   then the key, then one u64 size per frame (only for blocks of several
-                   frames), zero-padded to a multiple of 8: ``header_len`` bytes in all
+                   checksum (xxh3-64 of the payload: the block's checksum); the key; one u64
+                   size per frame (only for blocks of several frames); zeros to a multiple of
+                   8; header_sum (xxh3-64 of every header byte before it): ``header_len`` bytes
     payload        ``payload_len`` bytes: the block's frames back to back
 
 ``seq`` is the tier's write sequence number: it grows with every record ever written to the
@@ -36,7 +35,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -52,7 +51,10 @@ __all__ = [
     "Record",
     "RecordHeader",
     "align_up",
+    "check_record_header",
     "directory_name",
+    "directory_rows",
+    "header_bytes",
     "pack_directory",
     "pack_record_header",
     "pack_segment_header",
@@ -72,8 +74,7 @@ FLAG_TOMBSTONE = 1
 MAX_FRAMES = 1 << 16
 
 RECORD_MAGIC = 0x5256_4B50  # "PKVR" little-endian
-RECORD_FIXED = struct.Struct("<IHHIIQQQQ")  # 48 bytes; header_sum last
-_SUMMED = RECORD_FIXED.size - 8
+RECORD_FIXED = struct.Struct("<IHHIIQQQ")  # 40 bytes, then the key, the sizes, the header_sum
 _SIZE = struct.Struct("<Q")
 
 SEGMENT_MAGIC = b"PKVDSEG1"
@@ -87,10 +88,15 @@ def align_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+def header_bytes(key_len: int, nframes: int) -> int:
+    """Length of a record's header."""
+    sizes = 8 * nframes if nframes > 1 else 0
+    return align_up(RECORD_FIXED.size + key_len + sizes, 8) + 8
+
+
 def record_bytes(key_len: int, nframes: int, payload_len: int) -> int:
     """Bytes of a record's header and payload (its start is aligned apart)."""
-    sizes = 8 * nframes if nframes > 1 else 0
-    return align_up(RECORD_FIXED.size + key_len + sizes, 8) + payload_len
+    return header_bytes(key_len, nframes) + payload_len
 
 
 def segment_name(seg_id: int) -> str:
@@ -139,42 +145,31 @@ def pack_record_header(
 ) -> bytes:
     """A record's header (``header_len`` = its length, a multiple of 8)."""
     nframes = len(frame_sizes)
-    sizes = b"".join(_SIZE.pack(s) for s in frame_sizes) if nframes > 1 else b""
-    header_len = align_up(RECORD_FIXED.size + len(key) + len(sizes), 8)
-    fixed = RECORD_FIXED.pack(RECORD_MAGIC, flags, len(key), nframes, header_len, seq,
-                              sum(frame_sizes), checksum, 0)  # fmt: skip
-    head = bytearray(fixed)
+    header_len = header_bytes(len(key), nframes)
+    head = bytearray(RECORD_FIXED.pack(RECORD_MAGIC, flags, len(key), nframes, header_len, seq,
+                                       sum(frame_sizes), checksum))  # fmt: skip
     head += key
-    head += sizes
-    head += bytes(header_len - len(head))
-    summed = xxhash.xxh3_64(memoryview(head)[:_SUMMED])
-    summed.update(memoryview(head)[RECORD_FIXED.size :])
-    head[_SUMMED : RECORD_FIXED.size] = _SIZE.pack(summed.intdigest())
+    if nframes > 1:
+        head += struct.pack(f"<{nframes}Q", *frame_sizes)
+    head += bytes(header_len - 8 - len(head))
+    head += _SIZE.pack(xxhash.xxh3_64_intdigest(head))
     return bytes(head)
 
 
-def parse_record_header(buf: memoryview | bytes, pos: int = 0) -> RecordHeader | None:
+def parse_record_header(buf: memoryview | bytes | bytearray, pos: int = 0) -> RecordHeader | None:
     """The header at ``buf[pos:]``, or None when it is not a whole, intact one (bytes short,
     wrong magic, lengths out of range, header checksum off): never raises on any bytes."""
     if len(buf) - pos < RECORD_FIXED.size:
         return None
-    magic, flags, klen, nframes, hlen, seq, plen, checksum, hsum = RECORD_FIXED.unpack_from(
-        buf, pos
-    )
+    magic, flags, klen, nframes, hlen, seq, plen, checksum = RECORD_FIXED.unpack_from(buf, pos)
     if magic != RECORD_MAGIC or not 0 < klen <= MAX_KEY_BYTES or nframes > MAX_FRAMES:
         return None
-    nsizes = nframes if nframes > 1 else 0
-    if hlen != align_up(RECORD_FIXED.size + klen + 8 * nsizes, 8) or len(buf) - pos < hlen:
-        return None
-    view = memoryview(buf)[pos : pos + hlen]
-    summed = xxhash.xxh3_64(view[:_SUMMED])
-    summed.update(view[RECORD_FIXED.size :])
-    if summed.intdigest() != hsum:
+    if hlen != header_bytes(klen, nframes) or len(buf) - pos < hlen or not _summed(buf, pos, hlen):
         return None
     start = pos + RECORD_FIXED.size
-    key = bytes(view[RECORD_FIXED.size : RECORD_FIXED.size + klen])
-    if nsizes:
-        sizes = struct.unpack_from(f"<{nsizes}Q", buf, start + klen)
+    key = bytes(buf[start : start + klen])
+    if nframes > 1:
+        sizes = struct.unpack_from(f"<{nframes}Q", buf, start + klen)
         if sum(sizes) != plen:
             return None
     else:
@@ -182,6 +177,34 @@ def parse_record_header(buf: memoryview | bytes, pos: int = 0) -> RecordHeader |
     if (flags & FLAG_TOMBSTONE) != (nframes == 0) or (nframes == 0 and plen):
         return None
     return RecordHeader(flags, key, seq, plen, checksum, hlen, sizes)
+
+
+def check_record_header(
+    buf: memoryview, key: bytes, seq: int, header_len: int, payload_len: int, checksum: int
+) -> tuple[int, ...] | None:
+    """The frame sizes in the header at the start of ``buf`` when it is intact and is the
+    block record the index names: ``key``, ``seq``, lengths and ``checksum``; else None.
+    (The read path's check: leaner than :func:`parse_record_header`.)"""
+    if len(buf) < RECORD_FIXED.size:
+        return None
+    magic, flags, klen, nframes, hlen, rseq, plen, rsum = RECORD_FIXED.unpack_from(buf)
+    if (magic != RECORD_MAGIC or flags or rseq != seq or plen != payload_len or rsum != checksum
+            or klen != len(key) or not 0 < nframes <= MAX_FRAMES or hlen != header_len
+            or len(buf) < hlen or hlen != header_bytes(klen, nframes)):  # fmt: skip
+        return None
+    start = RECORD_FIXED.size
+    if buf[start : start + klen] != key or not _summed(buf, 0, hlen):
+        return None
+    if nframes == 1:
+        return (plen,)
+    sizes = struct.unpack_from(f"<{nframes}Q", buf, start + klen)
+    return sizes if sum(sizes) == plen else None
+
+
+def _summed(buf: Any, pos: int, hlen: int) -> bool:
+    """Whether the header at ``pos`` (``hlen`` bytes) matches its trailing header_sum."""
+    view = memoryview(buf)[pos : pos + hlen - 8]
+    return xxhash.xxh3_64_intdigest(view) == _SIZE.unpack_from(buf, pos + hlen - 8)[0]
 
 
 def pack_segment_header(seg_id: int, created_ns: int) -> bytes:
@@ -216,9 +239,11 @@ def pack_directory(seg_id: int, data_end: int, records: Sequence[Record]) -> byt
     return body + _SIZE.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def parse_directory(data: bytes) -> tuple[int, int, list[Record]] | None:
-    """(segment id, data end, records) of a directory file's bytes, or None when they are not
-    an intact directory (short, torn, wrong magic or version, checksum off)."""
+def parse_directory(data: bytes) -> tuple[int, int, list[bytes], list[tuple]] | None:
+    """(segment id, data end, keys, rows) of a directory file's bytes: per record its key and
+    its ``DIRECTORY_ENTRY`` fields (seq, offset, payload_len, checksum, header_len, key_len,
+    flags); None when the bytes are not an intact directory (short, torn, wrong magic or
+    version, checksum off)."""
     if len(data) < DIRECTORY_HEADER.size + 8:
         return None
     body = memoryview(data)[:-8]
@@ -228,12 +253,18 @@ def parse_directory(data: bytes) -> tuple[int, int, list[Record]] | None:
     fixed_end = DIRECTORY_HEADER.size + count * DIRECTORY_ENTRY.size
     if magic != DIRECTORY_MAGIC or version != FORMAT_VERSION or fixed_end > len(body):
         return None
-    records, key_at = [], fixed_end
-    fields = DIRECTORY_ENTRY.iter_unpack(body[DIRECTORY_HEADER.size : fixed_end])
-    for seq, offset, plen, checksum, hlen, klen, flags in fields:
-        key = bytes(body[key_at : key_at + klen])
-        key_at += klen
-        records.append(Record(key, flags, seq, offset, hlen, plen, checksum))
-    if key_at != len(body):
+    rows = list(DIRECTORY_ENTRY.iter_unpack(body[DIRECTORY_HEADER.size : fixed_end]))
+    keys, at = [], fixed_end
+    for row in rows:
+        keys.append(data[at : at + row[5]])
+        at += row[5]
+    if at != len(body):
         return None
-    return seg_id, data_end, records
+    return seg_id, data_end, keys, rows
+
+
+def directory_rows(records: Sequence[Record]) -> tuple[list[bytes], list[tuple]]:
+    """The keys and ``DIRECTORY_ENTRY`` rows of ``records`` (as :func:`parse_directory`)."""
+    rows = [(r.seq, r.offset, r.payload_len, r.checksum, r.header_len, len(r.key), r.flags)
+            for r in records]  # fmt: skip
+    return [r.key for r in records], rows
