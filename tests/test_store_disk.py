@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from pagekv.errors import ConfigError
 from pagekv.store.node import disk_segment
 from pagekv.store.node.disk import (
     DiskConfig,
@@ -185,6 +186,33 @@ def test_blocks_written_together_are_read_together(tiers, poisoned):
     for i in wanted[:-1]:
         assert joined(found[i]) == payload(i, 100_000)
     assert tier.stats()["disk_read_ops"] == 4
+
+
+def test_without_o_direct_sealed_segments_are_read_through_the_page_cache(tiers, poisoned):
+    class NoDirect(FileOps):
+        def open(self, path, flags, mode=0o600):
+            if flags & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "O_DIRECT refused")
+            return super().open(path, flags, mode)
+
+    tier = tiers(io=NoDirect())
+    for i in range(30):
+        offer(tier, i, 100_000)
+    assert tier.close(10)
+    tier = tiers(io=NoDirect())
+    found = read_all(tier, range(30))
+    assert all(joined(found[i]) == payload(i, 100_000) for i in range(30)) and tier.on
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"segment_bytes": 1000}, {"capacity": "1MiB"}, {"read_threads": 0}, {"capacity": "lots"},
+     {"rewrite_fraction": 1.0}, {"write_queue_bytes": 0}],
+)  # fmt: skip
+def test_bad_configs_are_refused_naming_the_field(tmp_path, bad):
+    fields = {"capacity": 16 * MIB, "segment_bytes": MIB, **bad}
+    with pytest.raises(ConfigError, match="DiskConfig"):
+        DiskConfig(str(tmp_path), **fields)
 
 
 def test_completions_wake_the_polled_fd(tiers):

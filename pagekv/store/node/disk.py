@@ -18,9 +18,11 @@ How the node uses it (every call is cheap and never waits on the disk, except :m
 
 Threads: one writer (appends records to the active segment in large sequential writes, seals
 full segments, reclaims the oldest when the disk is over capacity), ``read_threads`` readers
-(each read: one ``preadv`` into a buffer of its own, then the record's header and checksum
-checked). The tier's lock guards the index, the queue and the segment table; no disk I/O is
-ever done while holding it, so the node's loop waits on it for microseconds at most.
+(a batch's keys in up to ``read_threads`` shares; records lying back to back, as a prefix's
+pages evicted together do, are read with one ``preadv`` into a new buffer; then each record's
+header and checksum are checked). The tier's lock guards the index, the queue and the segment
+table; no disk I/O is ever done while holding it, so the node's loop waits on it for
+microseconds at most.
 
 Failures: a full disk reclaims the oldest segment and tries once more, then drops the block;
 any other I/O error (EIO, a read-only file system...) turns the tier off with one log line (every
@@ -138,13 +140,18 @@ class DiskConfig:
 
 
 class DiskBlock(NamedTuple):
-    """A block read back: its frames (read-only memoryviews over one buffer that belongs to
-    whoever holds them; the tier never touches it again), payload bytes and xxh3-64 checksum.
-    A block still queued for writing comes back as the frames it was offered with."""
+    """A block read back: its frames, payload bytes and xxh3-64 checksum, and ``held``: bytes
+    of the buffer its frames keep alive. The frames are read-only memoryviews over a buffer
+    that belongs to whoever holds them (the tier never touches it again), shared by the
+    blocks read in the same run (at most ``MAX_RUN_BYTES``; ``held`` says how much): a
+    node that keeps one (promotes it to memory) counts ``held``, or copies the frames when
+    ``held`` is much larger than ``size``. A block still queued for writing comes back as the
+    frames it was offered with (``held`` = ``size``)."""
 
     frames: tuple[Any, ...]
     size: int
     checksum: int
+    held: int
 
 
 class _Write:
@@ -263,9 +270,9 @@ class DiskTier:
         self._lock_fd = -1
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self._read_latency, self._write_latency = _Histogram(), _Histogram()
-        self._completions = _Completions()
         self.rebuild_seconds = 0.0
         self._open()
+        self._completions = _Completions()
         self._pool = ThreadPoolExecutor(config.read_threads, thread_name_prefix="pagekv-disk-read")
         self._writer = threading.Thread(target=self._run, name="pagekv-disk-writer", daemon=True)
         self._writer.start()
@@ -488,7 +495,7 @@ class DiskTier:
                 for i, key in enumerate(keys):
                     item = self._pending.get(key)
                     if item is not None:
-                        results[i] = DiskBlock(item.frames, item.size, item.checksum)
+                        results[i] = DiskBlock(item.frames, item.size, item.checksum, item.size)
                         self.counters["hits"] += 1
                     elif key in self._index:
                         todo.append(i)
@@ -544,7 +551,8 @@ class DiskTier:
             block = None
             if isinstance(data, memoryview):
                 at = entry.offset - start
-                block = _checked(data[at : at + entry.header_len + entry.size], key, entry)
+                record = data[at : at + entry.header_len + entry.size]
+                block = _checked(record, key, entry, len(data))
             found.append((i, block))
         bad = self._settle(run, found, submitted, dropped=not isinstance(data, OSError))
         if isinstance(data, OSError):
@@ -890,9 +898,10 @@ def _span(item: _Write) -> int:
     return record_bytes(len(item.key), len(item.frames), item.size)
 
 
-def _checked(record: memoryview, key: bytes, entry: Entry) -> DiskBlock | None:
-    """The block in ``record`` (its header and payload, as read) when it is intact and is the
-    one the index names (key, sequence number, lengths, checksum), else None."""
+def _checked(record: memoryview, key: bytes, entry: Entry, held: int) -> DiskBlock | None:
+    """The block in ``record`` (its header and payload, as read, in a buffer of ``held``
+    bytes) when it is intact and is the one the index names (key, sequence number, lengths,
+    checksum), else None."""
     sizes = check_record_header(record, key, entry.seq, entry.header_len, entry.size,
                                 entry.checksum)  # fmt: skip
     if sizes is None:
@@ -901,12 +910,12 @@ def _checked(record: memoryview, key: bytes, entry: Entry) -> DiskBlock | None:
     if payload_checksum(payload) != entry.checksum:
         return None
     if len(sizes) == 1:
-        return DiskBlock((payload,), entry.size, entry.checksum)
+        return DiskBlock((payload,), entry.size, entry.checksum, held)
     frames, pos = [], 0
     for size in sizes:
         frames.append(payload[pos : pos + size])
         pos += size
-    return DiskBlock(tuple(frames), entry.size, entry.checksum)
+    return DiskBlock(tuple(frames), entry.size, entry.checksum, held)
 
 
 def _lock_directory(directory: str) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import functools
 import os
 from collections.abc import Iterator, Sequence
@@ -63,8 +64,11 @@ class FileOps:
         os.ftruncate(fd, length)
 
     def fadvise_dontneed(self, fd: int) -> None:
-        if hasattr(os, "posix_fadvise"):
+        """Drop the file's pages from the page cache: advice, so never an error."""
+        try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except (AttributeError, OSError):
+            pass
 
     def replace(self, src: str, dst: str) -> None:
         os.replace(src, dst)
@@ -178,8 +182,8 @@ class Segment:
         """Read from here on with ``O_DIRECT``, where the file system allows it."""
         try:
             self.dfd = self.io.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-        except OSError as e:
-            if e.errno != 22:  # EINVAL: no O_DIRECT here (tmpfs before Linux 6.6): page cache
+        except OSError as e:  # no O_DIRECT here (tmpfs before Linux 6.6): the page cache
+            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                 raise
 
     def append(self, buffers: list[memoryview], offset: int) -> None:
