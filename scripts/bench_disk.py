@@ -1,18 +1,27 @@
 """Disk tier benchmark (issue 30): the tier's GET throughput against the disk's own O_DIRECT
-sequential-read ceiling at the same block size, measured in the same run on the same files;
+sequential-read ceiling at the same block size, measured in the same run on the same disk;
 write throughput; index rebuild time after a clean stop and after a crash; optionally a replay
 of Zipf-distributed prefix requests through a model of a node (memory tier + disk tier).
 
     python scripts/bench_disk.py                          # 2 GiB per block size, a temp dir in .
-    python scripts/bench_disk.py --dir /mnt/nvme/x --gib 10 --replay   # the GPU host's NVMe
+    python scripts/bench_disk.py --dir /mnt/nvme/x --gib 10 --replay   # a host's NVMe
+    TESTS=tests/test_store_disk.py BENCH=disk BENCH_ARGS="--gib 10 --replay" \
+        bash scripts/gpu_check.sh                         # on the GPU host, in the tree's disk
 
-Reads: the tier reads sealed segments with O_DIRECT (no page cache); the ceiling reads segment
-files with O_DIRECT, sequentially, in chunks of the block size, on as many threads as the tier
-has readers (and on one); each method reads its own fifth of the files, in interleaved rounds.
-None is helped by the page cache, so no cache drop is needed (``--drop-caches`` drops it
-anyway, as root). Where O_DIRECT is refused (gVisor) every method reads through the page
-cache after dropping the file's pages (the JSON says which). Everything it
-writes goes in one directory, removed at the end. Results: a table, and bench_disk.json
+Reads: the tier reads sealed segments with O_DIRECT (no page cache). Each reference reads its
+own fifth of the segment files: O_DIRECT sequential reads in chunks of the block size on as
+many threads as the tier has readers, and on one; plain O_DIRECT reads of whole records in
+random order (the disk's random-read speed, without the tier's work). The tier reads its
+fifths as GETs of ``--get-keys`` random blocks, and of as many consecutive blocks (a prefix's
+pages, evicted together). The methods take turns in ``--rounds`` rounds, so a disk whose speed
+drifts (a shared virtual disk) affects them alike. No page cache helps any of them (no cache
+drop is needed; ``--drop-caches`` does one anyway, as root). Where O_DIRECT is refused
+(gVisor) every method reads through the page cache after dropping the file's pages (the JSON's
+``disk.o_direct`` says which). The replay's model node is a BlockStore whose evictions are
+offered to the tier (the hook phase 2 adds to the node), without a network: it evicts as fast
+as Python puts, so a slow disk drops writes (counted: ``write_dropped``).
+
+Everything goes in one directory, removed at the end. Results: a table, and bench_disk.json
 (``$RESULTS_DIR``, ``--save`` or a temp dir; scripts/_bench_util.py).
 """
 
@@ -243,9 +252,11 @@ def one_size(root: Path, block: int, total: int, args: argparse.Namespace) -> di
     totals = read_rounds(tier, blocks, directory, args)
     row["tier_read_ops"] = tier.stats()["disk_read_ops"]
     tier.close(60)
-    gbps = {m: b / s / 1e9 for m, (b, s, _) in totals.items()}
+    nan = float("nan")  # a method left without files (too little data): not measured
+    gbps = {m: b / s / 1e9 if s else nan for m, (b, s, _) in totals.items()}
     row.update({f"{m}_gbps": v for m, v in gbps.items()})
-    row.update({f"{m}_cpu_s_per_gb": c / (b / 1e9) for m, (b, _, c) in totals.items()})
+    row.update({f"{m}_cpu_s_per_gb": c / (b / 1e9) if b else nan
+                for m, (b, _, c) in totals.items()})  # fmt: skip
     row.update(random_vs_sequential=gbps["tier_random"] / gbps["sequential"],
                prefix_vs_sequential=gbps["tier_prefix"] / gbps["sequential"],
                random_vs_raw_random=gbps["tier_random"] / gbps["raw_random"])  # fmt: skip
@@ -332,21 +343,24 @@ class ModelMemory(BlockStore):
 
 def replay(root: Path, args: argparse.Namespace, with_disk: bool) -> dict[str, Any]:
     """Requests for Zipf-distributed prefixes (working set ``--replay-gib``, memory a quarter
-    of it): each GETs its prefix's pages in order, memory then disk (a disk hit promoted to
-    memory), and stores the pages from the first miss on (the engine recomputed them)."""
+    of it, disk ``--replay-disk`` times it): each GETs its prefix's pages in order, memory then
+    disk (a disk hit promoted to memory), and stores the pages from the first miss on (the
+    engine recomputed them)."""
     page, pages = args.replay_page_kib << 10, 16
     prefixes = int(args.replay_gib * GIB) // (page * pages)
     memory = ModelMemory(int(args.replay_gib * GIB / 4), max_block_bytes=page)
     data = os.urandom(page)
     checksum = xxhash.xxh3_64_intdigest(data)
     if with_disk:
-        disk_capacity = int(args.replay_gib * GIB * 1.5)  # the whole working set
+        disk_capacity = int(args.replay_gib * GIB * args.replay_disk)
         memory.disk = DiskTier(DiskConfig(str(root / "replay"), disk_capacity, args.segment))
     rng = random.Random(7)
     weights = [1 / (rank + 1) ** args.zipf for rank in range(prefixes)]
-    asked = hits = 0
-    latencies = []
+    asked = hits = compulsory = 0
+    latencies, seen = [], set()
     for p in rng.choices(range(prefixes), weights, k=args.replay_requests):
+        compulsory += 0 if p in seen else pages  # asked for the first time: no cache has it
+        seen.add(p)
         keys = [p.to_bytes(8, "little") + j.to_bytes(8, "little") for j in range(pages)]
         start = time.perf_counter()
         found = _leading_hits(memory, keys)
@@ -355,10 +369,14 @@ def replay(root: Path, args: argparse.Namespace, with_disk: bool) -> dict[str, A
         for key in keys[found:]:
             memory.put(key, (data,), page, checksum)
     out = {"disk": with_disk, "requests": args.replay_requests, "hit_rate": hits / asked,
+           "max_hit_rate": 1 - compulsory / asked,
            "p50_ms": statistics.median(latencies) * 1e3,
            "p99_ms": statistics.quantiles(latencies, n=100)[98] * 1e3}  # fmt: skip
     if memory.disk is not None:
-        out["disk_hits"] = memory.disk.stats()["disk_hits"]
+        stats = memory.disk.stats()
+        out.update({k: stats[f"disk_{k}"] for k in ("hits", "misses", "writes", "write_dropped",
+                                                     "write_skipped", "rewrites", "corrupt",
+                                                     "reclaimed_blocks")})  # fmt: skip
         memory.disk.close(60)
         shutil.rmtree(root / "replay")
     return out
@@ -404,6 +422,7 @@ def main() -> None:
     ap.add_argument("--replay", action="store_true", help="also the Zipf prefix replay")
     ap.add_argument("--replay-gib", type=float, default=1.0, help="its working set")
     ap.add_argument("--replay-page-kib", type=int, default=256)
+    ap.add_argument("--replay-disk", type=float, default=2.0, help="disk / working set")
     ap.add_argument("--replay-requests", type=int, default=2000)
     ap.add_argument("--zipf", type=float, default=1.0)
     args = parse_args(ap)
@@ -444,8 +463,8 @@ def report(env, facts, rows, rebuild, replays, args) -> None:
               "(crash: newest segment scanned)")  # fmt: skip
     for r in replays:
         print(f"replay {'memory + disk' if r['disk'] else 'memory only  '}: hit rate "
-              f"{r['hit_rate']:.1%}, GET p50 {r['p50_ms']:.2f} ms, "
-              f"p99 {r['p99_ms']:.2f} ms")  # fmt: skip
+              f"{r['hit_rate']:.1%} (at most {r['max_hit_rate']:.1%}), GET p50 "
+              f"{r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms")  # fmt: skip
     path = write_result("bench_disk", {"disk": facts, "read_threads": args.read_threads,
                                        "get_keys": args.get_keys, "depth": args.depth,
                                        "segment_bytes": args.segment, "rows": rows,
