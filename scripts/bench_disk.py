@@ -410,8 +410,9 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir in .)")
     ap.add_argument("--gib", type=float, default=2.0, help="data per block size")
     ap.add_argument("--block-kib", default="2048,64", help="block sizes, KiB")
-    ap.add_argument("--segment", type=lambda s: int(s) << 20, default=128 << 20,
-                    help="segment size, MiB")  # fmt: skip
+    ap.add_argument("--segment", type=lambda s: int(s) << 20, default=None,
+                    help="segment size, MiB (default: 128, less for under 5 GiB: each read "
+                    "method needs several segments)")  # fmt: skip
     ap.add_argument("--read-threads", type=int, default=8, help="the tier's reader threads")
     ap.add_argument("--get-keys", type=int, default=16, help="keys per GET")
     ap.add_argument("--depth", type=int, default=4, help="GETs in flight")
@@ -426,6 +427,8 @@ def main() -> None:
     ap.add_argument("--replay-requests", type=int, default=2000)
     ap.add_argument("--zipf", type=float, default=1.0)
     args = parse_args(ap)
+    if args.segment is None:  # at least ~40 segments, 8 to 128 MiB
+        args.segment = min(128, max(8, int(args.gib * 1024) // 40)) << 20
     tune_malloc_for_blocks()  # as a node does: block-sized buffers reused from the heap
     root = Path(tempfile.mkdtemp(prefix="pagekv-bench-disk-", dir=args.dir or "."))
     try:
