@@ -18,8 +18,9 @@ drifts (a shared virtual disk) affects them alike. No page cache helps any of th
 drop is needed; ``--drop-caches`` does one anyway, as root). Where O_DIRECT is refused
 (gVisor) every method reads through the page cache after dropping the file's pages (the JSON's
 ``disk.o_direct`` says which). The replay's model node is a BlockStore whose evictions are
-offered to the tier (the hook phase 2 adds to the node), without a network: it evicts as fast
-as Python puts, so a slow disk drops writes (counted: ``write_dropped``).
+offered to the tier (the hook phase 2 adds to the node), without a network: its PUTs wait for
+the disk writer when its queue is half full (``--replay-unpaced``: they do not, and a slow
+disk drops writes, counted in ``write_dropped``).
 
 Everything goes in one directory, removed at the end. Results: a table, and bench_disk.json
 (``$RESULTS_DIR``, ``--save`` or a temp dir; scripts/_bench_util.py).
@@ -361,6 +362,9 @@ def replay(root: Path, args: argparse.Namespace, with_disk: bool) -> dict[str, A
     for p in rng.choices(range(prefixes), weights, k=args.replay_requests):
         compulsory += 0 if p in seen else pages  # asked for the first time: no cache has it
         seen.add(p)
+        if memory.disk is not None and not args.replay_unpaced:  # a network paces the PUTs
+            if memory.disk.stats()["disk_queue_bytes"] > memory.disk.config.write_queue_bytes // 2:
+                memory.disk.flush(60)
         keys = [p.to_bytes(8, "little") + j.to_bytes(8, "little") for j in range(pages)]
         start = time.perf_counter()
         found = _leading_hits(memory, keys)
@@ -368,7 +372,8 @@ def replay(root: Path, args: argparse.Namespace, with_disk: bool) -> dict[str, A
         asked, hits = asked + pages, hits + found
         for key in keys[found:]:
             memory.put(key, (data,), page, checksum)
-    out = {"disk": with_disk, "requests": args.replay_requests, "hit_rate": hits / asked,
+    out = {"disk": with_disk, "paced": not args.replay_unpaced,
+           "requests": args.replay_requests, "hit_rate": hits / asked,
            "max_hit_rate": 1 - compulsory / asked,
            "p50_ms": statistics.median(latencies) * 1e3,
            "p99_ms": statistics.quantiles(latencies, n=100)[98] * 1e3}  # fmt: skip
@@ -424,6 +429,10 @@ def main() -> None:
     ap.add_argument("--replay-gib", type=float, default=1.0, help="its working set")
     ap.add_argument("--replay-page-kib", type=int, default=256)
     ap.add_argument("--replay-disk", type=float, default=2.0, help="disk / working set")
+    ap.add_argument("--replay-unpaced", action="store_true",
+                    help="PUT as fast as Python can (else wait for the disk writer whenever its "
+                    "queue is half full, outside the GETs timed: the PUT rate a network would "
+                    "give, at most what the disk absorbs)")  # fmt: skip
     ap.add_argument("--replay-requests", type=int, default=2000)
     ap.add_argument("--zipf", type=float, default=1.0)
     args = parse_args(ap)
