@@ -851,6 +851,9 @@ class DiskTier:
             if self._error is not None:
                 return
             self._error = reason
+            # said before anyone waiting (flush, save) is woken: they may look for the line
+            log.error("pagekv disk tier %s off: %s; serving from memory only", self.config.dir,
+                      reason, exc_info=exc)  # fmt: skip
             self._drop_queue("write_dropped_off")
             self._index.clear()
             idle = [s for s in self._segments.values() if s.refs == 0]
@@ -861,8 +864,6 @@ class DiskTier:
             self._work.notify_all()
         for seg in idle:
             seg.close()
-        log.error("pagekv disk tier %s off: %s; serving from memory only", self.config.dir,
-                  reason, exc_info=exc)  # fmt: skip
 
 
 _COUNTERS = (
