@@ -74,7 +74,8 @@ __all__ = ["DiskBlock", "DiskConfig", "DiskDirLocked", "DiskFormatError", "DiskT
 log = logging.getLogger("pagekv.store.disk")
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-_MISCONFIGURED = (errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP)
+_MISCONFIGURED = (errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG,
+                  errno.ELOOP)  # fmt: skip
 WRITE_BATCH_BYTES = 16 << 20  # one pwritev carries at most this (and IOV_MAX pieces)
 MAX_TOMBSTONES = 1 << 16  # queued deletes beyond the byte-bounded blocks
 # the buckets of the node's request histogram (metrics.LATENCY_BUCKETS)
@@ -331,10 +332,14 @@ class DiskTier:
         """Readable when :meth:`completed` has batches (an eventfd: poll it, never read it)."""
         return self._completions.fd
 
-    def offer(self, key: bytes, frames: Sequence[Any], size: int, checksum: int) -> bool:
+    def offer(
+        self, key: bytes, frames: Sequence[Any], size: int, checksum: int, *, copy: bool = False
+    ) -> bool:
         """Queue a block (evicted from memory) for writing; whether it was queued. Never waits.
         ``frames`` (bytes-like, ``size`` bytes in all, ``checksum`` their xxh3-64) are kept by
         reference until written: the caller must not change them (blocks are immutable).
+        ``copy``: the caller reuses their memory once this returns (a ``--shm`` segment's
+        space): a queued block's frames are copied first (one memcpy, on the calling thread).
         Not queued: the tier is off; the block is larger than a segment; the key is queued
         already, or on disk in a segment young enough; the queue is full (counted)."""
         if self._error is not None or self._closing:
@@ -343,9 +348,10 @@ class DiskTier:
             self.counters["write_too_large"] += 1
             return False
         with self._lock:
-            return self._enqueue(key, tuple(frames), size, checksum)
+            return self._enqueue(key, tuple(frames), size, checksum, copy)
 
-    def _enqueue(self, key: bytes, frames: tuple, size: int, checksum: int) -> bool:
+    def _enqueue(self, key: bytes, frames: tuple, size: int, checksum: int,
+                 copy: bool = False) -> bool:  # fmt: skip
         if key in self._pending or self._error is not None:
             return False
         entry = self._index.get(key)
@@ -355,6 +361,8 @@ class DiskTier:
         if self._queue_bytes + size > self.config.write_queue_bytes:
             self.counters["write_dropped"] += 1
             return False
+        if copy:
+            frames = tuple(bytes(f) for f in frames)
         item = _Write(key, frames, size, checksum, 0)
         self._pending[key] = item
         self._queue.append(item)
@@ -375,22 +383,27 @@ class DiskTier:
         entry = self._index.get(key)
         return entry.size if entry is not None else None
 
-    def read_many(self, keys: Sequence[bytes], token: Any) -> None:
+    def read_many(self, keys: Sequence[bytes], token: Any, *, own: bool = False) -> None:
         """Read ``keys``' blocks; when all are done, ``(token, [DiskBlock or None per key])``
         is queued for :meth:`completed` and :attr:`wakeup_fd` is signalled. Never waits;
-        every call completes exactly once (None for a key missing, corrupt, or the tier off)."""
-        self._submit(keys, lambda blocks: self._completions.push((token, blocks)))
+        every call completes exactly once (None for a key missing, corrupt, or the tier off).
+        ``own``: each block read with others (one buffer for the run) is copied out of it on
+        the reader thread, so no block keeps another's bytes alive (``held`` is its record's
+        read at most: for blocks the caller keeps, e.g. promotes to memory)."""
+        self._submit(keys, lambda blocks: self._completions.push((token, blocks)), own)
 
     def completed(self) -> list[tuple[Any, list[DiskBlock | None]]]:
         """The read batches finished since the last call, as ``(token, blocks)``."""
         return self._completions.drain()
 
-    def read_many_wait(self, keys: Sequence[bytes], timeout_s: float) -> list[DiskBlock | None]:
+    def read_many_wait(
+        self, keys: Sequence[bytes], timeout_s: float, *, own: bool = False
+    ) -> list[DiskBlock | None]:
         """:meth:`read_many` for a thread that may block: the blocks (None where missing), or
         None for every key whose read had not finished within ``timeout_s``."""
         done = threading.Event()
         box: list[list] = []
-        self._submit(keys, lambda blocks: (box.append(blocks), done.set()))
+        self._submit(keys, lambda blocks: (box.append(blocks), done.set()), own)
         if done.wait(timeout_s):
             return list(box[0])
         return [None] * len(keys)
@@ -422,13 +435,19 @@ class DiskTier:
         self, blocks: Iterable[tuple[bytes, Sequence[Any], int, int]], timeout_s: float
     ) -> int:
         """At shutdown: queue ``blocks`` (``(key, frames, size, checksum)``, most wanted first),
-        waiting for room in the queue, until ``timeout_s`` has passed; how many were queued.
-        Keys the disk holds already are skipped. :meth:`close` then writes the queue."""
+        waiting for room in the queue, until ``timeout_s`` has passed or the blocks so far
+        (queued, or on disk already: skipped) would fill the disk but two segments (more would
+        reclaim the first ones saved, the most wanted); how many were queued. :meth:`close`
+        then writes the queue."""
         deadline = time.monotonic() + timeout_s
+        room = self.config.capacity - 2 * self.config.segment_bytes
         queued = 0
         for key, frames, size, checksum in blocks:
             if not self.config.fits(len(key), len(frames), size):
                 continue
+            room -= record_bytes(len(key), len(frames), size)
+            if room < 0:
+                return queued
             with self._lock:
                 while self._queue_bytes + size > self.config.write_queue_bytes:
                     left = deadline - time.monotonic()
@@ -486,7 +505,8 @@ class DiskTier:
             return {"read": self._read_latency.snapshot(), "write": self._write_latency.snapshot()}
 
     # ---- reads (reader threads) --------------------------------------------------------------
-    def _submit(self, keys: Sequence[bytes], done: Callable[[list], None]) -> None:
+    def _submit(self, keys: Sequence[bytes], done: Callable[[list], None],
+                own: bool = False) -> None:  # fmt: skip
         """Read ``keys`` on up to ``read_threads`` jobs (each a share of them, in order)."""
         results: list[DiskBlock | None] = [None] * len(keys)
         todo = []
@@ -510,11 +530,12 @@ class DiskTier:
         for n in range(jobs):  # contiguous shares: records written together stay together
             share = todo[n * len(todo) // jobs : (n + 1) * len(todo) // jobs]
             try:
-                self._pool.submit(self._read_job, batch, share, keys, submitted)
+                self._pool.submit(self._read_job, batch, share, keys, submitted, own)
             except RuntimeError:  # closed meanwhile: these are misses
                 batch.finish([])
 
-    def _read_job(self, batch: _Batch, share: list[int], keys: Sequence[bytes], t: float) -> None:
+    def _read_job(self, batch: _Batch, share: list[int], keys: Sequence[bytes], t: float,
+                  own: bool) -> None:  # fmt: skip
         """Read a share of a batch: its records looked up (and their segments pinned) at once,
         then read run by run (records next to each other in a segment: one read)."""
         found: list[tuple[int, DiskBlock | None]] = []
@@ -530,15 +551,16 @@ class DiskTier:
                     seg.refs += 1
                     plan.append((keys[i], i, entry, seg))
             for run in _runs(plan):
-                found += self._read_run(run, t)
+                found += self._read_run(run, t, own)
         except BaseException as e:  # a bug: said once, tier off, the batch still completes
             self._disable(f"a read failed unexpectedly: {e!r}", exc=e)
         batch.finish(found)
 
-    def _read_run(self, run: list[tuple[bytes, int, Entry, Segment]],
-                  submitted: float) -> list[tuple[int, DiskBlock | None]]:  # fmt: skip
+    def _read_run(self, run: list[tuple[bytes, int, Entry, Segment]], submitted: float,
+                  own: bool = False) -> list[tuple[int, DiskBlock | None]]:  # fmt: skip
         """Read records lying back to back in one segment (pinned by the caller, unpinned
-        here) with one read, and check each: a bad one is a miss and is dropped."""
+        here) with one read, and check each: a bad one is a miss and is dropped. ``own``:
+        the blocks of a run of several are copied out of its buffer."""
         seg, start, last = run[0][3], run[0][2].offset, run[-1][2]
         try:
             data: memoryview | OSError | None = seg.read(
@@ -553,6 +575,8 @@ class DiskTier:
                 at = entry.offset - start
                 record = data[at : at + entry.header_len + entry.size]
                 block = _checked(record, key, entry, len(data))
+                if own and block is not None and len(run) > 1:
+                    block = _owned(block)
             found.append((i, block))
         bad = self._settle(run, found, submitted, dropped=not isinstance(data, OSError))
         if isinstance(data, OSError):
@@ -917,6 +941,16 @@ def _checked(record: memoryview, key: bytes, entry: Entry, held: int) -> DiskBlo
         frames.append(payload[pos : pos + size])
         pos += size
     return DiskBlock(tuple(frames), entry.size, entry.checksum, held)
+
+
+def _owned(block: DiskBlock) -> DiskBlock:
+    """``block`` with its frames copied into one buffer of its own (``held`` = its size)."""
+    view = memoryview(b"".join(block.frames))
+    frames, pos = [], 0
+    for frame in block.frames:
+        frames.append(view[pos : pos + frame.nbytes])
+        pos += frame.nbytes
+    return DiskBlock(tuple(frames), block.size, block.checksum, block.size)
 
 
 def _lock_directory(directory: str) -> int:
