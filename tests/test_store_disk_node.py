@@ -215,11 +215,31 @@ def test_locate_promotes_keys_only_on_disk_into_the_segment(served):
         # one LOCATE promotes at most a quarter of the memory: its leading keys on disk
         _, disk = tiers(node, keys)
         with node.lock:
-            chosen = node._to_locate([keys[i] for i in disk])
+            chosen, later = node._to_locate([keys[i] for i in disk])
         assert chosen == [keys[i] for i in disk[: len(chosen)]]
+        assert later == {keys[i] for i in disk[len(chosen) :]}
         assert 4 * MIB - 100_000 < len(chosen) * 100_000 <= 4 * MIB
     stats = node_stats(node)
     assert stats["op_locate"] >= 2 and stats["disk_hits"] >= len(rest) and stats["op_get"] == 0
+
+
+def test_a_locate_naming_more_on_disk_than_it_promotes_defers_the_rest(served):
+    """One LOCATE naming more disk-resident values than a quarter of the memory: the ones it
+    does not promote are DEFERRED, so the same-host client asks again, never a miss."""
+    node = served(shm=True, capacity=16 * MIB, max_message_size=16 * MIB)
+    keys, vals = values(fresh_seed(), 300, 100_000)
+    with client(node, max_message_bytes=16 * MIB) as c:
+        assert c.ping() == [True] and c.routes()[0].get == "shm", c.routes()
+        put_in_steps(c, keys, vals)
+        settled(node)
+        _, disk = tiers(node, keys)
+        ask = disk[:100]  # 10 MB in one call: more than the 4 MiB one LOCATE promotes
+        assert len(ask) == 100
+        into = poisoned([vals[i] for i in ask])
+        assert c.get_many([keys[i] for i in ask], into=into) == [True] * len(ask)
+        assert [bytes(b) for b in into] == [vals[i] for i in ask]
+    stats = node_stats(node)
+    assert stats["op_locate"] >= 3 and stats["op_get"] == 0
 
 
 def test_evicted_segment_blocks_are_copied_before_their_space_is_reused(served):

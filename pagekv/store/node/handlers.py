@@ -192,10 +192,14 @@ def finish_get(
     return Reply(planned.req.id, status=status, sums=sums, counts=counts), out
 
 
-def locate(store: BlockStore, req: Request, advert: dict[str, Any]) -> Reply:
+def locate(store: BlockStore, req: Request, advert: dict[str, Any],
+           later: frozenset[bytes] = frozenset()) -> Reply:  # fmt: skip
     """Where each found value lies in the shared segment: per found key, in key order, its byte
     offset (``offs``), frame count (``counts``) and frame lengths (``sizes``, frames back to
-    back), checksum (``sums``) and generation (``gens``); the segment itself in ``shm``."""
+    back), checksum (``sums``) and generation (``gens``); the segment itself in ``shm``. Keys
+    memory lacks that are in ``later`` (on disk, not promoted for this LOCATE) are
+    ``DEFERRED`` when some key was found (a reply deferring all would be a failing node's),
+    else ``NOT_FOUND``."""
     if store.segment is None:
         raise ProtocolError(Code.BAD_OP, "LOCATE: this node keeps no shared segment (--shm)")
     rep = Reply(req.id, shm=advert)
@@ -212,6 +216,10 @@ def locate(store: BlockStore, req: Request, advert: dict[str, Any]) -> Reply:
         rep.sums.append(block.checksum)
         rep.counts.append(len(block.frames))
         rep.sizes.extend(len(f) for f in block.frames)
+    if later and rep.sums:
+        deferred = int(Status.DEFERRED)
+        rep.status = [deferred if s == missing and k in later else s
+                      for k, s in zip(req.keys, status)]  # fmt: skip
     return rep
 
 

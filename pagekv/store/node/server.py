@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import zmq
 
@@ -68,8 +68,7 @@ LOCATE_PROMOTE_SHARE = 0.25  # of the memory: what one LOCATE may promote from d
 
 class _DiskWait:
     """A request parked while its values are read from disk (ZeroMQ loop): ``work`` is a
-    :class:`~.handlers.DiskGet`, or the request itself for a LOCATE (its ``keys`` to read
-    apart). ``hold``: with a segment, keeps the reply's memory blocks' space from reuse until
+    :class:`~.handlers.DiskGet`, or a :class:`_Locate` (its ``keys`` to promote apart). ``hold``: with a segment, keeps the reply's memory blocks' space from reuse until
     the reply is sent; ``peer``, ``nbytes``: the outbox's hold on the connection's budget."""
 
     __slots__ = ("hold", "ident", "keys", "nbytes", "peer", "sent", "start", "work")
@@ -78,6 +77,14 @@ class _DiskWait:
                  hold: SendDone | None, peer: Any, nbytes: int, start: float) -> None:  # fmt: skip
         self.ident, self.work, self.keys, self.sent, self.hold = ident, work, keys, sent, hold
         self.peer, self.nbytes, self.start = peer, nbytes, start
+
+
+class _Locate(NamedTuple):
+    """A LOCATE waiting for its keys' promotion from disk; ``later``: its keys on disk it
+    defers."""
+
+    req: Request
+    later: frozenset[bytes]
 
 
 class StoreNode:
@@ -482,14 +489,15 @@ class StoreNode:
         them into) must not pin buffers shared with other blocks."""
         return self.config.disk_promote and self.segment is None
 
-    def _to_locate(self, keys: list[bytes]) -> list[bytes]:
+    def _to_locate(self, keys: list[bytes]) -> tuple[list[bytes], frozenset[bytes]]:
         """The keys of a LOCATE to promote from disk first: those memory lacks, in key order,
         while they take at most ``LOCATE_PROMOTE_SHARE`` of the memory (more would evict the
-        first ones before the reply names them); the others are ``NOT_FOUND`` in its reply."""
+        first ones before the reply names them; the first is taken whatever its size); and
+        the disk's other keys, which its reply defers (the client asks for them again)."""
         if self.segment is None:
-            return []
+            return [], frozenset()
         store, size_of = self.store, self.disk.size_of
-        room, out = int(self.config.capacity * LOCATE_PROMOTE_SHARE), []
+        room, out, later = int(self.config.capacity * LOCATE_PROMOTE_SHARE), [], []
         for key in keys:
             if key in store:
                 continue
@@ -497,10 +505,12 @@ class StoreNode:
             if size is None:
                 continue
             room -= size
-            if room < 0:
-                break
-            out.append(key)
-        return out
+            if room < 0 and out:
+                later.append(key)
+                room = -1  # none after the first deferred one: the reply stays in key order
+            else:
+                out.append(key)
+        return out, frozenset(later)
 
     def _promote(self, keys: list[bytes], blocks: list[DiskBlock | None]) -> None:
         """Put blocks read from disk back into memory (under the lock)."""
@@ -524,8 +534,7 @@ class StoreNode:
                 try:
                     rep, out = self._finish(wait.work, wait.keys, blocks)
                 except Exception as e:  # a bug: answered INTERNAL, the node serves on
-                    rep, out = self._error_reply(wait.work.id if op is Op.LOCATE
-                                                 else wait.work.req.id, e), []  # fmt: skip
+                    rep, out = self._error_reply(wait.work.req.id, e), []
                 self._sent_blocks = wait.sent
                 self._send(wait.ident, rep, out)
                 if wait.hold is not None:
@@ -542,7 +551,7 @@ class StoreNode:
                 self._promote(keys, blocks)
             return rep, out
         self._promote(keys, blocks)  # a LOCATE: what it finds must be in the segment
-        return handlers.locate(self.store, work, self.shm_advert), []
+        return handlers.locate(self.store, work.req, self.shm_advert, work.later), []
 
     def _answer_lane_get(self, req: Request) -> tuple[Reply, list[Any], SendDone | None]:
         """The bulk lane's answer to one GET (:data:`.lane.Answer`; any connection thread):
@@ -630,9 +639,9 @@ class StoreNode:
         if req.op is Op.DELETE:
             return Reply(req.id, status=[int(self._delete(k)) for k in req.keys]), []
         if req.op is Op.LOCATE:
-            keys = self._to_locate(req.keys) if self.disk is not None else None
+            keys, later = self._to_locate(req.keys) if self.disk is not None else ([], None)
             if keys:  # promoted into the segment first: LOCATE answers from there only
-                self._wait_on_disk(ident, req, keys, None, 0, start)
+                self._wait_on_disk(ident, _Locate(req, later), keys, None, 0, start)
                 return None
             return handlers.locate(self.store, req, self.shm_advert), []
         if req.op is Op.RESERVE:
