@@ -68,8 +68,9 @@ LOCATE_PROMOTE_SHARE = 0.25  # of the memory: what one LOCATE may promote from d
 
 class _DiskWait:
     """A request parked while its values are read from disk (ZeroMQ loop): ``work`` is a
-    :class:`~.handlers.DiskGet`, or a :class:`_Locate` (its ``keys`` to promote apart). ``hold``: with a segment, keeps the reply's memory blocks' space from reuse until
-    the reply is sent; ``peer``, ``nbytes``: the outbox's hold on the connection's budget."""
+    :class:`~.handlers.DiskGet`, or a :class:`_Locate` (its ``keys`` to promote apart).
+    ``hold``: with a segment, keeps the reply's memory blocks' space from reuse until the reply
+    is sent; ``peer``, ``nbytes``: the outbox's hold on the connection's budget."""
 
     __slots__ = ("hold", "ident", "keys", "nbytes", "peer", "sent", "start", "work")
 
