@@ -146,6 +146,22 @@ def test_gets_mixing_memory_and_disk_hits_are_exact(served, transport):
     assert after["disk_waiting"] == 0 and after["internal_errors"] == 0
 
 
+def test_evictions_come_as_values_arrive_never_in_bursts_past_the_write_queue(served):
+    """With a disk tier, memory evicts what each PUT needs, not down to a low watermark: a
+    burst of a tenth of the memory would overflow a write queue smaller than it, and those
+    blocks would be lost though the writer keeps up with the PUTs."""
+    node = served(capacity=16 * MIB, disk_queue_size=MIB)
+    keys, vals = values(fresh_seed(), 400, 100_000)  # 40 MB: 2.5x the memory
+    with client(node) as c:
+        for i in range(0, len(keys), 5):  # 0.5 MB at a time, the writer keeping up
+            assert c.put_many(keys[i : i + 5], vals[i : i + 5]) == [Status.OK] * 5
+            settled(node)
+        into = poisoned(vals)
+        assert c.get_many(keys, into=into) == [True] * len(keys)
+        assert [bytes(b) for b in into] == vals
+    assert node_stats(node)["disk_write_dropped"] == 0
+
+
 def test_values_on_disk_over_the_reply_limit_are_deferred_and_fetched_again(served):
     node = served(max_message_size=MIB)
     keys, vals = values(fresh_seed(), 40, 200_000)  # 8 MB: a GET of all is 8 replies or more

@@ -64,7 +64,11 @@ _NODE_HELP: dict[str, tuple[str, str]] = {
     "max_keys": ("most keys in one request", "int"),
     "verify_puts": ("check each PUT block's checksum before storing it", "bool"),
     "high_watermark": ("fraction of capacity at which eviction starts", "float"),
-    "low_watermark": ("fraction of capacity eviction brings usage down to", "float"),
+    "low_watermark": (
+        "fraction of capacity eviction brings usage down to (with --disk: "
+        "unused, each PUT evicts what it needs)",
+        "float",
+    ),
     "curve_secret_key": ("CurveZMQ: this node's secret certificate (pagekv keygen)", "path"),
     "curve_allow": (
         "CurveZMQ: directory of allowed clients' public certificates (*.key), or '*' to allow "

@@ -371,6 +371,12 @@ class DiskTier:
         self._work.notify()
         return True
 
+    def queue_room(self) -> int:
+        """Bytes the write queue takes before :meth:`offer` drops blocks (0 when off)."""
+        if self._error is not None or self._closing:
+            return 0
+        return max(0, self.config.write_queue_bytes - self._queue_bytes)
+
     def contains(self, key: bytes) -> bool:
         """Whether a GET of ``key`` may find it here (on disk, or queued for writing)."""
         return key in self._pending or key in self._index

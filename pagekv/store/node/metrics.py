@@ -96,6 +96,8 @@ _DISK = {
     "disk_queue_blocks": ("gauge", "evicted blocks waiting for the disk writer"),
     "disk_queue_bytes": ("gauge", "bytes of evicted blocks waiting for the disk writer"),
     "disk_waiting": ("gauge", "requests waiting for disk reads (ZeroMQ)"),
+    "disk_promote_skipped": ("counter", "disk hits left on disk only: the write queue had no "
+                             "room for what their promotion would evict"),
     "disk_rebuild_s": ("gauge", "seconds the index rebuild took at start"),
     "disk_rebuild_blocks": ("gauge", "blocks found on disk at start"),
     "disk_rebuild_scanned_bytes": ("gauge", "bytes scanned at start (segments without directory)"),

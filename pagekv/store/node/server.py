@@ -95,11 +95,14 @@ class StoreNode:
     def __init__(self, config: NodeConfig, *, context: zmq.Context | None = None,
                  disk_io: FileOps | None = None) -> None:  # fmt: skip
         self.config = config
+        # with a disk tier, each PUT evicts what it needs: evictions reach the disk writer as
+        # values arrive, never as a burst (down to a low watermark) larger than its queue
+        low = config.high_watermark if config.disk is not None else config.low_watermark
         self.store = BlockStore(
             config.capacity,
             max_block_bytes=config.max_block_size,
             high_watermark=config.high_watermark,
-            low_watermark=config.low_watermark,
+            low_watermark=low,
         )
         # first: a directory another node serves from stops this one before it binds anything
         self.disk: DiskTier | None = None
@@ -110,6 +113,7 @@ class StoreNode:
                                             config.disk_direct), io=disk_io)  # fmt: skip
             self.store.on_evict = self._offer_to_disk
         self._disk_waits: dict[int, _DiskWait] = {}
+        self._promote_skipped = 0
         self._tokens = 0
         # called after each GET with ("memory" or "disk", seconds): metrics hook
         self.observe_get: Callable[[str, float], None] | None = None
@@ -513,15 +517,25 @@ class StoreNode:
                 out.append(key)
         return out, frozenset(later)
 
-    def _promote(self, keys: list[bytes], blocks: list[DiskBlock | None]) -> None:
-        """Put blocks read from disk back into memory (under the lock)."""
-        put = self.store.put
+    def _promote(self, keys: list[bytes], blocks: list[DiskBlock | None]) -> list[bytes]:
+        """Put blocks read from disk back into memory (under the lock), while the disk's write
+        queue has room for what they may evict (a block evicted past it would be lost: a
+        promotion is never worth a block); the keys of the others, left on disk only."""
+        skipped = []
+        put, room = self.store.put, self.disk.queue_room()
         # room kept for what is on its way in: the requests libzmq holds unread (the last
         # PUT's own size is no longer arriving)
         self.store.arriving = self.guard.held_bytes if self.guard is not None else 0
         for key, block in zip(keys, blocks):
-            if block is not None:
-                put(key, block.frames, block.size, block.checksum, block.held)
+            if block is None:
+                continue
+            room -= block.size
+            if room < 0:
+                skipped.append(key)
+                continue
+            put(key, block.frames, block.size, block.checksum, block.held)
+        self._promote_skipped += len(skipped)
+        return skipped
 
     def _disk_done(self) -> None:
         """Answer the requests whose disk reads have completed."""
@@ -551,8 +565,10 @@ class StoreNode:
             if self.config.disk_promote:
                 self._promote(keys, blocks)
             return rep, out
-        self._promote(keys, blocks)  # a LOCATE: what it finds must be in the segment
-        return handlers.locate(self.store, work.req, self.shm_advert, work.later), []
+        # a LOCATE: what it finds must be in the segment; what could not be promoted is
+        # deferred as what it did not try
+        later = work.later.union(self._promote(keys, blocks))
+        return handlers.locate(self.store, work.req, self.shm_advert, later), []
 
     def _answer_lane_get(self, req: Request) -> tuple[Reply, list[Any], SendDone | None]:
         """The bulk lane's answer to one GET (:data:`.lane.Answer`; any connection thread):
@@ -665,7 +681,8 @@ class StoreNode:
     def stats(self) -> dict[str, Any]:
         disk = {}
         if self.disk is not None:
-            disk = {**self.disk.stats(), "disk_waiting": len(self._disk_waits)}
+            disk = {**self.disk.stats(), "disk_waiting": len(self._disk_waits),
+                    "disk_promote_skipped": self._promote_skipped}  # fmt: skip
         guard, auth = self.guard, self._auth.stats() if self._auth is not None else {}
         return {**self.store.stats(), **self.counters, **auth, "address": self.address,
                 "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
