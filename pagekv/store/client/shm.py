@@ -400,6 +400,8 @@ class ShmTransport(Transport):
                 frames.extend(job.targets)
                 call.digests.append(job.digest)
                 self.counters["shm_hits"] += not job.why
+            if not reply.sums and Status.DEFERRED in status:  # its found ones all evicted
+                status[:] = [int(Status.NOT_FOUND) if s == Status.DEFERRED else s for s in status]
             results[call.request.id] = (reply, frames)
             if call.prepare is not None:
                 call.prepare(reply, frames)
