@@ -7,7 +7,9 @@
 - A node that dies is reported and restarted on its port (back-off 0.5 s doubling to 10 s), up
   to ``--max-restarts`` times in a row (a node that ran a minute starts a fresh count); after
   that it is reported as given up while the others keep serving. Exit 1 only when none is left.
-- SIGINT/SIGTERM: every node is stopped (SIGTERM, then SIGKILL after 10 s) and the exit code
+- With ``--disk DIR`` node i keeps its disk tier in ``DIR/node<i>`` (a directory per node).
+- SIGINT/SIGTERM: every node is stopped (SIGTERM, then SIGKILL after 10 s, plus
+  ``--shutdown-save-s`` for nodes with a disk tier to save their memory) and the exit code
   is 0. Nodes run in their own session (a terminal's Ctrl-C reaches only the supervisor) and
   die with it (``--parent-pid``), so a SIGKILLed supervisor leaves no node behind.
 """
@@ -41,8 +43,11 @@ _BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.5, 10.0
 
 def cluster_settings() -> list[Setting]:
     nodes = [s for s in node_settings(exclude=("port", "endpoint"))]
-    nodes = [Setting(s.name, 1 << 30, s.help + " (per node)", s.kind) if s.name == "capacity"
-             else s for s in nodes]  # fmt: skip
+    per_node = {"capacity": 1 << 30, "disk_capacity": 0}
+    nodes = [Setting(s.name, per_node[s.name], s.help + " (per node)", s.kind)
+             if s.name in per_node else s for s in nodes]  # fmt: skip
+    nodes = [Setting(s.name, s.default, s.help + "; node i uses DIR/node<i>", s.kind)
+             if s.name == "disk" else s for s in nodes]  # fmt: skip
     extras = [
         Setting("nodes", 3, "number of nodes (>= 1)", "int"),
         Setting("base_port", 7400, "node i listens on base-port + i (0: free ports)", "int"),
@@ -106,6 +111,8 @@ class Supervisor:
             if key in skip or value is None:
                 continue
             flag = "--" + key.replace("_", "-")
+            if key == "disk":
+                value = os.path.join(value, f"node{node.index}")
             if isinstance(value, bool):
                 cmd.append(flag if value else "--no-" + flag[2:])
             else:
@@ -243,7 +250,8 @@ class Supervisor:
         live = [n.proc for n in self.nodes if n.proc is not None and n.proc.poll() is None]
         for proc in live:
             proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + _STOP_TIMEOUT_S
+        save = self.values["shutdown_save_s"] if self.values["disk"] is not None else 0.0
+        deadline = time.monotonic() + _STOP_TIMEOUT_S + save
         for proc in live:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
