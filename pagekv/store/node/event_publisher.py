@@ -4,8 +4,8 @@
 Wire format (what :func:`encode_batch` writes, byte for byte what vLLM's msgspec encoder
 writes for the same ``KVEventBatch``; tests/engines/test_vllm_events.py checks it):
 
-* a batch is the msgpack array ``[ts, events]`` (``ts``: float64 seconds since the epoch; the
-  data-parallel rank, a third element in vLLM's batches, is left out: a node has none);
+* a batch is the msgpack array ``[ts, events, data_parallel_rank]`` (``ts``: float64 seconds
+  since the epoch; the rank nil: a node has none);
 * an event is a msgpack map, its tag first: ``{"type": "BlockStored", "block_hashes": [...],
   "parent_block_hash": nil, "token_ids": [], "block_size": 0, "lora_id": nil, "medium": M,
   "lora_name": nil}``, ``{"type": "BlockRemoved", "block_hashes": [...], "medium": M}`` or
@@ -78,9 +78,10 @@ _ALL_CLEARED = b"\x81" + msgpack.packb({"type": "AllBlocksCleared"})[1:]
 def encode_batch(ts: float, events: list[Run | None]) -> bytes:
     """A ``KVEventBatch`` of ``events``: runs ``(stored, medium, keys)``, or None for
     ``AllBlocksCleared``."""
-    parts = [b"\x92", b"\xcb" + struct.pack(">d", ts), _array_head(len(events))]
+    parts = [b"\x93", b"\xcb" + struct.pack(">d", ts), _array_head(len(events))]
     for ev in events:
         parts.append(_ALL_CLEARED if ev is None else _event(*ev))
+    parts.append(b"\xc0")  # no data-parallel rank
     return b"".join(parts)
 
 
