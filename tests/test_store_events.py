@@ -15,6 +15,7 @@ import random
 import re
 import threading
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -254,3 +255,24 @@ def test_no_subscriber_or_one_that_never_reads_never_stalls_the_node(started, en
     for name in ("event_batches", "event_keys", "event_replays", "events_dropped",
                  "event_resyncs"):  # fmt: skip
         assert re.search(rf"^pagekv_node_{name}_total [0-9.e+]+$", text, re.M), name
+
+
+def test_the_readme_subscriber_follows_a_node(started, endpoints):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## KV events", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict = {}
+    exec(compile(code, "README.md (KV events)", "exec"), scope)
+    served = started(capacity=2 * MIB, max_block_size=256 << 10, max_message_size=4 * MIB,
+                     **endpoints)  # fmt: skip
+    index: dict = {}
+    pub = served.node.publisher
+    batches = scope["follow"](pub.endpoint, pub.replay_endpoint, index)
+    keys, vals = fresh(60, 60_000)
+    with served.client() as c:
+        for i in range(0, 60, 6):  # the first batches go before the SUB socket is connected
+            assert c.put_many(keys[i : i + 6], vals[i : i + 6]) == [Status.OK] * 6
+        assert c.delete_many(sorted(served.contents()[MEMORY])[:2]) == [True, True]
+    want = served.contents()
+    wait_until(lambda: next(batches) >= 0 and {m: index.get(m, set()) for m in want} == want,
+               20, "the README subscriber's index")  # fmt: skip
