@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import signal
 import threading
 import urllib.request
 from pathlib import Path
@@ -20,10 +21,12 @@ from pathlib import Path
 import pytest
 
 from pagekv.store import ClientConfig, NodeConfig, Status, StoreClient, StoreNode
+from pagekv.store.cli.cluster import node_endpoint
 from pagekv.store.node.event_publisher import MAX_BATCH_KEYS, _batches, encode_batch
 from pagekv.store.node.events import DISK, MEMORY, NodeEvents
 from pagekv.store.node.metrics import node_metrics
 from pagekv.store.wire.protocol import checksum
+from tests.cli_helpers import Node, Proc, run_cli
 from tests.helpers import wait_until
 from tests.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Subscriber, decode_batch
 from tests.test_store_node import ask, head, raw_socket
@@ -276,3 +279,53 @@ def test_the_readme_subscriber_follows_a_node(started, endpoints):
     want = served.contents()
     wait_until(lambda: next(batches) >= 0 and {m: index.get(m, set()) for m in want} == want,
                20, "the README subscriber's index")  # fmt: skip
+
+
+# ---- the settings: pagekv serve and pagekv cluster -------------------------------------------
+def test_serve_takes_the_events_settings_and_names_a_busy_endpoint():
+    any_port = "tcp://127.0.0.1:0"
+    node = Node(env={"PAGEKV_EVENTS_ENDPOINT": any_port, "PAGEKV_EVENTS_REPLAY_ENDPOINT": any_port,
+                     "PAGEKV_EVENTS_TOPIC": "node-a"})  # fmt: skip
+    try:
+        bound = node.wait_line(r"KV events on (tcp://\S+), replays on (tcp://\S+)$")
+        ev, rp = bound.group(1), bound.group(2)
+        key, val = os.urandom(16), os.urandom(1000)
+        with Subscriber(ev, rp, topic=b"node-a") as sub, StoreClient(node.address) as c:
+            assert c.put_many([key], [val]) == [Status.OK]
+            wait_until(lambda: sub.poll(50) >= 0 and key in sub.stored(MEMORY), 20, "the key")
+        busy = run_cli("serve", "--port", "0", "--events-endpoint", ev)
+        assert busy.returncode == 1 and f"cannot bind {ev}" in busy.stderr, busy.stderr
+    finally:
+        assert node.stop() == 0
+    bad = run_cli("serve", "--port", "0", "--events-replay-endpoint", any_port)
+    assert bad.returncode == 2 and "--events-replay-endpoint needs --events-endpoint" in bad.stderr
+    bad = run_cli("serve", "--port", "0", "--events-endpoint", "nowhere")
+    assert bad.returncode == 2 and "--events-endpoint: not an endpoint" in bad.stderr, bad.stderr
+
+
+def test_cluster_nodes_publish_on_their_own_endpoints(tmp_path):
+    assert node_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert node_endpoint("tcp://*:0", 2) == "tcp://*:0"
+    assert node_endpoint(f"ipc://{tmp_path}/ev", 1) == f"ipc://{tmp_path}/ev-node1"
+    cluster = Proc("cluster", "--nodes", "2", "--base-port", "0", "--capacity", "8MiB",
+                   "--events-endpoint", f"ipc://{tmp_path}/ev")  # fmt: skip
+    try:
+        ready = cluster.wait_line(r"pagekv cluster ready: 2 nodes: (.+)$")
+        for i, address in enumerate(ready.group(1).split()):
+            key = os.urandom(16)
+            with Subscriber(f"ipc://{tmp_path}/ev-node{i}", None) as sub, \
+                    StoreClient(address) as c:  # fmt: skip
+                sub.drop = set()
+                c.put_many([key], [b"v" * 100])
+                wait_until(lambda k=key, s=sub: _seen(s, k), 20, f"node {i}'s event")
+    finally:
+        assert cluster.stop(signal.SIGINT) == 0
+
+
+def _seen(sub: Subscriber, key: bytes) -> bool:
+    """Whether a batch with ``key`` arrived (no replay socket: batches before are skipped)."""
+    while sub.sub.poll(50):
+        _, _, payload = sub.sub.recv_multipart()
+        if any(key in getattr(ev, "block_hashes", ()) for ev in decode_batch(payload).events):
+            return True
+    return False

@@ -193,7 +193,7 @@ class NodeConfig:
             except ValueError as e:
                 raise ValueError(f"NodeConfig.{name}: {e}") from None
         if self.events_replay_endpoint is not None and self.events_endpoint is None:
-            raise ValueError("NodeConfig.events_replay_endpoint needs events_endpoint")
+            raise ValueError("NodeConfig.events_replay_endpoint needs NodeConfig.events_endpoint")
         _positive("NodeConfig", events_buffer=self.events_buffer, events_queue=self.events_queue)
 
     def _check_disk(self) -> None:

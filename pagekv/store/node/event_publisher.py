@@ -44,7 +44,7 @@ import zmq
 
 from .events import NodeEvents, Run
 
-__all__ = ["END_SEQ", "MAX_BATCH_KEYS", "EventPublisher", "encode_batch"]
+__all__ = ["END_SEQ", "MAX_BATCH_KEYS", "EventPublisher", "EventsBindError", "encode_batch"]
 
 log = logging.getLogger("pagekv.store")
 
@@ -58,6 +58,14 @@ Snapshot = Callable[[], "list[tuple[str, list[bytes]]]"]  # [(medium, keys)]: wh
 
 _BLOCK_STORED_HEAD = msgpack.packb({"type": "BlockStored"})[1:]  # the map's tag pair
 _BLOCK_REMOVED_HEAD = msgpack.packb({"type": "BlockRemoved"})[1:]
+
+
+class EventsBindError(zmq.ZMQError):
+    """An events endpoint could not be bound (``endpoint`` names it)."""
+
+    def __init__(self, endpoint: str, error: zmq.ZMQError) -> None:
+        super().__init__(error.errno, error.strerror)
+        self.endpoint = endpoint
 
 
 def _event(stored: bool, medium: str | None, keys: list[bytes]) -> bytes:
@@ -113,11 +121,20 @@ def _batches(events: list[Run | None]) -> Iterator[list[Run | None]]:
         yield batch
 
 
+def _bind(sock: zmq.Socket, endpoint: str) -> str:
+    """Bind ``sock``; the endpoint bound (its port when ``endpoint`` asked for any)."""
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        raise EventsBindError(endpoint, e) from None
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
 class EventPublisher:
     """Publishes ``events`` from a thread of its own. ``snapshot()``: the node's contents per
     medium, called (on this thread) for a resync. Binds its sockets here (raises
-    ``zmq.ZMQError`` on a bad or busy endpoint); :meth:`close` sends what is pending and stops.
-    ``counters``: batches and keys published, replays served."""
+    :class:`EventsBindError` on a bad or busy endpoint); :meth:`close` sends what is pending
+    and stops. ``counters``: batches and keys published, replays served."""
 
     def __init__(self, ctx: zmq.Context, events: NodeEvents, snapshot: Snapshot, *,
                  endpoint: str, replay_endpoint: str | None, topic: str,
@@ -130,17 +147,15 @@ class EventPublisher:
         self.counters = {"event_batches": 0, "event_keys": 0, "event_replays": 0}
         self._pub = ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
+        self.replay_endpoint: str | None = None
         try:
             self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)
             self._pub.setsockopt(zmq.LINGER, 500)
-            self._pub.bind(endpoint)
-            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-            self.replay_endpoint = None
+            self.endpoint = _bind(self._pub, endpoint)
             if replay_endpoint:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(replay_endpoint)
-                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+                self.replay_endpoint = _bind(self._replay, replay_endpoint)
         except BaseException:
             self._close_sockets()
             raise

@@ -240,6 +240,9 @@ class StoreNode:
         self.store.on_stored, self.store.on_removed = events.memory_stored, events.memory_removed
         if self.disk is not None:
             self.disk.on_stored, self.disk.on_removed = events.disk_stored, events.disk_removed
+        log.info("pagekv node: KV events on %s%s", self.publisher.endpoint,
+                 f", replays on {self.publisher.replay_endpoint}"
+                 if self.publisher.replay_endpoint else "")  # fmt: skip
 
     def _event_snapshot(self) -> list[tuple[str, list[bytes]]]:
         """What the node holds, per tier (the publisher's resync; its thread)."""
