@@ -143,9 +143,11 @@ def test_pending_changes_past_the_bound_are_dropped_for_a_resync():
 
 
 # ---- a node's contents, rebuilt by a subscriber ------------------------------------------------
-def test_index_follows_puts_evictions_and_deletes(started, endpoints):
+@pytest.mark.parametrize("shm", [False, True], ids=["zmq", "shm"])
+def test_index_follows_puts_evictions_and_deletes(started, endpoints, shm):
+    # with --shm this client writes its values into the node's segment (RESERVE, COMMIT)
     served = started(capacity=2 * MIB, max_block_size=256 << 10, max_message_size=4 * MIB,
-                     **endpoints)  # fmt: skip
+                     shm=shm, **endpoints)  # fmt: skip
     keys, vals = fresh(80, 60_000)  # 4.8 MB through 2 MiB: most are evicted and dropped
     with served.subscriber() as sub, served.client() as c:
         for i in range(0, 80, 8):
@@ -155,6 +157,8 @@ def test_index_follows_puts_evictions_and_deletes(started, endpoints):
         assert c.delete_many(held[:3]) == [True] * 3
         matches(sub, served)
         assert sub.stored(MEMORY) and not sub.stored(DISK)
+        with served.node.lock:
+            assert (served.node.stats()["op_commit"] > 0) == shm
         # evicted keys were announced, then removed: every key of the test was seen stored
         seen = {h for b in sub.batches for ev in b.events if type(ev).__name__ == "BlockStored"
                 for h in ev.block_hashes}  # fmt: skip
