@@ -26,8 +26,8 @@ import threading
 
 __all__ = ["DISK", "MEMORY", "NodeEvents", "Run"]
 
-MEMORY = "PAGEKV_MEMORY"  # the node's memory tier
-DISK = "PAGEKV_DISK"  # the node's disk tier (--disk)
+MEMORY = "PAGEKV-MEMORY"  # the node's memory tier
+DISK = "PAGEKV-DISK"  # the node's disk tier (--disk)
 
 Run = tuple[bool, str, list[bytes]]  # (stored, medium, keys): one event's worth; None in a
 # list of runs: AllBlocksCleared
