@@ -44,7 +44,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -97,7 +97,9 @@ class KVConnector:
     ``kv_caches``: the engine's layer-first cache, a :class:`DeviceKV` or ``(k, v)`` /
     ``(latent,)`` as accepted by :meth:`DeviceKV.from_caches`. ``store``: a
     :class:`ClientConfig` or endpoint(s). Raises ``ValueError``/``TypeError`` for bad arguments;
-    a failed constructor leaves no thread behind.
+    a failed constructor leaves no thread behind. ``on_stored(keys)``: called on the
+    connector's loop thread with the keys of each write-back the store confirmed holding (see
+    :class:`~.writeback.WriteBack`); it must be quick and must not raise.
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class KVConnector:
         max_pending_writes: int = 1024,
         lookup_timeout_s: float = 0.05,
         close_timeout_s: float = 30.0,
+        on_stored: Callable[[list[bytes]], Any] | None = None,
     ) -> None:
         if not isinstance(namespace, KeyNamespace):
             raise TypeError(f"namespace must be a KeyNamespace, got {type(namespace).__name__}")
@@ -133,7 +136,7 @@ class KVConnector:
             self.store = self.index.store
             self.fetcher = Fetcher(self.cache, self.pool, self.store, self.stats_counters)
             self.writeback = WriteBack(self.cache, self.pool, self.store, max_pending_writes,
-                                       self.stats_counters)  # fmt: skip
+                                       self.stats_counters, on_stored)  # fmt: skip
         except BaseException:
             self._loop.close()
             self.pool.close()

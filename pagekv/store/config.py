@@ -95,6 +95,12 @@ class NodeConfig:
     GET served from disk puts the block back into memory; ``disk_direct``: sealed segments are
     read with O_DIRECT. On SIGTERM the node spends up to ``shutdown_save_s`` writing its
     memory's blocks to the disk tier (most recently used first).
+
+    KV events (``events_endpoint``; :mod:`.node.event_publisher`): the node publishes the
+    blocks it stores and removes, per tier, in vLLM's KV-event format on a ZeroMQ PUB socket
+    bound there, under ``events_topic``; ``events_replay_endpoint``: a ROUTER socket answering
+    replay requests from the last ``events_buffer`` batches; ``events_queue``: keys waiting for
+    the publisher thread before the node drops them and resyncs (sends all it holds).
     """
 
     host: str = "127.0.0.1"
@@ -132,6 +138,11 @@ class NodeConfig:
     disk_promote: bool = True  # a block served from disk goes back into memory
     disk_direct: bool = True  # read sealed segments with O_DIRECT where the file system has it
     shutdown_save_s: float = 30.0  # SIGTERM: seconds to write memory's blocks to the disk tier
+    events_endpoint: str | None = None  # KV events' PUB socket (bound); None: no events
+    events_replay_endpoint: str | None = None  # their replay ROUTER socket (bound); None: none
+    events_topic: str = ""  # the topic frame of every event message
+    events_buffer: int = 10_000  # batches kept for replay
+    events_queue: int = 1 << 20  # keys waiting for the publisher; more: dropped, then a resync
 
     def __post_init__(self) -> None:
         for name in ("capacity", "max_block_size", "max_message_size", "disk_capacity",
@@ -170,6 +181,20 @@ class NodeConfig:
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ValueError("NodeConfig: need 0 < low_watermark <= high_watermark <= 1")
         self._check_disk()
+        self._check_events()
+
+    def _check_events(self) -> None:
+        for name in ("events_endpoint", "events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                object.__setattr__(self, name, normalize_endpoint(value))
+            except ValueError as e:
+                raise ValueError(f"NodeConfig.{name}: {e}") from None
+        if self.events_replay_endpoint is not None and self.events_endpoint is None:
+            raise ValueError("NodeConfig.events_replay_endpoint needs NodeConfig.events_endpoint")
+        _positive("NodeConfig", events_buffer=self.events_buffer, events_queue=self.events_queue)
 
     def _check_disk(self) -> None:
         """The disk settings (the tier's own :class:`~.node.disk.DiskConfig` checks the same)."""

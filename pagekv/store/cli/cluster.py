@@ -8,6 +8,8 @@
   to ``--max-restarts`` times in a row (a node that ran a minute starts a fresh count); after
   that it is reported as given up while the others keep serving. Exit 1 only when none is left.
 - With ``--disk DIR`` node i keeps its disk tier in ``DIR/node<i>`` (a directory per node).
+- With ``--events-endpoint`` (and ``--events-replay-endpoint``) node i publishes on its own:
+  ``tcp://host:P`` -> port ``P + i``, ``ipc://PATH`` -> ``ipc://PATH-node<i>``.
 - SIGINT/SIGTERM: every node is stopped (SIGTERM, then SIGKILL after 10 s, plus
   ``--shutdown-save-s`` for nodes with a disk tier to save their memory) and the exit code
   is 0. Nodes run in their own session (a terminal's Ctrl-C reaches only the supervisor) and
@@ -48,6 +50,9 @@ def cluster_settings() -> list[Setting]:
              if s.name in per_node else s for s in nodes]  # fmt: skip
     nodes = [Setting(s.name, s.default, s.help + "; node i uses DIR/node<i>", s.kind)
              if s.name == "disk" else s for s in nodes]  # fmt: skip
+    nodes = [Setting(s.name, s.default, s.help + "; node i: port + i, or ipc://PATH-node<i>",
+                     s.kind) if s.name.startswith("events_") and s.name.endswith("endpoint")
+             else s for s in nodes]  # fmt: skip
     extras = [
         Setting("nodes", 3, "number of nodes (>= 1)", "int"),
         Setting("base_port", 7400, "node i listens on base-port + i (0: free ports)", "int"),
@@ -61,6 +66,15 @@ def cluster_settings() -> list[Setting]:
     serve = [Setting(s.name, s.default, s.help.replace("this port", "base port + i"), s.kind)
              for s in serve_extras()]  # fmt: skip
     return [*extras, *nodes, *serve]
+
+
+def node_endpoint(endpoint: str, index: int) -> str:
+    """Node ``index``'s own endpoint of a cluster-wide one: ``tcp://host:P`` -> port ``P + i``
+    (port 0 stays: any free port), ``ipc://PATH`` -> ``ipc://PATH-node<i>``."""
+    if endpoint.startswith("ipc://"):
+        return f"{endpoint}-node{index}"
+    host, _, port = endpoint.rpartition(":")
+    return endpoint if port == "0" else f"{host}:{int(port) + index}"
 
 
 class _Node:
@@ -113,6 +127,8 @@ class Supervisor:
             flag = "--" + key.replace("_", "-")
             if key == "disk":
                 value = os.path.join(value, f"node{node.index}")
+            if key in ("events_endpoint", "events_replay_endpoint"):
+                value = node_endpoint(value, node.index)
             if isinstance(value, bool):
                 cmd.append(flag if value else "--no-" + flag[2:])
             else:

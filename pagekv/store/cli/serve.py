@@ -170,6 +170,7 @@ def run_serve(values: dict[str, Any]) -> int:
     """Run one node until SIGINT/SIGTERM. ``values``: resolved :func:`serve_settings`."""
     from ..client.probe import probe
     from ..node.disk import DiskTierError
+    from ..node.event_publisher import EventsBindError
     from ..node.metrics import node_metrics, ping_health
     from ..node.server import StoreNode
     from .lifecycle import die_with_parent
@@ -183,7 +184,8 @@ def run_serve(values: dict[str, Any]) -> int:
     try:
         node = StoreNode(config)
     except zmq.ZMQError as e:
-        log.error("pagekv node: cannot bind %s: %s", config.bind_address, e)
+        where = e.endpoint if isinstance(e, EventsBindError) else config.bind_address
+        log.error("pagekv node: cannot bind %s: %s", where, e)
         return 1
     except DiskTierError as e:
         log.error("pagekv node: %s", e)

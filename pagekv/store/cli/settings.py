@@ -132,6 +132,22 @@ _NODE_HELP: dict[str, tuple[str, str]] = {
         "recently used first (0: none)",
         "float",
     ),
+    "events_endpoint": (
+        "KV events: publish the blocks this node stores and removes (vLLM's KV-event format, "
+        "ZeroMQ PUB) on this endpoint, e.g. tcp://*:5557; unset: no events",
+        "str",
+    ),
+    "events_replay_endpoint": (
+        "KV events: answer replay requests for missed batches (ZeroMQ ROUTER) on this endpoint",
+        "str",
+    ),
+    "events_topic": ("KV events: the topic frame of each event message", "str"),
+    "events_buffer": ("KV events: batches kept for replay", "int"),
+    "events_queue": (
+        "KV events: keys waiting for the publisher thread; past it they are dropped (counted) "
+        "and the node resends all it holds",
+        "int",
+    ),
 }
 
 

@@ -19,7 +19,8 @@ and :meth:`BlockStore.commit` stores it once written; a reservation not committe
 ``RESERVATION_S`` is freed (:meth:`BlockStore.expire`).
 
 A node with a disk tier sets :attr:`BlockStore.on_evict`: each block evicted for space (never
-one deleted) is handed to it as it leaves memory.
+one deleted) is handed to it as it leaves memory. A node publishing KV events sets
+:attr:`BlockStore.on_stored` and :attr:`BlockStore.on_removed` (:mod:`.events`).
 """
 
 from __future__ import annotations
@@ -79,7 +80,11 @@ class BlockStore:
     ``on_evict(key, block)``, when set, is called with each block evicted for space (not
     deleted), once it has left the index and before its segment space (``--shm``) is freed:
     a hook that keeps the frames of a block with an ``extent`` must copy them before it
-    returns. It must not call back into the store."""
+    returns. It must not call back into the store.
+
+    ``on_stored(key)`` / ``on_removed(key)``, when set, are called as a key enters memory (a put
+    or commit that stored it) and as it leaves (evicted, after ``on_evict``; deleted); in the
+    order the store changes. They must not call back into the store."""
 
     def __init__(
         self,
@@ -110,6 +115,8 @@ class BlockStore:
         self._sending: dict[int, list[Any]] = {}  # extent start -> trackers of replies
         self._quarantine: list[tuple[Extent, list[Any]]] = []  # freed, replies still sending
         self.on_evict: Callable[[bytes, Block], Any] | None = None
+        self.on_stored: Callable[[bytes], Any] | None = None
+        self.on_removed: Callable[[bytes], Any] | None = None
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -148,6 +155,8 @@ class BlockStore:
         self._blocks[key] = _new_block(Block, (tuple(frames), size, checksum, need, None, 0))
         self.used += need
         self.payload += size + len(key)
+        if self.on_stored is not None:
+            self.on_stored(key)
         return Status.OK
 
     def _put_shared(self, key: bytes, frames: tuple[Any, ...], size: int, checksum: int) -> Status:
@@ -160,6 +169,8 @@ class BlockStore:
         self._blocks[key] = _new_block(Block, (views, size, checksum, need, extent, gen))
         self.used += need
         self.payload += size + len(key)
+        if self.on_stored is not None:
+            self.on_stored(key)
         return Status.OK
 
     def _room(self, key: bytes, size: int, nframes: int) -> tuple[Extent, int, int] | Status:
@@ -222,6 +233,8 @@ class BlockStore:
         self._blocks[key] = _new_block(Block, (views, size, checksum, held.cost, held.extent,
                                                held.gen))  # fmt: skip
         self.payload += size + len(key)
+        if self.on_stored is not None:
+            self.on_stored(key)
         return Status.OK
 
     def pending(self, key: bytes) -> Reservation | None:
@@ -285,7 +298,13 @@ class BlockStore:
             if self.on_evict is not None:
                 self.on_evict(key, block)
         finally:
+            if self.on_removed is not None:
+                self.on_removed(key)
             self._release(block)
+
+    def keys(self) -> list[bytes]:
+        """The keys held, oldest first (a copy)."""
+        return list(self._blocks)
 
     def newest_first(self) -> Iterator[tuple[bytes, Block]]:
         """The blocks, most recently used first (do not change the store while iterating)."""
@@ -311,6 +330,8 @@ class BlockStore:
             return False
         self.used -= block.cost
         self.payload -= block.size + len(key)
+        if self.on_removed is not None:
+            self.on_removed(key)
         self._release(block)
         return True
 

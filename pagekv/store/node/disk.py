@@ -13,6 +13,10 @@ How the node uses it (every call is cheap and never waits on the disk, except :m
   a thread that may block (the bulk lane) uses :meth:`~DiskTier.read_many_wait`;
 * DELETE -> :meth:`~DiskTier.delete`; STATS -> :meth:`~DiskTier.stats` and
   :meth:`~DiskTier.histograms`;
+* KV events (:mod:`.events`): :attr:`~DiskTier.on_stored` and :attr:`~DiskTier.on_removed`
+  are called, under the tier's lock, as a key becomes readable here (queued for writing) and
+  as it stops being readable (deleted, dropped from the queue, reclaimed, corrupt, tier off);
+  :meth:`~DiskTier.keys` lists what is readable;
 * SIGTERM -> :meth:`~DiskTier.save` (memory's blocks, most recently used first, within a time
   bound), then :meth:`~DiskTier.close` (the queue written, the last segment sealed).
 
@@ -248,6 +252,9 @@ class DiskTier:
     Thread-safety: every method may be called from any thread; the node's loop calls the cheap
     ones (offer, contains, size_of, read_many, completed, delete, stats). ``io`` replaces the
     file system calls (:class:`FileOps`: tests inject failures there).
+
+    ``on_stored(key)`` / ``on_removed(key)``: see the module's docstring (KV events); called
+    with the tier's lock held, from any of its threads or callers: they must not call back.
     """
 
     def __init__(self, config: DiskConfig, *, io: FileOps | None = None) -> None:
@@ -270,6 +277,8 @@ class DiskTier:
         self._seq = self._next_id = 1
         self._lock_fd = -1
         self.counters = dict.fromkeys(_COUNTERS, 0)
+        self.on_stored: Callable[[bytes], Any] | None = None
+        self.on_removed: Callable[[bytes], Any] | None = None
         self._read_latency, self._write_latency = _Histogram(), _Histogram()
         self.rebuild_seconds = 0.0
         self._open()
@@ -368,6 +377,8 @@ class DiskTier:
         self._queue.append(item)
         self._queue_bytes += size
         self.counters["rewrites"] += entry is not None
+        if entry is None and self.on_stored is not None:
+            self.on_stored(key)
         self._work.notify()
         return True
 
@@ -376,6 +387,16 @@ class DiskTier:
         if self._error is not None or self._closing:
             return 0
         return max(0, self.config.write_queue_bytes - self._queue_bytes)
+
+    def keys(self) -> list[bytes]:
+        """The keys readable here (on disk or queued for writing), a copy."""
+        with self._lock:
+            return list(self._index.entries) + [k for k in self._pending if k not in self._index]
+
+    def _gone(self, key: bytes) -> None:
+        """Under the lock: ``key`` left the index or the queue; said if it is readable no more."""
+        if self.on_removed is not None and key not in self._pending and key not in self._index:
+            self.on_removed(key)
 
     def contains(self, key: bytes) -> bool:
         """Whether a GET of ``key`` may find it here (on disk, or queued for writing)."""
@@ -419,7 +440,9 @@ class DiskTier:
         whether it was here."""
         with self._lock:
             queued = self._pending.pop(key, None) is not None
-            found = queued or self._index.pop(key) is not None
+            found = self._index.pop(key) is not None or queued
+            if found:
+                self._gone(key)
             if found and self._error is None and self._tombstones < MAX_TOMBSTONES:
                 self._queue.append(_Write(key, (), 0, 0, FLAG_TOMBSTONE))
                 self._tombstones += 1
@@ -609,7 +632,8 @@ class DiskTier:
                     continue
                 self.counters["misses"] += 1
                 if dropped:
-                    self._index.drop(key, entry)
+                    if self._index.drop(key, entry):
+                        self._gone(key)
                     self.counters["corrupt"] += 1
                     if bad is None and self.counters["corrupt"] <= 10:
                         bad = entry
@@ -769,6 +793,7 @@ class DiskTier:
                 self._queue_bytes -= item.size
                 if self._pending.get(item.key) is item:
                     del self._pending[item.key]
+                    self._gone(item.key)
                 self.counters[counter] += 1
             self._room.notify_all()
 
@@ -780,7 +805,9 @@ class DiskTier:
             elif not item.flags & FLAG_TOMBSTONE:
                 self.counters[counter] += 1
         self._queue.clear()
-        self._pending.clear()
+        pending, self._pending = self._pending, {}
+        for key in pending:
+            self._gone(key)
         self._queue_bytes = self._tombstones = 0
         self._room.notify_all()
 
@@ -848,6 +875,7 @@ class DiskTier:
                 entry = self._index.get(key)
                 if entry is not None and entry.seg == seg.id:
                     self._index.pop(key)
+                    self._gone(key)
                     dropped += 1
             seg.dead = True
             self._used -= seg.end + seg.dir_bytes
@@ -885,7 +913,10 @@ class DiskTier:
             log.error("pagekv disk tier %s off: %s; serving from memory only", self.config.dir,
                       reason, exc_info=exc)  # fmt: skip
             self._drop_queue("write_dropped_off")
+            gone = list(self._index.entries) if self.on_removed is not None else []
             self._index.clear()
+            for key in gone:
+                self._gone(key)
             idle = [s for s in self._segments.values() if s.refs == 0]
             for seg in self._segments.values():
                 seg.dead = True

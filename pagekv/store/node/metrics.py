@@ -115,6 +115,16 @@ _DISK_NAMES = {
 }
 _KNOWN.update({stat: (f"pagekv_node_{_DISK_NAMES.get(stat, stat)}", kind, text)
                for stat, (kind, text) in _DISK.items()})  # fmt: skip
+# KV events (--events-endpoint; pagekv.store.node.events): stat -> metric, type, help
+_KNOWN.update({
+    "event_batches": ("pagekv_node_event_batches", "counter", "KV event batches published"),
+    "event_keys": ("pagekv_node_event_keys", "counter", "block keys in published KV events"),
+    "event_replays": ("pagekv_node_event_replays", "counter", "KV event replay requests served"),
+    "events_dropped": ("pagekv_node_events_dropped", "counter",
+                       "KV events dropped for the publisher's bound (each followed by a resync)"),
+    "event_resyncs": ("pagekv_node_event_resyncs", "counter",
+                      "KV event resyncs (AllBlocksCleared, then all the node holds)"),
+})  # fmt: skip
 _ERRORS = {"bad_requests": "bad_request", "internal_errors": "internal", "dropped": "dropped"}
 _SKIP = {"address", "pid", "uptime_s"}
 

@@ -13,6 +13,10 @@ GET or LOCATE that needs values from it waits for their reads without holding up
 request is parked by a token, the tier's reader threads read, and the loop (which polls the
 tier's wakeup descriptor beside its socket) answers it when they are done. The bulk lane's
 threads wait for their reads themselves, without the store's lock.
+
+With KV events (``--events-endpoint``), the store's and the disk tier's hooks record each key
+stored or removed per tier (:mod:`.events`) and a thread publishes them (:mod:`.event_publisher`);
+a stopping node publishes ``AllBlocksCleared`` last.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from . import handlers
 from .auth import NULL_ZAP_DOMAIN
 from .block_store import Block, BlockStore
 from .disk import DiskBlock, DiskConfig, DiskTier, FileOps
+from .event_publisher import EventPublisher
+from .events import DISK, MEMORY, NodeEvents
 from .guard import ConnectionGuard, source_fd, wire_bytes
 from .lane import BulkServer, LaneLimits, SendDone
 from .memory import tune_malloc_for_blocks
@@ -160,7 +166,10 @@ class StoreNode:
         self.segment: Segment | None = None
         self.shm_advert: dict[str, Any] = {}  # PING and LOCATE replies' ``shm``
         self.bulk: BulkServer | None = None
+        self.events: NodeEvents | None = None
+        self.publisher: EventPublisher | None = None
         try:
+            self._start_events()
             self.bulk = self._make_bulk()
             if self.bulk is not None:  # serving from here on (its own threads): a node's
                 self.bulk.start()  # threads all exist once it is built; close() ends them
@@ -228,6 +237,30 @@ class StoreNode:
         finally:
             self.sock.setsockopt(zmq.AFFINITY, 0)
         return ports
+
+    def _start_events(self) -> None:
+        """KV events, when configured: the tiers' hooks and the publisher thread."""
+        cfg = self.config
+        if cfg.events_endpoint is None:
+            return
+        self.events = events = NodeEvents(cfg.events_queue)
+        self.publisher = EventPublisher(
+            self.ctx, events, self._event_snapshot, endpoint=cfg.events_endpoint,
+            replay_endpoint=cfg.events_replay_endpoint, topic=cfg.events_topic,
+            buffer=cfg.events_buffer,
+        )  # fmt: skip
+        self.store.on_stored, self.store.on_removed = events.memory_stored, events.memory_removed
+        if self.disk is not None:
+            self.disk.on_stored, self.disk.on_removed = events.disk_stored, events.disk_removed
+        log.info("pagekv node: KV events on %s%s", self.publisher.endpoint,
+                 f", replays on {self.publisher.replay_endpoint}"
+                 if self.publisher.replay_endpoint else "")  # fmt: skip
+
+    def _event_snapshot(self) -> list[tuple[str, list[bytes]]]:
+        """What the node holds, per tier (the publisher's resync; its thread)."""
+        with self.lock:
+            memory = self.store.keys()
+        return [(MEMORY, memory), (DISK, self.disk.keys() if self.disk is not None else [])]
 
     def _make_bulk(self) -> BulkServer | None:
         """The bulk lane (:mod:`.bulk_server`) on the node's TCP host, when it is on and safe:
@@ -326,6 +359,9 @@ class StoreNode:
             self._save_to_disk()
         if self.segment is not None:
             self.segment.unlink()  # clients' mappings stay valid; the memory goes with them
+        if self.publisher is not None:
+            self.events.close()
+            self.publisher.close()
 
     def _save_to_disk(self) -> None:
         """At exit, with nothing served any more: write memory's blocks to the disk tier, most
@@ -683,6 +719,9 @@ class StoreNode:
         if self.disk is not None:
             disk = {**self.disk.stats(), "disk_waiting": len(self._disk_waits),
                     "disk_promote_skipped": self._promote_skipped}  # fmt: skip
+        events = {}
+        if self.publisher is not None:
+            events = {**self.events.counters, **self.publisher.counters}
         guard, auth = self.guard, self._auth.stats() if self._auth is not None else {}
         return {**self.store.stats(), **self.counters, **auth, "address": self.address,
                 "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
@@ -691,4 +730,4 @@ class StoreNode:
                 "parked": self.outbox.parked, "stream_ports": self.stream_ports,
                 "bulk_port": self.bulk.port if self.bulk else 0,
                 "bulk_open": self.bulk.open_connections if self.bulk else 0,
-                **(self.bulk.counters if self.bulk else {}), **disk}  # fmt: skip
+                **(self.bulk.counters if self.bulk else {}), **disk, **events}  # fmt: skip
