@@ -45,11 +45,3 @@ def mooncake():
     cluster = mooncake_cluster(stores=2, segment="256MiB")
     yield cluster
     cluster.stop()
-
-
-@pytest.fixture(params=["pagekv", "mooncake"])
-def store_addresses(request):
-    """The addresses of a store of each backend: three pagekv nodes, or a Mooncake Store."""
-    if request.param == "pagekv":
-        return [n.address for n in request.getfixturevalue("three_nodes")]
-    return [request.getfixturevalue("mooncake").address]

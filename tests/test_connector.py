@@ -2,13 +2,14 @@
 
 import asyncio
 import random
+import threading
 import time
 
 import pytest
 import torch
 
 from pagekv.connector import KeyNamespace, KVConnector, KVGeometry
-from pagekv.store import ClientConfig, StoreClient
+from pagekv.store import ClientConfig, NodeConfig, Status, StoreClient, StoreNode
 from tests.helpers import as_bits, bits_equal, poison_, random_tensor
 
 GEO = KVGeometry(3, 4, 2, 16, "bf16")
@@ -260,6 +261,32 @@ def test_writeback_queue_is_bounded_and_drops_oldest():
         assert st["host_held"] == 0 and st["host_cached"] == 12  # pages stay in the host tier
     finally:
         conn.close()
+
+
+def test_on_stored_names_the_keys_the_store_confirmed_and_never_failed_ones(node):
+    told: list[bytes] = []
+    conn = connector(node, caches(), on_stored=told.extend)
+    refusing = StoreNode(NodeConfig(port=0, capacity="64MiB", max_block_size=1024))
+    thread = threading.Thread(target=refusing.serve_forever, daemon=True)
+    thread.start()
+    refused: list[bytes] = []
+    other = connector(refusing, caches(), on_stored=refused.extend)
+    try:
+        tokens = prompt(4 * 10)
+        keys = conn.keys(tokens)
+        with StoreClient(node.address) as c:  # two pages are there already: confirmed too
+            assert c.put_many(keys[3:5], [bytes(GEO.page_bytes)] * 2) == [Status.OK] * 2
+        assert conn.save(tokens, torch.randperm(NUM_SLOTS)[:40]).pages == 10
+        conn.flush_sync(timeout=10)
+        assert sorted(told) == sorted(keys) and len(told) == 10
+        assert other.save(tokens, torch.randperm(NUM_SLOTS)[:40]).pages == 10
+        other.flush_sync(timeout=10)
+        assert other.stats()["writeback_failed"] == 10 and refused == []  # TOO_LARGE each
+    finally:
+        conn.close()
+        other.close()
+        refusing.stop()
+        thread.join(timeout=10)
 
 
 def test_periodic_stats_log(node, caplog):

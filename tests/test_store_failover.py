@@ -111,8 +111,10 @@ def test_blocking_client_fails_over_per_key(healthy, breakage):
                     for v in views] == pair.values[:4]  # fmt: skip
             assert client.exists_many(pair.keys).leading == len(pair.keys)
             fresh = [os.urandom(16) for _ in range(6)]
-            assert client.put_many(fresh, [b"f" * 100] * 6) == [Status.OK] * 6
-            # (both replicas are the one real node here: who reports the delete varies)
+            # (both replicas are the one real node here: the copy through the proxy may store a
+            # key first, the direct copy then finds it there: EXISTS; who reports the delete
+            # varies too)
+            assert set(client.put_many(fresh, [b"f" * 100] * 6)) <= {Status.OK, Status.EXISTS}
             assert len(client.delete_many(pair.keys[:2])) == 2
             assert client.exists_many(pair.keys[:2]).found == [False, False]
         assert pair.proxy.requests > 0

@@ -285,7 +285,7 @@ def test_probe_after_a_refused_handshake_says_so_and_never_blocks(certs):
 
 
 def test_internal_error_is_answered_and_node_serves_on(node, monkeypatch):
-    def broken(req, payloads):
+    def broken(*_request):
         raise RuntimeError("simulated bug")
 
     with StoreClient(node.address, timeout_s=3) as client:

@@ -555,3 +555,24 @@ def test_a_node_without_a_segment_refuses_reserve_and_commit():
     finally:
         sock.close(linger=0)
         proc.stop()
+
+
+def test_a_locate_whose_found_values_were_all_evicted_defers_nothing():
+    """A LOCATE deferring keys (a node's disk tier) whose only found value was evicted during
+    its copy: the GET reply says NOT_FOUND for all (a reply deferring every key is a failing
+    node's), and the evicted one is counted."""
+    from types import SimpleNamespace
+
+    from pagekv.store.client.routing import Call
+    from pagekv.store.wire.protocol import Op, Reply, Request
+
+    transport = shm.ShmTransport(SimpleNamespace(counters={}), zmq=None, workers=1)
+    keys = [os.urandom(16) for _ in range(3)]
+    call = Call(0, Request(Op.GET, 7, keys), [], [0, 1, 2])
+    located = Reply(8, status=[int(Status.OK), int(Status.DEFERRED), int(Status.NOT_FOUND)])
+    job = shm._Job(call, 0, None, 0, [4], 1, 1, [bytearray(4)], why="evicted")
+    results: dict = {}
+    transport._hand_on([shm._Plan(call, located, [job])], results)
+    reply, frames = results[7]
+    assert reply.status == [int(Status.NOT_FOUND)] * 3 and frames == [] and not reply.sums
+    assert transport.counters["shm_evicted"] == 1

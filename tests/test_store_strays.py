@@ -136,10 +136,13 @@ def test_a_node_without_curve_beside_a_curve_node_in_one_context(tmp_path):
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     _, client_secret = zmq.auth.create_certificates(allowed, "client")
-    ctx = zmq.Context()
-    curve = StoreNode(NodeConfig(port=0, capacity="16MiB", curve_secret_key=server_secret,
-                                 curve_allow=str(allowed)), context=ctx)  # fmt: skip
-    plain = StoreNode(NodeConfig(port=0, capacity="16MiB"), context=ctx)
+    curve_config = NodeConfig(port=0, capacity="16MiB", curve_secret_key=server_secret,
+                              curve_allow=str(allowed))  # fmt: skip
+    plain_config = NodeConfig(port=0, capacity="16MiB")
+    # a node binds its stream s to I/O thread s: the shared context needs as many as either asks
+    ctx = zmq.Context(io_threads=max(curve_config.io_threads, plain_config.io_threads))
+    curve = StoreNode(curve_config, context=ctx)
+    plain = StoreNode(plain_config, context=ctx)
     threads = [threading.Thread(target=n.serve_forever, daemon=True) for n in (curve, plain)]
     for t in threads:
         t.start()

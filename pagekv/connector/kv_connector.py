@@ -45,7 +45,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -99,8 +99,10 @@ class KVConnector:
     ``(latent,)`` as accepted by :meth:`DeviceKV.from_caches`. ``store``: a
     :class:`ClientConfig`, endpoint(s), a ``mooncake://`` address or a ``MooncakeConfig``
     (the backend is chosen once from it; the host pool is registered with it once, for
-    zero-copy transfers). Raises ``ValueError``/``TypeError`` for bad arguments;
-    a failed constructor leaves no thread behind.
+    zero-copy transfers). Raises ``ValueError``/``TypeError`` for bad arguments; a failed
+    constructor leaves no thread behind. ``on_stored(keys)``: called on the connector's loop
+    thread with the keys of each write-back the store confirmed holding (see
+    :class:`~.writeback.WriteBack`); it must be quick and must not raise.
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class KVConnector:
         max_pending_writes: int = 1024,
         lookup_timeout_s: float = 0.05,
         close_timeout_s: float = 30.0,
+        on_stored: Callable[[list[bytes]], Any] | None = None,
     ) -> None:
         if not isinstance(namespace, KeyNamespace):
             raise TypeError(f"namespace must be a KeyNamespace, got {type(namespace).__name__}")
@@ -137,7 +140,7 @@ class KVConnector:
             self.store.register(self.pool.address, self.pool.nbytes)
             self.fetcher = Fetcher(self.cache, self.pool, self.store, self.stats_counters)
             self.writeback = WriteBack(self.cache, self.pool, self.store, max_pending_writes,
-                                       self.stats_counters)  # fmt: skip
+                                       self.stats_counters, on_stored)  # fmt: skip
         except BaseException:
             self._loop.close()
             self.pool.close()

@@ -7,6 +7,10 @@ a page is sent only once the device -> host copy that filled it has completed (i
 If the worker stops on an unexpected error, the queue is dropped (holds released, counted)
 and :meth:`WriteBack.drain` raises :class:`WriteBackFailed` naming the error, instead of
 waiting for a worker that is gone.
+
+``on_stored(keys)``, when given, is called (on the loop) with the keys of each write-back that
+the store confirmed holding: stored by this PUT (``OK``), or already there (``EXISTS``, or
+found by the EXISTS before it); never with a key whose PUT failed or was dropped.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from pagekv.errors import StoreError, WriteBackFailed
@@ -31,12 +36,13 @@ log = logging.getLogger("pagekv.connector")
 class WriteBack:
     def __init__(
         self, cache: PageCache, pool: HostPagePool, store: Any, max_pages: int,
-        counters: dict[str, float],
+        counters: dict[str, float], on_stored: Callable[[list[bytes]], Any] | None = None,
     ) -> None:  # fmt: skip
         if isinstance(max_pages, bool) or not isinstance(max_pages, int) or max_pages <= 0:
             raise ValueError(f"max_pending_writes must be a positive int, got {max_pages!r}")
         self.cache, self.pool, self.store, self.max_pages = cache, pool, store, max_pages
         self.conn_counters = counters
+        self.on_stored = on_stored
         self.queue: collections.deque[tuple[list[tuple[bytes, int]], Any]] = collections.deque()
         self.queued_pages = 0
         self.counts = dict.fromkeys(("written", "skipped_present", "dropped", "failed"), 0)
@@ -109,6 +115,7 @@ class WriteBack:
             todo = [(k, p) for (k, p), found in zip(pages, present) if not found]
             self.counts["skipped_present"] += len(pages) - len(todo)
             if not todo:
+                self._stored(keys)
                 return
             status = await self.store.put_many(
                 [k for k, _ in todo], self.pool.page_views([p for _, p in todo])
@@ -118,10 +125,20 @@ class WriteBack:
             self.conn_counters["store_errors"] += 1
             self._warn.warning("pagekv: write-back of %d pages failed: %s", len(pages), e)
             return
-        stored = sum(1 for s in status if s in (Status.OK, Status.EXISTS))
+        held = [k for k, found in zip(keys, present) if found]
+        held += [k for (k, _), s in zip(todo, status) if s in (Status.OK, Status.EXISTS)]
+        stored = len(held) - (len(pages) - len(todo))
+        self._stored(held)
         self.counts["written"] += stored
         self.counts["failed"] += len(todo) - stored
         self.conn_counters["bytes_out"] += stored * self.pool.page_bytes
+
+    def _stored(self, keys: list[bytes]) -> None:
+        if keys and self.on_stored is not None:
+            try:
+                self.on_stored(keys)
+            except Exception:  # a bug in the listener: said, the write-back goes on
+                log.exception("pagekv: the on_stored listener failed")
 
     async def drain(self) -> None:
         """Wait until every queued write-back has been written or dropped. Raises

@@ -87,6 +87,20 @@ class NodeConfig:
     Memory: the node holds at most ``capacity`` bytes of blocks (their real cost, see
     :mod:`.block_store`) plus, per connection, at most :attr:`connection_bound` bytes
     (requests being received, replies being sent; docs/protocol.md, "Node memory").
+
+    Disk tier (``disk``: a directory of its own; :mod:`.node.disk`): blocks evicted from memory
+    are kept there, up to ``disk_capacity`` bytes of files, in segment files of
+    ``disk_segment_size``; ``disk_queue_size`` bytes of evicted blocks wait for the writer
+    (memory beyond ``capacity``); ``disk_read_threads`` reads in flight; ``disk_promote``: a
+    GET served from disk puts the block back into memory; ``disk_direct``: sealed segments are
+    read with O_DIRECT. On SIGTERM the node spends up to ``shutdown_save_s`` writing its
+    memory's blocks to the disk tier (most recently used first).
+
+    KV events (``events_endpoint``; :mod:`.node.event_publisher`): the node publishes the
+    blocks it stores and removes, per tier, in vLLM's KV-event format on a ZeroMQ PUB socket
+    bound there, under ``events_topic``; ``events_replay_endpoint``: a ROUTER socket answering
+    replay requests from the last ``events_buffer`` batches; ``events_queue``: keys waiting for
+    the publisher thread before the node drops them and resyncs (sends all it holds).
     """
 
     host: str = "127.0.0.1"
@@ -116,9 +130,23 @@ class NodeConfig:
     bulk: bool = True  # the bulk lane (plain TCP for GET replies); never with CURVE
     bulk_port: int = 0  # its TCP port; 0: any free port (clients learn it from PING)
     bulk_connections: int = 64  # bulk connections served at once; more are closed at once
+    disk: str | None = None  # the disk tier's directory; None: memory only
+    disk_capacity: int = 0  # bytes of the disk tier's files (needed with disk)
+    disk_segment_size: int = 128 << 20  # one segment file: the unit of writing and reclaiming
+    disk_queue_size: int = 128 << 20  # evicted blocks waiting for the disk writer
+    disk_read_threads: int = 4
+    disk_promote: bool = True  # a block served from disk goes back into memory
+    disk_direct: bool = True  # read sealed segments with O_DIRECT where the file system has it
+    shutdown_save_s: float = 30.0  # SIGTERM: seconds to write memory's blocks to the disk tier
+    events_endpoint: str | None = None  # KV events' PUB socket (bound); None: no events
+    events_replay_endpoint: str | None = None  # their replay ROUTER socket (bound); None: none
+    events_topic: str = ""  # the topic frame of every event message
+    events_buffer: int = 10_000  # batches kept for replay
+    events_queue: int = 1 << 20  # keys waiting for the publisher; more: dropped, then a resync
 
     def __post_init__(self) -> None:
-        for name in ("capacity", "max_block_size", "max_message_size"):
+        for name in ("capacity", "max_block_size", "max_message_size", "disk_capacity",
+                     "disk_segment_size", "disk_queue_size"):  # fmt: skip
             object.__setattr__(self, name, parse_size(getattr(self, name)))
         if self.io_threads == 0:  # one I/O thread per stream a same-host client opens
             object.__setattr__(self, "io_threads", default_streams())
@@ -152,6 +180,44 @@ class NodeConfig:
             raise ValueError("NodeConfig: curve_secret_key and curve_allow go together")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ValueError("NodeConfig: need 0 < low_watermark <= high_watermark <= 1")
+        self._check_disk()
+        self._check_events()
+
+    def _check_events(self) -> None:
+        for name in ("events_endpoint", "events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                object.__setattr__(self, name, normalize_endpoint(value))
+            except ValueError as e:
+                raise ValueError(f"NodeConfig.{name}: {e}") from None
+        if self.events_replay_endpoint is not None and self.events_endpoint is None:
+            raise ValueError("NodeConfig.events_replay_endpoint needs NodeConfig.events_endpoint")
+        _positive("NodeConfig", events_buffer=self.events_buffer, events_queue=self.events_queue)
+
+    def _check_disk(self) -> None:
+        """The disk settings (the tier's own :class:`~.node.disk.DiskConfig` checks the same)."""
+        if self.disk is None:
+            return
+        if not self.disk:
+            raise ValueError("NodeConfig.disk: a directory is needed (or leave it unset)")
+        segment = self.disk_segment_size
+        if segment < (1 << 20) or segment % 4096:
+            raise ValueError(f"NodeConfig.disk_segment_size must be >= 1 MiB and a multiple of "
+                             f"4096, got {segment}")  # fmt: skip
+        if self.disk_capacity < 2 * segment:
+            raise ValueError(f"NodeConfig.disk_capacity must hold at least two segments "
+                             f"(2 x NodeConfig.disk_segment_size = {2 * segment} bytes), got "
+                             f"{self.disk_capacity}")  # fmt: skip
+        _positive("NodeConfig", disk_queue_size=self.disk_queue_size,
+                  disk_read_threads=self.disk_read_threads)  # fmt: skip
+        if self.disk_read_threads > 64:
+            raise ValueError(f"NodeConfig.disk_read_threads must be <= 64, got "
+                             f"{self.disk_read_threads}")  # fmt: skip
+        if self.shutdown_save_s < 0:
+            raise ValueError(f"NodeConfig.shutdown_save_s must be >= 0, got "
+                             f"{self.shutdown_save_s}")  # fmt: skip
 
     @property
     def bind_address(self) -> str:

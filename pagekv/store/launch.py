@@ -80,11 +80,12 @@ class NodeProcess:
                 self._ready.set()
         self._ready.set()  # EOF: the node exited (``address`` stays empty if it never was ready)
 
-    def kill(self, sig: int = signal.SIGKILL) -> int:
+    def kill(self, sig: int = signal.SIGKILL, timeout: float = 10.0) -> int:
+        """Send ``sig`` and wait up to ``timeout`` s for the node to exit; its exit status."""
         if self.proc is None:
             raise RuntimeError("node not started")
         self.proc.send_signal(sig)
-        return self.proc.wait(timeout=10)
+        return self.proc.wait(timeout=timeout)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

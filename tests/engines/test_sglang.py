@@ -47,6 +47,7 @@ import xxhash
 
 from pagekv.connector.sglang import PagekvStorage
 from pagekv.errors import ConfigError
+from pagekv.store import StoreClient
 from pagekv.store.client.routing import Router
 from pagekv.store.launch import NodeProcess, start_nodes
 from tests.engines import sglang_stack as st
@@ -180,17 +181,44 @@ def test_prompt_written_by_one_server_loads_in_a_fresh_one(node, stacks, gen, ki
     assert_rows(written.state, partial)
 
 
-def test_prompt_longer_than_a_storage_batch(node, stacks, gen):
-    """200 pages: SGLang moves them in batches of 128 pages (STORAGE_BATCH_SIZE); both arrive."""
-    tokens = random_tokens(200 * 8, gen)
+@pytest.fixture(params=["memory", "disk"])
+def any_node(request, node, tmp_path):
+    """The module's node, or a node with 1 MiB of memory and a disk tier (``--disk``) of
+    eight 1 MiB segments."""
+    if request.param == "memory":
+        yield node
+        return
+    disk = NodeProcess("--capacity", "1MiB", "--max-block-size", "256KiB", "--disk",
+                       str(tmp_path / "disk"), "--disk-capacity", "8MiB",
+                       "--disk-segment-size", "1MiB").start()  # fmt: skip
+    try:
+        yield disk
+    finally:
+        disk.stop()
+
+
+def test_prompt_longer_than_a_storage_batch(any_node, stacks, gen):
+    """SGLang moves pages in batches of 128 (STORAGE_BATCH_SIZE): 200 pages all arrive. With a
+    node's disk tier: two prompts of 250 pages (1.6 MB, more than its memory) written, the
+    first (by then partly on disk) all arrives."""
+    node = any_node
+    disk = "--disk" in node.args
+    pages = 250 if disk else 200
+    tokens = random_tokens(pages * 8, gen)
     writer = stacks("mha", [node.address], page_size=8, max_total_tokens=4096)
     written = st.write_request(writer, tokens, generator=gen)
-    assert written.stored_pages == 200
+    assert written.stored_pages == pages
+    if disk:
+        later = st.write_request(writer, random_tokens(pages * 8, gen), generator=gen)
+        assert later.stored_pages == pages
     close(writer)
     reader = stacks("mha", [node.address], page_size=8, max_total_tokens=4096)
     read = st.read_request(reader, tokens)
     assert read.storage_tokens == len(tokens)
     assert_rows(written.state, read)
+    if disk:
+        with StoreClient([node.address]) as c:
+            assert c.stats()[0]["disk_hits"] > 0
 
 
 @pytest.fixture(params=["pagekv", "mooncake"])

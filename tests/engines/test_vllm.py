@@ -3,15 +3,16 @@ vLLM venv made by scripts/engines/setup_vllm.sh. Without vLLM (the main ``make t
 module is skipped; with ``PAGEKV_REQUIRE_VLLM=1`` (``make test-vllm``) a missing vLLM fails.
 
 Engines are separate processes (tests/engines/vllm_engine_proc.py) around one `pagekv serve`
-node; a tiny random Llama whose greedy continuations vary. The reference is an engine without
+node with 1 MiB of memory and a disk tier (the prefixes do not fit in its memory); a tiny random
+Llama whose greedy continuations vary. The reference is an engine without
 the connector (tests/engines/conftest.py). Sequence (module fixtures, each engine started once):
 
     A  writer (default settings: asynchronous loads): stores the prefixes; its own host-tier
        hit after a local reset
     B  fresh reader (synchronous loads): full-prefix hit, partly stored prefix, node killed
        between lookup and load, then node dead
-    TP=2 writer + fresh TP=2 reader (asynchronous loads) on a second node; the reader then
-       resets the connector
+    TP=2 writer + fresh TP=2 reader (asynchronous loads) on a second node (memory only); the
+       reader then resets the connector
 
 Roles, a stalled node, a restarted node and changed weights: test_vllm_roles.py.
 """
@@ -29,6 +30,7 @@ if os.environ.get("PAGEKV_REQUIRE_VLLM") == "1":
 else:
     pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm installs it)")
 
+from pagekv.store import StoreClient
 from pagekv.store.launch import start_nodes
 
 from .vllm_fixtures import BLOCK, REFERENCE, Engine, compare
@@ -70,8 +72,14 @@ def report():
 
 
 @pytest.fixture(scope="module")
-def node():
-    (n,) = start_nodes(1, "--capacity", "256MiB")
+def node(tmp_path_factory):
+    """A node with 1 MiB of memory and a disk tier (``--disk``): the writer's 14 blocks of
+    128 KiB do not fit in its memory, so the reader's hits are partly read from disk. (The
+    tensor-parallel test's node is memory only.)"""
+    disk = tmp_path_factory.mktemp("disk")
+    (n,) = start_nodes(1, "--capacity", "1MiB", "--max-block-size", "256KiB", "--disk",
+                       str(disk), "--disk-capacity", "16MiB",
+                       "--disk-segment-size", "1MiB")  # fmt: skip
     yield n
     n.stop()
 
@@ -107,6 +115,8 @@ def reader(models, node, writer):
     try:
         for name in ("base_b", "short_b"):
             out[name] = b.call("generate", prompts=[PROMPTS[name]], max_tokens=8)
+        with StoreClient([node.address]) as c:
+            out["node_stats"] = c.stats()[0]
         b.call("arm_kill", pid=node.proc.pid)
         out["kill_b"] = b.call("generate", prompts=[PROMPTS["kill_b"]], max_tokens=8)
         out["kill_stats"] = b.call("stats")
@@ -144,6 +154,7 @@ def test_fresh_process_hit_equals_reference(reader, ref):
     got = reader["base_b"]
     assert got["metrics"]["external_prefix_cache_hits"] == 4 * BLOCK  # vllm:external_... metric
     _check("cross_process", got, ref["base_b"])
+    assert reader["node_stats"]["disk_hits"] > 0  # some of them read from the disk tier
 
 
 def test_partly_stored_prefix_loads_the_stored_part(reader, ref):

@@ -2,7 +2,8 @@
 line in, one ``@@``-prefixed JSON answer per line out (vLLM's own output goes to stderr).
 
 argv[1]: {"model": path, "store": [endpoints] | null (no connector), "extra": {...},
-          "tp": 1 | 2, "model_id": str | null, "role": "kv_both" | "kv_producer" | "kv_consumer"}
+          "tp": 1 | 2, "model_id": str | null, "role": "kv_both" | "kv_producer" | "kv_consumer",
+          "kv_events": endpoint | absent (vLLM's KV events on, published there)}
 Commands: generate, reset_prefix_cache, flush, stats, arm_kill, stall, exit.
 """
 
@@ -54,6 +55,11 @@ def make_llm(spec: dict) -> Any:
             kv_connector="PagekvConnector", kv_connector_module_path="pagekv.connector.vllm",
             kv_role=spec.get("role", "kv_both"), kv_connector_extra_config=extra,
         )  # fmt: skip
+    if spec.get("kv_events"):  # vLLM's KV events published on this endpoint (ZeroMQ PUB)
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                endpoint=spec["kv_events"])  # fmt: skip
     return LLM(**kw)
 
 

@@ -63,9 +63,10 @@ class Engine:
         model_id: str | None = None,
         role: str = "kv_both",
         start_timeout_s: float = 240.0,
+        kv_events: str | None = None,
     ) -> None:
         spec = dict(model=str(model), store=store, extra=extra or {}, tp=tp, model_id=model_id,
-                    role=role)  # fmt: skip
+                    role=role, kv_events=kv_events)  # fmt: skip
         env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         # the engine core runs in the engine process (its scheduler is reachable for `stats`);
         # with TP > 1 the workers are processes of their own

@@ -16,12 +16,16 @@ Until then it looks nothing up and saves nothing.
 Left to vLLM's defaults: ``get_mem_pool_context``, ``set_host_xfer_buffer_ops``,
 ``handle_preemptions`` (saves are done or stream-ordered within their step),
 ``get_transfer_results`` (load failures go through ``get_block_ids_with_load_errors``, which
-keeps a partial hit, not ``failed_recving``), ``build_connector_worker_meta``,
-``get_kv_connector_kv_cache_events``, ``take_events``, ``on_new_request``,
+keeps a partial hit, not ``failed_recving``), ``build_connector_worker_meta``, ``on_new_request``,
 ``get_external_cache_hit_sources`` (EXTERNAL_UNSPECIFIED), ``get_loaded_kv_cache_group_ids``,
 the push hooks, ``finish_forward``, ``reset_capture_state``. ``SupportsHMA`` is not
 implemented: vLLM turns its hybrid allocator off (one KV cache group; sliding-window layers
 beside full-attention ones are allocated as full attention).
+
+KV events: with vLLM's ``--kv-events-config`` on, a block the store confirmed holding for every
+writer rank is a ``BlockStored`` (vLLM's hash, medium ``PAGEKV``) that vLLM's own publisher
+sends (``get_kv_connector_kv_cache_events`` -> ``update_connector_output`` -> ``take_events``;
+:mod:`.events`).
 
 Store trouble never reaches vLLM: lookups are bounded misses, failed loads are reported as
 load errors (vLLM recomputes those blocks), failed saves are counted. An unexpected error in a
@@ -47,6 +51,7 @@ from .blocks import attention_layer_names, block_views
 from .config import VllmConnectorConfig, directions
 from .engine import engine_layout, required_layout
 from .epoch import EpochRecord
+from .events import ConfirmedEvents, PagekvKVEvents, SaveEvents
 from .identity import attention_backends, model_identity
 from .metadata import PagekvHandshake, PagekvMetadata
 from .namespace import EngineLayout
@@ -74,6 +79,9 @@ class PagekvConnector(KVConnectorBase_V1):
         self.worker: WorkerSide | None = None
         self._handshake: PagekvHandshake | None = None
         self._stats = StatsDelta()
+        events = getattr(vllm_config, "kv_events_config", None)
+        self.events_on = bool(events is not None and events.enable_kv_cache_events)
+        self._confirmed: ConfirmedEvents | None = None  # scheduler, with events on
         if role == KVConnectorRole.SCHEDULER:
             policy = self._kv_transfer_config.kv_load_failure_policy
             if policy != "recompute":  # a cache miss must never fail a request
@@ -83,6 +91,7 @@ class PagekvConnector(KVConnectorBase_V1):
                 None, None, save=self.save_enabled, load=self.load_enabled,
                 load_async=self.cfg.load_async, save_decode=self.cfg.save_decode,
                 resave_interval_s=self.cfg.resave_interval_s,
+                describe_saves=self.events_on and self.save_enabled,
             )  # fmt: skip
             log.info("pagekv: %s: %s; %s loads%s", self._kv_transfer_config.kv_role,
                      _directions(self.save_enabled, self.load_enabled),
@@ -127,18 +136,20 @@ class PagekvConnector(KVConnectorBase_V1):
             raise ConfigError(f"pagekv: PP stage {pp_rank} has {len(names)} KV layers, "
                               f"expected {geo.num_layers}")  # fmt: skip
         views = block_views([kv_caches[n] for n in names], self._kv_cache_config.num_blocks, geo)
+        events = SaveEvents(layout.block_size) if self.events_on and self.save_enabled else None
         conn = KVConnector(
             geo, DeviceKV.from_caches(geo, views), self.cfg.client_config(),
             host_pages=max(1, self.cfg.host_bytes // geo.page_bytes), namespace=namespace,
             max_pending_writes=self.cfg.max_pending_writes,
             lookup_timeout_s=self.cfg.lookup_timeout_s, close_timeout_s=self.cfg.flush_timeout_s,
+            on_stored=events.stored if events is not None else None,
         )  # fmt: skip
         if self.cfg.stats_log_s:
             conn.log_stats_every(self.cfg.stats_log_s)
         self.worker = WorkerSide(
             conn, lambda epoch: layout.namespace(tp_rank, pp_rank, epoch),
             {n: i for i, n in enumerate(names)}, load_timeout_s=self.cfg.load_timeout_s,
-            save=self.save_enabled, layerwise=self.cfg.layerwise,
+            save=self.save_enabled, layerwise=self.cfg.layerwise, events=events,
         )  # fmt: skip
         if (self.save_enabled or self.load_enabled) and not conn.connect(self.cfg.store_timeout_s):
             log.debug("pagekv: worker tp=%d pp=%d: not every store node answered at start-up",
@@ -200,6 +211,11 @@ class PagekvConnector(KVConnectorBase_V1):
         side = self.worker or self.scheduler
         return self._stats.take(side.counters) if side is not None else None
 
+    def get_kv_connector_kv_cache_events(self) -> PagekvKVEvents | None:
+        if self.worker is None or self.worker.events is None:
+            return None
+        return self.worker.events.take()
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PagekvStats | None:
         return PagekvStats(data=dict(data or {}))
@@ -248,6 +264,8 @@ class PagekvConnector(KVConnectorBase_V1):
                             "starts; their pages are misses until they answer",
                             ", ".join(down))  # fmt: skip
             epochs = EpochRecord(index, layout.marker_key, timeout_s=self.cfg.store_timeout_s)
+        if self.events_on and self.save_enabled:
+            self._confirmed = ConfirmedEvents(len(layout.all_namespaces()))
         self.scheduler.activate(layout, index, epochs=epochs)
         if index is not None and self.scheduler.epoch is None:
             log.warning("pagekv: this model's epoch record cannot be read (store unreachable): "
@@ -293,10 +311,15 @@ class PagekvConnector(KVConnectorBase_V1):
         return self.scheduler.build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        if self._confirmed is not None:
+            self._confirmed.add(connector_output.kv_cache_events)
         if self.scheduler is not None:
             self.scheduler.on_output(
                 connector_output.invalid_block_ids, connector_output.failed_recving
             )
+
+    def take_events(self) -> Any:
+        return self._confirmed.take() if self._confirmed is not None else ()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         if self.scheduler is not None:

@@ -15,7 +15,18 @@ except ImportError:  # pragma: no cover - exercised by the tests that run withou
     KVConnectorMetadata = object  # type: ignore[assignment,misc]
     KVConnectorHandshakeMetadata = object  # type: ignore[assignment,misc]
 
-__all__ = ["BlockTransfer", "PagekvHandshake", "PagekvMetadata"]
+__all__ = ["BlockTransfer", "PagekvHandshake", "PagekvMetadata", "SavedBlock"]
+
+
+@dataclass(frozen=True)
+class SavedBlock:
+    """What a KV event says of a saved block beyond its hash (only with vLLM's KV events on):
+    the hash of the block before it (None for the first), its tokens, the request's LoRA."""
+
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -23,13 +34,15 @@ class BlockTransfer:
     """Blocks of one request to load or save: ``block_ids[i]`` holds the block whose vLLM
     hash is ``block_hashes[i]``. ``load_async``: loaded between steps, reported through
     ``get_finished`` (loads only). ``failed``: a load the scheduler could not plan; the
-    workers report every block as a load error (no hashes needed)."""
+    workers report every block as a load error (no hashes needed). ``described``: per block,
+    what its KV event says (saves, with vLLM's KV events on; else empty)."""
 
     req_id: str
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
     load_async: bool = False
     failed: bool = False
+    described: tuple[SavedBlock, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.failed and len(self.block_ids) != len(self.block_hashes):

@@ -34,7 +34,7 @@ from typing import Any
 from pagekv.connector.index import KVIndex
 
 from .epoch import EpochRecord
-from .metadata import BlockTransfer, PagekvMetadata
+from .metadata import BlockTransfer, PagekvMetadata, SavedBlock
 from .namespace import EngineLayout
 
 __all__ = ["RecentBlocks", "SchedulerSide"]
@@ -113,8 +113,10 @@ class SchedulerSide:
         block_ids_of: BlockIdsOf | None = None,
         epoch: str | None = "",
         epochs: EpochRecord | None = None,
+        describe_saves: bool = False,
     ) -> None:
         self.save_enabled, self.load_enabled = save, load
+        self.describe_saves = describe_saves  # vLLM's KV events are on: saves say their tokens
         self.load_async, self.save_decode = load_async, save_decode
         self.block_ids_of = block_ids_of
         self.recent = RecentBlocks(resave_interval_s)
@@ -335,7 +337,19 @@ class SchedulerSide:
                 recent.forget(h)
             return None
         self.counters["planned_save_blocks"] += len(blocks)
-        return BlockTransfer(req_id, tuple(ids[i - start] for i in blocks), tuple(block_hashes))
+        described = self._describe(st.request, blocks) if self.describe_saves else ()
+        return BlockTransfer(req_id, tuple(ids[i - start] for i in blocks), tuple(block_hashes),
+                             described=described)  # fmt: skip
+
+    def _describe(self, request: Any, blocks: list[int]) -> tuple[SavedBlock, ...]:
+        """Parent hash, tokens and LoRA of each of ``blocks`` of ``request`` (KV events)."""
+        lay, hashes, tokens = self.layout, request.block_hashes, request.all_token_ids
+        size = lay.block_size
+        lora = getattr(request, "lora_request", None)
+        lora_id, lora_name = (lora.adapter_id, lora.name) if lora is not None else (None, None)
+        return tuple(SavedBlock(lay.page_hash(hashes, i - 1) if i else None,
+                                tuple(tokens[i * size : (i + 1) * size]), lora_id, lora_name)
+                     for i in blocks)  # fmt: skip
 
     def on_output(
         self, invalid_block_ids: Iterable[int] | None, failed_req_ids: Iterable[str] | None

@@ -69,8 +69,10 @@ class WorkerSide:
         load_timeout_s: float,
         save: bool,
         layerwise: bool = False,
+        events: Any = None,
     ) -> None:
         self.conn, self.layer_index = conn, layer_index
+        self.events = events  # .events.SaveEvents with vLLM's KV events on (its on_stored too)
         self._namespace_of = namespace_of
         self._namespaces: dict[str, KeyNamespace] = {}
         self.load_timeout_s = load_timeout_s
@@ -236,6 +238,8 @@ class WorkerSide:
         for spec in meta.saves:
             try:
                 keys = self.keys(meta.epoch, spec.block_hashes)
+                if self.events is not None and spec.described:
+                    self.events.saved(keys, spec)
                 handle = self.conn.save(keys=keys, device_slots=list(spec.block_ids),
                                         write_through=True)  # fmt: skip
                 self.counters["save_blocks"] += handle.pages

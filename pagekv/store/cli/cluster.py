@@ -7,7 +7,11 @@
 - A node that dies is reported and restarted on its port (back-off 0.5 s doubling to 10 s), up
   to ``--max-restarts`` times in a row (a node that ran a minute starts a fresh count); after
   that it is reported as given up while the others keep serving. Exit 1 only when none is left.
-- SIGINT/SIGTERM: every node is stopped (SIGTERM, then SIGKILL after 10 s) and the exit code
+- With ``--disk DIR`` node i keeps its disk tier in ``DIR/node<i>`` (a directory per node).
+- With ``--events-endpoint`` (and ``--events-replay-endpoint``) node i publishes on its own:
+  ``tcp://host:P`` -> port ``P + i``, ``ipc://PATH`` -> ``ipc://PATH-node<i>``.
+- SIGINT/SIGTERM: every node is stopped (SIGTERM, then SIGKILL after 10 s, plus
+  ``--shutdown-save-s`` for nodes with a disk tier to save their memory) and the exit code
   is 0. Nodes run in their own session (a terminal's Ctrl-C reaches only the supervisor) and
   die with it (``--parent-pid``), so a SIGKILLed supervisor leaves no node behind.
 """
@@ -41,7 +45,13 @@ _BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.5, 10.0
 
 def cluster_settings() -> list[Setting]:
     nodes = [s for s in node_settings(exclude=("port", "endpoint"))]
-    nodes = [Setting(s.name, 1 << 30, s.help + " (per node)", s.kind) if s.name == "capacity"
+    per_node = {"capacity": 1 << 30, "disk_capacity": 0}
+    nodes = [Setting(s.name, per_node[s.name], s.help + " (per node)", s.kind)
+             if s.name in per_node else s for s in nodes]  # fmt: skip
+    nodes = [Setting(s.name, s.default, s.help + "; node i uses DIR/node<i>", s.kind)
+             if s.name == "disk" else s for s in nodes]  # fmt: skip
+    nodes = [Setting(s.name, s.default, s.help + "; node i: port + i, or ipc://PATH-node<i>",
+                     s.kind) if s.name.startswith("events_") and s.name.endswith("endpoint")
              else s for s in nodes]  # fmt: skip
     extras = [
         Setting("nodes", 3, "number of nodes (>= 1)", "int"),
@@ -56,6 +66,15 @@ def cluster_settings() -> list[Setting]:
     serve = [Setting(s.name, s.default, s.help.replace("this port", "base port + i"), s.kind)
              for s in serve_extras()]  # fmt: skip
     return [*extras, *nodes, *serve]
+
+
+def node_endpoint(endpoint: str, index: int) -> str:
+    """Node ``index``'s own endpoint of a cluster-wide one: ``tcp://host:P`` -> port ``P + i``
+    (port 0 stays: any free port), ``ipc://PATH`` -> ``ipc://PATH-node<i>``."""
+    if endpoint.startswith("ipc://"):
+        return f"{endpoint}-node{index}"
+    host, _, port = endpoint.rpartition(":")
+    return endpoint if port == "0" else f"{host}:{int(port) + index}"
 
 
 class _Node:
@@ -106,6 +125,10 @@ class Supervisor:
             if key in skip or value is None:
                 continue
             flag = "--" + key.replace("_", "-")
+            if key == "disk":
+                value = os.path.join(value, f"node{node.index}")
+            if key in ("events_endpoint", "events_replay_endpoint"):
+                value = node_endpoint(value, node.index)
             if isinstance(value, bool):
                 cmd.append(flag if value else "--no-" + flag[2:])
             else:
@@ -243,7 +266,8 @@ class Supervisor:
         live = [n.proc for n in self.nodes if n.proc is not None and n.proc.poll() is None]
         for proc in live:
             proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + _STOP_TIMEOUT_S
+        save = self.values["shutdown_save_s"] if self.values["disk"] is not None else 0.0
+        deadline = time.monotonic() + _STOP_TIMEOUT_S + save
         for proc in live:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))

@@ -18,7 +18,9 @@ from .settings import Setting, format_size
 __all__ = ["client_settings", "run_ping", "run_stats"]
 
 _COLUMNS = ("blocks", "bytes", "capacity", "hits", "misses", "evictions", "bytes_in", "bytes_out")
-_SIZES = {"bytes", "capacity", "bytes_in", "bytes_out"}
+# shown when a node has a disk tier: its blocks, their bytes, hits, capacity, on/off
+_DISK_COLUMNS = ("disk_blocks", "disk_bytes", "disk_hits", "disk_capacity", "disk_on")
+_SIZES = {"bytes", "capacity", "bytes_in", "bytes_out", "disk_bytes", "disk_capacity"}
 
 
 def client_settings() -> list[Setting]:
@@ -70,11 +72,16 @@ def run_stats(values: dict[str, Any], addresses: list[str], as_json: bool) -> in
         print()
         return 0 if all(r["ok"] for r in rows) else 1
     width = max(32, *(len(ep) + 1 for ep in addresses))
-    print(f"{'node':{width}s}" + " ".join(f"{c:>10s}" for c in _COLUMNS))
+    columns = _COLUMNS
+    if any(r["ok"] and "disk_on" in r["stats"] for r in rows):
+        columns += _DISK_COLUMNS
+    print(f"{'node':{width}s}" + " ".join(f"{c:>13s}" if c.startswith("disk") else f"{c:>10s}"
+                                          for c in columns))  # fmt: skip
     for row in rows:
         if row["ok"]:
             stats = row["stats"]
-            cells = " ".join(f"{_cell(c, stats.get(c, 0)):>10s}" for c in _COLUMNS)
+            cells = " ".join(f"{_cell(c, stats.get(c, '-')):>13s}" if c.startswith("disk")
+                             else f"{_cell(c, stats.get(c, 0)):>10s}" for c in columns)  # fmt: skip
         else:
             cells = f"{row['error']}: {row['reason']}" if row["reason"] else row["error"]
         print(f"{row['endpoint']:{width}s}{cells}")

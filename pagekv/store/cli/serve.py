@@ -3,7 +3,9 @@
 Checks beyond :class:`NodeConfig`: a capacity of at least 1 MiB and within this machine's memory
 (``--force`` overrides the latter), CURVE files that exist and hold keys. Warnings, never given
 for the default settings: binding beyond loopback without CURVE, ``'*'`` as the allowed client
-keys.
+keys, a ``--disk-capacity`` over the free space of its file system, a ``--max-block-size`` too
+large for a disk segment. A disk tier directory that another node serves from (or that cannot
+be used) is one error line and exit status 1.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def check_node(config: NodeConfig, *, force: bool, copies: int = 1) -> list[str]
             f"{what} = {format_size(total)} is more than this machine's memory "
             f"({format_size(limit)}); lower it, or pass --force to start anyway"
         )
-    warnings = []
+    warnings = _disk_warnings(config, copies)
     if config.curve_secret_key is not None:
         load_secret_cert(config.curve_secret_key)
         if load_allowed_keys(config.curve_allow) is None:
@@ -105,6 +107,43 @@ def check_node(config: NodeConfig, *, force: bool, copies: int = 1) -> list[str]
             "(pagekv keygen) or bind 127.0.0.1"
         )
     return warnings
+
+
+def _disk_warnings(config: NodeConfig, copies: int) -> list[str]:
+    if config.disk is None:
+        return []
+    out = []
+    free, held = disk_space(config.disk)
+    total = config.disk_capacity * copies
+    if free is not None and total > free + held:
+        what = f"{copies} nodes x " if copies > 1 else ""
+        out.append(f"--disk-capacity {what}{format_size(config.disk_capacity)} is more than "
+                   f"the free space where --disk {config.disk} is ({format_size(free)} free, "
+                   f"{format_size(held)} held by its segments): the disk fills first, and the "
+                   "tier then reclaims its oldest segments early")  # fmt: skip
+    if config.max_block_size + (1 << 16) > config.disk_segment_size:
+        out.append(f"--max-block-size {format_size(config.max_block_size)} leaves no room in a "
+                   f"--disk-segment-size of {format_size(config.disk_segment_size)}: blocks "
+                   "larger than a segment stay in memory only")  # fmt: skip
+    return out
+
+
+def disk_space(directory: str) -> tuple[int | None, int]:
+    """Bytes free for this user on the file system ``directory`` is (or would be) on, or None
+    when no ancestor exists; and bytes of the disk tier's files already in it."""
+    path = os.path.abspath(directory)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None, 0
+    held = 0
+    if os.path.isdir(directory):
+        for entry in os.scandir(directory):
+            if entry.name.endswith((".seg", ".dir")) and entry.is_file():
+                held += entry.stat().st_size
+    return st.f_bavail * st.f_frsize, held
 
 
 def _health_keys(node: Any) -> CurveClientKeys | None:
@@ -130,6 +169,8 @@ def _describe_curve(config: NodeConfig) -> str:
 def run_serve(values: dict[str, Any]) -> int:
     """Run one node until SIGINT/SIGTERM. ``values``: resolved :func:`serve_settings`."""
     from ..client.probe import probe
+    from ..node.disk import DiskTierError
+    from ..node.event_publisher import EventsBindError
     from ..node.metrics import node_metrics, ping_health
     from ..node.server import StoreNode
     from .lifecycle import die_with_parent
@@ -143,14 +184,21 @@ def run_serve(values: dict[str, Any]) -> int:
     try:
         node = StoreNode(config)
     except zmq.ZMQError as e:
-        log.error("pagekv node: cannot bind %s: %s", config.bind_address, e)
+        where = e.endpoint if isinstance(e, EventsBindError) else config.bind_address
+        log.error("pagekv node: cannot bind %s: %s", where, e)
+        return 1
+    except DiskTierError as e:
+        log.error("pagekv node: %s", e)
         return 1
     node.install_signal_handlers()
     monitor = node.connections  # the node's guard owns the socket's one monitor and feeds it
     metrics = None
     if values["metrics_port"] is not None:
         keys = _health_keys(node)
-        health = ping_health(lambda: probe(node.address, curve=keys, timeout_s=1.0))
+        health = ping_health(
+            lambda: probe(node.address, curve=keys, timeout_s=1.0),
+            extra=lambda: {"disk_on": node.disk is not None and node.disk.on},
+        )
         host = values["metrics_host"] or (config.host if config.endpoint is None else "127.0.0.1")
         try:
             metrics = node_metrics(node, monitor, host, values["metrics_port"], health)
@@ -160,8 +208,12 @@ def run_serve(values: dict[str, Any]) -> int:
             node.close()
             monitor.stop()
             return 1
-    log.info("pagekv node: %s, capacity %s, pid %d", _describe_curve(config),
-             format_size(config.capacity), os.getpid())  # fmt: skip
+    disk = ""
+    if config.disk is not None:
+        disk = f", disk {config.disk} {format_size(config.disk_capacity)}"
+        disk += "" if node.disk.on else f" (off: {node.disk.error})"
+    log.info("pagekv node: %s, capacity %s%s, pid %d", _describe_curve(config),
+             format_size(config.capacity), disk, os.getpid())  # fmt: skip
     extra = f" metrics {metrics.url}" if metrics else ""
     print(f"pagekv node ready {node.address}{extra}", file=sys.stderr, flush=True)
     try:

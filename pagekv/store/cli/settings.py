@@ -64,7 +64,11 @@ _NODE_HELP: dict[str, tuple[str, str]] = {
     "max_keys": ("most keys in one request", "int"),
     "verify_puts": ("check each PUT block's checksum before storing it", "bool"),
     "high_watermark": ("fraction of capacity at which eviction starts", "float"),
-    "low_watermark": ("fraction of capacity eviction brings usage down to", "float"),
+    "low_watermark": (
+        "fraction of capacity eviction brings usage down to (with --disk: "
+        "unused, each PUT evicts what it needs)",
+        "float",
+    ),
     "curve_secret_key": ("CurveZMQ: this node's secret certificate (pagekv keygen)", "path"),
     "curve_allow": (
         "CurveZMQ: directory of allowed clients' public certificates (*.key), or '*' to allow "
@@ -101,6 +105,49 @@ _NODE_HELP: dict[str, tuple[str, str]] = {
     ),
     "bulk_port": ("TCP port of the bulk lane (0: any free port, advertised by PING)", "int"),
     "bulk_connections": ("bulk lane connections served at once; more are closed", "int"),
+    "disk": (
+        "disk tier: a directory of its own on a local disk (made if missing) where blocks "
+        "evicted from memory are kept and found again after a restart; unset: memory only",
+        "path",
+    ),
+    "disk_capacity": ("bytes the disk tier's files may take (needed with --disk)", "size"),
+    "disk_segment_size": (
+        "size of one disk segment file: the unit of writing and of reclaiming (oldest first)",
+        "size",
+    ),
+    "disk_queue_size": (
+        "evicted blocks waiting for the disk writer, in bytes (memory beyond --capacity; more "
+        "are not written)",
+        "size",
+    ),
+    "disk_read_threads": ("threads reading the disk tier (reads in flight)", "int"),
+    "disk_promote": ("a block served from disk is put back into memory", "bool"),
+    "disk_direct": (
+        "read sealed disk segments with O_DIRECT (the page cache left alone), where the file "
+        "system allows it",
+        "bool",
+    ),
+    "shutdown_save_s": (
+        "on SIGTERM/SIGINT, seconds to spend writing memory's blocks to the disk tier, most "
+        "recently used first (0: none)",
+        "float",
+    ),
+    "events_endpoint": (
+        "KV events: publish the blocks this node stores and removes (vLLM's KV-event format, "
+        "ZeroMQ PUB) on this endpoint, e.g. tcp://*:5557; unset: no events",
+        "str",
+    ),
+    "events_replay_endpoint": (
+        "KV events: answer replay requests for missed batches (ZeroMQ ROUTER) on this endpoint",
+        "str",
+    ),
+    "events_topic": ("KV events: the topic frame of each event message", "str"),
+    "events_buffer": ("KV events: batches kept for replay", "int"),
+    "events_queue": (
+        "KV events: keys waiting for the publisher thread; past it they are dropped (counted) "
+        "and the node resends all it holds",
+        "int",
+    ),
 }
 
 

@@ -12,7 +12,9 @@ the copy was evicted meanwhile, and is a miss on this node (``NOT_FOUND``; its n
 asked), counted in ``shm_evicted``. The checksum of what was copied is compared by the GET as
 for any transport (a mismatch is a miss, ``checksum_mismatch``). A LOCATE that fails, or whose
 reply does not make sense or names another segment (the node restarted), fails the call as any
-node failure (the node is PINGed again before its next use).
+node failure (the node is PINGed again before its next use). A value the LOCATE defers (a node's
+disk tier holds more of the call's values than it brings into memory at once) is ``DEFERRED``
+in the GET reply: asked for again, as a GET's deferred values are.
 
 Copies run in chunks of whole calls, taken in the order of their first key across all the
 nodes of a batch (the leading values come first from three nodes as from one), ``PIPELINE``
@@ -337,7 +339,7 @@ class ShmTransport(Transport):
                 or len(reply.offs) != found or len(reply.gens) != found
                 or len(reply.sums) != found or len(reply.counts) != found
                 or sum(reply.counts) != len(reply.sizes) or frames
-                or any(s not in (Status.OK, Status.NOT_FOUND) for s in reply.status)):  # fmt: skip
+                or any(s not in _LOCATED for s in reply.status)):  # fmt: skip
             self.router.counters["bad_replies"] += 1
             return None
         jobs, j, start = [], 0, 0
@@ -398,6 +400,8 @@ class ShmTransport(Transport):
                 frames.extend(job.targets)
                 call.digests.append(job.digest)
                 self.counters["shm_hits"] += not job.why
+            if not reply.sums and Status.DEFERRED in status:  # its found ones all evicted
+                status[:] = [int(Status.NOT_FOUND) if s == Status.DEFERRED else s for s in status]
             results[call.request.id] = (reply, frames)
             if call.prepare is not None:
                 call.prepare(reply, frames)
@@ -405,6 +409,7 @@ class ShmTransport(Transport):
                 call.on_reply(reply, frames)
 
 
+_LOCATED = frozenset(int(s) for s in (Status.OK, Status.NOT_FOUND, Status.DEFERRED))
 _RESERVED = frozenset(int(s) for s in (Status.OK, Status.EXISTS, Status.TOO_LARGE,
                                          Status.NO_SPACE, Status.BAD_KEY))  # fmt: skip
 _COMMITTED = frozenset(int(s) for s in (Status.OK, Status.EXISTS, Status.NO_SPACE,

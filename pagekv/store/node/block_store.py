@@ -17,13 +17,17 @@ A client on the same host may write a value into the segment itself: :meth:`Bloc
 allocates its space (counted as used, stamped with a fresh generation before the client writes)
 and :meth:`BlockStore.commit` stores it once written; a reservation not committed within
 ``RESERVATION_S`` is freed (:meth:`BlockStore.expire`).
+
+A node with a disk tier sets :attr:`BlockStore.on_evict`: each block evicted for space (never
+one deleted) is handed to it as it leaves memory. A node publishing KV events sets
+:attr:`BlockStore.on_stored` and :attr:`BlockStore.on_removed` (:mod:`.events`).
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from ..wire.protocol import MAX_KEY_BYTES, Status
@@ -71,7 +75,16 @@ _new_block = tuple.__new__
 
 
 class BlockStore:
-    """Not thread-safe: the node's event loop is its only user."""
+    """Not thread-safe: the node's event loop is its only user.
+
+    ``on_evict(key, block)``, when set, is called with each block evicted for space (not
+    deleted), once it has left the index and before its segment space (``--shm``) is freed:
+    a hook that keeps the frames of a block with an ``extent`` must copy them before it
+    returns. It must not call back into the store.
+
+    ``on_stored(key)`` / ``on_removed(key)``, when set, are called as a key enters memory (a put
+    or commit that stored it) and as it leaves (evicted, after ``on_evict``; deleted); in the
+    order the store changes. They must not call back into the store."""
 
     def __init__(
         self,
@@ -101,6 +114,9 @@ class BlockStore:
         self._pending: dict[bytes, Reservation] = {}  # reserved, not committed yet
         self._sending: dict[int, list[Any]] = {}  # extent start -> trackers of replies
         self._quarantine: list[tuple[Extent, list[Any]]] = []  # freed, replies still sending
+        self.on_evict: Callable[[bytes, Block], Any] | None = None
+        self.on_stored: Callable[[bytes], Any] | None = None
+        self.on_removed: Callable[[bytes], Any] | None = None
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -113,9 +129,13 @@ class BlockStore:
         blocks, ok, missing = self._blocks, int(Status.OK), int(Status.NOT_FOUND)
         return [ok if k in blocks else missing for k in keys]
 
-    def put(self, key: bytes, frames: tuple[Any, ...], size: int, checksum: int) -> Status:
+    def put(self, key: bytes, frames: tuple[Any, ...], size: int, checksum: int,
+            held: int = 0) -> Status:  # fmt: skip
         """Store the value ``frames`` (kept by reference, ``size`` bytes in all) under ``key``.
-        A present key is acknowledged with ``Status.EXISTS`` and not rewritten."""
+        A present key is acknowledged with ``Status.EXISTS`` and not rewritten. ``held``: bytes
+        of the buffer the frames keep alive, when more than ``size`` (a block read from disk:
+        its record's header and alignment); counted in its cost. Frames copied into a
+        segment (``--shm``) hold nothing more."""
         if not key or len(key) > MAX_KEY_BYTES:
             return Status.BAD_KEY
         if key in self._blocks:
@@ -126,6 +146,8 @@ class BlockStore:
         if self.segment is not None:
             return self._put_shared(key, frames, size, checksum)
         need = size + len(key) + BLOCK_OVERHEAD + FRAME_OVERHEAD * len(frames)  # block_cost
+        if held > size:
+            need += held - size
         if need > self.capacity:
             return Status.NO_SPACE
         if self.used + need + self.arriving > self.high:
@@ -133,6 +155,8 @@ class BlockStore:
         self._blocks[key] = _new_block(Block, (tuple(frames), size, checksum, need, None, 0))
         self.used += need
         self.payload += size + len(key)
+        if self.on_stored is not None:
+            self.on_stored(key)
         return Status.OK
 
     def _put_shared(self, key: bytes, frames: tuple[Any, ...], size: int, checksum: int) -> Status:
@@ -145,6 +169,8 @@ class BlockStore:
         self._blocks[key] = _new_block(Block, (views, size, checksum, need, extent, gen))
         self.used += need
         self.payload += size + len(key)
+        if self.on_stored is not None:
+            self.on_stored(key)
         return Status.OK
 
     def _room(self, key: bytes, size: int, nframes: int) -> tuple[Extent, int, int] | Status:
@@ -207,6 +233,8 @@ class BlockStore:
         self._blocks[key] = _new_block(Block, (views, size, checksum, held.cost, held.extent,
                                                held.gen))  # fmt: skip
         self.payload += size + len(key)
+        if self.on_stored is not None:
+            self.on_stored(key)
         return Status.OK
 
     def pending(self, key: bytes) -> Reservation | None:
@@ -261,8 +289,26 @@ class BlockStore:
         self.used -= block.cost
         self.payload -= block.size + len(key)
         self.evictions += 1
-        self._release(block)
+        self._evicted(key, block)
         return True
+
+    def _evicted(self, key: bytes, block: Block) -> None:
+        """A block left memory for space: the hook, then its segment space freed."""
+        try:
+            if self.on_evict is not None:
+                self.on_evict(key, block)
+        finally:
+            if self.on_removed is not None:
+                self.on_removed(key)
+            self._release(block)
+
+    def keys(self) -> list[bytes]:
+        """The keys held, oldest first (a copy)."""
+        return list(self._blocks)
+
+    def newest_first(self) -> Iterator[tuple[bytes, Block]]:
+        """The blocks, most recently used first (do not change the store while iterating)."""
+        return reversed(self._blocks.items())
 
     def locate(self, key: bytes) -> Block | None:
         """Like :meth:`get` (LRU touched, hit or miss counted), for a LOCATE."""
@@ -284,6 +330,8 @@ class BlockStore:
             return False
         self.used -= block.cost
         self.payload -= block.size + len(key)
+        if self.on_removed is not None:
+            self.on_removed(key)
         self._release(block)
         return True
 
@@ -293,7 +341,7 @@ class BlockStore:
             self.used -= block.cost
             self.payload -= block.size + len(key)
             self.evictions += 1
-            self._release(block)
+            self._evicted(key, block)
 
     def stats(self) -> dict[str, int]:
         shared = {}

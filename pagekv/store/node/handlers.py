@@ -1,12 +1,16 @@
 """What a node does with a well-formed PUT or GET (the loop, parsing and replies are in
 :mod:`.server`). Functions of the store they act on; they raise ``ProtocolError`` for a request
-whose frames do not match its header, and nothing else on input."""
+whose frames do not match its header, and nothing else on input.
+
+With a disk tier, a GET whose found values include some on disk is answered in two steps:
+:func:`get` returns a :class:`DiskGet` (what memory answered, the keys to read), the node reads
+them off its loop, and :func:`finish_get` makes the reply."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import zmq
@@ -23,18 +27,22 @@ from ..wire.protocol import (
     Status,
     checksum_frames,
 )
-from .block_store import BlockStore
+from .block_store import Block, BlockStore
 
-__all__ = ["best_effort_id", "commit", "get", "locate", "put", "reserve"]
+if TYPE_CHECKING:
+    from .disk import DiskBlock, DiskTier
+
+__all__ = ["DiskGet", "best_effort_id", "commit", "finish_get", "get", "locate", "put", "reserve"]
 
 
 def put(
     store: BlockStore, config: NodeConfig, req: Request, payloads: list[Any],
-    pool: Executor | None = None,
+    pool: Executor | None = None, disk: DiskTier | None = None,
 ) -> Reply:  # fmt: skip
     """Store a PUT's values. The frames are checked against the header as a whole first (count,
     every size: ``BAD_FRAMES``, nothing stored); then each key gets its own status. With a
-    ``pool``, the checksums of a large request are computed on several threads first."""
+    ``pool``, the checksums of a large request are computed on several threads first. A key
+    the ``disk`` tier holds is ``EXISTS`` (blocks are immutable), as one in memory."""
     if len(payloads) != len(req.sizes):
         raise ProtocolError(
             Code.BAD_FRAMES, f"header declares {len(req.sizes)} frames, got {len(payloads)}"
@@ -43,6 +51,8 @@ def put(
         if len(frame) != size:
             raise ProtocolError(Code.BAD_FRAMES, f"frame {i} has {len(frame)} bytes, not {size}")
     verify, most, store_put = config.verify_puts, config.max_block_size, store.put
+    if disk is not None:
+        store_put = _put_unless_on(disk, store)
     status = []
     if len(payloads) == len(req.keys):  # one frame per value: the common case, made lean
         bad = int(Status.BAD_CHECKSUM)
@@ -66,17 +76,54 @@ def put(
     return Reply(req.id, status=status)
 
 
+def _put_unless_on(disk: DiskTier, store: BlockStore) -> Callable[..., Any]:
+    contains, store_put, exists = disk.contains, store.put, int(Status.EXISTS)
+
+    def put_one(key: bytes, frames: tuple[Any, ...], size: int, checksum: int) -> Any:
+        if key not in store and contains(key):
+            return exists
+        return store_put(key, frames, size, checksum)
+
+    return put_one
+
+
+class DiskGet:
+    """A GET whose found values include some on disk, as far as the node got without waiting
+    on the disk: the reply up to key ``start`` as memory answered it (``status``, ``sums``,
+    ``counts``, payload ``out``), then one slot per key from ``start`` on: a memory
+    :class:`Block` (held here: its frames stay alive; with a segment, the node keeps its space
+    from reuse until the reply is sent), an ``int`` j (``keys[j]``, to be read from disk) or a
+    :class:`Status` (``NOT_FOUND``, ``DEFERRED``). ``nbytes``: the reply's payload when every
+    read succeeds; ``deferred``: values left out for room."""
+
+    __slots__ = ("counts", "deferred", "keys", "nbytes", "out", "req", "slots", "status", "sums")
+
+    def __init__(self, req: Request, status: list, sums: list, counts: list, out: list) -> None:
+        self.req, self.status, self.sums, self.counts, self.out = req, status, sums, counts, out
+        self.slots: list[Block | int | Status] = []
+        self.keys: list[bytes] = []
+        self.nbytes = self.deferred = 0
+
+
 def get(
-    store: BlockStore, room: int, req: Request, sent: list[Any] | None = None
-) -> tuple[Reply, list[Any], int]:
+    store: BlockStore, room: int, req: Request, sent: list[Any] | None = None,
+    disk: DiskTier | None = None,
+) -> tuple[Reply, list[Any], int] | DiskGet:  # fmt: skip
     """Found values in key order while the reply's payload stays within ``room`` bytes; the
     found ones after that are ``DEFERRED`` (the client asks again). Returns the reply, its
     payload frames and how many values were deferred. ``sent`` (with a segment) gets the
-    blocks whose views the reply carries (see :meth:`BlockStore.sent`)."""
-    status, sums, counts, out, deferred = [], [], [], [], 0
+    blocks whose views the reply carries (see :meth:`BlockStore.sent`). With a ``disk``
+    tier, a key memory lacks may be there: the first such key makes it return a
+    :class:`DiskGet` instead (its room taken by the block's size on disk; a block on disk over
+    ``store.max_block_bytes`` is ``NOT_FOUND``, so the first found value always fits)."""
+    status, sums, counts, out, deferred, limit = [], [], [], [], 0, room
     for key in req.keys:
         block = store.get(key)
         if block is None:
+            if disk is not None and disk.contains(key):
+                planned = DiskGet(req, status, sums, counts, out)
+                planned.deferred, planned.nbytes = deferred, limit - room
+                return _plan(planned, store, disk, room, len(status), sent)
             status.append(int(Status.NOT_FOUND))
         elif block.size > room:
             status.append(int(Status.DEFERRED))
@@ -92,10 +139,67 @@ def get(
     return Reply(req.id, status=status, sums=sums, counts=counts), out, deferred
 
 
-def locate(store: BlockStore, req: Request, advert: dict[str, Any]) -> Reply:
+def _plan(planned: DiskGet, store: BlockStore, disk: DiskTier, room: int, start: int,
+          sent: list[Any] | None) -> DiskGet:  # fmt: skip
+    """:func:`get`'s slots from key ``start`` on (memory missed it, the disk has it)."""
+    slots, keys, most = planned.slots, planned.keys, store.max_block_bytes
+    for i in range(start, len(planned.req.keys)):
+        key = planned.req.keys[i]
+        block = store.get(key) if i > start else None
+        if block is not None:
+            size = block.size
+        else:
+            size = disk.size_of(key)
+            if size is None or size > most:  # gone meanwhile; or over this node's limit
+                slots.append(Status.NOT_FOUND)
+                continue
+        if size > room:
+            slots.append(Status.DEFERRED)
+            planned.deferred += 1
+            continue
+        room -= size
+        planned.nbytes += size
+        if block is not None:
+            slots.append(block)
+            if sent is not None:
+                sent.append(block)
+        else:
+            slots.append(len(keys))
+            keys.append(key)
+    return planned
+
+
+def finish_get(
+    planned: DiskGet, blocks: Sequence[DiskBlock | None]
+) -> tuple[Reply, list[Any]]:  # fmt: skip
+    """The reply to ``planned`` once its keys were read (``blocks``: one per key, None where
+    the read missed: ``NOT_FOUND``), and its payload frames: memory blocks' frames and the
+    read blocks' (buffers of their own, which the reply keeps alive while it is sent)."""
+    status, sums, counts, out = planned.status, planned.sums, planned.counts, planned.out
+    ok, missing = int(Status.OK), int(Status.NOT_FOUND)
+    for slot in planned.slots:
+        if isinstance(slot, Status):
+            status.append(int(slot))
+            continue
+        found = blocks[slot] if type(slot) is int else slot
+        if found is None:
+            status.append(missing)
+            continue
+        status.append(ok)
+        sums.append(found.checksum)
+        counts.append(len(found.frames))
+        out.extend(found.frames)
+    return Reply(planned.req.id, status=status, sums=sums, counts=counts), out
+
+
+def locate(store: BlockStore, req: Request, advert: dict[str, Any],
+           later: frozenset[bytes] = frozenset()) -> Reply:  # fmt: skip
     """Where each found value lies in the shared segment: per found key, in key order, its byte
     offset (``offs``), frame count (``counts``) and frame lengths (``sizes``, frames back to
-    back), checksum (``sums``) and generation (``gens``); the segment itself in ``shm``."""
+    back), checksum (``sums``) and generation (``gens``); the segment itself in ``shm``. Keys
+    memory lacks that are in ``later`` (on disk, not promoted for this LOCATE) are
+    ``DEFERRED`` when some key was found (a reply deferring all would be a failing node's),
+    else ``NOT_FOUND``."""
     if store.segment is None:
         raise ProtocolError(Code.BAD_OP, "LOCATE: this node keeps no shared segment (--shm)")
     rep = Reply(req.id, shm=advert)
@@ -112,21 +216,30 @@ def locate(store: BlockStore, req: Request, advert: dict[str, Any]) -> Reply:
         rep.sums.append(block.checksum)
         rep.counts.append(len(block.frames))
         rep.sizes.extend(len(f) for f in block.frames)
+    if later and rep.sums:
+        deferred = int(Status.DEFERRED)
+        rep.status = [deferred if s == missing and k in later else s
+                      for k, s in zip(req.keys, status)]  # fmt: skip
     return rep
 
 
-def reserve(store: BlockStore, req: Request, advert: dict[str, Any]) -> Reply:
+def reserve(store: BlockStore, req: Request, advert: dict[str, Any],
+            disk: DiskTier | None = None) -> Reply:  # fmt: skip
     """Room in the shared segment for each value of a RESERVE (``counts``, ``sizes``): per key
     a status, and for each reserved one (``OK``), in key order, where its frames go (``offs``:
     the byte offset of its first frame, the others back to back) and its generation
-    (``gens``); the segment in ``shm``."""
+    (``gens``); the segment in ``shm``. A key the ``disk`` tier holds is ``EXISTS``."""
     if store.segment is None:
         raise ProtocolError(Code.BAD_OP, "RESERVE: this node keeps no shared segment (--shm)")
     rep = Reply(req.id, shm=advert)
     start = 0
     for key, count in zip(req.keys, req.counts):
-        status, held = store.reserve(key, tuple(req.sizes[start : start + count]))
+        sizes = tuple(req.sizes[start : start + count])
         start += count
+        if disk is not None and key not in store and disk.contains(key):
+            status, held = Status.EXISTS, None
+        else:
+            status, held = store.reserve(key, sizes)
         rep.status.append(int(status))
         if held is not None:
             rep.offs.append(store.segment.offset(held.extent))

@@ -5,8 +5,10 @@ counts) into metric families at scrape time, so the node's loop pays nothing for
 this module does not know is exported as an untyped ``pagekv_node_<name>``. :class:`RequestMetrics`
 is the node's ``observe`` hook: a latency histogram per op (time the node spends on a request:
 decode, index, queue the reply; network transfer excluded), replies by op and code, PUT blocks by
-status. :class:`MetricsServer` serves any registry on ``/metrics`` and a health callable on
-``/health`` (200 or 503, JSON) from a daemon thread.
+status, and GET latency by tier (``memory``: answered from memory; ``disk``: some values read
+from the disk tier). A node with a disk tier adds its counters and gauges (``disk_*`` stats)
+and its read and write latency histograms. :class:`MetricsServer` serves any registry on
+``/metrics`` and a health callable on ``/health`` (200 or 503, JSON) from a daemon thread.
 """
 
 from __future__ import annotations
@@ -23,8 +25,14 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import make_wsgi_app
+from prometheus_client.utils import floatToGoString
 
 import pagekv
 
@@ -58,6 +66,65 @@ _KNOWN = {
     "auth_rejected": ("pagekv_node_auth_rejected", "counter", "CURVE client keys refused"),
     "auth_accepted": ("pagekv_node_auth_accepted", "counter", "CURVE handshakes admitted"),
 }
+# the disk tier's stats (pagekv.store.node.disk): stat -> (type, help); the metric is
+# pagekv_node_<stat> (``disk_bytes``: pagekv_node_disk_stored_bytes, as ``bytes`` above)
+# fmt: off
+_DISK = {
+    "disk_hits": ("counter", "GET keys read from the disk tier"),
+    "disk_misses": ("counter", "disk reads that found nothing (gone, corrupt, or the tier off)"),
+    "disk_read_bytes": ("counter", "block bytes read from disk"),
+    "disk_read_ops": ("counter", "disk reads (one per run of adjacent records)"),
+    "disk_corrupt": ("counter", "records failing their checksum or key check (dropped: a miss)"),
+    "disk_writes": ("counter", "blocks written to disk"),
+    "disk_write_bytes": ("counter", "block bytes written to disk"),
+    "disk_write_skipped": ("counter", "evicted blocks not written: on disk already"),
+    "disk_rewrites": ("counter", "evicted blocks written again (record in an old segment)"),
+    "disk_write_dropped": ("counter", "evicted blocks not written: the write queue was full"),
+    "disk_write_nospace": ("counter", "blocks not written: disk full, nothing to reclaim"),
+    "disk_write_too_large": ("counter", "blocks not written: larger than a segment"),
+    "disk_write_dropped_at_close": ("counter", "blocks queued when the shutdown budget ran out"),
+    "disk_write_dropped_off": ("counter", "queued blocks dropped as the tier turned off"),
+    "disk_reclaimed_segments": ("counter", "segments reclaimed (oldest first)"),
+    "disk_reclaimed_blocks": ("counter", "blocks dropped with their reclaimed segment"),
+    "disk_reclaimed_bytes": ("counter", "bytes of reclaimed segments"),
+    "disk_on": ("gauge", "1 while the disk tier serves, 0 once it turned itself off"),
+    "disk_blocks": ("gauge", "blocks on disk"),
+    "disk_bytes": ("gauge", "block bytes on disk"),
+    "disk_used_bytes": ("gauge", "bytes of the tier's files (segments, directories)"),
+    "disk_capacity": ("gauge", "configured disk capacity"),
+    "disk_segments": ("gauge", "segment files"),
+    "disk_queue_blocks": ("gauge", "evicted blocks waiting for the disk writer"),
+    "disk_queue_bytes": ("gauge", "bytes of evicted blocks waiting for the disk writer"),
+    "disk_waiting": ("gauge", "requests waiting for disk reads (ZeroMQ)"),
+    "disk_promote_skipped": ("counter", "disk hits left on disk only: the write queue had no "
+                             "room for what their promotion would evict"),
+    "disk_rebuild_s": ("gauge", "seconds the index rebuild took at start"),
+    "disk_rebuild_blocks": ("gauge", "blocks found on disk at start"),
+    "disk_rebuild_scanned_bytes": ("gauge", "bytes scanned at start (segments without directory)"),
+    "disk_rebuild_torn": ("gauge", "torn records cut off at start"),
+}
+_DISK_HISTOGRAMS = {
+    "read": ("pagekv_node_disk_read_seconds", "a disk read, from submission to block checked"),
+    "write": ("pagekv_node_disk_write_seconds", "an evicted block, from offer to record written"),
+}
+# fmt: on
+_DISK_NAMES = {
+    "disk_bytes": "disk_stored_bytes",
+    "disk_capacity": "disk_capacity_bytes",
+    "disk_rebuild_s": "disk_rebuild_seconds",
+}
+_KNOWN.update({stat: (f"pagekv_node_{_DISK_NAMES.get(stat, stat)}", kind, text)
+               for stat, (kind, text) in _DISK.items()})  # fmt: skip
+# KV events (--events-endpoint; pagekv.store.node.events): stat -> metric, type, help
+_KNOWN.update({
+    "event_batches": ("pagekv_node_event_batches", "counter", "KV event batches published"),
+    "event_keys": ("pagekv_node_event_keys", "counter", "block keys in published KV events"),
+    "event_replays": ("pagekv_node_event_replays", "counter", "KV event replay requests served"),
+    "events_dropped": ("pagekv_node_events_dropped", "counter",
+                       "KV events dropped for the publisher's bound (each followed by a resync)"),
+    "event_resyncs": ("pagekv_node_event_resyncs", "counter",
+                      "KV event resyncs (AllBlocksCleared, then all the node holds)"),
+})  # fmt: skip
 _ERRORS = {"bad_requests": "bad_request", "internal_errors": "internal", "dropped": "dropped"}
 _SKIP = {"address", "pid", "uptime_s"}
 
@@ -96,6 +163,10 @@ class NodeCollector:
                 yield _untyped(f"pagekv_node_{key}", f"node stat {key}", value)
         yield requests
         yield errors
+        disk = getattr(self.node, "disk", None)
+        if disk is not None:
+            for name, snap in disk.histograms().items():
+                yield _histogram(*_DISK_HISTOGRAMS[name], snap)
         if self.monitor is not None:
             yield from self._connections()
 
@@ -110,6 +181,16 @@ class NodeCollector:
         for kind, count in m.handshake_failures.items():
             failures.add_metric([kind], count)
         yield failures
+
+
+def _histogram(name: str, text: str, snap: dict[str, Any]) -> Metric:
+    """A histogram family from counts per bucket (and one above the last) and their sum."""
+    buckets, total = [], 0
+    for bound, count in zip(snap["buckets"], snap["counts"]):
+        total += count
+        buckets.append((floatToGoString(bound), total))
+    buckets.append(("+Inf", total + snap["counts"][-1]))
+    return HistogramMetricFamily(name, text, buckets=buckets, sum_value=snap["sum"])
 
 
 def _untyped(name: str, text: str, value: float) -> Metric:
@@ -136,10 +217,21 @@ class RequestMetrics:
             "pagekv_node_checksum_failures", "PUT blocks refused: payload does not match its "
             "checksum", registry=registry,
         )  # fmt: skip
+        self.get_latency = Histogram(
+            "pagekv_node_get_duration_seconds",
+            "time the node spends on a GET by tier: memory (answered from memory) or disk "
+            "(waited for values read from the disk tier)",
+            ["tier"], buckets=LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self._get_latency = {tier: self.get_latency.labels(tier) for tier in ("memory", "disk")}
         ops = [op.value for op in Op] + ["INVALID"]
         self._latency = {op: self.latency.labels(op) for op in ops}
         self._ok = {op: self.replies.labels(op, Code.OK.name) for op in ops}
         self._put = {int(s): self.put_blocks.labels(s.name) for s in Status}  # all from the start
+
+    def observe_get(self, tier: str, seconds: float) -> None:
+        """The node's ``observe_get`` hook: one GET answered from ``tier``."""
+        self._get_latency[tier].observe(seconds)
 
     def __call__(self, op: Op | None, reply: Any, seconds: float) -> None:
         name = op.value if op is not None else "INVALID"
@@ -223,13 +315,17 @@ def node_metrics(node: Any, monitor: Any, host: str, port: int,
     registry = CollectorRegistry()
     registry.register(NodeCollector(node, monitor))
     ProcessCollector(registry=registry)
-    node.observe = RequestMetrics(registry)
+    node.observe = metrics = RequestMetrics(registry)
+    node.observe_get = metrics.observe_get
     return MetricsServer(registry, host, port, health)
 
 
-def ping_health(probe_once: Callable[[], Any], cache_s: float = 1.0) -> HealthCheck:
+def ping_health(probe_once: Callable[[], Any], cache_s: float = 1.0,
+                extra: Callable[[], dict[str, Any]] | None = None) -> HealthCheck:  # fmt: skip
     """A health check that PINGs the node through its own socket (``probe_once`` returns a
-    :class:`ProbeResult`), answering from a cache for ``cache_s`` so a flood costs one PING."""
+    :class:`ProbeResult`), answering from a cache for ``cache_s`` so a flood costs one PING.
+    ``extra()``: more of the node's state for the JSON (e.g. ``disk_on``); it does not decide
+    health (a node whose disk tier turned off serves from memory)."""
     lock = threading.Lock()
     last: list[Any] = [0.0, (False, {})]
 
@@ -238,6 +334,8 @@ def ping_health(probe_once: Callable[[], Any], cache_s: float = 1.0) -> HealthCh
             if time.monotonic() - last[0] > cache_s:
                 result = probe_once()
                 detail = {"endpoint": result.endpoint, "ping": str(result)}
+                if extra is not None:
+                    detail.update(extra())
                 last[:] = [time.monotonic(), (result.outcome.value == "ok", detail)]
             return last[1]
 

@@ -8,7 +8,9 @@ they are dropped and counted) and answered as its earlier replies drain. A reade
 reads therefore pins at most ``budget`` plus one reply, however many requests it sends;
 evicted blocks it was being sent are freed once its replies drain or it disconnects.
 Header-only replies (PUT, EXISTS, ...) are copied, untracked, and bounded by the socket's send
-high-water mark; past it they are dropped.
+high-water mark; past it they are dropped. A reply being read from the disk tier counts as in
+flight from the moment its reads are started (:meth:`Outbox.hold`), so a connection's disk
+reads are bounded by the same budget.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ __all__ = ["Outbox"]
 @dataclass
 class _Peer:
     inflight: collections.deque = field(default_factory=collections.deque)  # (tracker, bytes)
-    bytes: int = 0
+    bytes: int = 0  # of the replies in flight and those held
+    held: int = 0  # bytes of replies being read from disk (hold, release)
     parked: collections.deque = field(default_factory=collections.deque)  # parked requests
 
 
@@ -45,7 +48,7 @@ class Outbox:
         """Forget connections with nothing in flight and nothing parked (call now and then)."""
         for ident, peer in list(self._peers.items()):
             self._drain(peer)
-            if not peer.parked and not peer.inflight:
+            if not peer.parked and not peer.inflight and not peer.held:
                 del self._peers[ident]
 
     def inflight_bytes(self) -> int:
@@ -78,8 +81,22 @@ class Outbox:
             while peer.parked and peer.bytes < self.budget:
                 self.parked -= 1
                 yield ident, peer.parked.popleft()
-            if not peer.parked and not peer.inflight:
+            if not peer.parked and not peer.inflight and not peer.held:
                 self._peers.pop(ident, None)
+
+    def hold(self, ident: bytes, nbytes: int) -> _Peer:
+        """Count ``nbytes`` (a reply whose values are being read) as in flight to ``ident``
+        until :meth:`release` with the peer returned (who may have gone meanwhile)."""
+        peer = self._peers.setdefault(ident, _Peer())
+        peer.bytes += nbytes
+        peer.held += nbytes
+        return peer
+
+    @staticmethod
+    def release(peer: _Peer, nbytes: int) -> None:
+        """End a :meth:`hold` (before sending the reply it was for)."""
+        peer.bytes -= nbytes
+        peer.held -= nbytes
 
     def send(self, ident: bytes, header: bytes, payloads: list[Any]) -> bool:
         """Send one reply; False if it was dropped (peer gone, or its queue at the high-water

@@ -7,6 +7,16 @@ bounded against any peer (docs/protocol.md, "Node memory"): frame size, requests
 connection, payload per message and frames per message are limited; replies in flight per
 connection are budgeted (:mod:`.outbox`); peers that make libzmq buffer more than a connection
 may are disconnected (:mod:`.guard`).
+
+With a disk tier (``--disk``, :mod:`.disk`), blocks evicted from memory are offered to it, and a
+GET or LOCATE that needs values from it waits for their reads without holding up the loop: the
+request is parked by a token, the tier's reader threads read, and the loop (which polls the
+tier's wakeup descriptor beside its socket) answers it when they are done. The bulk lane's
+threads wait for their reads themselves, without the store's lock.
+
+With KV events (``--events-endpoint``), the store's and the disk tier's hooks record each key
+stored or removed per tier (:mod:`.events`) and a thread publishes them (:mod:`.event_publisher`);
+a stopping node publishes ``AllBlocksCleared`` last.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import zmq
 
@@ -40,7 +50,10 @@ from ..wire.protocol import (
 from ..wire.shm import host_id
 from . import handlers
 from .auth import NULL_ZAP_DOMAIN
-from .block_store import BlockStore
+from .block_store import Block, BlockStore
+from .disk import DiskBlock, DiskConfig, DiskTier, FileOps
+from .event_publisher import EventPublisher
+from .events import DISK, MEMORY, NodeEvents
 from .guard import ConnectionGuard, source_fd, wire_bytes
 from .lane import BulkServer, LaneLimits, SendDone
 from .memory import tune_malloc_for_blocks
@@ -55,20 +68,70 @@ if TYPE_CHECKING:
 __all__ = ["StoreNode"]
 
 log = logging.getLogger("pagekv.store")
+LANE_DISK_WAIT_S = 10.0  # a bulk lane GET waits this long for its disk reads (then: misses)
+LOCATE_PROMOTE_SHARE = 0.25  # of the memory: what one LOCATE may promote from disk
+
+
+class _DiskWait:
+    """A request parked while its values are read from disk (ZeroMQ loop): ``work`` is a
+    :class:`~.handlers.DiskGet`, or a :class:`_Locate` (its ``keys`` to promote apart).
+    ``hold``: with a segment, keeps the reply's memory blocks' space from reuse until the reply
+    is sent; ``peer``, ``nbytes``: the outbox's hold on the connection's budget."""
+
+    __slots__ = ("hold", "ident", "keys", "nbytes", "peer", "sent", "start", "work")
+
+    def __init__(self, ident: bytes, work: Any, keys: list[bytes], sent: list | None,
+                 hold: SendDone | None, peer: Any, nbytes: int, start: float) -> None:  # fmt: skip
+        self.ident, self.work, self.keys, self.sent, self.hold = ident, work, keys, sent, hold
+        self.peer, self.nbytes, self.start = peer, nbytes, start
+
+
+class _Locate(NamedTuple):
+    """A LOCATE waiting for its keys' promotion from disk; ``later``: its keys on disk it
+    defers."""
+
+    req: Request
+    later: frozenset[bytes]
 
 
 class StoreNode:
-    """Owns its socket, store and stats. ``serve_forever`` until :meth:`stop` or a signal."""
+    """Owns its socket, store, disk tier and stats. ``serve_forever`` until :meth:`stop` or a
+    signal. ``disk_io`` replaces the disk tier's file system calls (tests inject faults)."""
 
-    def __init__(self, config: NodeConfig, *, context: zmq.Context | None = None) -> None:
+    def __init__(self, config: NodeConfig, *, context: zmq.Context | None = None,
+                 disk_io: FileOps | None = None) -> None:  # fmt: skip
         self.config = config
-        self.ctx = context or zmq.Context(io_threads=config.io_threads)
+        # with a disk tier, each PUT evicts what it needs: evictions reach the disk writer as
+        # values arrive, never as a burst (down to a low watermark) larger than its queue
+        low = config.high_watermark if config.disk is not None else config.low_watermark
         self.store = BlockStore(
             config.capacity,
             max_block_bytes=config.max_block_size,
             high_watermark=config.high_watermark,
-            low_watermark=config.low_watermark,
+            low_watermark=low,
         )
+        # first: a directory another node serves from stops this one before it binds anything
+        self.disk: DiskTier | None = None
+        if config.disk is not None:
+            self.disk = DiskTier(DiskConfig(config.disk, config.disk_capacity,
+                                            config.disk_segment_size, config.disk_queue_size,
+                                            config.disk_read_threads,
+                                            config.disk_direct), io=disk_io)  # fmt: skip
+            self.store.on_evict = self._offer_to_disk
+        self._disk_waits: dict[int, _DiskWait] = {}
+        self._promote_skipped = 0
+        self._tokens = 0
+        # called after each GET with ("memory" or "disk", seconds): metrics hook
+        self.observe_get: Callable[[str, float], None] | None = None
+        try:
+            self._start(config, context)
+        except BaseException:
+            if self.disk is not None:
+                self.disk.close(0)
+            raise
+
+    def _start(self, config: NodeConfig, context: zmq.Context | None) -> None:
+        self.ctx = context or zmq.Context(io_threads=config.io_threads)
         self.sock = self._make_socket()
         self._auth: ZapAuthenticator | None = None
         # called after each reply with (op or None, reply, seconds): metrics hook
@@ -103,7 +166,10 @@ class StoreNode:
         self.segment: Segment | None = None
         self.shm_advert: dict[str, Any] = {}  # PING and LOCATE replies' ``shm``
         self.bulk: BulkServer | None = None
+        self.events: NodeEvents | None = None
+        self.publisher: EventPublisher | None = None
         try:
+            self._start_events()
             self.bulk = self._make_bulk()
             if self.bulk is not None:  # serving from here on (its own threads): a node's
                 self.bulk.start()  # threads all exist once it is built; close() ends them
@@ -172,6 +238,30 @@ class StoreNode:
             self.sock.setsockopt(zmq.AFFINITY, 0)
         return ports
 
+    def _start_events(self) -> None:
+        """KV events, when configured: the tiers' hooks and the publisher thread."""
+        cfg = self.config
+        if cfg.events_endpoint is None:
+            return
+        self.events = events = NodeEvents(cfg.events_queue)
+        self.publisher = EventPublisher(
+            self.ctx, events, self._event_snapshot, endpoint=cfg.events_endpoint,
+            replay_endpoint=cfg.events_replay_endpoint, topic=cfg.events_topic,
+            buffer=cfg.events_buffer,
+        )  # fmt: skip
+        self.store.on_stored, self.store.on_removed = events.memory_stored, events.memory_removed
+        if self.disk is not None:
+            self.disk.on_stored, self.disk.on_removed = events.disk_stored, events.disk_removed
+        log.info("pagekv node: KV events on %s%s", self.publisher.endpoint,
+                 f", replays on {self.publisher.replay_endpoint}"
+                 if self.publisher.replay_endpoint else "")  # fmt: skip
+
+    def _event_snapshot(self) -> list[tuple[str, list[bytes]]]:
+        """What the node holds, per tier (the publisher's resync; its thread)."""
+        with self.lock:
+            memory = self.store.keys()
+        return [(MEMORY, memory), (DISK, self.disk.keys() if self.disk is not None else [])]
+
     def _make_bulk(self) -> BulkServer | None:
         """The bulk lane (:mod:`.bulk_server`) on the node's TCP host, when it is on and safe:
         never beside CURVE (the lane is neither encrypted nor authenticated) nor on ipc://."""
@@ -227,6 +317,9 @@ class StoreNode:
         poller.register(self.sock, zmq.POLLIN)
         if self.guard is not None:
             poller.register(self.guard.monitor, zmq.POLLIN)
+        disk_fd = self.disk.wakeup_fd if self.disk is not None else None
+        if disk_fd is not None:
+            poller.register(disk_fd, zmq.POLLIN)
         idle_ms = int(self.config.guard_interval_s * 1000) or 100
         swept = time.monotonic()
         try:
@@ -234,6 +327,8 @@ class StoreNode:
                 events = dict(poller.poll(1 if self.outbox.parked else idle_ms))
                 if self.guard is not None and self.guard.monitor in events:
                     self.guard.on_events()
+                if disk_fd is not None and disk_fd in events:
+                    self._disk_done()
                 if self.sock in events:
                     self._read_some(1024)  # then housekeeping, even under a flood
                 if self.outbox.parked:
@@ -260,8 +355,28 @@ class StoreNode:
         if self.bulk is not None:
             self.bulk.close()
         self.sock.close(linger=0)
+        if self.disk is not None:
+            self._save_to_disk()
         if self.segment is not None:
             self.segment.unlink()  # clients' mappings stay valid; the memory goes with them
+        if self.publisher is not None:
+            self.events.close()
+            self.publisher.close()
+
+    def _save_to_disk(self) -> None:
+        """At exit, with nothing served any more: write memory's blocks to the disk tier, most
+        recently used first, and close it, all within ``shutdown_save_s`` (past it, what is
+        still queued is dropped; the segment being written is sealed either way)."""
+        disk, budget = self.disk, self.config.shutdown_save_s
+        start = time.monotonic()
+        with self.lock:  # a bulk lane thread may still be finishing a reply
+            blocks = [(k, b.frames, b.size, b.checksum) for k, b in self.store.newest_first()]
+        saved = disk.save(blocks, budget) if budget > 0 and disk.on else 0
+        clean = disk.close(max(0.0, budget - (time.monotonic() - start)))
+        self._disk_waits.clear()
+        log.info("pagekv node: %d of %d memory blocks saved to the disk tier, %s, in %.1f s",
+                 saved, len(blocks), "all written" if clean else "not all written",
+                 time.monotonic() - start)  # fmt: skip
 
     def _read_some(self, most: int) -> None:
         """Read up to ``most`` requests, part by part: the header first, then each payload
@@ -346,16 +461,32 @@ class StoreNode:
             if op is Op.GET and not payloads and self.outbox.must_park(ident):
                 self.outbox.park(ident, parsed)  # answered when its replies drain
                 return
-            rep, out = self._dispatch(parsed, payloads)
+            answer = self._dispatch(parsed, payloads, ident, start)
+            if answer is None:  # waiting on the disk: answered by _disk_done
+                return
+            rep, out = answer
         except Exception as e:
             rep, out = self._error_reply(handlers.best_effort_id(header), e), []
         self._send(ident, rep, out)
-        if self.observe is not None:
-            self.observe(op, rep, time.perf_counter() - start)
+        self._observe(op, rep, start)
 
-    def _get(self, req: Request) -> tuple[Reply, list[Any]]:
+    def _observe(self, op: Op | None, rep: Reply, start: float, tier: str = "memory") -> None:
+        seconds = time.perf_counter() - start
+        if self.observe is not None:
+            self.observe(op, rep, seconds)
+        if op is Op.GET and self.observe_get is not None:
+            self.observe_get(tier, seconds)
+
+    def _get(self, req: Request, ident: bytes | None = None,
+             start: float = 0.0) -> tuple[Reply, list[Any]] | None:  # fmt: skip
+        """A GET's reply and payload, or None when it waits on disk reads (``ident``: the
+        ZeroMQ peer it is answered to then)."""
         sent = [] if self.segment is not None else None
-        rep, out, deferred = handlers.get(self.store, self.config.max_message_size, req, sent)
+        got = handlers.get(self.store, self.config.max_message_size, req, sent, self.disk)
+        if isinstance(got, handlers.DiskGet):
+            self._wait_on_disk(ident, got, got.keys, sent, got.nbytes, start)
+            return None
+        rep, out, deferred = got
         self.counters["deferred"] += deferred
         self._sent_blocks = sent
         return rep, out
@@ -365,29 +496,156 @@ class StoreNode:
             start = time.perf_counter()
             with self.lock:
                 self.counters["op_get"] += 1
-                rep, out = self._get(req)
-                self._send(ident, rep, out)
-                if self.observe is not None:
-                    self.observe(Op.GET, rep, time.perf_counter() - start)
+                try:
+                    answer = self._get(req, ident, start)
+                except Exception as e:
+                    answer = self._error_reply(req.id, e), []
+                if answer is not None:
+                    self._send(ident, *answer)
+                    self._observe(Op.GET, answer[0], start)
+
+    # ---- the disk tier ---------------------------------------------------------------------
+    def _offer_to_disk(self, key: bytes, block: Block) -> None:
+        """The store's eviction hook: the block goes to the disk writer's queue (copied when
+        its frames are views of the segment, whose space is reused as soon as this returns)."""
+        self.disk.offer(key, block.frames, block.size, block.checksum,
+                        copy=block.extent is not None)  # fmt: skip
+
+    def _wait_on_disk(self, ident: bytes, work: Any, keys: list[bytes], sent: list | None,
+                      nbytes: int, start: float) -> None:  # fmt: skip
+        """Park a request (under the lock) while ``keys`` are read; :meth:`_disk_done` answers
+        it. Its memory blocks (``sent``, with a segment) keep their space until then."""
+        hold = None
+        if sent:
+            hold = SendDone()
+            self.store.sent(sent, hold)
+        token, self._tokens = self._tokens, self._tokens + 1
+        peer = self.outbox.hold(ident, nbytes)
+        self._disk_waits[token] = _DiskWait(ident, work, keys, sent, hold, peer, nbytes, start)
+        self.disk.read_many(keys, token, own=self._own_reads)
+
+    @property
+    def _own_reads(self) -> bool:
+        """Whether reads are for keeping: promoted blocks kept as read (no segment to copy
+        them into) must not pin buffers shared with other blocks."""
+        return self.config.disk_promote and self.segment is None
+
+    def _to_locate(self, keys: list[bytes]) -> tuple[list[bytes], frozenset[bytes]]:
+        """The keys of a LOCATE to promote from disk first: those memory lacks, in key order,
+        while they take at most ``LOCATE_PROMOTE_SHARE`` of the memory (more would evict the
+        first ones before the reply names them; the first is taken whatever its size); and
+        the disk's other keys, which its reply defers (the client asks for them again)."""
+        if self.segment is None:
+            return [], frozenset()
+        store, size_of = self.store, self.disk.size_of
+        room, out, later = int(self.config.capacity * LOCATE_PROMOTE_SHARE), [], []
+        for key in keys:
+            if key in store:
+                continue
+            size = size_of(key)
+            if size is None:
+                continue
+            room -= size
+            if room < 0 and out:
+                later.append(key)
+                room = -1  # none after the first deferred one: the reply stays in key order
+            else:
+                out.append(key)
+        return out, frozenset(later)
+
+    def _promote(self, keys: list[bytes], blocks: list[DiskBlock | None]) -> list[bytes]:
+        """Put blocks read from disk back into memory (under the lock), while the disk's write
+        queue has room for what they may evict (a block evicted past it would be lost: a
+        promotion is never worth a block); the keys of the others, left on disk only."""
+        skipped = []
+        put, room = self.store.put, self.disk.queue_room()
+        # room kept for what is on its way in: the requests libzmq holds unread (the last
+        # PUT's own size is no longer arriving)
+        self.store.arriving = self.guard.held_bytes if self.guard is not None else 0
+        for key, block in zip(keys, blocks):
+            if block is None:
+                continue
+            room -= block.size
+            if room < 0:
+                skipped.append(key)
+                continue
+            put(key, block.frames, block.size, block.checksum, block.held)
+        self._promote_skipped += len(skipped)
+        return skipped
+
+    def _disk_done(self) -> None:
+        """Answer the requests whose disk reads have completed."""
+        for token, blocks in self.disk.completed():
+            wait = self._disk_waits.pop(token, None)
+            if wait is None:  # pragma: no cover - every token is parked before its read
+                continue
+            op = Op.GET if isinstance(wait.work, handlers.DiskGet) else Op.LOCATE
+            with self.lock:
+                self.outbox.release(wait.peer, wait.nbytes)
+                try:
+                    rep, out = self._finish(wait.work, wait.keys, blocks)
+                except Exception as e:  # a bug: answered INTERNAL, the node serves on
+                    rep, out = self._error_reply(wait.work.req.id, e), []
+                self._sent_blocks = wait.sent
+                self._send(wait.ident, rep, out)
+                if wait.hold is not None:
+                    wait.hold.done = True  # the blocks' space now waits for the reply itself
+                self._observe(op, rep, wait.start, "disk")
+
+    def _finish(self, work: Any, keys: list[bytes],
+                blocks: list[DiskBlock | None]) -> tuple[Reply, list[Any]]:  # fmt: skip
+        """The reply to a request whose disk reads are done (under the lock)."""
+        if isinstance(work, handlers.DiskGet):
+            rep, out = handlers.finish_get(work, blocks)
+            self.counters["deferred"] += work.deferred
+            if self.config.disk_promote:
+                self._promote(keys, blocks)
+            return rep, out
+        # a LOCATE: what it finds must be in the segment; what could not be promoted is
+        # deferred as what it did not try
+        later = work.later.union(self._promote(keys, blocks))
+        return handlers.locate(self.store, work.req, self.shm_advert, later), []
 
     def _answer_lane_get(self, req: Request) -> tuple[Reply, list[Any], SendDone | None]:
         """The bulk lane's answer to one GET (:data:`.lane.Answer`; any connection thread):
-        dispatched under :attr:`lock` as the ZeroMQ loop's requests are. Never raises on
-        input."""
+        dispatched under :attr:`lock` as the ZeroMQ loop's requests are; values on disk are
+        read with the lock released. Never raises on input."""
         start = time.perf_counter()
+        planned, done = None, None
         with self.lock:
+            self.counters["op_get"] += 1
+            sent = [] if self.segment is not None else None
             try:
-                rep, out = self._dispatch(req, [])
+                got = handlers.get(self.store, self.config.max_message_size, req, sent,
+                                   self.disk)  # fmt: skip
+                if isinstance(got, handlers.DiskGet):
+                    planned = got
+                    rep, out = Reply(req.id), []
+                else:
+                    rep, out, deferred = got
+                    self.counters["deferred"] += deferred
             except Exception as e:
-                rep, out = self._error_reply(req.id, e), []
-            sent, self._sent_blocks = self._sent_blocks, None
-            self.counters["bytes_out"] += sum(len(p) for p in out)
-            done = None
-            if sent and out:  # views of the segment: its space waits for this reply
+                rep, out, sent = self._error_reply(req.id, e), [], None
+            if sent:  # views of the segment: their space waits for this reply
                 done = SendDone()
                 self.store.sent(sent, done)
-            if self.observe is not None:
-                self.observe(req.op, rep, time.perf_counter() - start)
+            if planned is None:
+                return self._lane_reply(rep, out, done, start, "memory")
+        blocks = self.disk.read_many_wait(planned.keys, LANE_DISK_WAIT_S, own=self._own_reads)
+        with self.lock:
+            try:
+                rep, out = self._finish(planned, planned.keys, blocks)
+            except Exception as e:
+                rep, out = self._error_reply(req.id, e), []
+            return self._lane_reply(rep, out, done, start, "disk")
+
+    def _lane_reply(self, rep: Reply, out: list[Any], done: SendDone | None, start: float,
+                    tier: str) -> tuple[Reply, list[Any], SendDone | None]:  # fmt: skip
+        self.counters["bytes_out"] += sum(len(p) for p in out)
+        if done is not None and not out:
+            done.done = True  # nothing to send: the space is free again
+            done = None
+        self._observe(Op.GET, rep, start, tier)
         return rep, out, done
 
     def _error_reply(self, rid: int, error: Exception) -> Reply:
@@ -408,7 +666,10 @@ class StoreNode:
             if sent and payloads:  # views of the segment: its space waits for this reply
                 self.store.sent(sent, self.outbox.last_tracker)
 
-    def _dispatch(self, req: Request, payloads: list[Any]) -> tuple[Reply, list[Any]]:
+    def _dispatch(self, req: Request, payloads: list[Any], ident: bytes = b"",
+                  start: float = 0.0) -> tuple[Reply, list[Any]] | None:  # fmt: skip
+        """The reply to ``req`` and its payload, or None when it waits on the disk (a GET or
+        LOCATE from ZeroMQ peer ``ident``, answered once its reads are done)."""
         self.counters[f"op_{req.op.value.lower()}"] += 1
         if req.op is not Op.PUT and payloads:
             raise ProtocolError(Code.BAD_FRAMES, f"{req.op.value} takes no payload frames")
@@ -418,22 +679,26 @@ class StoreNode:
             # each evicting as needed) and the requests libzmq holds unread
             held = self.guard.held_bytes if self.guard is not None else 0
             self.store.arriving = held + sum(req.sizes)
-            return handlers.put(self.store, self.config, req, payloads, pool), []
+            return handlers.put(self.store, self.config, req, payloads, pool, self.disk), []
         if req.op is Op.GET:
-            return self._get(req)
+            return self._get(req, ident, start)
         if req.op is Op.EXISTS:
             status = self.store.statuses(req.keys)
+            if self.disk is not None:
+                contains, ok = self.disk.contains, int(Status.OK)
+                status = [ok if s and contains(k) else s for k, s in zip(req.keys, status)]
             hits = next((i for i, s in enumerate(status) if s), len(status))
             return Reply(req.id, status=status, hits=hits), []
         if req.op is Op.DELETE:
-            status = [
-                int(Status.OK if self.store.delete(k) else Status.NOT_FOUND) for k in req.keys
-            ]
-            return Reply(req.id, status=status), []
+            return Reply(req.id, status=[int(self._delete(k)) for k in req.keys]), []
         if req.op is Op.LOCATE:
+            keys, later = self._to_locate(req.keys) if self.disk is not None else ([], None)
+            if keys:  # promoted into the segment first: LOCATE answers from there only
+                self._wait_on_disk(ident, _Locate(req, later), keys, None, 0, start)
+                return None
             return handlers.locate(self.store, req, self.shm_advert), []
         if req.op is Op.RESERVE:
-            return handlers.reserve(self.store, req, self.shm_advert), []
+            return handlers.reserve(self.store, req, self.shm_advert, self.disk), []
         if req.op is Op.COMMIT:
             return handlers.commit(self.store, self.config, req, self.verify_pool), []
         if req.op is Op.STATS:
@@ -442,7 +707,21 @@ class StoreNode:
         return Reply(req.id, limits=self.config.limits(), shm=self.shm_advert,
                      ports=self.stream_ports, bulk=bulk), []  # fmt: skip
 
+    def _delete(self, key: bytes) -> Status:
+        """Forget ``key`` in both tiers."""
+        found = self.store.delete(key)
+        if self.disk is not None:
+            found = self.disk.delete(key) or found
+        return Status.OK if found else Status.NOT_FOUND
+
     def stats(self) -> dict[str, Any]:
+        disk = {}
+        if self.disk is not None:
+            disk = {**self.disk.stats(), "disk_waiting": len(self._disk_waits),
+                    "disk_promote_skipped": self._promote_skipped}  # fmt: skip
+        events = {}
+        if self.publisher is not None:
+            events = {**self.events.counters, **self.publisher.counters}
         guard, auth = self.guard, self._auth.stats() if self._auth is not None else {}
         return {**self.store.stats(), **self.counters, **auth, "address": self.address,
                 "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
@@ -451,4 +730,4 @@ class StoreNode:
                 "parked": self.outbox.parked, "stream_ports": self.stream_ports,
                 "bulk_port": self.bulk.port if self.bulk else 0,
                 "bulk_open": self.bulk.open_connections if self.bulk else 0,
-                **(self.bulk.counters if self.bulk else {})}  # fmt: skip
+                **(self.bulk.counters if self.bulk else {}), **disk, **events}  # fmt: skip

@@ -1,0 +1,572 @@
+"""The disk tier on its own (pagekv/store/node/disk.py): round trips, reclaim, restarts (clean,
+torn, killed), corruption, a full disk, I/O errors, two openers, reads racing reclaim.
+
+Failures are injected two ways: a real small tmpfs (mounted when the test runs as root and may
+mount; else those tests skip) and :class:`FailingOps`, a :class:`FileOps` whose chosen calls
+fail: the tier's one seam for file system calls. No test sleeps to synchronise: they wait on
+events, futures and flushes, each with a bounded timeout. The tier catches what its threads
+raise and turns itself off, saying why in ``tier.error``: the ``tiers`` fixture fails every test
+whose tier did so unexpectedly.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import select
+import subprocess
+import sys
+import textwrap
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from pagekv.errors import ConfigError
+from pagekv.store.node import disk_segment
+from pagekv.store.node.disk import (
+    DiskConfig,
+    DiskDirLocked,
+    DiskFormatError,
+    DiskTier,
+    FileOps,
+)
+
+MIB = 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def payload(i: int, size: int) -> bytes:
+    return random.Random(i).randbytes(size)
+
+
+def key_of(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def offer(tier: DiskTier, i: int, size: int) -> bool:
+    data = payload(i, size)
+    return tier.offer(key_of(i), [data], len(data), xxhash.xxh3_64_intdigest(data))
+
+
+def joined(block) -> bytes:
+    return b"".join(bytes(f) for f in block.frames)
+
+
+class FailingOps(FileOps):
+    """File calls that fail on demand: ``fail[name] = errno`` makes every later call of that
+    method raise it (``once`` too: only the next one)."""
+
+    def __init__(self) -> None:
+        self.fail: dict[str, int] = {}
+        self.once: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+
+    def _check(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        code = self.once.pop(name, None) or self.fail.get(name)
+        if code:
+            raise OSError(code, os.strerror(code))
+
+    def pwritev(self, fd, buffers, offset):
+        self._check("pwritev")
+        return super().pwritev(fd, buffers, offset)
+
+    def preadv(self, fd, buffers, offset):
+        self._check("preadv")
+        return super().preadv(fd, buffers, offset)
+
+    def fdatasync(self, fd):
+        self._check("fdatasync")
+        super().fdatasync(fd)
+
+    def open(self, path, flags, mode=0o600):
+        self._check("open")
+        return super().open(path, flags, mode)
+
+
+@pytest.fixture
+def tiers(tmp_path):
+    """``make(**config)`` opens a tier on ``tmp_path/disk``; each is closed at teardown, and a
+    tier that turned itself off fails the test unless the test said so (``tier.expect_off``)."""
+    made: list[DiskTier] = []
+
+    def make(directory: Path | None = None, io: FileOps | None = None, **kw) -> DiskTier:
+        kw.setdefault("capacity", 16 * MIB)
+        kw.setdefault("segment_bytes", MIB)
+        tier = DiskTier(DiskConfig(str(directory or tmp_path / "disk"), **kw), io=io)
+        tier.expect_off = False
+        made.append(tier)
+        return tier
+
+    yield make
+    for tier in made:
+        error = tier.error
+        tier.close(5)
+        assert tier.expect_off or error is None, error
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every read buffer starts full of 0xA5: a byte the read did not write shows."""
+    real = disk_segment.aligned_buffer
+
+    def poisoned_buffer(n):
+        buf = real(n)
+        buf[:] = b"\xa5" * n
+        return buf
+
+    monkeypatch.setattr(disk_segment, "aligned_buffer", poisoned_buffer)
+
+
+@contextmanager
+def tmpfs(path: Path, size: str):
+    """A tmpfs of ``size`` at ``path`` (skips the test where mounting is not allowed)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def read_all(tier: DiskTier, ids, timeout=10.0):
+    return dict(zip(ids, tier.read_many_wait([key_of(i) for i in ids], timeout)))
+
+
+# ---- round trips --------------------------------------------------------------------------------
+def test_round_trip_byte_exact_from_queue_page_cache_and_direct(tiers, poisoned):
+    tier = tiers()
+    sizes = {i: s for i, s in enumerate([1, 4095, 4096, 4097, 65536, 300_001, 700_000] * 3)}
+    for i, size in sizes.items():
+        assert offer(tier, i, size)
+    queued = read_all(tier, sizes)  # some still queued: their frames come back as offered
+    assert tier.flush(10)
+    written = read_all(tier, sizes)  # the active segment through the page cache, sealed ones
+    assert tier.close(10)  # O_DIRECT; after close every segment is sealed
+    tier = tiers()
+    reopened = read_all(tier, sizes)
+    for results in (queued, written, reopened):
+        for i, size in sizes.items():
+            assert results[i] is not None and joined(results[i]) == payload(i, size), i
+            assert results[i].checksum == xxhash.xxh3_64_intdigest(payload(i, size))
+    assert tier.stats()["disk_blocks"] == len(sizes)
+
+
+def test_blocks_of_several_frames_come_back_as_their_frames(tiers, poisoned):
+    tier = tiers()
+    frames = [payload(1, 1000), b"", payload(2, 70_000), payload(3, 5)]
+    data = b"".join(frames)
+    assert tier.offer(b"k" * 20, frames, len(data), xxhash.xxh3_64_intdigest(data))
+    assert tier.close(10)
+    tier = tiers()
+    (block,) = tier.read_many_wait([b"k" * 20], 10)
+    assert [bytes(f) for f in block.frames] == frames
+    assert all(f.readonly for f in block.frames)
+
+
+def test_blocks_written_together_are_read_together(tiers, poisoned):
+    tier = tiers(capacity=32 * MIB, segment_bytes=4 * MIB, read_threads=2)
+    for i in range(40):  # 40 x 100 kB: a 4 MiB run holds 41 of them
+        offer(tier, i, 100_000)
+    assert tier.close(10)
+    tier = tiers(capacity=32 * MIB, segment_bytes=4 * MIB, read_threads=2)
+    wanted = [*range(5, 25), 30, 32, 99]  # two shares of 11: two runs, and 30 and 32 alone
+    found = read_all(tier, wanted)
+    assert found[99] is None
+    for i in wanted[:-1]:
+        assert joined(found[i]) == payload(i, 100_000)
+    assert tier.stats()["disk_read_ops"] == 4
+
+
+def test_without_o_direct_sealed_segments_are_read_through_the_page_cache(tiers, poisoned):
+    class NoDirect(FileOps):
+        def open(self, path, flags, mode=0o600):
+            if flags & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "O_DIRECT refused")
+            return super().open(path, flags, mode)
+
+    tier = tiers(io=NoDirect())
+    for i in range(30):
+        offer(tier, i, 100_000)
+    assert tier.close(10)
+    tier = tiers(io=NoDirect())
+    found = read_all(tier, range(30))
+    assert all(joined(found[i]) == payload(i, 100_000) for i in range(30)) and tier.on
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"segment_bytes": 1000}, {"capacity": "1MiB"}, {"read_threads": 0}, {"capacity": "lots"},
+     {"rewrite_fraction": 1.0}, {"write_queue_bytes": 0}],
+)  # fmt: skip
+def test_bad_configs_are_refused_naming_the_field(tmp_path, bad):
+    fields = {"capacity": 16 * MIB, "segment_bytes": MIB, **bad}
+    with pytest.raises(ConfigError, match="DiskConfig"):
+        DiskConfig(str(tmp_path), **fields)
+
+
+def test_completions_wake_the_polled_fd(tiers):
+    tier = tiers()
+    for i in range(3):
+        offer(tier, i, 10_000)
+    assert tier.flush(10)
+    tier.read_many([key_of(0), key_of(9), key_of(2)], token="req-1")
+    done = []
+    while not done:
+        readable, _, _ = select.select([tier.wakeup_fd], [], [], 10)
+        assert readable, "no completion within 10 s"
+        done += tier.completed()
+    ((token, blocks),) = done
+    assert token == "req-1" and blocks[1] is None
+    assert joined(blocks[0]) == payload(0, 10_000) and joined(blocks[2]) == payload(2, 10_000)
+
+
+def test_exists_answers_for_queued_and_written_blocks(tiers):
+    gate = threading.Event()
+
+    class Slow(FileOps):
+        def pwritev(self, fd, buffers, offset):
+            assert gate.wait(10)
+            return super().pwritev(fd, buffers, offset)
+
+    tier = tiers(io=Slow())
+    offer(tier, 1, 5000)
+    assert tier.contains(key_of(1)) and tier.size_of(key_of(1)) == 5000  # queued, not written
+    assert not tier.contains(key_of(2)) and tier.size_of(key_of(2)) is None
+    gate.set()
+    assert tier.flush(10)
+    assert tier.contains(key_of(1)) and tier.size_of(key_of(1)) == 5000
+
+
+def test_a_full_queue_drops_without_waiting(tiers):
+    gate = threading.Event()
+
+    class Stuck(FileOps):
+        def pwritev(self, fd, buffers, offset):
+            assert gate.wait(10)
+            return super().pwritev(fd, buffers, offset)
+
+    tier = tiers(io=Stuck(), write_queue_bytes=256 << 10)
+    results = [offer(tier, i, 100_000) for i in range(6)]  # the writer is stuck on a header
+    assert results[:2] == [True, True] and not all(results)
+    assert tier.stats()["disk_write_dropped"] == results.count(False)
+    gate.set()
+    assert tier.flush(10)
+    found = read_all(tier, range(6))
+    assert all((found[i] is not None) == ok for i, ok in enumerate(results))
+
+
+def test_delete_survives_a_restart(tiers):
+    tier = tiers()
+    for i in range(4):
+        offer(tier, i, 20_000)
+    assert tier.flush(10)
+    assert tier.delete(key_of(1)) and not tier.delete(key_of(7))
+    assert not tier.contains(key_of(1))
+    assert tier.close(10)
+    tier = tiers()
+    found = read_all(tier, range(4))
+    assert found[1] is None and all(found[i] is not None for i in (0, 2, 3))
+
+
+# ---- capacity -----------------------------------------------------------------------------------
+def test_reclaim_takes_the_oldest_segments_and_keeps_the_disk_within_capacity(tiers, tmp_path):
+    tier = tiers(capacity=4 * MIB, segment_bytes=MIB, rewrite_fraction=0)
+    for i in range(120):  # ~12 MiB through a 4 MiB disk
+        assert offer(tier, i, 100_000)
+        if i % 10 == 9:
+            assert tier.flush(10)
+            on_disk = sum(p.stat().st_size for p in (tmp_path / "disk").iterdir())
+            assert tier.stats()["disk_used_bytes"] <= 4 * MIB and on_disk <= 4 * MIB + 4096
+    found = read_all(tier, range(120))
+    present = [i for i in range(120) if found[i] is not None]
+    assert present == list(range(present[0], 120))  # a suffix: the oldest went first
+    assert len(present) >= 20  # at least two segments' worth of the newest are kept
+    stats = tier.stats()
+    assert stats["disk_reclaimed_segments"] >= 6
+    assert stats["disk_reclaimed_blocks"] + stats["disk_blocks"] == 120
+    for i in present:
+        assert joined(found[i]) == payload(i, 100_000)
+
+
+def test_a_block_offered_again_from_an_old_segment_is_rewritten_and_outlives_it(tiers):
+    tier = tiers(capacity=6 * MIB, segment_bytes=MIB, rewrite_fraction=0.5)
+    assert offer(tier, 0, 100_000)
+    for i in range(1, 40):
+        offer(tier, i, 100_000)
+    assert tier.flush(10)
+    assert not offer(tier, 39, 100_000)  # in a young segment: skipped, not written twice
+    assert offer(tier, 0, 100_000)  # old: written again (memory had promoted it)
+    for i in range(40, 70):
+        offer(tier, i, 100_000)
+    assert tier.flush(10)
+    stats = tier.stats()
+    assert stats["disk_rewrites"] == 1 and stats["disk_write_skipped"] == 1
+    found = read_all(tier, [0, 1])
+    assert found[1] is None and joined(found[0]) == payload(0, 100_000)
+
+
+def test_a_smaller_capacity_at_restart_reclaims_down_to_it(tiers, tmp_path):
+    tier = tiers(capacity=8 * MIB)
+    for i in range(60):
+        offer(tier, i, 100_000)
+    assert tier.close(10)
+    tier = tiers(capacity=3 * MIB)
+    stats = tier.stats()
+    assert stats["disk_used_bytes"] <= 3 * MIB and stats["disk_reclaimed_segments"] >= 3
+    found = read_all(tier, range(60))
+    present = [i for i in range(60) if found[i] is not None]
+    assert present == list(range(present[0], 60)) and len(present) == stats["disk_blocks"]
+
+
+def test_blocks_larger_than_a_segment_are_refused(tiers):
+    tier = tiers(segment_bytes=MIB)
+    assert not offer(tier, 1, MIB)
+    assert tier.stats()["disk_write_too_large"] == 1
+
+
+# ---- restarts -----------------------------------------------------------------------------------
+def test_clean_shutdown_saves_memory_blocks_and_restarts_from_directories(tiers):
+    tier = tiers(capacity=32 * MIB)
+    for i in range(10):
+        offer(tier, i, 50_000)
+    memory = [(key_of(i), [payload(i, 60_000)], 60_000,
+               xxhash.xxh3_64_intdigest(payload(i, 60_000))) for i in range(10, 40)]  # fmt: skip
+    assert tier.save(memory, 10) == 30
+    assert tier.close(10)
+    tier = tiers(capacity=32 * MIB)
+    assert tier.stats()["disk_rebuild_scanned_bytes"] == 0  # every segment had its directory
+    found = read_all(tier, range(40))
+    for i in range(40):
+        assert joined(found[i]) == payload(i, 50_000 if i < 10 else 60_000)
+
+
+@pytest.mark.parametrize("torn", ["short", "zeroed"])
+def test_a_torn_tail_is_cut_and_every_whole_record_served(tiers, tmp_path, poisoned, torn):
+    tier = tiers(capacity=32 * MIB, segment_bytes=4 * MIB)
+    for i in range(30):
+        offer(tier, i, 90_000)
+    assert tier.close(10)
+    segs = sorted((tmp_path / "disk").glob("*.seg"))
+    last = segs[-1]
+    (last.with_suffix(".dir")).unlink()  # as if it was the active segment when the node died
+    size = last.stat().st_size
+    if torn == "short":  # the last record's write had not completed
+        os.truncate(last, size - 50_000)
+    else:  # the file had grown, but its last pages never reached the disk (a power cut)
+        with open(last, "r+b") as f:
+            f.seek(size - 50_000)
+            f.write(bytes(50_000))
+    tier = tiers(capacity=32 * MIB, segment_bytes=4 * MIB)
+    stats = tier.stats()
+    assert stats["disk_rebuild_torn"] == 1 and stats["disk_blocks"] == 29
+    found = read_all(tier, range(30))
+    assert found[29] is None
+    for i in range(29):
+        assert joined(found[i]) == payload(i, 90_000)
+    assert last.stat().st_size < size - 50_000  # cut at the end of the last whole record
+    assert last.with_suffix(".dir").exists()  # and given its directory: the next start reads it
+
+
+WRITER = textwrap.dedent("""
+    import random, sys, xxhash
+    from pagekv.store.node.disk import DiskConfig, DiskTier
+    tier = DiskTier(DiskConfig(sys.argv[1], capacity="1GiB", segment_bytes="1MiB"))
+    print("ready", flush=True)
+    for i in range(5000):
+        data = random.Random(i).randbytes(20_000 + (i * 7919) % 150_000)
+        while not tier.offer(i.to_bytes(16, "little"), [data], len(data),
+                             xxhash.xxh3_64_intdigest(data)):
+            if not tier.on:
+                sys.exit(f"tier off: {tier.error}")
+            tier.flush(10)  # queue full: wait for the writer (a stream, nothing dropped)
+        print("offered", i + 1, flush=True)
+        if i % 50 == 49 and tier.flush(10):
+            print("durable", i + 1, flush=True)
+""")
+
+
+def test_kill_9_during_a_write_stream_loses_only_unfinished_writes(tiers, tmp_path, poisoned):
+    directory = tmp_path / "disk"
+    child = subprocess.Popen([sys.executable, "-c", WRITER, str(directory)], cwd=ROOT,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    durable, offered, kill_at = 0, 0, 200 + random.randrange(1, 50)
+    try:  # ~17 MiB on disk, segments sealed, records being written when the kill comes
+        while offered < kill_at:
+            readable, _, _ = select.select([child.stdout], [], [], 60)
+            line = child.stdout.readline() if readable else ""
+            assert line, "the writer stopped or hung"
+            what, _, count = line.partition(" ")
+            durable = int(count) if what == "durable" else durable
+            offered = int(count) if what == "offered" else offered
+    finally:
+        child.kill()
+        child.wait(10)
+    tier = tiers(directory, capacity="1GiB", segment_bytes="1MiB")
+    n = tier.stats()["disk_blocks"]
+    assert n >= durable
+    found = read_all(tier, range(n + 50))
+    present = [i for i, block in found.items() if block is not None]
+    assert present == list(range(n))  # in write order: nothing missing before the end
+    for i in present:
+        assert joined(found[i]) == payload(i, 20_000 + (i * 7919) % 150_000), i
+
+
+# ---- faults -------------------------------------------------------------------------------------
+def test_a_corrupted_byte_is_a_miss_and_the_block_dropped(tiers, tmp_path):
+    tier = tiers()
+    for i in range(5):
+        offer(tier, i, 100_000)
+    assert tier.close(10)
+    tier = tiers()
+    seg = sorted((tmp_path / "disk").glob("*.seg"))[0]
+    with open(seg, "r+b") as f:  # a byte inside block 2's payload, and one in block 3's header
+        for i, at in ((2, 50_000), (3, 10)):
+            entry = tier._index.get(key_of(i))
+            f.seek(entry.offset + (entry.header_len + at if at > 100 else at))
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x40]))
+    found = read_all(tier, range(5))
+    assert found[2] is None and found[3] is None
+    assert not tier.contains(key_of(2)) and not tier.contains(key_of(3))
+    assert [joined(found[i]) for i in (0, 1, 4)] == [payload(i, 100_000) for i in (0, 1, 4)]
+    assert tier.stats()["disk_corrupt"] == 2 and tier.on
+
+
+@pytest.mark.parametrize("call", ["preadv", "pwritev", "fdatasync"])
+@pytest.mark.parametrize("code", [errno.EIO, errno.EROFS])
+def test_an_io_error_turns_the_tier_off_with_one_log_line(tiers, caplog, call, code):
+    ops = FailingOps()
+    tier = tiers(io=ops)
+    for i in range(3):
+        offer(tier, i, 100_000)
+    assert tier.flush(10)
+    caplog.set_level(logging.ERROR, logger="pagekv.store.disk")
+    ops.fail[call] = code
+    if call == "preadv":
+        assert read_all(tier, range(3))[0] is None
+    else:
+        for i in range(3, 30):  # enough to fill a segment: a write, then a seal's sync
+            offer(tier, i, 100_000)
+        assert not tier.flush(10)
+    tier.expect_off = True
+    assert not tier.on and os.strerror(code) in tier.error
+    assert not offer(tier, 99, 1000) and not tier.contains(key_of(0))
+    assert read_all(tier, range(3)) == {0: None, 1: None, 2: None}
+    assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+
+
+def test_a_full_disk_reclaims_and_retries_and_never_raises(tiers):
+    ops = FailingOps()
+    tier = tiers(io=ops, capacity=8 * MIB)
+    for i in range(35):  # 10 blocks a segment: the fourth, active, holds 5
+        offer(tier, i, 100_000)
+    assert tier.flush(10)
+    ops.once["pwritev"] = errno.ENOSPC  # the next write: reclaim the oldest, write again
+    offer(tier, 35, 100_000)
+    assert tier.flush(10)
+    assert tier.stats()["disk_reclaimed_segments"] == 1 and tier.on
+    assert joined(read_all(tier, [35])[35]) == payload(35, 100_000)
+    ops.fail["pwritev"] = errno.ENOSPC  # full for good: blocks are dropped, the tier stays on
+    offer(tier, 36, 100_000)
+    assert tier.flush(10)
+    stats = tier.stats()
+    assert tier.on and stats["disk_write_nospace"] == 1 and stats["disk_reclaimed_segments"] == 2
+    assert read_all(tier, [36])[36] is None and not tier.contains(key_of(36))
+    ops.fail.clear()
+
+
+def test_a_real_full_file_system_is_reclaimed_into(tiers, tmp_path):
+    with tmpfs(tmp_path / "small", "6M") as mnt:
+        tier = tiers(mnt / "disk", capacity=64 * MIB, segment_bytes=MIB)  # more than fits
+        for i in range(100):  # ~10 MiB into 6 MiB
+            offer(tier, i, 100_000)
+            if i % 10 == 9:
+                assert tier.flush(10)
+        stats = tier.stats()
+        assert tier.on and stats["disk_reclaimed_segments"] >= 1
+        found = read_all(tier, range(100))
+        present = [i for i in range(100) if found[i] is not None]
+        assert len(present) >= 20 and present == list(range(present[0], 100))
+        for i in present:
+            assert joined(found[i]) == payload(i, 100_000)
+        tier.close(10)
+
+
+def test_a_read_only_file_system_at_start_leaves_the_tier_off(tiers, tmp_path, caplog):
+    with tmpfs(tmp_path / "ro", "4M") as mnt:
+        (mnt / "disk").mkdir()
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        caplog.set_level(logging.ERROR, logger="pagekv.store.disk")
+        tier = tiers(mnt / "disk")
+        tier.expect_off = True
+        assert not tier.on and "errno 30" in tier.error
+        assert not offer(tier, 1, 1000) and read_all(tier, [1]) == {1: None}
+        assert len(caplog.records) == 1
+        tier.close(5)
+
+
+def test_a_second_opener_of_a_directory_is_refused(tiers, tmp_path):
+    tiers()
+    with pytest.raises(DiskDirLocked, match=f"pid {os.getpid()}"):
+        tiers()
+    code = ("import sys\nfrom pagekv.store.node.disk import *\n"
+            "try:\n    DiskTier(DiskConfig(sys.argv[1], capacity='4MiB', segment_bytes='1MiB'))\n"
+            "except DiskDirLocked as e:\n    print('refused', e)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "disk")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.stdout.startswith("refused") and f"pid {os.getpid()}" in out.stdout
+
+
+def test_a_directory_of_another_format_is_refused(tiers, tmp_path):
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "disk" / "format").write_text("pagekv-disk 99\n")
+    with pytest.raises(DiskFormatError, match="pagekv-disk 99"):
+        tiers()
+    tiers(tmp_path / "other")  # the failed opener released its lock: others may go on
+
+
+def test_reads_racing_reclaim_never_see_wrong_bytes(tiers):
+    tier = tiers(capacity=3 * MIB, segment_bytes=MIB, read_threads=4, write_queue_bytes=MIB)
+    errors: list[str] = []
+    reads: list[int] = []
+    written = [0]
+    stop = threading.Event()
+
+    def write():
+        for i in range(400):  # ~40 MiB through a 3 MiB disk: a reclaim every ~10 blocks
+            while not offer(tier, i, 100_000) and tier.on:
+                tier.flush(10)
+            written[0] = i
+        assert tier.flush(10)
+        stop.set()
+
+    def read():
+        rng, seen = random.Random(), 0
+        while not stop.is_set():
+            ids = [max(0, written[0] - rng.randrange(40)) for _ in range(8)]
+            for i, block in read_all(tier, ids).items():
+                if block is not None:
+                    seen += 1
+                    if joined(block) != payload(i, 100_000):
+                        errors.append(f"block {i} came back wrong")
+        reads.append(seen)
+
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and stop.is_set() and len(reads) == 3 and sum(reads) > 0
+    assert tier.stats()["disk_reclaimed_segments"] >= 20
