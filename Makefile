@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pagekv-installed
 .DEFAULT_GOAL := help
 
-.PHONY: test test-vllm test-sglang lint demo bench-hash compile-check clean
+.PHONY: test test-vllm test-sglang test-mooncake lint demo bench-hash compile-check clean
 
 .PHONY: help
 # list the targets with the comment line above each (bare `make` does this)
@@ -38,7 +38,8 @@ test: lint
 # SGLang 0.5.23 HiCache backend tests, in their own venv (scripts/engines/setup_sglang.sh)
 test-sglang:
 	@SGLANG_PY=$$(bash scripts/engines/setup_sglang.sh) && \
-	PYTHONPATH=$(CURDIR) PAGEKV_REQUIRE_SGLANG=1 $$SGLANG_PY -m pytest -q -p no:cacheprovider \
+	bash scripts/engines/setup_mooncake.sh --into $$(dirname $$(dirname $$SGLANG_PY)) >/dev/null && \
+	PYTHONPATH=$(CURDIR) PAGEKV_REQUIRE_SGLANG=1 PAGEKV_REQUIRE_MOONCAKE=1 $$SGLANG_PY -m pytest -q -p no:cacheprovider \
 		tests/engines/test_sglang.py tests/engines/test_sglang_server.py
 
 # page-key hashing throughput
@@ -59,5 +60,16 @@ clean:
 # the vLLM connector inside real vLLM engines (tests/engines/*vllm*)
 test-vllm:
 	@venv=$$(bash scripts/engines/setup_vllm.sh) && \
-	PYTHONPATH=$(CURDIR) PAGEKV_REQUIRE_VLLM=1 $$venv/bin/python -m pytest -q -s \
+	bash scripts/engines/setup_mooncake.sh --into $$venv >/dev/null && \
+	PYTHONPATH=$(CURDIR) PAGEKV_REQUIRE_VLLM=1 PAGEKV_REQUIRE_MOONCAKE=1 $$venv/bin/python -m pytest -q -s \
 		-p no:cacheprovider tests/engines -k vllm
+
+# Mooncake Store (mooncake-transfer-engine-non-cuda 0.3.13.post1, TCP) as the store backend:
+# its own venv outside the repo (scripts/engines/setup_mooncake.sh, ~40 s cold), a master and
+# store processes started by the tests; a Mooncake that cannot be imported there fails. The
+# engine targets above also run their adapters against a Mooncake Store.
+# the Mooncake Store backend and the connector's multi-process tests against it
+test-mooncake:
+	@MC_PY=$$(bash scripts/engines/setup_mooncake.sh) && \
+	PYTHONPATH=$(CURDIR) PAGEKV_REQUIRE_MOONCAKE=1 $$MC_PY -m pytest -q -p no:cacheprovider \
+		tests/test_store_mooncake.py tests/test_connector_multiprocess.py -k mooncake

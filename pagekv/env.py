@@ -40,6 +40,7 @@ __all__ = [
     "NATIVE_COPY",
     "OFFLINE",
     "REGISTRY",
+    "REQUIRE_MOONCAKE",
     "REQUIRE_SGLANG",
     "REQUIRE_VLLM",
     "SHM_CLIENT",
@@ -204,10 +205,15 @@ REQUIRE_SGLANG = _var("REQUIRE_SGLANG", parse_bool, False,
                       "the same for SGLang (set by `make test-sglang`)", "bool", "off",
                       "tests/engines")  # fmt: skip
 
+REQUIRE_MOONCAKE = _var("REQUIRE_MOONCAKE", parse_bool, False,
+                        "the same for Mooncake Store: its backend's tests fail instead of "
+                        "skipping (set by `make test-mooncake`, `test-vllm`, `test-sglang`)",
+                        "bool", "off", "tests")  # fmt: skip
+
 REGISTRY: tuple[EnvVar[Any], ...] = (KERNELS, COPY_BACKEND, NATIVE_COPY, CACHE_DIR, BULK_CLIENT,
                                      SHM_CLIENT, EXIT_FLUSH_S, CONFIG, TUNE_MALLOC,
                                      MALLOC_ARENAS, MALLOC_TOP_PAD, ENGINE_VENVS, REQUIRE_VLLM,
-                                     REQUIRE_SGLANG, OFFLINE)  # fmt: skip
+                                     REQUIRE_SGLANG, REQUIRE_MOONCAKE, OFFLINE)  # fmt: skip
 
 
 def markdown() -> str:

@@ -6,6 +6,8 @@ import torch
 from pagekv.store import NodeConfig, StoreNode
 from pagekv.store.launch import start_nodes
 
+from .mooncake_fixture import mooncake_cluster
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -34,3 +36,12 @@ def three_nodes():
     yield nodes
     for n in nodes:
         n.stop()
+
+
+@pytest.fixture(scope="module")
+def mooncake():
+    """A Mooncake master and two store processes (256 MiB each) on loopback, TCP; skipped where
+    Mooncake is not installed (see tests/mooncake_fixture.py)."""
+    cluster = mooncake_cluster(stores=2, segment="256MiB")
+    yield cluster
+    cluster.stop()

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from pagekv.connector import KeyNamespace, KVConnector, KVGeometry
-from pagekv.store import ClientConfig
+from pagekv.store.backend import store_config
 
 GEO = KVGeometry(4, 16, 2, 64, "bf16")
 SLOTS = 4096
@@ -29,7 +29,7 @@ def seeded(seed: int, num_tokens: int):
 
 def main() -> None:
     role, endpoints, replicas, seed, num_tokens = sys.argv[1:6]
-    cfg = ClientConfig(tuple(endpoints.split(",")), replicas=int(replicas), timeout_s=2.0)
+    cfg = store_config(endpoints.split(" "), replicas=int(replicas), timeout_s=2.0)
     src, tokens, src_slots = seeded(int(seed), int(num_tokens))
     ns = KeyNamespace("toy-model", GEO)
     if role == "save":

@@ -24,7 +24,7 @@ def engine(role, endpoints, replicas=1, seed=7, tokens=PROMPT):
         sys.executable,
         ENGINE,
         role,
-        ",".join(endpoints),
+        " ".join(endpoints),
         str(replicas),
         str(seed),
         str(tokens),
@@ -48,32 +48,49 @@ def with_disk(directory: Path, disk: str = "4MiB") -> tuple[str, ...]:
             "--disk-capacity", disk, "--disk-segment-size", "1MiB")  # fmt: skip
 
 
+def start_three(kind: str, tmp_path: Path) -> list[NodeProcess]:
+    """Three `pagekv serve` processes: memory only, or small memory and a disk tier each."""
+    if kind == "memory":
+        return start_nodes(3, *MEMORY_ONLY)
+    nodes: list[NodeProcess] = []
+    try:
+        for n in range(3):
+            nodes.append(NodeProcess(*with_disk(tmp_path / f"disk{n}")).start())
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+    return nodes
+
+
 @pytest.fixture(params=["memory", "disk"])
 def three_nodes(request, tmp_path):
-    """Three `pagekv serve` processes: memory only, or small memory and a disk tier each."""
-    if request.param == "memory":
-        nodes = start_nodes(3, *MEMORY_ONLY)
-    else:
-        nodes = []
-        try:
-            for n in range(3):
-                nodes.append(NodeProcess(*with_disk(tmp_path / f"disk{n}")).start())
-        except BaseException:
-            for node in nodes:
-                node.stop()
-            raise
+    nodes = start_three(request.param, tmp_path)
     yield nodes
     for n in nodes:
         n.stop()
 
 
-def test_engine_b_loads_what_engine_a_saved(three_nodes):
-    eps = [n.address for n in three_nodes]
+@pytest.fixture(params=["memory", "disk", "mooncake"])
+def store_addresses(request, tmp_path):
+    """The addresses of each store a test runs against: three pagekv nodes (memory only, or
+    with a disk tier), or a Mooncake Store (master and store processes; tests/conftest.py)."""
+    if request.param == "mooncake":
+        yield [request.getfixturevalue("mooncake").address]
+        return
+    nodes = start_three(request.param, tmp_path)
+    yield [n.address for n in nodes]
+    for n in nodes:
+        n.stop()
+
+
+def test_engine_b_loads_what_engine_a_saved(store_addresses, request):
+    eps = store_addresses
     saved = result(engine("save", eps))
     assert saved["saved"] == 128 and saved["writeback_written"] == 128
     loaded = result(engine("load", eps))
     assert loaded == dict(lookup=2048, prefetched=2048, equal=True, fetched=128)
-    if "--disk" in three_nodes[0].args:
+    if request.node.callspec.params["store_addresses"] == "disk":
         with StoreClient(eps[0], config=ClientConfig(tuple(eps))) as c:
             assert sum(s["disk_hits"] for s in c.stats()) > 0
 
@@ -86,8 +103,8 @@ def test_replicas_survive_kill_9(three_nodes):
     assert loaded["prefetched"] == 2048 and loaded["equal"]
 
 
-def test_two_engines_prefetch_the_same_prefix_at_once(three_nodes):
-    eps = [n.address for n in three_nodes]
+def test_two_engines_prefetch_the_same_prefix_at_once(store_addresses):
+    eps = store_addresses
     result(engine("save", eps, seed=11))
     procs = [engine("load", eps, seed=11) for _ in range(2)]
     for p in procs:

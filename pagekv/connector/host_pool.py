@@ -84,6 +84,16 @@ class HostPagePool:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out 0, 1, ...
         self._in_use = np.zeros(num_pages, dtype=bool)
 
+    @property
+    def address(self) -> int:
+        """Where the pool's memory starts (page ``i`` at ``address + i * page_bytes``): what a
+        store backend registers for zero-copy transfers."""
+        return self.buffer.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
     # ---- allocation ------------------------------------------------------------------------
     @property
     def num_free(self) -> int:

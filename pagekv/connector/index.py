@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagekv.errors import ConfigError, ConnectorClosed, StoreError
-from pagekv.store import AsyncStoreClient, ClientConfig
+from pagekv.store import ClientConfig
+from pagekv.store.backend import StoreBackend, StoreConfig, open_backend, store_config
 
 from .hashing import KeyNamespace, page_keys
 from .loop import LoopThread, RateLimitedLog
@@ -28,15 +29,19 @@ __all__ = ["KVIndex", "client_config"]
 log = logging.getLogger("pagekv.connector")
 
 
-def client_config(store: ClientConfig | str | Sequence[str]) -> ClientConfig:
-    """A :class:`ClientConfig` from a config, one endpoint, or a list of endpoints."""
-    if isinstance(store, ClientConfig):
-        return store
-    return ClientConfig(tuple([store] if isinstance(store, str) else store))
+def client_config(store: StoreConfig | str | Sequence[str]) -> StoreConfig:
+    """The store backend's config (:func:`pagekv.store.backend.store_config`): a
+    :class:`ClientConfig` for pagekv nodes (a config, an endpoint or a list of them), a
+    ``MooncakeConfig`` for a ``mooncake://`` address. ``ConfigError`` for anything else."""
+    return store_config(store)
 
 
 class KVIndex:
     """Bounded lookups of page keys in the store, for one or several namespaces (TP ranks).
+
+    ``store``: a store config or address (see :func:`client_config`); the backend is chosen
+    from it once, here (pagekv nodes or Mooncake Store), and is the connector's
+    :attr:`store` (a :class:`~pagekv.store.backend.StoreBackend`).
 
     ``lookup`` answers the number of leading pages stored for *every* namespace (the minimum
     over ranks, so a hit is loadable on every rank). Thread-safe; store I/O runs on ``loop``
@@ -47,7 +52,7 @@ class KVIndex:
     def __init__(
         self,
         namespaces: KeyNamespace | Sequence[KeyNamespace],
-        store: ClientConfig | str | Sequence[str],
+        store: StoreConfig | str | Sequence[str],
         *,
         lookup_timeout_s: float = 0.05,
         loop: LoopThread | None = None,
@@ -73,7 +78,7 @@ class KVIndex:
         self._own_loop = loop is None
         self.loop = loop or LoopThread("pagekv-index")
         try:
-            self.store: AsyncStoreClient = self.loop.call(self._make_client(cfg), timeout=10)
+            self.store: StoreBackend = self.loop.call(self._make_client(cfg), timeout=10)
         except BaseException:
             if self._own_loop:
                 self.loop.close()
@@ -81,8 +86,8 @@ class KVIndex:
         self._closed = False
 
     @staticmethod
-    async def _make_client(cfg: ClientConfig) -> AsyncStoreClient:
-        return AsyncStoreClient(cfg.endpoints, config=cfg)
+    async def _make_client(cfg: StoreConfig) -> StoreBackend:
+        return open_backend(cfg)  # on the loop: a client's sockets belong to it
 
     def keys(self, token_ids: Any) -> list[list[bytes]]:
         """Page keys of ``token_ids`` in each namespace."""
@@ -136,6 +141,8 @@ class KVIndex:
         return [all(flags) for flags in zip(*per_rank)]
 
     def _explain(self) -> None:
+        if not isinstance(self._probe_config, ClientConfig):
+            return  # the backend counts and logs its own failures (Mooncake: its master)
         if not self._diagnosing.is_set():  # say why, off the engine's thread
             self._diagnosing.set()
             threading.Thread(target=self._diagnose, name="pagekv-probe", daemon=True).start()
@@ -165,7 +172,7 @@ class KVIndex:
         this at start-up. Never raises on store trouble."""
         if self._closed:
             raise ConnectorClosed("KVIndex is closed")
-        endpoints = list(self.store.config.endpoints)
+        endpoints = list(self.store.endpoints)
 
         async def ask() -> list[bool]:
             try:

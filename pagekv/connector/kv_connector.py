@@ -3,7 +3,8 @@
     engine ──lookup/prefetch/load/save──► KVConnector ──► PageCache (pinned host pages)
                                               │                 ▲
                                               │   kernels.load/save (GPU) or torch (CPU)
-                                              └──► KVIndex / AsyncStoreClient ──► store nodes
+                                              └──► KVIndex / StoreBackend ──► store nodes
+                                                                            or Mooncake Store
 
 The contract with the engine (tested in tests/gpu/test_engine_contract_gpu.py):
 
@@ -96,9 +97,11 @@ class KVConnector:
 
     ``kv_caches``: the engine's layer-first cache, a :class:`DeviceKV` or ``(k, v)`` /
     ``(latent,)`` as accepted by :meth:`DeviceKV.from_caches`. ``store``: a
-    :class:`ClientConfig` or endpoint(s). Raises ``ValueError``/``TypeError`` for bad arguments;
-    a failed constructor leaves no thread behind. ``on_stored(keys)``: called on the
-    connector's loop thread with the keys of each write-back the store confirmed holding (see
+    :class:`ClientConfig`, endpoint(s), a ``mooncake://`` address or a ``MooncakeConfig``
+    (the backend is chosen once from it; the host pool is registered with it once, for
+    zero-copy transfers). Raises ``ValueError``/``TypeError`` for bad arguments; a failed
+    constructor leaves no thread behind. ``on_stored(keys)``: called on the connector's loop
+    thread with the keys of each write-back the store confirmed holding (see
     :class:`~.writeback.WriteBack`); it must be quick and must not raise.
     """
 
@@ -134,6 +137,7 @@ class KVConnector:
             self.index = KVIndex(namespace, cfg, lookup_timeout_s=lookup_timeout_s,
                                  loop=self._loop)  # fmt: skip
             self.store = self.index.store
+            self.store.register(self.pool.address, self.pool.nbytes)
             self.fetcher = Fetcher(self.cache, self.pool, self.store, self.stats_counters)
             self.writeback = WriteBack(self.cache, self.pool, self.store, max_pending_writes,
                                        self.stats_counters, on_stored)  # fmt: skip

@@ -221,19 +221,28 @@ def test_prompt_longer_than_a_storage_batch(any_node, stacks, gen):
             assert c.stats()[0]["disk_hits"] > 0
 
 
-def test_two_processes(node, stacks, tmp_path):
+@pytest.fixture(params=["pagekv", "mooncake"])
+def store(request):
+    """The address of a store of each backend: the module's pagekv node, or a Mooncake Store
+    (master and store processes, TCP; tests/conftest.py)."""
+    if request.param == "pagekv":
+        return request.getfixturevalue("node").address
+    return request.getfixturevalue("mooncake").address
+
+
+def test_two_processes(store, stacks, tmp_path):
     """Another process writes one prompt per kind through the README's launch line; this one
-    loads each, byte for byte."""
+    loads each, byte for byte; with each store backend."""
     out = tmp_path / "written"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "tests.engines.sglang_stack", "write", "--kinds", *st.KINDS,
-           "--store", node.address, "--extra", json.dumps(TEST_EXTRA), "--out", str(out),
+           "--store", store, "--extra", json.dumps(TEST_EXTRA), "--out", str(out),
            "--tokens", "96", "--seed", str(int.from_bytes(os.urandom(3), "little"))]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for kind in st.KINDS:
         written = torch.load(f"{out}.{kind}.pt")
-        read = st.read_request(stacks(kind, [node.address]), written["tokens"])
+        read = st.read_request(stacks(kind, [store]), written["tokens"])
         assert read.storage_tokens == 96, kind
         assert_rows(written["state"], read)
 

@@ -181,6 +181,27 @@ def test_dead_node_is_a_bounded_miss(reader, ref):
     assert got["seconds"] < EXTRA["lookup_timeout_s"] + 20
 
 
+def test_fresh_process_hit_through_a_mooncake_store(models, ref, mooncake):
+    """The writer-then-fresh-reader path above with the store a Mooncake Store (a master and
+    store processes, TCP; tests/conftest.py): the same hit, the reference output."""
+    extra = dict(EXTRA, load_async=False)
+    a = Engine(models.good, store=[mooncake.address], extra=extra, model_id=MODEL_ID)
+    try:
+        a.generate([PROMPTS["base"]])
+        assert a.call("flush")["ok"]
+    finally:
+        a.close()
+    b = Engine(models.good, store=[mooncake.address], extra=extra, model_id=MODEL_ID)
+    try:
+        got = b.call("generate", prompts=[PROMPTS["base_b"]], max_tokens=8)
+        stats = b.call("stats")
+    finally:
+        b.close()
+    assert got["metrics"]["external_prefix_cache_hits"] == 4 * BLOCK
+    assert stats["workers"][0]["load_blocks"] == 4
+    _check("mooncake_cross_process", got, ref["base_b"])
+
+
 def test_tensor_parallel_2(models, ref):
     """TP=2 (vLLM CPU, mp executor: the metadata is pickled to two worker processes): a
     writer, then a fresh reader with asynchronous loads; per-rank keys, hit = min over ranks.

@@ -16,20 +16,31 @@ from typing import Any
 
 from pagekv.errors import ConnectorClosed
 from pagekv.store import ClientConfig, StoreClient
+from pagekv.store.backend import StoreConfig
 
 __all__ = ["BackendStats", "ThreadClients"]
 
 
 class ThreadClients:
     """A :class:`StoreClient` per thread. Clients of threads that have exited are closed
-    when the next one is made; :meth:`close` closes all (call it with no call in flight)."""
+    when the next one is made; :meth:`close` closes all (call it with no call in flight).
+    Memory given to :meth:`register` (SGLang's host pools) is registered with every client's
+    backend (Mooncake: once, its clients of a process share one Mooncake client)."""
 
-    def __init__(self, config: ClientConfig) -> None:
+    def __init__(self, config: ClientConfig | StoreConfig) -> None:
         self.config = config
         self._local = threading.local()
         self._lock = threading.Lock()
         self._clients: list[tuple[weakref.ref, StoreClient]] = []
+        self._regions: dict[int, int] = {}
         self._closed = False
+
+    def register(self, address: int, nbytes: int) -> None:
+        with self._lock:
+            self._regions[address] = nbytes
+            clients = [c for _, c in self._clients]
+        for client in clients:
+            client.register(address, nbytes)
 
     def get(self) -> StoreClient:
         """This thread's client. Raises :class:`ConnectorClosed` after :meth:`close`."""
@@ -42,7 +53,12 @@ class ThreadClients:
             for ref, old in [c for c in self._clients if not _alive(c[0]())]:
                 old.close()
                 self._clients.remove((ref, old))
-            client = StoreClient(self.config.endpoints, config=self.config)
+            if isinstance(self.config, ClientConfig):
+                client = StoreClient(self.config.endpoints, config=self.config)
+            else:
+                client = StoreClient(self.config)
+            for address, nbytes in self._regions.items():
+                client.register(address, nbytes)
             self._clients.append((weakref.ref(threading.current_thread()), client))
         self._local.client = client
         return client

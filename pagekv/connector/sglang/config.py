@@ -7,7 +7,8 @@ tool's and is left alone (a key that looks like a misspelling of ours is logged)
 =====================  ========================  ==============================================
 key                    default                   meaning
 =====================  ========================  ==============================================
-``store``              (required)                store node endpoint(s): "tcp://h:7400" or a list
+``store``              (required)                store node endpoint(s): "tcp://h:7400" or a list;
+                                                 or "mooncake://MASTER?metadata=..." (Mooncake)
 ``replicas``           1                         copies of each page (1 .. number of nodes)
 ``timeout_s``          5.0                       one store round trip; a backend call waits at
                                                  most about ``(replicas + 2) * timeout_s``
@@ -33,6 +34,8 @@ from typing import Any
 
 from pagekv.errors import ConfigError
 from pagekv.store import ClientConfig, CurveClientKeys
+from pagekv.store.backend import StoreConfig, store_config
+from pagekv.store.mooncake.config import MooncakeConfig
 
 __all__ = ["SGLangBackendConfig"]
 
@@ -104,8 +107,15 @@ class SGLangBackendConfig:
         except TypeError as e:
             raise ConfigError(f"extra_config: {e}") from None
 
-    def client_config(self) -> ClientConfig:
-        """The store client settings (raises :class:`ConfigError` for bad values)."""
+    def client_config(self) -> StoreConfig:
+        """The store backend's settings: a :class:`ClientConfig` (pagekv nodes) or a
+        ``MooncakeConfig`` (raises :class:`ConfigError` for bad values)."""
+        cfg = store_config(self.store, replicas=self.replicas, timeout_s=self.timeout_s)
+        if isinstance(cfg, MooncakeConfig):
+            if self.curve_server_cert is not None:
+                raise ConfigError("extra_config: CURVE keys apply to pagekv nodes, not to a "
+                                  "mooncake:// store")  # fmt: skip
+            return cfg
         try:
             curve = None
             if self.curve_server_cert is not None:

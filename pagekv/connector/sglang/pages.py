@@ -171,6 +171,11 @@ class PoolPages:
         self.format = describe_pool(pool, name)
         self._regions = None if self.format.copied else _Regions(pool)
 
+    def regions(self) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of each of the pool's buffers pages are read from and written
+        into in place (none for a copied pool): what a store backend registers."""
+        return [] if self._regions is None else self._regions.regions()
+
     def sources(self, host_indices: torch.Tensor, num_pages: int) -> list[list[memoryview]]:
         """Per page, the frames to store. Raises :class:`InvalidPageError` for slots that do
         not name ``num_pages`` pages of this pool."""
@@ -248,6 +253,9 @@ class _Regions:
             raise ConfigError("pagekv: the host pool has no CPU buffer to read pages from")
         self._starts = [start for start, _ in found]
         self._views = [view for _, view in found]
+
+    def regions(self) -> list[tuple[int, int]]:
+        return [(start, view.nbytes) for start, view in zip(self._starts, self._views)]
 
     def view(self, ptr: int, size: int) -> memoryview:
         i = bisect.bisect_right(self._starts, ptr) - 1

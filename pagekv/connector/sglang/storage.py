@@ -123,6 +123,8 @@ class PagekvStorage(HiCacheStorage):
         try:
             pages = PoolPages(pool, name)
             stored = _Pool(pages, self._namespace_for(name, pages.format, self._epoch))
+            for address, nbytes in pages.regions():  # zero-copy (Mooncake); once per pool
+                self._clients.register(address, nbytes)
         except ConfigError as e:
             if self._off is None:
                 self._off = str(e)

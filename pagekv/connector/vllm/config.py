@@ -1,6 +1,7 @@
 """The connector's settings: ``kv_connector_extra_config`` of vLLM's ``KVTransferConfig``.
 
-    {"store": ["tcp://kv-store-0:7400"],   # required: store node endpoints
+    {"store": ["tcp://kv-store-0:7400"],   # required: store node endpoints, or one
+                                           # "mooncake://MASTER?metadata=..." (Mooncake Store)
      "host_bytes": "4GiB",                 # host page pool per worker rank
      "load_async": true,                   # a hit request waits off the step; false: in it
      "load_timeout_s": 2.0,                # bound on fetching one request's (or step's) pages
@@ -29,7 +30,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from pagekv.errors import ConfigError
-from pagekv.store import ClientConfig
+from pagekv.store.backend import StoreConfig, store_config
 from pagekv.store.config import parse_size
 
 __all__ = ["ROLES", "VllmConnectorConfig", "directions"]
@@ -66,7 +67,8 @@ class VllmConnectorConfig:
         if isinstance(store, str):
             store = (store,)
         if not isinstance(store, (list, tuple)) or not store:
-            raise ConfigError("extra_config 'store' must be a list of tcp:// endpoints")
+            raise ConfigError("extra_config 'store' must be a list of tcp:// endpoints or a "
+                              "mooncake:// address")  # fmt: skip
         object.__setattr__(self, "store", tuple(store))
         try:
             object.__setattr__(self, "host_bytes", parse_size(self.host_bytes))
@@ -116,8 +118,9 @@ class VllmConnectorConfig:
             raise ConfigError("extra_config needs 'store': a list of store node endpoints")
         return cls(**extra)
 
-    def client_config(self) -> ClientConfig:
-        return ClientConfig(self.store, replicas=self.replicas, timeout_s=self.store_timeout_s)
+    def client_config(self) -> StoreConfig:
+        """The store backend's config: pagekv nodes or Mooncake Store (``ConfigError``)."""
+        return store_config(self.store, replicas=self.replicas, timeout_s=self.store_timeout_s)
 
 
 def directions(kv_role: str | None, cfg: VllmConnectorConfig) -> tuple[bool, bool]:

@@ -1,6 +1,7 @@
-""":class:`StoreClient`: the store client for synchronous callers, a thin wrapper around an
-:class:`.client.AsyncStoreClient` and an event loop of its own (see :mod:`.client` for the
-contract of every call).
+""":class:`StoreClient`: the store client for synchronous callers, a thin wrapper around a
+:class:`~pagekv.store.backend.StoreBackend` (pagekv nodes' :class:`.client.AsyncStoreClient`,
+or Mooncake Store's backend for a ``mooncake://`` address) and an event loop of its own (see
+:mod:`.client` and :mod:`pagekv.store.backend` for the contract of every call).
 
 Each method runs the async client's call to its end on that loop, on the calling thread (no
 thread hand-off: on a busy 2-core machine a hop to a loop thread added ~0.8 ms to every call;
@@ -21,6 +22,7 @@ import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+from ..backend import StoreBackend, open_backend
 from ..config import ClientConfig
 from ..wire.protocol import Status
 from .client import AsyncStoreClient
@@ -33,11 +35,19 @@ T = TypeVar("T")
 
 
 class StoreClient:
-    """Blocking client; takes the arguments of :class:`.client.AsyncStoreClient`."""
+    """Blocking client; takes the arguments of :class:`.client.AsyncStoreClient` (pagekv
+    nodes), or a ``mooncake://`` address or ``MooncakeConfig`` alone, or a
+    :class:`StoreBackend` (then owned by this client: closed with it)."""
 
-    def __init__(self, endpoints: str | Sequence[str], **kwargs: Any) -> None:
-        self._client = AsyncStoreClient(endpoints, **kwargs)
-        self.config: ClientConfig = self._client.config
+    def __init__(self, endpoints: Any, **kwargs: Any) -> None:
+        if isinstance(endpoints, StoreBackend):
+            self._client: Any = endpoints
+        elif not kwargs and _is_mooncake(endpoints):
+            self._client = open_backend(endpoints)
+        else:
+            self._client = AsyncStoreClient(endpoints, **kwargs)
+        self.backend: StoreBackend = self._client
+        self.config: ClientConfig | Any = self._client.config
         self._loop = asyncio.new_event_loop()
         self._helper: concurrent.futures.ThreadPoolExecutor | None = None
         weakref.finalize(self, _end, self._loop, None)
@@ -67,10 +77,15 @@ class StoreClient:
 
     @property
     def router(self) -> Router:
-        """The client's routing state (node health, limits): for tests and diagnostics."""
+        """The client's routing state (node health, limits), pagekv nodes only: for tests and
+        diagnostics."""
         return self._client.router
 
+    def register(self, address: int, nbytes: int) -> None:
+        self._client.register(address, nbytes)
+
     def routes(self) -> list[Route]:
+        """pagekv nodes: per node, how its GETs travel (see :meth:`AsyncStoreClient.routes`)."""
         return self._client.routes()
 
     def nodes_down(self) -> list[bool]:
@@ -110,6 +125,12 @@ class StoreClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_mooncake(spec: Any) -> bool:
+    from ..mooncake.config import SCHEME, MooncakeConfig
+
+    return isinstance(spec, MooncakeConfig) or (isinstance(spec, str) and spec.startswith(SCHEME))
 
 
 def _run_to_end(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
@@ -163,6 +184,6 @@ def _end(loop: asyncio.AbstractEventLoop, client: AsyncStoreClient | None) -> No
     thread.join()
 
 
-for _name in ("put_many", "get_many", "exists_many", "delete_many", "stats", "ping", "routes",
+for _name in ("put_many", "get_many", "exists_many", "delete_many", "stats", "ping",
               "nodes_down"):  # fmt: skip
     getattr(StoreClient, _name).__doc__ = getattr(AsyncStoreClient, _name).__doc__

@@ -36,9 +36,10 @@ from typing import Any
 
 from pagekv.errors import AuthenticationFailed
 
+from ..backend import StoreBackend, byte_views, check_keys
 from ..config import ClientConfig, CurveClientKeys
 from ..wire.copies import shared_pool
-from ..wire.protocol import MAX_KEY_BYTES, Op, Reply, Request, Status
+from ..wire.protocol import Op, Reply, Request, Status
 from . import operations
 from .lane import LaneTransport
 from .routing import Batch, Call, ExistsResult, OpGen, Results, Router, StoreUnavailable
@@ -49,8 +50,11 @@ from .zeromq import ZmqTransport
 __all__ = ["AsyncStoreClient", "raise_unavailable"]
 
 
-class AsyncStoreClient:
-    """asyncio store client (see the module docstring for what raises and what does not)."""
+class AsyncStoreClient(StoreBackend):
+    """asyncio store client (see the module docstring for what raises and what does not): the
+    :class:`~pagekv.store.backend.StoreBackend` of pagekv store nodes."""
+
+    kind = "pagekv"
 
     def __init__(
         self,
@@ -84,6 +88,10 @@ class AsyncStoreClient:
                 self._by_name[transport.name] = transport
         # the lane's connection threads and the shortcut's pools end with the client
         weakref.finalize(self, _close_all, list(self._by_name.values()))
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return self.config.endpoints
 
     @property
     def counters(self) -> dict[str, int]:
@@ -183,8 +191,8 @@ class AsyncStoreClient:
         as separate zero-copy frames and kept as such by the node). The caller must not change
         them until the call returns. Raises ``ValueError``/``TypeError`` for bad arguments,
         never for node failures (those are ``Status.UNAVAILABLE``)."""
-        _check_keys(keys, buffers, "buffers")
-        views = [_byte_views(b, False, "put_many") for b in buffers]
+        check_keys(keys, buffers, "buffers")
+        views = [byte_views(b, False, "put_many") for b in buffers]
         return await self._run(operations.put(self.router, keys, views))
 
     async def get_many(
@@ -203,8 +211,8 @@ class AsyncStoreClient:
         ``on_arrival(i)``, if given, is called on the client's loop as soon as key i's value is
         verified and in place, while later keys are still on their way; if it raises, the call
         stops and raises that error once nothing writes into ``into`` any more."""
-        _check_keys(keys, into, "into buffers")
-        targets = None if into is None else [_byte_views(b, True, "get_many") for b in into]
+        check_keys(keys, into, "into buffers")
+        targets = None if into is None else [byte_views(b, True, "get_many") for b in into]
         return await self._run(operations.get(self.router, keys, targets, on_arrival))
 
     async def exists_many(
@@ -215,12 +223,12 @@ class AsyncStoreClient:
         answered this call within it is treated as after a missed deadline (failed, backed off,
         its keys asked of their next node or unanswered): a lookup with a budget shorter than
         the client's timeout."""
-        _check_keys(keys, None, "")
+        check_keys(keys, None, "")
         return await self._run(operations.exists(self.router, keys, answer_s))
 
     async def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Delete each key wherever it may be; True where some node held it."""
-        _check_keys(keys, None, "")
+        check_keys(keys, None, "")
         return await self._run(operations.delete(self.router, keys))
 
     async def stats(self) -> list[dict | None]:
@@ -243,33 +251,6 @@ class AsyncStoreClient:
 def _close_all(transports: list[Transport]) -> None:
     for transport in transports:
         transport.close()
-
-
-def _byte_views(value: Any, writable: bool, what: str) -> list[memoryview]:
-    """A value's frames as flat byte views: one bytes-like, or a sequence of them."""
-    if type(value) is bytes and not writable:
-        return [memoryview(value)]
-    try:
-        views = [memoryview(value)]
-    except TypeError:
-        if not isinstance(value, Sequence) or isinstance(value, str):
-            msg = f"{what}: not a bytes-like or a sequence of them: {value!r:.60}"
-            raise TypeError(msg) from None
-        views = [memoryview(frame) for frame in value]
-        if not views:
-            raise ValueError(f"{what}: a value needs at least one frame") from None
-    if writable and any(v.readonly for v in views):
-        raise ValueError(f"{what}: a read-only buffer cannot be read into")
-    return [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
-
-
-def _check_keys(keys: Sequence[bytes], buffers: Sequence[Any] | None, what: str) -> None:
-    lengths = list(map(len, keys)) if set(map(type, keys)) <= {bytes} else None
-    if lengths is None or (lengths and not 0 < min(lengths) <= max(lengths) <= MAX_KEY_BYTES):
-        bad = next(k for k in keys if type(k) is not bytes or not 0 < len(k) <= MAX_KEY_BYTES)
-        raise ValueError(f"keys must be non-empty bytes of <= {MAX_KEY_BYTES}, got {bad!r:.40}")
-    if buffers is not None and len(buffers) != len(keys):
-        raise ValueError(f"{len(keys)} keys but {len(buffers)} {what}")
 
 
 def raise_unavailable(cfg: ClientConfig) -> None:
