@@ -40,7 +40,7 @@ from .layout import (
     mean_run_bytes,
 )
 
-__all__ = ["DIRECT_MIN_RUN_BYTES", "Backend", "copy_slots", "load", "save"]
+__all__ = ["DIRECT_MIN_RUN_BYTES", "Backend", "choose_backend", "copy_slots", "load", "save"]
 
 Backend = Literal["auto", "kernel", "copy_engine", "direct", "torch"]
 _BACKENDS = ("auto", "kernel", "copy_engine", "direct", "torch")
@@ -164,6 +164,25 @@ def _auto_backend(
     total = ids.numel() * geo.page_size * rows * geo.item_bytes
     shape = copy_table.Shape(load, layer is None, mean_run_bytes(kv, s), total)
     return copy_table.calibrate(device).choose(shape, allowed)
+
+
+def choose_backend(
+    load: bool, kv: DeviceKV, page_ids: Index, slots: Index, *, layer: int | None = None
+) -> str:
+    """The backend ``backend="auto"`` takes for this transfer (see the module docstring):
+    ``torch`` off CUDA, else from the setting, the index tensors' device and the measured
+    table. Reads the indices' shapes and, when on the CPU, their values (no device sync; the
+    first call on a device may measure the table: :func:`~.copy_table.calibrate`).
+
+    A caller holding CPU indices (the connector) asks this first: for ``copy_engine`` and
+    ``direct`` it passes them as they are (read during the call, no upload); for the others it
+    uploads them and passes device tensors (capturable, nothing read on the host)."""
+    check_layer(layer, kv.geometry.num_layers)
+    ids = check_page_ids(page_ids, 0, unique=False, check_values=False)
+    s = check_slots(slots, ids.numel(), kv.geometry.page_size, kv.num_slots, check_values=False)
+    if kv.device.type != "cuda" or load_library() is None:
+        return "torch"
+    return _auto_backend(load, kv, ids, s, layer)
 
 
 def _page_transfer(
