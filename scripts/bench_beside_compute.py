@@ -4,7 +4,8 @@ Part 1, a decode-like step: Llama-3-8B-shaped bf16 matmuls at batch 8 (32 layers
 gate/up and down projections: 14 GB of weights read per step, as a decode reads them), captured
 in one CUDA graph and replayed on a stream of its own, each replay timed with events on that
 stream (never a device-wide sync). In each round and for each load -- a plain contiguous
-``cudaMemcpyAsync`` of the same bytes, the kernel, the copy engine, the direct backend -- the
+``cudaMemcpyAsync`` of the same bytes, the kernel, the copy engine, ``auto`` (what the measured
+table picks for CPU indices, as the connector passes them), the direct backend -- the
 step is timed alone, then beside a 4 GiB all-layer load on a side stream; only steps that start
 and end inside the load's window (events on the side stream) count. A round's slowdown is the
 median beside over the median alone; the figure is the median over rounds, and the ratio of a
@@ -120,7 +121,7 @@ class Loads:
                     )
                 return how
             backend, _, lanes = how.partition("@")  # copy_engine@N: over N streams
-            cpu = backend in ("copy_engine", "direct")
+            cpu = backend != "kernel"  # auto: CPU indices, as the connector passes them
             pages = self.n_pages if layer is None else max(1, nbytes // self.geo.page_bytes)
             ids = (self.ids_cpu if cpu else self.ids)[:pages]
             slots = (self.slots_cpu if cpu else self.slots)[:pages]
@@ -146,7 +147,7 @@ def _ms(ref: torch.cuda.Event, ev: torch.cuda.Event) -> float:
 
 def decode_beside(args: argparse.Namespace, step: DecodeStep, loads: Loads) -> dict:
     ce = [f"copy_engine@{n}" for n in args.ce_lanes] if copy_engine.supported(0) else []
-    backends = ["plain_copy", "kernel", *ce, "direct"]
+    backends = ["plain_copy", "kernel", *ce, "auto", "direct"]
     # warm-up, and each load's time alone (sizes the decode run beside it)
     load_ms = {}
     for how in backends:
@@ -251,6 +252,7 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
     engine._save = save_then_loads
     backends = ["plain_copy", "kernel"]
     backends += [f"copy_engine@{n}" for n in args.ce_lanes] if copy_engine.supported(0) else []
+    backends.append("auto")
 
     def one(how: str | None, size: int, repeats: int = 0) -> dict:
         state.clear()

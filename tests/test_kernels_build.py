@@ -33,7 +33,7 @@ def test_sources_compile_and_library_loads(tmp_path):
     assert lib_path.exists() and lib_path.stat().st_size > 10_000
     assert jit.build_library("90", directory=tmp_path) == lib_path  # cached
     lib = jit._open(lib_path)
-    assert lib.pagekv_abi_version() == 4
+    assert lib.pagekv_abi_version() == jit._ABI_VERSION == 5
     # Bad launch parameters are refused before any CUDA call (cudaErrorInvalidValue == 1).
     err = lib.pagekv_page_transfer(0, 1, None, None, None, 0, None, 0, 1, 1, 1, 1, 1,
                                    256, 16, 2, 4, 0, 1, 3, 8, 1024, 4, None)  # fmt: skip
@@ -49,10 +49,12 @@ def test_sources_compile_and_library_loads(tmp_path):
     assert err == 1  # layers 3..4 of 4
     # copy engine: bad descriptor forms are refused before any CUDA call
     ce = lib.pagekv_ce_page_transfer
-    good = [0, 1, None, None, None, None, 1, 1, 1, 1, 256, 256, 16, 2, 4, 0, 4, 0, 0, 1, 2,
+    good = [0, 1, None, None, None, None, 1, 1, 1, 1, 256, 256, 16, 2, 4, 0, 4, 0, 0, 1, 1, 2,
             16384, None, None]  # fmt: skip
-    # rows mode, K/V groups, layers, first layer, page size, lanes (two), descriptors per call
-    bad = ((17, 3), (13, 3), (16, 5), (15, -1), (12, 0), (20, 0), (20, 9), (21, 0))
+    # rows mode, K/V groups, layers, first layer, page size, source order (two), lanes (two),
+    # descriptors per call
+    bad = ((17, 3), (13, 3), (16, 5), (15, -1), (12, 0), (20, 0), (20, 4), (21, 0), (21, 17),
+           (22, 0))  # fmt: skip
     for index, value in bad:
         args = list(good)
         args[index] = value

@@ -48,6 +48,10 @@ USE_2D = True  # False: 1-D copies only (the benchmarks compare the two forms)
 # Streams the copies of one call are split over, so several copy engines work at once (1-D
 # copies of 32 KiB: 0.78 of the bus on one stream, 0.92 on four).
 LANES = 4
+# When the driver may read a copy's sources (cudaMemcpySrcAccessOrder): 1, in stream order, so
+# a load may follow the save that fills its host pages on the stream. (2, during the call, and
+# 3, any time, are for the benchmark's comparison: they need sources nothing writes later.)
+SRC_ORDER = 1
 # Descriptors per driver call; a call the driver refuses as invalid is split in halves.
 MAX_OPS = 16384
 
@@ -145,7 +149,7 @@ def page_transfer(
         device, int(load), host.data_ptr(), table, ids.data_ptr(), slots.data_ptr(), ids.numel(),
         host.shape[0], kv.num_slots, geo.page_bytes, kv.slot_stride_bytes, geo.item_bytes,
         geo.page_size, geo.num_kv, geo.num_layers, layer_begin, layer_count, plan.mode,
-        plan.pitch, FLAGS, LANES, MAX_OPS, stream, stats,
+        plan.pitch, FLAGS, SRC_ORDER, LANES, MAX_OPS, stream, stats,
     )  # fmt: skip
     global last_stats
     last_stats = (stats[0], stats[1])

@@ -54,9 +54,12 @@ struct Scratch {
 };
 thread_local Scratch scratch;
 
-cudaError_t batch_1d(size_t first, size_t n, unsigned flags, cudaStream_t stream) {
+// ``order``: when the driver may read the sources (cudaMemcpySrcAccessOrder: 1 in stream
+// order, the default: sources may be written by earlier work on the stream; 2 during the
+// call; 3 any time, in or out of order; the caller guarantees what 2 and 3 need).
+cudaError_t batch_1d(size_t first, size_t n, unsigned flags, int order, cudaStream_t stream) {
   cudaMemcpyAttributes attr = {};
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // sources may be written just before
+  attr.srcAccessOrder = static_cast<cudaMemcpySrcAccessOrder>(order);
   attr.flags = flags;
   size_t attr_first = 0;
 #if CUDART_VERSION >= 13000
@@ -83,16 +86,16 @@ cudaError_t batch_2d(size_t first, size_t n, cudaStream_t stream) {
 // halves and sent again, down to kMinSplit descriptors (a refusal caused by the batch's size;
 // nothing of a refused call runs, and a copy sent twice writes the same bytes).
 constexpr size_t kMinSplit = 64;
-cudaError_t send(bool two_d, size_t first, size_t n, unsigned flags, cudaStream_t stream,
-                 int64_t* splits) {
+cudaError_t send(bool two_d, size_t first, size_t n, unsigned flags, int order,
+                 cudaStream_t stream, int64_t* splits) {
   if (n == 0) return cudaSuccess;
-  cudaError_t err = two_d ? batch_2d(first, n, stream) : batch_1d(first, n, flags, stream);
+  cudaError_t err = two_d ? batch_2d(first, n, stream) : batch_1d(first, n, flags, order, stream);
   if (err != cudaErrorInvalidValue || n <= kMinSplit) return err;
   cudaGetLastError();
   ++*splits;
-  err = send(two_d, first, n / 2, flags, stream, splits);
+  err = send(two_d, first, n / 2, flags, order, stream, splits);
   if (err != cudaSuccess) return err;
-  return send(two_d, first + n / 2, n - n / 2, flags, stream, splits);
+  return send(two_d, first + n / 2, n - n / 2, flags, order, stream, splits);
 }
 
 cudaMemcpy3DOperand pointer_operand(const char* p, int64_t pitch) {
@@ -111,12 +114,12 @@ void add_1d(char* dst, const char* src, size_t n) {
 }
 
 void add_2d(char* dst, int64_t dst_pitch, const char* src, int64_t src_pitch, size_t width,
-            size_t height, unsigned flags) {
+            size_t height, unsigned flags, int order) {
   cudaMemcpy3DBatchOp op = {};
   op.src = pointer_operand(src, src_pitch);
   op.dst = pointer_operand(dst, dst_pitch);
   op.extent = make_cudaExtent(width, height, 1);
-  op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  op.srcAccessOrder = static_cast<cudaMemcpySrcAccessOrder>(order);
   op.flags = flags;
   scratch.ops.push_back(op);
 }
@@ -126,7 +129,7 @@ constexpr bool kCompiled = false;
 
 // Per device: side streams (lanes, and the stand-in for the legacy default stream) and the
 // events that fork work onto them and join it back, created on first use.
-constexpr int kMaxLanes = 8;
+constexpr int kMaxLanes = 16;
 struct Lanes {
   cudaStream_t side[kMaxLanes] = {};
   cudaEvent_t fork = nullptr;
@@ -171,7 +174,7 @@ int pagekv_copy_engine_support(int device) {
 }
 
 // page_ids [n_pages] and slots [n_pages * page_size] are host int64 arrays, read during the
-// call. The copies are split over ``lanes`` streams (the caller's and lanes - 1 side streams,
+// call. ``src_order``: see batch_1d. The copies are split over ``lanes`` streams (the caller's and lanes - 1 side streams,
 // forked from and joined back to the caller's by events), so several copy engines work at once.
 // ``max_ops`` bounds the descriptors per driver call. ``stats`` (may be null) receives
 // [descriptors sent, calls split after a refusal].
@@ -180,18 +183,20 @@ int pagekv_ce_page_transfer(int device, int load, char* host, const int64_t* lay
                             int64_t num_host_pages, int64_t num_slots, int64_t page_bytes,
                             int64_t slot_stride, int item_bytes, int page_size, int num_kv,
                             int num_layers, int layer_begin, int layer_count, int rows_mode,
-                            int64_t dev_pitch, int flags, int lanes, int64_t max_ops,
+                            int64_t dev_pitch, int flags, int src_order, int lanes,
+                            int64_t max_ops,
                             cudaStream_t stream, int64_t* stats) {
   if (stats) stats[0] = stats[1] = 0;
   if (layer_count <= 0 || layer_begin < 0 || layer_begin + layer_count > num_layers ||
       item_bytes <= 0 || page_size <= 0 || (num_kv != 1 && num_kv != 2) || rows_mode < 0 ||
-      rows_mode > 2 || lanes < 1 || lanes > kMaxLanes || max_ops < 1 ||
+      rows_mode > 2 || lanes < 1 || lanes > kMaxLanes || max_ops < 1 || src_order < 1 ||
+      src_order > 3 ||
       (rows_mode != 0 && dev_pitch < static_cast<int64_t>(page_size) * item_bytes))
     return static_cast<int>(cudaErrorInvalidValue);
 #if CUDART_VERSION < 12080
   (void)load; (void)host; (void)layer_ptrs; (void)page_ids; (void)slots; (void)n_pages;
   (void)num_host_pages; (void)num_slots; (void)page_bytes; (void)slot_stride; (void)flags;
-  (void)stream; (void)device;
+  (void)stream; (void)device; (void)src_order;
   return static_cast<int>(cudaErrorNotSupported);
 #else
   if (n_pages == 0) return 0;
@@ -234,8 +239,8 @@ int pagekv_ce_page_transfer(int device, int load, char* host, const int64_t* lay
         for (int c = 0; c < groups; ++c) {
           char* hp = h0 + (static_cast<int64_t>(layer_begin) * num_kv + c) * row;
           char* dp = reinterpret_cast<char*>(layer_ptrs[c * num_layers + layer_begin]) + d0;
-          load ? add_2d(dp, dev_pitch, hp, host_pitch, width, height, fl)
-               : add_2d(hp, host_pitch, dp, dev_pitch, width, height, fl);
+          load ? add_2d(dp, dev_pitch, hp, host_pitch, width, height, fl, src_order)
+               : add_2d(hp, host_pitch, dp, dev_pitch, width, height, fl, src_order);
         }
       }
       j += run;
@@ -270,7 +275,7 @@ int pagekv_ce_page_transfer(int device, int load, char* host, const int64_t* lay
     const size_t begin = total * i / used, end = total * (i + 1) / used;
     for (size_t b = begin; b < end && err == cudaSuccess; b += static_cast<size_t>(max_ops)) {
       const size_t n = std::min<size_t>(static_cast<size_t>(max_ops), end - b);
-      err = send(two_d, b, n, fl, targets[i], &splits);
+      err = send(two_d, b, n, fl, src_order, targets[i], &splits);
       if (err == cudaSuccess) sent += n;
     }
   }

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One GPU-host call for issue 32 (copy engines), < 9 minutes (the steps' limits add up to 8.5),
+# from the repository root:
+#   1. the python env from wheels (scripts/gpu_env.sh) and the kernel build,
+#   2. the CUDA tests of the transfers: kernels, copy engine, connector (JUnit XML),
+#   3. the measured copy table for this GPU (what backend="auto" picks),
+#   4. the copy-engine ratio study (scripts/bench_copy_engine.py),
+#   5. a decode and the reference engine beside a load (scripts/bench_beside_compute.py).
+# Each step has its own time limit and log; results go to $RESULTS_DIR (default $OUT/ce, or
+# benchmarks/results), then into one $OUT/ce.tgz when $OUT is set.
+#   WHEEL_DIR=/path/to/.whl bash scripts/gpu_copy_engine.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+RESULTS_DIR=${RESULTS_DIR:-${OUT:+$OUT/ce}}
+RESULTS_DIR=${RESULTS_DIR:-$ROOT/benchmarks/results}
+WHEEL_DIR=${WHEEL_DIR:-$ROOT/.whl}
+SITE=${PAGEKV_SITE:-/tmp/pagekv-site-ce}
+PAGEKV_VENV=${PAGEKV_VENV:-/tmp/pagekv-venv-ce}
+export PAGEKV_CACHE_DIR=${PAGEKV_CACHE_DIR:-/tmp/pagekv-cache-ce}
+mkdir -p "$RESULTS_DIR"
+source scripts/gpu_env.sh
+
+status=0
+step() {  # step NAME SECONDS CMD...: run with a limit, log to $RESULTS_DIR/NAME.log
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  echo "== $name (limit ${limit}s)"
+  timeout -k 10 "$limit" "$@" >"$RESULTS_DIR/$name.log" 2>&1
+  rc=$?
+  tail -n "${TAIL:-25}" "$RESULTS_DIR/$name.log"
+  echo "== $name: rc $rc in $(($(date +%s) - start))s"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+step build 90 $PY -c "import pagekv.kernels as k; k.load_library(); print('kernels:', k.kernels_unavailable_reason() or 'ok', '| copy engine:', k.copy_engine.disabled_reason(0) or 'ok')"
+step tests 130 $PY -m pytest -q -p no:cacheprovider --junitxml="$RESULTS_DIR/tests.xml" \
+  tests/gpu/test_kernels_gpu.py tests/gpu/test_connector_copy_engine_gpu.py \
+  tests/gpu/test_connector_gpu.py tests/gpu/test_streaming_load_gpu.py \
+  tests/test_kernels_copy_engine.py tests/test_transfer_indices.py
+step copy_table 30 $PY -c "
+import json, os, pagekv.kernels as k
+t = k.calibrate(0)
+out = os.path.join(os.environ['RESULTS_DIR'], 'copy_table.json')
+json.dump(t.to_json(), open(out, 'w'), indent=1)
+for e in t.entries:
+    s = e.shape
+    print(('load' if s.load else 'save'), ('all' if s.all_layers else 'one'), int(s.run_bytes),
+          s.total_bytes >> 20, 'MiB', {b: round(x * 1e3, 3) for b, x in e.seconds}, '->',
+          e.best(('kernel', 'copy_engine', 'direct')))
+"
+TAIL=60 step study 140 $PY scripts/bench_copy_engine.py
+TAIL=40 step beside 130 $PY scripts/bench_beside_compute.py --rounds 5 --engine-sizes 1,4 \
+  --engine-pairs 5 --ce-lanes 4,8
+echo "gpu_copy_engine: status $status"
+if [ -n "${OUT:-}" ] && [ "$RESULTS_DIR" = "$OUT/ce" ]; then
+  (cd "$OUT" && tar czf ce.tgz ce && rm -rf ce)
+fi
+exit $status
