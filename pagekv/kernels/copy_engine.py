@@ -28,7 +28,15 @@ import torch
 
 from .layout import DeviceKV, mean_run_bytes
 
-__all__ = ["MAX_PITCH", "RowPlan", "disabled_reason", "page_transfer", "row_plan", "supported"]
+__all__ = [
+    "MAX_PITCH",
+    "RowPlan",
+    "disabled_reason",
+    "page_transfer",
+    "row_plan",
+    "run_bytes",
+    "supported",
+]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +112,22 @@ def row_plan(kv: DeviceKV, layer_begin: int, layer_count: int, run_bytes: float 
     return RowPlan(0, 0, 1)
 
 
+def run_bytes(kv: DeviceKV, slots: torch.Tensor) -> float:
+    """:func:`~.layout.mean_run_bytes` of a CPU slot table ``[n, page_size]``, counted by the
+    library when it is loaded (the torch count costs ~10 small tensor ops per call, which a
+    layer-by-layer load pays for every layer)."""
+    from .jit import load_library
+
+    item = kv.geometry.item_bytes
+    lib = load_library() if kv.slot_stride_bytes == item else None
+    if lib is None or slots.dtype != torch.int64 or not slots.is_contiguous():
+        return mean_run_bytes(kv, slots)
+    out = (ctypes.c_int64 * 2)()
+    if lib.pagekv_slot_runs(slots.data_ptr(), slots.shape[0], slots.shape[1], out) != 0:
+        return mean_run_bytes(kv, slots)
+    return item * out[0] / max(out[1], 1)
+
+
 @functools.cache
 def _support(device: int) -> int:
     from .jit import load_library
@@ -136,20 +160,22 @@ def page_transfer(
     layer_begin: int,
     layer_count: int,
     stream: int,
+    mean_run: float | None = None,
 ) -> bool:
     """Issue the transfer on the copy engines. ``ids`` ``[n]`` and ``slots`` ``[n, page_size]``
-    are CPU int64 contiguous tensors. Returns False, after one log line for the device, when the
-    driver refused the call: nothing of it may be relied on and the caller runs the kernel."""
+    are CPU int64 contiguous tensors; ``mean_run``: their :func:`run_bytes` when the caller
+    has it. Returns False, after one log line for the device, when the driver refused the
+    call: nothing of it may be relied on and the caller runs the kernel."""
     geo = kv.geometry
     device = kv.device.index or 0
-    plan = row_plan(kv, layer_begin, layer_count, mean_run_bytes(kv, slots))
-    table = (ctypes.c_int64 * len(kv.layer_ptrs))(*kv.layer_ptrs)
+    plan = row_plan(kv, layer_begin, layer_count,
+                    run_bytes(kv, slots) if mean_run is None else mean_run)  # fmt: skip
     stats = (ctypes.c_int64 * 2)()
     err = lib.pagekv_ce_page_transfer(
-        device, int(load), host.data_ptr(), table, ids.data_ptr(), slots.data_ptr(), ids.numel(),
-        host.shape[0], kv.num_slots, geo.page_bytes, kv.slot_stride_bytes, geo.item_bytes,
-        geo.page_size, geo.num_kv, geo.num_layers, layer_begin, layer_count, plan.mode,
-        plan.pitch, FLAGS, SRC_ORDER, LANES, MAX_OPS, stream, stats,
+        device, int(load), host.data_ptr(), kv.layer_ptr_array, ids.data_ptr(), slots.data_ptr(),
+        ids.numel(), host.shape[0], kv.num_slots, geo.page_bytes, kv.slot_stride_bytes,
+        geo.item_bytes, geo.page_size, geo.num_kv, geo.num_layers, layer_begin, layer_count,
+        plan.mode, plan.pitch, FLAGS, SRC_ORDER, LANES, MAX_OPS, stream, stats,
     )  # fmt: skip
     global last_stats
     last_stats = (stats[0], stats[1])

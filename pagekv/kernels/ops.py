@@ -37,7 +37,6 @@ from .layout import (
     check_page_ids,
     check_slots,
     check_unique_slots,
-    mean_run_bytes,
 )
 
 __all__ = ["DIRECT_MIN_RUN_BYTES", "Backend", "choose_backend", "copy_slots", "load", "save"]
@@ -145,9 +144,15 @@ def _direct_bounds(
 
 
 def _auto_backend(
-    load: bool, kv: DeviceKV, ids: torch.Tensor, s: torch.Tensor, layer: int | None
+    load: bool,
+    kv: DeviceKV,
+    ids: torch.Tensor,
+    s: torch.Tensor,
+    layer: int | None,
+    run_bytes: list[float] | None = None,
 ) -> str:
-    """See the module docstring: the setting, else the kernel or the measured table."""
+    """See the module docstring: the setting, else the kernel or the measured table. The mean
+    run it measured is appended to ``run_bytes`` (the copy engine's descriptors need it too)."""
     setting = copy_backend_setting()
     if setting != "auto":
         return setting
@@ -162,7 +167,10 @@ def _auto_backend(
     geo = kv.geometry
     rows = geo.num_layers * geo.num_kv if layer is None else geo.num_kv
     total = ids.numel() * geo.page_size * rows * geo.item_bytes
-    shape = copy_table.Shape(load, layer is None, mean_run_bytes(kv, s), total)
+    run = copy_engine.run_bytes(kv, s)
+    if run_bytes is not None:
+        run_bytes.append(run)
+    shape = copy_table.Shape(load, layer is None, run, total)
     return copy_table.calibrate(device).choose(shape, allowed)
 
 
@@ -225,8 +233,9 @@ def _page_transfer(
         else:
             reference.save_ref(kv, s, host, ids, layer=layer)
         return "torch"
+    run_bytes: list[float] = []
     if backend == "auto":
-        backend = _auto_backend(load, kv, ids, s, layer)
+        backend = _auto_backend(load, kv, ids, s, layer, run_bytes)
         if backend == "torch":
             return _page_transfer(load, host, ids, kv, s, layer, "torch", None, validate)
     l0, nl = (0, geo.num_layers) if layer is None else (layer, 1)
@@ -235,18 +244,18 @@ def _page_transfer(
         index = dev.index or 0
         if copy_engine.supported(index):
             ids_h, s_h = _host_indices(ids, s)
-            if copy_engine.page_transfer(lib, load, host, kv, ids_h, s_h, l0, nl, stream):
+            run = run_bytes[0] if run_bytes else None
+            if copy_engine.page_transfer(lib, load, host, kv, ids_h, s_h, l0, nl, stream, run):
                 return "copy_engine"
         else:
             copy_engine.fail(index, copy_engine.disabled_reason(index) or "unavailable")
         backend = "kernel"  # said once per device by copy_engine.fail
     if backend == "direct":
         ids_h, s_h = _direct_bounds(ids, s, host.shape[0], kv.num_slots)
-        table = (ctypes.c_int64 * len(kv.layer_ptrs))(*kv.layer_ptrs)
         err = lib.pagekv_direct_page_transfer(
-            dev.index, int(load), host.data_ptr(), table, ids_h.data_ptr(), s_h.data_ptr(),
-            ids_h.numel(), geo.page_bytes, kv.slot_stride_bytes, geo.item_bytes, geo.page_size,
-            geo.num_kv, geo.num_layers, l0, nl, stream,
+            dev.index, int(load), host.data_ptr(), kv.layer_ptr_array, ids_h.data_ptr(),
+            s_h.data_ptr(), ids_h.numel(), geo.page_bytes, kv.slot_stride_bytes, geo.item_bytes,
+            geo.page_size, geo.num_kv, geo.num_layers, l0, nl, stream,
         )  # fmt: skip
     else:
         ids_d = ids.to(dev, non_blocking=True).contiguous()

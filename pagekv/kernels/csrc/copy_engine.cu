@@ -173,6 +173,27 @@ int pagekv_copy_engine_support(int device) {
   return driver;
 }
 
+// Runs of consecutive valid slots (>= 0) within each page of a host int64 slot table
+// [n_pages, page_size]: out[0] = valid slots, out[1] = runs. What the Python side's
+// layout.mean_run_bytes computes with torch, without its per-call overhead (a one-layer load
+// calls it for every layer). Needs no GPU.
+int pagekv_slot_runs(const int64_t* slots, int64_t n_pages, int page_size, int64_t* out) {
+  if ((!slots && n_pages > 0) || !out || n_pages < 0 || page_size <= 0)
+    return static_cast<int>(cudaErrorInvalidValue);
+  int64_t tokens = 0, runs = 0;
+  for (int64_t i = 0; i < n_pages; ++i) {
+    const int64_t* sl = slots + i * page_size;
+    for (int j = 0; j < page_size; ++j) {
+      if (sl[j] < 0) continue;
+      ++tokens;
+      if (j == 0 || sl[j - 1] < 0 || sl[j] != sl[j - 1] + 1) ++runs;
+    }
+  }
+  out[0] = tokens;
+  out[1] = runs;
+  return 0;
+}
+
 // page_ids [n_pages] and slots [n_pages * page_size] are host int64 arrays, read during the
 // call. ``src_order``: see batch_1d. The copies are split over ``lanes`` streams (the caller's and lanes - 1 side streams,
 // forked from and joined back to the caller's by events), so several copy engines work at once.
