@@ -13,7 +13,8 @@ rounds as the contiguous pinned copy (the ceiling) and reported as ceiling time 
   the copy engines' rate on the device side alone (> 1: faster than the bus);
 * ``staged``: whole pages over the bus into a device staging ring (one 1-D copy per page), then
   the scatter device -> device on other streams, pipelined in chunks of ``--chunk-mib`` (saves:
-  the gather, then whole pages back): the copy engines only, no SM.
+  the gather, then whole pages back; a quarter of smaller transfers): the copy engines only,
+  no SM.
 
 Also ``host_us``: the host time of one ``ce`` call (descriptors and driver calls), which a
 layer-by-layer load must keep under a layer's transfer time.
@@ -143,6 +144,13 @@ class Staged:
         return "copy_engine"
 
 
+def chunk_bytes(st: Setup, n: int, layer: int | None, args) -> int:
+    """The staged ring's chunk: ``--chunk-mib``, or a quarter of a smaller transfer (so that
+    a 4 MiB one-layer load still overlaps its bus and device halves)."""
+    per_page = st.geo.page_bytes if layer is None else st.geo.page_bytes // st.geo.num_layers
+    return min(args.chunk_mib << 20, max(n * per_page // 4, 1))
+
+
 def candidates(st: Setup, n: int, layer: int | None, args) -> dict:
     ids, slots = st.ids_cpu[:n], st.slots_cpu[:n]
     ids_d, slots_d = st.ids[:n], st.slots[:n]
@@ -165,7 +173,7 @@ def candidates(st: Setup, n: int, layer: int | None, args) -> dict:
             fns[f"ce2d_l{lanes}_{name}"] = with_knobs(mk(), **TWO_D, LANES=lanes)
         fns[f"d2d_1d_l8_{name}"] = with_knobs(mk(host=dev_pages), **ONE_D, LANES=8)
         fns[f"d2d_2d_l4_{name}"] = with_knobs(mk(host=dev_pages), **TWO_D, LANES=4)
-        staged = Staged(st, args.chunk_mib << 20, layer, lanes=8)
+        staged = Staged(st, chunk_bytes(st, n, layer, args), layer, lanes=8)
         fns[f"staged_{name}"] = (lambda s, d: lambda: s.run(d, n))(staged, name == "load")
     fns["ce1d_l8_early_load"] = with_knobs(ld(), **ONE_D, LANES=8, SRC_ORDER=2)
     return fns
@@ -180,7 +188,7 @@ def staged_exact(st: Setup, n: int, layer: int | None, args) -> bool:
         c.view(torch.uint8).fill_(0xA5)
     ref_kv = DeviceKV.from_caches(st.geo, *want)
     reference.load_ref(st.host, st.ids_cpu[:n], ref_kv, st.slots_cpu[:n], layer=layer)
-    Staged(st, args.chunk_mib << 20, layer, lanes=8).run(True, n)
+    Staged(st, chunk_bytes(st, n, layer, args), layer, lanes=8).run(True, n)
     torch.cuda.synchronize()
     return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                for a, b in zip(st.caches, want))  # fmt: skip
