@@ -105,6 +105,21 @@ def test_measured_once_then_read_from_the_cache(tmp_path):
     assert copy_table.load_table(path, "k") == TABLE  # one file per key
 
 
+def test_a_failed_measurement_leaves_auto_on_the_kernel_and_nothing_cached(tmp_path, caplog):
+    path = copy_table.table_path(tmp_path / "cache", "k")
+
+    def measure():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    with caplog.at_level(logging.WARNING, logger="pagekv.kernels.copy_table"):
+        table, fresh = copy_table.measured_or_empty(path, "k", "GPU", measure)
+    assert not fresh and table.entries == ()
+    assert table.choose(Shape(True, True, 32768, 16 << 20), ALL) == "kernel"
+    assert not path.exists()
+    assert ["out of memory" in r.getMessage() for r in caplog.records] == [True]
+    assert copy_table.measured_or_empty(path, "k", "GPU", lambda: TABLE) == (TABLE, True)
+
+
 def test_table_key_names_device_driver_and_library():
     base = copy_table.table_key("H100", 13000, "libpagekv_a.so")
     assert base == copy_table.table_key("H100", 13000, "libpagekv_a.so")

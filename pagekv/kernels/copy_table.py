@@ -176,6 +176,20 @@ def cached_or_measured(
         return table, True
 
 
+def measured_or_empty(
+    path: Path, key: str, device: str, measure: Callable[[], CopyTable]
+) -> tuple[CopyTable, bool]:
+    """:func:`cached_or_measured`, or, when measuring fails (out of memory, a CUDA error), an
+    empty table (``auto`` then takes the kernel) kept in this process only, after one warning:
+    a transfer never fails because its backend could not be measured."""
+    try:
+        return cached_or_measured(path, key, measure)
+    except RuntimeError as e:  # torch.cuda.OutOfMemoryError included
+        log.warning("pagekv: measuring the transfer backends on %s failed (%s); backend='auto' "
+                    "uses the kernel in this process", device, e)  # fmt: skip
+        return CopyTable(key, device, ()), False
+
+
 def median_seconds(fn: Callable[[], None], sync: Callable[[], None], reps: int = 5) -> float:
     """Median wall time of ``fn`` to completion (``sync`` waits for the device), after one
     untimed call: what one transfer costs, host-side descriptor building included."""
@@ -233,7 +247,7 @@ def calibrate(device: int | None = None, *, force: bool = False) -> CopyTable:
 
             return CopyTable(key, name, tuple(measure_entries(index)))
 
-        table, fresh = cached_or_measured(path, key, measure)
+        table, fresh = measured_or_empty(path, key, name, measure)
         if fresh:
             log.info("pagekv: copy table for %s written to %s", name, path)
         _tables[index] = table
