@@ -9,7 +9,7 @@ rounds as the contiguous pinned copy (the ceiling) and reported as ceiling time 
 * ``ce2d_lN``: 2-D copies whose rows are the layers (N = 1, 4);
 * ``ce1d_l8_early`` (loads): 1-D over 8 streams with the sources read during the call
   (cudaMemcpySrcAccessOrderDuringApiCall: valid only for host pages nothing writes later);
-* ``d2d_1d_l8`` / ``d2d_2d_l4``: the same scatter (gather) from a *device* copy of the pages:
+* ``d2d_1d_l8``, ``d2d_1d_l16``, ``d2d_2d_l4``: the same scatter (gather) from a *device* copy of the pages:
   the copy engines' rate on the device side alone (> 1: faster than the bus);
 * ``staged``: whole pages over the bus into a device staging ring (one 1-D copy per page), then
   the scatter device -> device on other streams, pipelined in chunks of ``--chunk-mib`` (saves:
@@ -171,7 +171,8 @@ def candidates(st: Setup, n: int, layer: int | None, args) -> dict:
             fns[f"ce1d_l{lanes}_{name}"] = with_knobs(mk(), **ONE_D, LANES=lanes)
         for lanes in args.lanes_2d:
             fns[f"ce2d_l{lanes}_{name}"] = with_knobs(mk(), **TWO_D, LANES=lanes)
-        fns[f"d2d_1d_l8_{name}"] = with_knobs(mk(host=dev_pages), **ONE_D, LANES=8)
+        for lanes in (8, 16):
+            fns[f"d2d_1d_l{lanes}_{name}"] = with_knobs(mk(host=dev_pages), **ONE_D, LANES=lanes)
         fns[f"d2d_2d_l4_{name}"] = with_knobs(mk(host=dev_pages), **TWO_D, LANES=4)
         staged = Staged(st, chunk_bytes(st, n, layer, args), layer, lanes=8)
         fns[f"staged_{name}"] = (lambda s, d: lambda: s.run(d, n))(staged, name == "load")
