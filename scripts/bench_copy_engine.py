@@ -9,8 +9,8 @@ rounds as the contiguous pinned copy (the ceiling) and reported as ceiling time 
 * ``ce2d_lN``: 2-D copies whose rows are the layers (N = 1, 4);
 * ``ce1d_l8_early`` (loads): 1-D over 8 streams with the sources read during the call
   (cudaMemcpySrcAccessOrderDuringApiCall: valid only for host pages nothing writes later);
-* ``d2d_1d_l8``, ``d2d_1d_l16``, ``d2d_2d_l4``: the same scatter (gather) from a *device* copy of the pages:
-  the copy engines' rate on the device side alone (> 1: faster than the bus);
+* ``d2d_1d_l8``, ``d2d_1d_l16``, ``d2d_2d_l4``: the same scatter (gather) from a *device* copy
+  of the pages: the copy engines' rate on the device side alone (> 1: faster than the bus);
 * ``staged``: whole pages over the bus into a device staging ring (one 1-D copy per page), then
   the scatter device -> device on other streams, pipelined in chunks of ``--chunk-mib`` (saves:
   the gather, then whole pages back; a quarter of smaller transfers): the copy engines only,
