@@ -6,7 +6,8 @@ rounds as the contiguous pinned copy (the ceiling) and reported as ceiling time 
 
 * ``kernel``: the SM kernels; ``ce``: the copy engine as ``auto`` runs it (module defaults);
 * ``ce1d_lN``: one 1-D copy per (run, layer, K/V) over N streams (N = 4, 8, 16);
-* ``ce2d_lN``: 2-D copies whose rows are the layers (N = 1, 4);
+* ``ce2d_lN``: 2-D copies whose rows are the layers (N = 4; 1, 2 and 4 streams measured
+  alike at e39b145);
 * ``ce1d_l8_early`` (loads): 1-D over 8 streams with the sources read during the call
   (cudaMemcpySrcAccessOrderDuringApiCall: valid only for host pages nothing writes later);
 * ``d2d_1d_l8``, ``d2d_1d_l16``, ``d2d_2d_l4``: the same scatter (gather) from a *device* copy
@@ -265,7 +266,7 @@ def main() -> None:
     ap.add_argument("--page-sizes", type=ints, default=[16, 32, 64, 128])
     ap.add_argument("--layer-mib", type=ints, default=[4, 16])
     ap.add_argument("--lanes-1d", type=ints, default=[4, 8, 16])
-    ap.add_argument("--lanes-2d", type=ints, default=[1, 4])
+    ap.add_argument("--lanes-2d", type=ints, default=[4])
     ap.add_argument("--chunk-mib", type=int, default=16, help="staged: ring chunk")
     ap.add_argument("--only", default="all_layers,one_layer")
     args = parse_args(ap)

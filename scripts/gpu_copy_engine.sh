@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One GPU-host call for issue 32 (copy engines), < 9 minutes (the steps' limits add up to 8.5),
+# One GPU-host call for issue 32 (copy engines), < 9 minutes (the steps' limits add up to 8),
 # from the repository root:
 #   1. the python env from wheels (scripts/gpu_env.sh) and the kernel build,
-#   2. the CUDA tests of the transfers: kernels, copy engine, connector (JUnit XML),
-#   3. the measured copy table for this GPU (what backend="auto" picks),
+#   2. the measured copy table for this GPU (what backend="auto" picks), on an idle GPU,
+#   3. the CUDA tests of the transfers: kernels, copy engine, connector (JUnit XML),
 #   4. the copy-engine ratio study (scripts/bench_copy_engine.py),
 #   5. a decode and the reference engine beside a load (scripts/bench_beside_compute.py).
 # Each step has its own time limit and log; results go to $RESULTS_DIR (default $OUT/ce, or
@@ -35,11 +35,8 @@ step() {  # step NAME SECONDS CMD...: run with a limit, log to $RESULTS_DIR/NAME
   [ "$rc" -eq 0 ] || status=1
 }
 
-step build 90 $PY -c "import pagekv.kernels as k; k.load_library(); print('kernels:', k.kernels_unavailable_reason() or 'ok', '| copy engine:', k.copy_engine.disabled_reason(0) or 'ok')"
-step tests 130 $PY -m pytest -q -p no:cacheprovider --junitxml="$RESULTS_DIR/tests.xml" \
-  tests/gpu/test_kernels_gpu.py tests/gpu/test_connector_copy_engine_gpu.py \
-  tests/gpu/test_connector_gpu.py tests/gpu/test_streaming_load_gpu.py \
-  tests/test_kernels_copy_engine.py tests/test_transfer_indices.py
+step build 60 $PY -c "import pagekv.kernels as k; k.load_library(); print('kernels:', k.kernels_unavailable_reason() or 'ok', '| copy engine:', k.copy_engine.disabled_reason(0) or 'ok')"
+# the table first, on an idle GPU: the tests and benchmarks below read it from the cache
 step copy_table 30 $PY -c "
 import json, os, pagekv.kernels as k
 t = k.calibrate(0)
@@ -51,8 +48,14 @@ for e in t.entries:
           s.total_bytes >> 20, 'MiB', {b: round(x * 1e3, 3) for b, x in e.seconds}, '->',
           e.best(('kernel', 'copy_engine', 'direct')))
 "
-TAIL=60 step study 140 $PY scripts/bench_copy_engine.py
-TAIL=40 step beside 130 $PY scripts/bench_beside_compute.py --rounds 5 --engine-sizes 1,4 \
+# pytest-xdist where the host has it (the kernel tests alone take ~100 s in one process)
+XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 4 --dist load")
+step tests 160 $PY -m pytest -q -p no:cacheprovider $XDIST --junitxml="$RESULTS_DIR/tests.xml" \
+  tests/gpu/test_kernels_gpu.py tests/gpu/test_connector_copy_engine_gpu.py \
+  tests/gpu/test_connector_gpu.py tests/gpu/test_streaming_load_gpu.py \
+  tests/test_kernels_copy_engine.py tests/test_transfer_indices.py
+TAIL=60 step study 120 $PY scripts/bench_copy_engine.py
+TAIL=40 step beside 140 $PY scripts/bench_beside_compute.py --rounds 5 --engine-sizes 1,4 \
   --engine-pairs 5 --ce-lanes 4,8
 echo "gpu_copy_engine: status $status"
 if [ -n "${OUT:-}" ] && [ "$RESULTS_DIR" = "$OUT/ce" ]; then
