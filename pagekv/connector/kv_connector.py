@@ -20,9 +20,10 @@ The contract with the engine (tested in tests/gpu/test_engine_contract_gpu.py):
 4. **Layer-wise load lifetimes.** Index tensors of :meth:`load_async` live on the load stream
    until its kernels finish (see :mod:`.layerwise`).
 5. **No hidden host syncs.** :meth:`save`, :meth:`load` and :meth:`load_async` validate CPU
-   indices on the CPU and upload them from a pinned ring allocated once (a page-locked
-   allocation or a pageable upload would synchronise the device); saves and loads run on
-   separate streams.
+   indices on the CPU and either hand them to the copy engine as they are (where the measured
+   table picks it: :mod:`.transfer_indices`) or upload them for the kernel from a pinned ring
+   allocated once (a page-locked allocation or a pageable upload would synchronise the
+   device); saves and loads run on separate streams.
 6. **Bounded waits.** :meth:`lookup` returns within ``lookup_timeout_s``; store failures are
    misses and counters (``stats()['store_errors']``), never exceptions in the engine's step.
 7. **Pool pressure.** A prefetch takes the longest prefix that fits; fetched pages are handed
