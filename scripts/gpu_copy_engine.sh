@@ -3,7 +3,7 @@
 # from the repository root:
 #   1. the python env from wheels (scripts/gpu_env.sh) and the kernel build,
 #   2. the measured copy table for this GPU (what backend="auto" picks), on an idle GPU,
-#   3. the CUDA tests of the transfers: kernels, copy engine, connector (JUnit XML),
+#   3. the CUDA tests of the transfers: connector, engine contract, kernels, copy engine (JUnit),
 #   4. the copy-engine ratio study (scripts/bench_copy_engine.py),
 #   5. a decode and the reference engine beside a load (scripts/bench_beside_compute.py).
 # Each step has its own time limit and log; results go to $RESULTS_DIR (default $OUT/ce, or
@@ -50,12 +50,13 @@ for e in t.entries:
 "
 # pytest-xdist where the host has it (the kernel tests alone take ~100 s in one process)
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 4 --dist load")
-step tests 160 $PY -m pytest -q -p no:cacheprovider $XDIST --junitxml="$RESULTS_DIR/tests.xml" \
-  tests/gpu/test_kernels_gpu.py tests/gpu/test_connector_copy_engine_gpu.py \
+# the connector's and the engine contract's first: they changed most (a cut run keeps them)
+step tests 170 $PY -m pytest -q -p no:cacheprovider $XDIST --junitxml="$RESULTS_DIR/tests.xml" \
+  tests/gpu/test_connector_copy_engine_gpu.py tests/gpu/test_engine_contract_gpu.py \
   tests/gpu/test_connector_gpu.py tests/gpu/test_streaming_load_gpu.py \
-  tests/test_kernels_copy_engine.py tests/test_transfer_indices.py
-TAIL=60 step study 120 $PY scripts/bench_copy_engine.py
-TAIL=40 step beside 140 $PY scripts/bench_beside_compute.py --rounds 5 --engine-sizes 1,4 \
+  tests/test_kernels_copy_engine.py tests/test_transfer_indices.py tests/gpu/test_kernels_gpu.py
+TAIL=60 step study 115 $PY scripts/bench_copy_engine.py
+TAIL=40 step beside 135 $PY scripts/bench_beside_compute.py --rounds 5 --engine-sizes 1,4 \
   --engine-pairs 5 --ce-lanes 4,8
 echo "gpu_copy_engine: status $status"
 if [ -n "${OUT:-}" ] && [ "$RESULTS_DIR" = "$OUT/ce" ]; then
