@@ -220,6 +220,20 @@ def best_dma(r: dict) -> dict:
     return out
 
 
+def runnable(fns: dict, r: dict) -> dict:
+    """The candidates that run once without error; each failure is recorded in ``r`` (and a
+    refused copy engine re-enabled, so that one refused form costs no other candidate)."""
+    out = {}
+    for key, fn in fns.items():
+        try:
+            fn()
+            out[key] = fn
+        except (AssertionError, RuntimeError) as e:
+            r[f"{key}_error"] = f"{str(e)[:200]} | {copy_engine._failed.pop(0, None)}"
+    torch.cuda.synchronize()
+    return out
+
+
 def case(raw_host, name: str, page: int, layer: int | None, nbytes: int, args) -> dict:
     geo = KVGeometry(page_size=page, **GEOMETRIES[name])
     per_page = geo.page_bytes if layer is None else geo.page_bytes // geo.num_layers
@@ -237,6 +251,7 @@ def case(raw_host, name: str, page: int, layer: int | None, nbytes: int, args) -
         if layer is not None:
             fns = {k: v for k, v in fns.items() if not k.endswith("_save") or k.startswith(
                 ("kernel", "ce_", "ceiling"))}  # fmt: skip
+        fns = runnable(fns, r)
         t = interleaved(fns, args.reps)
         r["host_us_ce_load"] = host_us(fns["ce_load"])
         r["staged_exact"] = staged_exact(st, n, layer, args)
