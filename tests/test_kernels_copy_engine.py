@@ -1,6 +1,6 @@
 """The copy-engine backend and the measured backend table, on CPU: the setting, the table's
-choice and cache, the descriptor form picked from a cache's layer addresses, and the fallback
-to the kernel when the driver refuses a call (a stand-in library)."""
+choice and cache, the descriptors' arguments, and the fallback to the kernel when the driver
+refuses a call (a stand-in library)."""
 
 import json
 import logging
@@ -44,14 +44,17 @@ def test_setting(monkeypatch):
         jit.copy_backend_setting()
 
 
-def test_choice_nearest_shape_and_slack():
+def test_choice_measured_run_at_or_below_and_slack():
     def pick(load=True, all_layers=True, run=4096, total=16 << 20, allowed=ALL):
         return TABLE.choose(Shape(load, all_layers, run, total), allowed)
 
     assert pick(run=4096) == "kernel"
-    assert pick(run=3000) == "kernel"  # nearest in log scale: 4096
+    assert pick(run=3000) == "kernel"  # none measured at or below: the nearest, 4096
     assert pick(run=32768) == "copy_engine"  # 8% slower, within COPY_ENGINE_SLACK
-    assert pick(run=20000) == "copy_engine"  # log2 distance: nearer 32768 than 4096
+    # the nearest measured run at or below: 4096, not the nearer 32768 (1-D copies slow down
+    # steeply below ~28 KiB, so a run between two entries gets the shorter run's choice)
+    assert pick(run=30000) == "kernel"
+    assert pick(run=40000) == "copy_engine"
     assert pick(run=1 << 20) == "direct"
     assert pick(run=1 << 20, allowed=("kernel", "copy_engine")) == "copy_engine"
     assert pick(run=32768, allowed=("kernel", "direct")) == "kernel"  # copy engine failed
@@ -138,59 +141,9 @@ def test_grid_covers_both_directions_and_spans():
     assert {(s[0], s[1]) for s in shapes} == {(a, b) for a in (True, False) for b in (True, False)}
 
 
-# ---- descriptor forms -----------------------------------------------------------------------
+# ---- descriptors ----------------------------------------------------------------------------
 GEO = KVGeometry(4, 16, 2, 64, "bf16")  # 256-byte rows, 4 KiB per page run
 ROW = GEO.row_elems
-
-
-def test_row_plan_separate_k_and_v_tensors(monkeypatch):
-    both = torch.empty(2, GEO.num_layers, 100, 2, 64, dtype=torch.bfloat16)
-    kv = DeviceKV.from_caches(GEO, both[0], both[1])
-    layer_pitch = 100 * GEO.item_bytes
-    assert copy_engine.MIN_2D_ROWS == 4
-    assert copy_engine.row_plan(kv, 0, 4) == copy_engine.RowPlan(1, layer_pitch, 4)
-    # 2 layers, or one layer's K and V: fewer rows than MIN_2D_ROWS, so 1-D copies
-    assert copy_engine.row_plan(kv, 1, 2) == copy_engine.RowPlan(0, 0, 1)
-    assert copy_engine.row_plan(kv, 2, 1) == copy_engine.RowPlan(0, 0, 1)
-    monkeypatch.setattr(copy_engine, "MIN_2D_ROWS", 2)
-    assert copy_engine.row_plan(kv, 1, 2) == copy_engine.RowPlan(1, layer_pitch, 2)
-    # one layer: K then V, 4 layers apart
-    assert copy_engine.row_plan(kv, 2, 1) == copy_engine.RowPlan(2, 4 * layer_pitch, 2)
-
-
-def test_row_plan_interleaved_layers_and_mla():
-    inter = torch.empty(GEO.num_layers, 2, 100, 2, 64, dtype=torch.bfloat16)
-    kv = DeviceKV.from_caches(GEO, inter[:, 0], inter[:, 1])
-    assert copy_engine.row_plan(kv, 0, 4) == copy_engine.RowPlan(2, 100 * GEO.item_bytes, 8)
-    assert copy_engine.row_plan(kv, 1, 1) == copy_engine.RowPlan(0, 0, 1)  # K, V: 2 rows < 4
-    mla = KVGeometry.mla(5, 8, 576, "bf16")
-    lat = DeviceKV.from_caches(mla, torch.empty(5, 50, 576, dtype=torch.bfloat16))
-    assert copy_engine.row_plan(lat, 0, 5) == copy_engine.RowPlan(2, 50 * mla.item_bytes, 5)
-    assert copy_engine.row_plan(lat, 0, 3) == copy_engine.RowPlan(0, 0, 1)  # 3 rows < 4
-    assert copy_engine.row_plan(lat, 1, 1) == copy_engine.RowPlan(0, 0, 1)
-
-
-def test_row_plan_one_copy_per_row_when_rows_are_not_evenly_spaced(monkeypatch):
-    flat = torch.empty(10_000, ROW, dtype=torch.bfloat16)
-    starts = [0, 130, 200, 700, 1000, 1900, 2500, 4000]  # uneven gaps
-    layers = [flat[s : s + 100].view(100, 2, 64) for s in starts]
-    kv = DeviceKV.from_caches(GEO, layers[:4], layers[4:])
-    assert copy_engine.row_plan(kv, 0, 4) == copy_engine.RowPlan(0, 0, 1)
-    both = torch.empty(2, GEO.num_layers, 100, 2, 64, dtype=torch.bfloat16)
-    kv = DeviceKV.from_caches(GEO, both[0], both[1])
-    monkeypatch.setattr(copy_engine, "MAX_PITCH", 100 * GEO.item_bytes - 1)
-    assert copy_engine.row_plan(kv, 0, 4) == copy_engine.RowPlan(0, 0, 1)
-    monkeypatch.setattr(copy_engine, "MAX_PITCH", 1 << 40)
-    monkeypatch.setattr(copy_engine, "USE_2D", False)
-    assert copy_engine.row_plan(kv, 0, 4) == copy_engine.RowPlan(0, 0, 1)
-
-
-def test_row_plan_long_runs_are_1d_copies():
-    both = torch.empty(2, GEO.num_layers, 100, 2, 64, dtype=torch.bfloat16)
-    kv = DeviceKV.from_caches(GEO, both[0], both[1])
-    short = copy_engine.ONE_D_MIN_RUN - 1
-    assert copy_engine.row_plan(kv, 0, 4, short).mode == 1
-    assert copy_engine.row_plan(kv, 0, 4, copy_engine.ONE_D_MIN_RUN) == copy_engine.RowPlan(0, 0, 1)
 
 
 def test_mean_run_bytes():
@@ -205,13 +158,6 @@ def test_mean_run_bytes():
     strided = torch.empty(GEO.num_layers, 100, 2, 2, 64, dtype=torch.bfloat16)
     kv = DeviceKV.from_caches(GEO, strided[:, :, 0], strided[:, :, 1])
     assert mean_run_bytes(kv, torch.arange(32).view(2, 16)) == GEO.item_bytes  # 1-token runs
-
-
-def test_row_plan_rows_closer_than_a_run_are_not_2d():
-    # 1-slot caches: layers 256 bytes apart, a 16-token run is 4 KiB wide
-    flat = torch.empty(GEO.num_layers, 1, 2, 64, dtype=torch.bfloat16)
-    kv = DeviceKV.from_caches(GEO, flat, flat)
-    assert copy_engine.row_plan(kv, 0, 4) == copy_engine.RowPlan(0, 0, 1)
 
 
 # ---- fallback when the driver refuses a call -------------------------------------------------
@@ -244,7 +190,7 @@ def test_refused_call_is_logged_once_and_the_device_stops_using_it(monkeypatch, 
     assert not copy_engine.supported(0) and "cudaError 1" in copy_engine.disabled_reason(0)
     assert copy_engine.supported(1)  # another device keeps it
     args = lib.calls[0]
-    assert args[17:19] == (1, 100 * GEO.item_bytes)  # rows_mode 1 over the layers, its pitch
+    assert args[15:20] == (0, 4, copy_engine.FLAGS, copy_engine.LANES, copy_engine.MAX_OPS)
 
 
 def test_unsupported_library_or_driver(monkeypatch):

@@ -43,15 +43,15 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-TABLE_VERSION = 2
+TABLE_VERSION = 3
 # The copy engine is chosen unless it takes more than this fraction longer than the fastest.
 COPY_ENGINE_SLACK = 0.10
 # The measured grid: bytes per run (page_size x row bytes when slots are consecutive) and bytes
 # per transfer, for loads and saves of all layers (32) and of one layer. Up to 128 MiB: a copy
-# call's fixed host cost (~50-100 us with 4 streams) decides 1-16 MiB transfers, the engines'
-# rate the large ones (a 1-4 GiB prefix, its 32-128 MiB layers), where the copy engine is within
-# 8% of the kernel or faster for runs >= 32 KiB (H200, docs/benchmarks.md).
-RUN_BYTES = (512, 2048, 8192, 32768, 131072)
+# call's fixed host cost decides 1-16 MiB transfers, the engines' rate the large ones (a 1-4 GiB
+# prefix, its 32-128 MiB layers). The copy engine's 1-D copies reach 0.96-0.99 of the bus from
+# 32 KiB runs and 0.05-0.2 below ~28 KiB (H200, docs/benchmarks.md): 16 and 32 KiB bracket it.
+RUN_BYTES = (512, 2048, 8192, 16384, 32768, 131072)
 TOTAL_BYTES = (1 << 20, 16 << 20, 128 << 20)
 BACKENDS = ("kernel", "copy_engine", "direct")
 DIRECT_MAX_COPIES = 4096  # the direct backend is not timed where it would issue more memcpys
@@ -90,12 +90,16 @@ class CopyTable:
     entries: tuple[Entry, ...]
 
     def choose(self, shape: Shape, allowed: Collection[str]) -> str:
-        """Backend of the nearest measured shape of the same direction and layer span
-        (log-scale distance in run bytes, then in total bytes); ``kernel`` if none fits."""
+        """Backend of the nearest measured shape of the same direction and layer span: the
+        nearest measured run at or below ``shape``'s (the copy engine's rate falls steeply
+        below ~28 KiB runs, so a run between two entries takes the shorter one's choice; the
+        nearest run above when none is below), then the nearest total bytes (log scale);
+        ``kernel`` if none fits."""
 
-        def distance(e: Entry) -> tuple[float, float]:
+        def distance(e: Entry) -> tuple[bool, float, float]:
             s = e.shape
             return (
+                s.run_bytes > shape.run_bytes,
                 abs(math.log2(max(s.run_bytes, 1)) - math.log2(max(shape.run_bytes, 1))),
                 abs(math.log2(max(s.total_bytes, 1)) - math.log2(max(shape.total_bytes, 1))),
             )
@@ -234,8 +238,7 @@ def calibrate(device: int | None = None, *, force: bool = False) -> CopyTable:
         name = torch.cuda.get_device_name(index)
         driver = copy_engine._support(index)
         library = Path(getattr(lib, "_name", "lib")).name
-        form = (f"lanes={copy_engine.LANES},min_2d_rows={copy_engine.MIN_2D_ROWS},"
-                f"one_d_min_run={copy_engine.ONE_D_MIN_RUN}")  # fmt: skip
+        form = f"lanes={copy_engine.LANES},flags={copy_engine.FLAGS}"
         key = table_key(name, driver, f"{library}|{form}")
         path = table_path(cache_dir(), key)
         if force and path.exists():

@@ -149,10 +149,8 @@ def _auto_backend(
     ids: torch.Tensor,
     s: torch.Tensor,
     layer: int | None,
-    run_bytes: list[float] | None = None,
 ) -> str:
-    """See the module docstring: the setting, else the kernel or the measured table. The mean
-    run it measured is appended to ``run_bytes`` (the copy engine's descriptors need it too)."""
+    """See the module docstring: the setting, else the kernel or the measured table."""
     setting = copy_backend_setting()
     if setting != "auto":
         return setting
@@ -167,10 +165,7 @@ def _auto_backend(
     geo = kv.geometry
     rows = geo.num_layers * geo.num_kv if layer is None else geo.num_kv
     total = ids.numel() * geo.page_size * rows * geo.item_bytes
-    run = copy_engine.run_bytes(kv, s)
-    if run_bytes is not None:
-        run_bytes.append(run)
-    shape = copy_table.Shape(load, layer is None, run, total)
+    shape = copy_table.Shape(load, layer is None, copy_engine.run_bytes(kv, s), total)
     return copy_table.calibrate(device).choose(shape, allowed)
 
 
@@ -233,9 +228,8 @@ def _page_transfer(
         else:
             reference.save_ref(kv, s, host, ids, layer=layer)
         return "torch"
-    run_bytes: list[float] = []
     if backend == "auto":
-        backend = _auto_backend(load, kv, ids, s, layer, run_bytes)
+        backend = _auto_backend(load, kv, ids, s, layer)
         if backend == "torch":
             return _page_transfer(load, host, ids, kv, s, layer, "torch", None, validate)
     l0, nl = (0, geo.num_layers) if layer is None else (layer, 1)
@@ -244,8 +238,7 @@ def _page_transfer(
         index = dev.index or 0
         if copy_engine.supported(index):
             ids_h, s_h = _host_indices(ids, s)
-            run = run_bytes[0] if run_bytes else None
-            if copy_engine.page_transfer(lib, load, host, kv, ids_h, s_h, l0, nl, stream, run):
+            if copy_engine.page_transfer(lib, load, host, kv, ids_h, s_h, l0, nl, stream):
                 return "copy_engine"
         else:
             copy_engine.fail(index, copy_engine.disabled_reason(index) or "unavailable")
