@@ -246,7 +246,10 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
         # loads are enqueued here (host time outside the decode's) and run on the side stream
         # beside the whole decode (checked: still running when it ends)
         if state.get("how") is not None:
+            t0 = time.perf_counter()
             state["events"] = enqueue(state["how"], state["size"], state["repeats"])
+            state["enqueue_ms"] = (time.perf_counter() - t0) * 1e3  # host time; blocks if the
+            # driver's queue fills, so that the loads run before the decode instead of beside it
         return original(*a, **kw)
 
     engine._save = save_then_loads
@@ -268,6 +271,8 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
             loads.stream.synchronize()
             out["prefixes"] = repeats
             out["load_gbps"] = round(repeats * size / start.elapsed_time(end) / 1e6, 2)
+            out["enqueue_ms"] = round(state["enqueue_ms"], 1)
+            out["loads_ms"] = round(start.elapsed_time(end), 1)
         return out
 
     def covering(how: str, size: int) -> dict:
@@ -304,9 +309,13 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
                         for a, x in zip(pairs["alone"], pairs[b])]  # fmt: skip
             row["slowdown"][b] = round(statistics.median(per_pair), 4)
         out["sizes"].append(row)
+        # a decode that outlasted its loads ran partly alone: its figure is no measurement
+        row["void"] = [b for b in backends if not all(x["loads_outlasted_decode"]
+                                                      for x in pairs[b])]  # fmt: skip
         print(f"engine decode beside {gib} GiB layer-by-layer loads, back to back: "
               f"alone {row['tokens_per_s']['alone']:.1f} tok/s | " + " | ".join(
                   f"{b} {row['tokens_per_s'][b]:.1f} tok/s ({row['slowdown'][b]:+.1%})"
+                  + (" VOID: the loads ended before the decode" if b in row["void"] else "")
                   for b in backends), flush=True)  # fmt: skip
     engine.close()
     return out

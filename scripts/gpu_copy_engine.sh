@@ -64,7 +64,7 @@ SIG=INT step tests 150 $PY -m pytest -q -rfE -p no:cacheprovider $XDIST \
   tests/test_kernels_copy_engine.py tests/test_transfer_indices.py tests/gpu/test_kernels_gpu.py
 TAIL=30 step ratio_table 60 $PY scripts/bench_copy_engine.py
 TAIL=30 step beside 120 $PY scripts/bench_beside_compute.py --rounds 5 --engine-sizes 4 \
-  --engine-pairs 5
+  --engine-pairs 5 --max-prefixes 8
 echo "gpu_copy_engine: status $status"
 if [ -n "${OUT:-}" ] && [ "$RESULTS_DIR" = "$OUT/ce" ]; then
   (cd "$OUT" && tar czf ce.tgz ce && rm -rf ce)
