@@ -2,9 +2,10 @@
 
 For a grid of transfer shapes (direction, all layers or one, bytes per run of consecutive slots,
 bytes in all) the kernel, the copy engine and the direct memcpy backend are timed on this GPU;
-a transfer takes the backend of the nearest measured shape. The copy engine wins unless it is
-more than ``COPY_ENGINE_SLACK`` slower than the fastest: it leaves the SMs to the model, which
-the kernels do not (docs/benchmarks.md, "beside a decode").
+a transfer takes the backend of the nearest measured shape (:meth:`CopyTable.choose`: the
+nearest run at or below its own). The copy engine wins unless it is more than
+``COPY_ENGINE_SLACK`` slower than the fastest: it leaves the SMs to the model, which the kernels
+do not (docs/benchmarks.md, "beside a graph-captured decode").
 
 Cache: ``$PAGEKV_CACHE_DIR/copy_table_<key>.json``, the key naming the GPU, the driver, the
 kernel library (its source hash) and the copy engine's settings, so a new driver, a changed

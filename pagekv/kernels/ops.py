@@ -7,11 +7,11 @@
 
 ``backend="auto"`` picks: torch on CPU; the kernel when the page ids or slots are CUDA tensors
 (the other two build their copies on the host) or a CUDA graph is being captured; else the
-backend of the nearest shape in the table measured once for this GPU (:mod:`.copy_table`), the
-copy engine unless it is more than 10% slower. ``PAGEKV_COPY_BACKEND`` (:mod:`.jit`) replaces
-``auto`` with one backend. Launches go on torch's current stream and neither allocate nor
-synchronise, so kernel launches can be captured in a CUDA graph (pass device index tensors and
-``validate=False`` inside a capture).
+backend of the nearest shape (run at or below) in the table measured once for this GPU
+(:mod:`.copy_table`), the copy engine unless it is more than 10% slower.
+``PAGEKV_COPY_BACKEND`` (:mod:`.jit`) replaces ``auto`` with one backend. Launches go on
+torch's current stream and neither allocate nor synchronise, so kernel launches can be captured
+in a CUDA graph (pass device index tensors and ``validate=False`` inside a capture).
 
 ``validate=True`` checks index values (range, repeats) before anything is written, which syncs
 when the indices are CUDA tensors. ``validate=False`` keeps the shape/dtype/device checks; every
