@@ -4,8 +4,9 @@ Part 1, a decode-like step: Llama-3-8B-shaped bf16 matmuls at batch 8 (32 layers
 gate/up and down projections: 14 GB of weights read per step, as a decode reads them), captured
 in one CUDA graph and replayed on a stream of its own, each replay timed with events on that
 stream (never a device-wide sync). In each round and for each load -- a plain contiguous
-``cudaMemcpyAsync`` of the same bytes, the kernel, the copy engine, ``auto`` (what the measured
-table picks for CPU indices, as the connector passes them), the direct backend -- the
+``cudaMemcpyAsync`` of the same bytes, the kernel, the copy engine, ``auto`` (with
+``PAGEKV_COPY_BACKEND=auto``, set here: what the measured table picks for CPU indices), the
+direct backend -- the
 step is timed alone, then beside a 4 GiB all-layer load on a side stream; only steps that start
 and end inside the load's window (events on the side stream) count. A round's slowdown is the
 median beside over the median alone; the figure is the median over rounds, and the ratio of a
@@ -15,7 +16,8 @@ Part 2, the reference engine (``pagekv.engine``, Llama-3-8B shape, random weight
 replayed from CUDA graphs): decode tokens/s of one request while other requests' prefixes of
 1-4 GiB are loaded layer by layer (one ``load(..., layer=l)`` per layer, prefix after prefix,
 enqueued when the prefill is done, on a side stream, as many as outlast the decode: checked
-each time), against the same decode alone, in alternated pairs.
+each time), against the same decode alone, in alternated pairs; with the host time that
+enqueuing the loads took (an engine's step thread would wait that long).
 
     python scripts/bench_beside_compute.py [--rounds 7] [--engine-sizes 1,4] [--skip-engine]
                                            [--skip-decode]
@@ -24,6 +26,7 @@ each time), against the same decode alone, in alternated pairs.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -340,6 +343,7 @@ def main() -> None:
     ap.add_argument("--ce-lanes", type=lambda s: [int(x) for x in s.split(",")],
                     default=[copy_engine.LANES], help="copy-engine streams to compare")  # fmt: skip
     args = parse_args(ap)
+    os.environ["PAGEKV_COPY_BACKEND"] = "auto"  # the "auto" rows measure the opt-in table
     env = environment()
     print(f"# {env['device']} torch {env['torch']} cuda {env.get('cuda')} commit {env['commit']}")
     spec = {

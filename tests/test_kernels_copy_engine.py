@@ -17,26 +17,36 @@ from pagekv.kernels.layout import mean_run_bytes
 INF = math.inf
 
 
-def entry(load, all_layers, run, total, kernel, ce, direct=INF):
+def entry(load, all_layers, run, total, kernel, ce, direct=INF, host=(1e-5, 1e-5, 1e-5)):
+    """A measured shape: completion seconds, and host seconds of the call (kernel, copy engine,
+    direct)."""
     return Entry(Shape(load, all_layers, float(run), total),
-                 (("kernel", kernel), ("copy_engine", ce), ("direct", direct)))  # fmt: skip
+                 (("kernel", kernel), ("copy_engine", ce), ("direct", direct)),
+                 tuple(zip(("kernel", "copy_engine", "direct"), host)))  # fmt: skip
 
 
 TABLE = CopyTable("k", "GPU", (
     entry(True, True, 4096, 16 << 20, kernel=1.0, ce=2.0),  # small runs: the kernel
     entry(True, True, 32768, 16 << 20, kernel=1.0, ce=1.08),  # within the slack: copy engine
-    entry(True, True, 131072, 16 << 20, kernel=1.0, ce=0.9, direct=0.5),  # direct fastest
+    entry(True, True, 36864, 16 << 20, kernel=1.0, ce=1.3),  # a longer run, yet slower
+    entry(True, True, 131072, 16 << 20, kernel=1.0, ce=0.9),
+    entry(True, True, 262144, 16 << 20, kernel=1.0, ce=0.9, direct=0.5),  # direct fastest
     entry(False, True, 4096, 16 << 20, kernel=1.0, ce=0.95),
     entry(True, False, 32768, 1 << 20, kernel=1.0, ce=1.5),
     entry(True, False, 32768, 16 << 20, kernel=1.0, ce=1.0),
+    entry(True, False, 32768, 128 << 20, kernel=1.0, ce=1.0),
 ))  # fmt: skip
 ALL = ("kernel", "copy_engine", "direct")
 
 
-def test_setting(monkeypatch):
+def pick(load=True, all_layers=True, run=4096, total=16 << 20, allowed=ALL, table=TABLE):
+    return table.choose(Shape(load, all_layers, run, total), allowed)
+
+
+def test_setting_defaults_to_the_kernel(monkeypatch):
     monkeypatch.delenv("PAGEKV_COPY_BACKEND", raising=False)
-    assert jit.copy_backend_setting() == "auto"
-    for value in ("kernel", "COPY_ENGINE", " direct ", "torch", "auto"):
+    assert jit.copy_backend_setting() == "kernel"
+    for value in ("auto", "COPY_ENGINE", " direct ", "torch", "kernel"):
         monkeypatch.setenv("PAGEKV_COPY_BACKEND", value)
         assert jit.copy_backend_setting() == value.strip().lower()
     monkeypatch.setenv("PAGEKV_COPY_BACKEND", "dma")
@@ -44,26 +54,44 @@ def test_setting(monkeypatch):
         jit.copy_backend_setting()
 
 
-def test_choice_measured_run_at_or_below_and_slack():
-    def pick(load=True, all_layers=True, run=4096, total=16 << 20, allowed=ALL):
-        return TABLE.choose(Shape(load, all_layers, run, total), allowed)
-
+def test_choice_at_measured_runs_and_slack():
     assert pick(run=4096) == "kernel"
-    assert pick(run=3000) == "kernel"  # none measured at or below: the nearest, 4096
     assert pick(run=32768) == "copy_engine"  # 8% slower, within COPY_ENGINE_SLACK
-    # the nearest measured run at or below: 4096, not the nearer 32768 (1-D copies slow down
-    # steeply below ~28 KiB, so a run between two entries gets the shorter run's choice)
-    assert pick(run=30000) == "kernel"
-    assert pick(run=40000) == "copy_engine"
-    assert pick(run=1 << 20) == "direct"
+    assert pick(run=36864) == "kernel"  # measured there: no interpolation from 32 KiB
+    assert pick(run=131072) == "copy_engine"
+    assert pick(run=1 << 20) == "direct"  # above the grid: its longest run
     assert pick(run=1 << 20, allowed=("kernel", "copy_engine")) == "copy_engine"
     assert pick(run=32768, allowed=("kernel", "direct")) == "kernel"  # copy engine failed
-    assert pick(load=False, run=512) == "copy_engine"  # the only save entry
+    assert pick(load=False, run=4096) == "copy_engine"  # saves are chosen on their own
     assert pick(all_layers=False, run=32768, total=1 << 20) == "kernel"
     assert pick(all_layers=False, run=32768, total=64 << 20) == "copy_engine"
-    # the nearest entry with nothing allowed measured: the next one
-    assert pick(run=4096, allowed=("direct",)) == "direct"
+    assert pick(run=4096, allowed=("direct",)) == "kernel"  # nothing allowed measured
     assert CopyTable("k", "GPU", ()).choose(Shape(True, True, 1, 1), ALL) == "kernel"
+
+
+def test_a_shape_between_entries_needs_both_sides_to_agree():
+    assert pick(run=20000) == "kernel"  # 4 KiB says kernel, 32 KiB copy engine
+    assert pick(run=34000) == "kernel"  # 32 KiB says copy engine, 36 KiB kernel
+    assert pick(run=50000) == "kernel"  # 36 KiB kernel, 128 KiB copy engine
+    assert pick(run=200000) == "kernel"  # 128 KiB copy engine, 256 KiB direct
+    # totals too: 1 MiB says kernel, 16 MiB copy engine
+    assert pick(all_layers=False, run=32768, total=4 << 20) == "kernel"
+    assert pick(all_layers=False, run=32768, total=32 << 20) == "copy_engine"
+    assert pick(run=3000) == "kernel"  # shorter than every measured run
+    assert pick(load=False, run=3000) == "kernel"
+
+
+def test_a_backend_that_holds_the_host_longer_than_the_kernel_is_never_chosen():
+    slack = copy_table.ENQUEUE_SLACK_S
+    fast_but_blocking = entry(True, True, 1, 1, kernel=1.0, ce=0.5, direct=0.4,
+                              host=(1e-5, 1e-5 + slack * 1.1, 1e-5 + slack * 1.1))  # fmt: skip
+    assert fast_but_blocking.best(ALL) == "kernel"
+    within = entry(True, True, 1, 1, kernel=1.0, ce=0.5, direct=0.4,
+                   host=(1e-5, 1e-5 + slack * 0.9, 1e-3))  # fmt: skip
+    assert within.best(ALL) == "copy_engine"
+    unmeasured_host = Entry(Shape(True, True, 1.0, 1), (("kernel", 1.0), ("copy_engine", 0.5)),
+                            (("kernel", 1e-5),))  # fmt: skip
+    assert unmeasured_host.best(ALL) == "kernel"
 
 
 def test_slack_is_relative_to_the_fastest():
@@ -72,6 +100,32 @@ def test_slack_is_relative_to_the_fastest():
     e = entry(True, True, 1, 1, kernel=1.0, ce=1.0 + copy_table.COPY_ENGINE_SLACK * 0.99)
     assert e.best(ALL) == "copy_engine"
     assert entry(True, True, 1, 1, kernel=INF, ce=INF).best(ALL) is None
+
+
+def test_choices_are_remembered_and_bounded(monkeypatch):
+    table = CopyTable("k", "GPU", TABLE.entries)
+    calls = []
+    agreed = CopyTable._agreed
+    monkeypatch.setattr(CopyTable, "_agreed", lambda self, *a: calls.append(a) or agreed(self, *a))
+    assert [pick(run=32768, table=table) for _ in range(3)] == ["copy_engine"] * 3
+    assert len(calls) == 1
+    assert pick(run=32768, allowed=("kernel",), table=table) == "kernel"  # another key
+    assert len(calls) == 2
+    monkeypatch.setattr(copy_table, "MEMO_MAX", 4)
+    for run in range(10):
+        pick(run=32768 + run, table=table)
+    assert len(table._memo) <= 4
+    assert table == CopyTable("k", "GPU", TABLE.entries)  # the memo is not part of equality
+
+
+def test_calibration_geometries_have_the_grid_runs():
+    from pagekv.kernels._calibrate import _geometry
+
+    for run in copy_table.RUN_BYTES:
+        for all_layers in (True, False):
+            geo = _geometry(all_layers, run)
+            assert geo.page_size * geo.item_bytes == run
+    assert _geometry(True, 36864).is_mla and _geometry(True, 36864).page_size == 32
 
 
 def test_table_cache_round_trip_key_and_bad_files(tmp_path, caplog):

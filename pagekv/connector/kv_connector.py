@@ -20,8 +20,9 @@ The contract with the engine (tested in tests/gpu/test_engine_contract_gpu.py):
 4. **Layer-wise load lifetimes.** Index tensors of :meth:`load_async` live on the load stream
    until its kernels finish (see :mod:`.layerwise`).
 5. **No hidden host syncs.** :meth:`save`, :meth:`load` and :meth:`load_async` validate CPU
-   indices on the CPU and either hand them to the copy engine as they are (where the measured
-   table picks it: :mod:`.transfer_indices`) or upload them for the kernel from a pinned ring
+   indices on the CPU and either hand them to the copy engine as they are (where
+   ``PAGEKV_COPY_BACKEND=auto`` and the measured table pick it: :mod:`.transfer_indices`) or
+   upload them for the kernel (the default) from a pinned ring
    allocated once (a page-locked allocation or a pageable upload would synchronise the
    device); saves and loads run on separate streams.
 6. **Bounded waits.** :meth:`lookup` returns within ``lookup_timeout_s``; store failures are
@@ -54,7 +55,7 @@ import torch
 from pagekv.errors import ConnectorClosed, PoolExhausted
 from pagekv.geometry import KVGeometry
 from pagekv.kernels import DeviceKV, calibrate, load, save
-from pagekv.kernels.jit import load_library
+from pagekv.kernels.jit import copy_backend_setting, load_library
 from pagekv.kernels.layout import check_slots
 from pagekv.store import ClientConfig
 from pagekv.store.wire import native
@@ -188,12 +189,13 @@ class KVConnector:
         bounded lookup does not pay for the connections, and load (or build, ~1 s) the store's
         native checked copy, so that the first fetch does not pay for that. True when every
         node answered; never raises on store trouble (``NativeCopyUnavailable`` only with
-        ``PAGEKV_NATIVE_COPY=on`` and no library). On CUDA it also reads (or measures, a few
-        seconds once per GPU and driver) the table that picks each copy's backend
-        (:func:`pagekv.kernels.calibrate`), which the first load or save would do otherwise.
-        Call at start-up, not per request."""
+        ``PAGEKV_NATIVE_COPY=on`` and no library). On CUDA with ``PAGEKV_COPY_BACKEND=auto``
+        it also reads (or measures, ~15 s once per GPU and driver) the table that picks each
+        copy's backend (:func:`pagekv.kernels.calibrate`), which the first load or save would do
+        otherwise. Call at start-up, not per request."""
         native.load()
-        if self.kv.device.type == "cuda" and load_library() is not None:
+        cuda = self.kv.device.type == "cuda" and load_library() is not None
+        if cuda and copy_backend_setting() == "auto":
             calibrate(self.kv.device.index)
         return self.index.connect(timeout_s)
 

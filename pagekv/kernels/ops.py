@@ -5,11 +5,12 @@
 * ``"direct"``: one ``cudaMemcpyAsync`` per run of consecutive slots (large pages);
 * ``"torch"``: the reference (:mod:`.reference`), used on CPU and when kernels are unavailable.
 
-``backend="auto"`` picks: torch on CPU; the kernel when the page ids or slots are CUDA tensors
-(the other two build their copies on the host) or a CUDA graph is being captured; else the
-backend of the nearest shape (run at or below) in the table measured once for this GPU
-(:mod:`.copy_table`), the copy engine unless it is more than 10% slower.
-``PAGEKV_COPY_BACKEND`` (:mod:`.jit`) replaces ``auto`` with one backend. Launches go on
+``backend="auto"`` picks: torch on CPU; else what ``PAGEKV_COPY_BACKEND`` (:mod:`.jit`) says,
+by default the kernel. With the setting ``auto`` (opt-in): the kernel when the page ids or
+slots are CUDA tensors (the other two build their copies on the host) or a CUDA graph is being
+captured; else the backend the measured shapes around this one agree on in the table measured
+once for this GPU (:mod:`.copy_table`): only backends whose host time per call stays within
+the kernel's, the copy engine unless it is more than 10% slower than the fastest. Launches go on
 torch's current stream and neither allocate nor synchronise, so kernel launches can be captured
 in a CUDA graph (pass device index tensors and ``validate=False`` inside a capture).
 
@@ -121,6 +122,15 @@ def _kernel_lib(backend: str, cuda_ok: bool, why_not: str) -> ctypes.CDLL | None
     if lib is None and backend in _CUDA_BACKENDS:
         raise KernelsUnavailable("CUDA kernels unavailable; see PAGEKV_KERNELS and the log")
     return lib
+
+
+def _device_indices(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, copied on the current stream without holding the host: a CPU
+    tensor goes through pinned memory (torch's caching host allocator, which keeps the block
+    until the copy is done), since a copy from pageable memory waits for the stream."""
+    if t.device.type == "cpu" and not t.is_pinned():
+        t = t.contiguous().pin_memory()
+    return t.to(device, non_blocking=True).contiguous()
 
 
 def _host_indices(ids: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,8 +261,7 @@ def _page_transfer(
             geo.page_size, geo.num_kv, geo.num_layers, l0, nl, stream,
         )  # fmt: skip
     else:
-        ids_d = ids.to(dev, non_blocking=True).contiguous()
-        s_d = s.to(dev, non_blocking=True).contiguous()
+        ids_d, s_d = _device_indices(ids, dev), _device_indices(s, dev)
         host_addr = _device_address(host, dev)
         width = _vector_width(geo.item_bytes, kv.slot_stride_bytes, host_addr, *kv.layer_ptrs)
         unroll = UNROLL_LOAD if load else UNROLL_SAVE
