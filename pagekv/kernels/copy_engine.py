@@ -9,8 +9,10 @@ split over ``LANES`` streams ordered after the caller's stream and joined back t
 One form: on the H200 (docs/benchmarks.md, "copy engine") 1-D copies over 16 streams reach
 0.96-0.99 of the pinned contiguous copy for runs >= 32 KiB, and collapse (0.05-0.2) below
 ~28 KiB, where 2-D copies (~3 us of engine time each) reached only 0.47-0.88 and the kernel
-0.92; ``backend="auto"`` (:mod:`.copy_table`) measures this form per shape and takes the kernel
-where it loses.
+0.92. Its host cost grows with the copies: ~0.5 us each, and the call waits for the engines
+once the driver's queue is full, so the calling thread is held for most of a transfer of 32 KiB
+runs; it is therefore never the default, and ``PAGEKV_COPY_BACKEND=auto`` (:mod:`.copy_table`)
+takes it only where its measured host time stays within the kernel's.
 
 Availability is found at run time: the library must be built with CUDA >= 12.8 and the driver
 must be >= 12.8 (:func:`supported`). A call the driver refuses is logged once and the device
