@@ -39,7 +39,9 @@ BACKENDS = ("kernel", "copy_engine")
 
 def transfer_fns(st: Setup, n: int, layer: int | None) -> dict[str, Callable[[], str]]:
     """``{backend}_{load,save}``: the kernel with device indices (capturable), the copy
-    engine with CPU indices, ``auto`` as the connector runs it (CPU indices in)."""
+    engine with CPU indices, ``auto`` as the connector runs it (CPU indices in); for one-layer
+    transfers also ``kernelcpu``: the kernel handed CPU indices (uploaded through pinned
+    memory)."""
     fns = {}
     for backend in BACKENDS:
         ids, slots = (st.ids, st.slots) if backend == "kernel" else (st.ids_cpu, st.slots_cpu)
@@ -47,6 +49,11 @@ def transfer_fns(st: Setup, n: int, layer: int | None) -> dict[str, Callable[[],
                                        backend=backend)  # fmt: skip
         fns[f"{backend}_save"] = _call(save, st.kv, slots[:n], st.host, ids[:n], layer=layer,
                                        backend=backend)  # fmt: skip
+    if layer is not None:  # what a layer-by-layer load with CPU indices pays for the upload
+        fns["kernelcpu_load"] = _call(load, st.host, st.ids_cpu[:n], st.kv, st.slots_cpu[:n],
+                                      layer=layer, backend="kernel")  # fmt: skip
+        fns["kernelcpu_save"] = _call(save, st.kv, st.slots_cpu[:n], st.host, st.ids_cpu[:n],
+                                      layer=layer, backend="kernel")  # fmt: skip
     staging = IndexStaging()
     page_ids, slots = st.ids_cpu[:n].tolist(), st.slots_cpu[:n]
 
