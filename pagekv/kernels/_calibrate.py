@@ -63,11 +63,11 @@ def _shape_seconds(
         else:
             fn = functools.partial(ops.save, kv, slots, host, ids, layer=layer, backend=backend,
                                    validate=False)  # fmt: skip
-        t, host = median_seconds(fn, stream.synchronize)
+        t, host_s = median_seconds(fn, stream.synchronize)
         if backend == "copy_engine" and not copy_engine.supported(dev.index or 0):
-            t = host = math.inf  # the driver refused it: the kernel ran in its place
+            t = host_s = math.inf  # the driver refused it: the kernel ran in its place
         seconds.append((backend, t))
-        enqueue.append((backend, host))
+        enqueue.append((backend, host_s))
     shape = Shape(load, all_layers, float(run), n_pages * per_page)
     return Entry(shape, tuple(seconds), tuple(enqueue))
 
