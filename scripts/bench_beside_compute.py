@@ -4,7 +4,9 @@ Part 1, a decode-like step: Llama-3-8B-shaped bf16 matmuls at batch 8 (32 layers
 gate/up and down projections: 14 GB of weights read per step, as a decode reads them), captured
 in one CUDA graph and replayed on a stream of its own, each replay timed with events on that
 stream (never a device-wide sync). In each round and for each load -- a plain contiguous
-``cudaMemcpyAsync`` of the same bytes, the kernel, the copy engine, the direct backend -- the
+``cudaMemcpyAsync`` of the same bytes, the kernel, the copy engine, ``auto`` (with
+``PAGEKV_COPY_BACKEND=auto``, set here: what the measured table picks for CPU indices), the
+direct backend -- the
 step is timed alone, then beside a 4 GiB all-layer load on a side stream; only steps that start
 and end inside the load's window (events on the side stream) count. A round's slowdown is the
 median beside over the median alone; the figure is the median over rounds, and the ratio of a
@@ -14,7 +16,8 @@ Part 2, the reference engine (``pagekv.engine``, Llama-3-8B shape, random weight
 replayed from CUDA graphs): decode tokens/s of one request while other requests' prefixes of
 1-4 GiB are loaded layer by layer (one ``load(..., layer=l)`` per layer, prefix after prefix,
 enqueued when the prefill is done, on a side stream, as many as outlast the decode: checked
-each time), against the same decode alone, in alternated pairs.
+each time), against the same decode alone, in alternated pairs; with the host time that
+enqueuing the loads took (an engine's step thread would wait that long).
 
     python scripts/bench_beside_compute.py [--rounds 7] [--engine-sizes 1,4] [--skip-engine]
                                            [--skip-decode]
@@ -23,6 +26,7 @@ each time), against the same decode alone, in alternated pairs.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -120,7 +124,7 @@ class Loads:
                     )
                 return how
             backend, _, lanes = how.partition("@")  # copy_engine@N: over N streams
-            cpu = backend in ("copy_engine", "direct")
+            cpu = backend != "kernel"  # auto: CPU indices, as the connector passes them
             pages = self.n_pages if layer is None else max(1, nbytes // self.geo.page_bytes)
             ids = (self.ids_cpu if cpu else self.ids)[:pages]
             slots = (self.slots_cpu if cpu else self.slots)[:pages]
@@ -146,7 +150,7 @@ def _ms(ref: torch.cuda.Event, ev: torch.cuda.Event) -> float:
 
 def decode_beside(args: argparse.Namespace, step: DecodeStep, loads: Loads) -> dict:
     ce = [f"copy_engine@{n}" for n in args.ce_lanes] if copy_engine.supported(0) else []
-    backends = ["plain_copy", "kernel", *ce, "direct"]
+    backends = ["plain_copy", "kernel", *ce, "auto", "direct"]
     # warm-up, and each load's time alone (sizes the decode run beside it)
     load_ms = {}
     for how in backends:
@@ -245,12 +249,16 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
         # loads are enqueued here (host time outside the decode's) and run on the side stream
         # beside the whole decode (checked: still running when it ends)
         if state.get("how") is not None:
+            t0 = time.perf_counter()
             state["events"] = enqueue(state["how"], state["size"], state["repeats"])
+            state["enqueue_ms"] = (time.perf_counter() - t0) * 1e3  # host time; blocks if the
+            # driver's queue fills, so that the loads run before the decode instead of beside it
         return original(*a, **kw)
 
     engine._save = save_then_loads
     backends = ["plain_copy", "kernel"]
     backends += [f"copy_engine@{n}" for n in args.ce_lanes] if copy_engine.supported(0) else []
+    backends.append("auto")
 
     def one(how: str | None, size: int, repeats: int = 0) -> dict:
         state.clear()
@@ -266,6 +274,8 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
             loads.stream.synchronize()
             out["prefixes"] = repeats
             out["load_gbps"] = round(repeats * size / start.elapsed_time(end) / 1e6, 2)
+            out["enqueue_ms"] = round(state["enqueue_ms"], 1)
+            out["loads_ms"] = round(start.elapsed_time(end), 1)
         return out
 
     def covering(how: str, size: int) -> dict:
@@ -302,9 +312,13 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
                         for a, x in zip(pairs["alone"], pairs[b])]  # fmt: skip
             row["slowdown"][b] = round(statistics.median(per_pair), 4)
         out["sizes"].append(row)
+        # a decode that outlasted its loads ran partly alone: its figure is no measurement
+        row["void"] = [b for b in backends if not all(x["loads_outlasted_decode"]
+                                                      for x in pairs[b])]  # fmt: skip
         print(f"engine decode beside {gib} GiB layer-by-layer loads, back to back: "
               f"alone {row['tokens_per_s']['alone']:.1f} tok/s | " + " | ".join(
                   f"{b} {row['tokens_per_s'][b]:.1f} tok/s ({row['slowdown'][b]:+.1%})"
+                  + (" VOID: the loads ended before the decode" if b in row["void"] else "")
                   for b in backends), flush=True)  # fmt: skip
     engine.close()
     return out
@@ -329,6 +343,7 @@ def main() -> None:
     ap.add_argument("--ce-lanes", type=lambda s: [int(x) for x in s.split(",")],
                     default=[copy_engine.LANES], help="copy-engine streams to compare")  # fmt: skip
     args = parse_args(ap)
+    os.environ["PAGEKV_COPY_BACKEND"] = "auto"  # the "auto" rows measure the opt-in table
     env = environment()
     print(f"# {env['device']} torch {env['torch']} cuda {env.get('cuda')} commit {env['commit']}")
     spec = {
@@ -348,6 +363,7 @@ def main() -> None:
     if not args.skip_decode:
         step = DecodeStep()
         result["decode"] = decode_beside(args, step, loads)
+        write_result("bench_beside_compute", result)  # kept if the engine part is cut short
         del step
         torch.cuda.empty_cache()
     if not args.skip_engine:

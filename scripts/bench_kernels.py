@@ -1,10 +1,7 @@
 """Kernel benchmark (GPU): page-first host <-> layer-first device transfers and the fused KV store,
 side by side with the contiguous pinned copy (the ceiling) in the same run.
 
-Copy engine (``--only copy_engine,ce_one_layer,ce_diag``): the batched-DMA backend with 2-D
-and 1-D descriptors against the kernel and the ceiling in the same rounds, the one-layer load
-by batch size, whether a batched copy can be captured in a CUDA graph and the largest row pitch
-a 2-D copy takes.
+The copy-engine backend is measured by ``scripts/bench_copy_engine.py``.
 
 For each geometry (Llama-3-8B, its TP-8 slice with 256-byte rows, a DeepSeek-style MLA latent)
 and page size 1..128, moving >= 256 MiB: our kernel (load / save, all layers, N blocks), the
@@ -25,7 +22,7 @@ import torch
 from _bench_util import environment, parse_args, write_result
 
 from pagekv.connector import KVGeometry
-from pagekv.kernels import DeviceKV, copy_engine, load, ops, reference, save, store_kv
+from pagekv.kernels import DeviceKV, load, ops, save, store_kv
 
 DEV = torch.device("cuda")
 GEOMETRIES = {
@@ -486,248 +483,6 @@ def tp8_sweep(raw_host, args) -> list[dict]:
     return out
 
 
-def ce_fns(st: Setup, tag: str = "ce", two_d: bool = True, flags: int | None = None) -> dict:
-    """Copy-engine load and save (CPU indices), with the descriptor form and flags given."""
-
-    def call(fn):
-        saved = copy_engine.USE_2D, copy_engine.FLAGS
-        copy_engine.USE_2D = two_d
-        copy_engine.FLAGS = saved[1] if flags is None else flags
-        try:
-            assert fn() == "copy_engine", "the copy engine did not run"
-        finally:
-            copy_engine.USE_2D, copy_engine.FLAGS = saved
-
-    return {
-        f"{tag}_load": lambda: call(lambda: load(st.host, st.ids_cpu, st.kv, st.slots_cpu,
-                                                 backend="copy_engine", validate=False)),
-        f"{tag}_save": lambda: call(lambda: save(st.kv, st.slots_cpu, st.host, st.ids_cpu,
-                                                 backend="copy_engine", validate=False)),
-    }  # fmt: skip
-
-
-def ce_rows(raw_host, args) -> list[dict]:
-    """All-layer transfers: the copy engine as ``auto`` runs it (``ce``), with 1-D copies only
-    (``ce1d``, from 16-token pages) and without the overlap flag (``ce_noflag``, 16-token pages),
-    against the kernel, each as a ratio to the contiguous pinned copy timed in the same rounds."""
-    rows = []
-    for name, spec in GEOMETRIES.items():
-        for page in args.ce_page_sizes:
-            geo = KVGeometry(page_size=page, **spec)
-            st = Setup(raw_host, geo, args.bytes)
-            fns = {**ceiling_fns(raw_host, st.nbytes), **kernel_fns(st), **ce_fns(st)}
-            if page >= 16:
-                fns.update(ce_fns(st, "ce1d", two_d=False))
-            if page == 16:
-                fns.update(ce_fns(st, "ce_noflag", flags=0))
-            try:
-                t = interleaved(fns, args.reps)
-            except (AssertionError, RuntimeError) as e:  # recorded, and the sweep goes on
-                rows.append(dict(geometry=name, page_size=page, error=str(e)[:300],
-                                 failed=copy_engine._failed.pop(0, None)))  # fmt: skip
-                print(f"copy engine {name} page {page}: {rows[-1]}", flush=True)
-                continue
-            plan = copy_engine.row_plan(st.kv, 0, geo.num_layers, page * geo.item_bytes)
-            r = dict(geometry=name, page_size=page, item_bytes=geo.item_bytes,
-                     run_kib=page * geo.item_bytes / 1024, mib=st.nbytes / 2**20,
-                     rows_per_copy=plan.rows_per_copy)  # fmt: skip
-            for key in t:
-                r[f"{key}_gbps"] = round(gbps(st.nbytes, statistics.median(t[key])), 2)
-            for key in t:
-                if key.startswith("ceiling"):
-                    continue
-                ceiling = "ceiling_h2d" if key.endswith("load") else "ceiling_d2h"
-                r[f"{key}_ratio"] = ratio(t, ceiling, key)
-            rows.append(r)
-            print(f"copy engine {name:14s} page {page:4d}: "
-                  + " ".join(f"{k[:-6]} {v:.3f}" for k, v in r.items() if k.endswith("_ratio"))
-                  + f" (ceiling {r['ceiling_h2d_gbps']:.1f}/{r['ceiling_d2h_gbps']:.1f} GB/s)",
-                  flush=True)  # fmt: skip
-    return rows
-
-
-def ce_layer_rows(raw_host, args) -> list[dict]:
-    """One-layer load and save (layer 5, 16-token pages): kernel and copy engine by batch."""
-    out = []
-    for name in ("llama3-8b", "mla-576"):
-        geo = KVGeometry(page_size=16, **GEOMETRIES[name])
-        st = Setup(raw_host, geo, raw_host.numel())
-        per_page = geo.page_bytes // geo.num_layers
-        for mib in (1, 4, 16, 32):
-            n = max(1, min(st.n_pages, mib * 2**20 // per_page))
-            nbytes = n * per_page
-            ids, slots, ids_c, slots_c = st.ids[:n], st.slots[:n], st.ids_cpu[:n], st.slots_cpu[:n]
-            fns = ceiling_fns(raw_host, nbytes)
-            fns["kernel_load"] = lambda: load(st.host, ids, st.kv, slots, layer=5,
-                                              backend="kernel", validate=False)  # fmt: skip
-            fns["kernel_save"] = lambda: save(st.kv, slots, st.host, ids, layer=5,
-                                              backend="kernel", validate=False)  # fmt: skip
-            fns["ce_load"] = lambda: load(st.host, ids_c, st.kv, slots_c, layer=5,
-                                          backend="copy_engine", validate=False)  # fmt: skip
-            fns["ce_save"] = lambda: save(st.kv, slots_c, st.host, ids_c, layer=5,
-                                          backend="copy_engine", validate=False)  # fmt: skip
-            t = interleaved(fns, args.reps * 3)
-            plan = copy_engine.row_plan(st.kv, 5, 1, 16 * geo.item_bytes)
-            r = dict(geometry=name, batch_mib=round(nbytes / 2**20, 2), pages=n,
-                     rows_per_copy=plan.rows_per_copy)  # fmt: skip
-            for key in ("kernel_load", "ce_load", "kernel_save", "ce_save"):
-                ceiling = "ceiling_h2d" if key.endswith("load") else "ceiling_d2h"
-                r[f"{key}_ratio"] = ratio(t, ceiling, key)
-                r[f"{key}_gbps"] = round(gbps(nbytes, statistics.median(t[key])), 2)
-            r["ceiling_h2d_gbps"] = round(gbps(nbytes, statistics.median(t["ceiling_h2d"])), 2)
-            out.append(r)
-            print(f"one-layer copy engine {r}", flush=True)
-    return out
-
-
-def ce_sweep(raw_host, args) -> list[dict]:
-    """Descriptor form (2-D / 1-D) and streams (lanes) of the copy engine by transfer shape,
-    against the kernel, each a ratio to the contiguous copy timed in the same rounds."""
-    cases = [  # geometry, page size, layer (None: all), bytes
-        ("llama3-8b", 16, None, 256 << 20), ("llama3-8b", 32, None, 256 << 20),
-        ("llama3-8b", 128, None, 256 << 20), ("llama3-8b-tp8", 16, None, 256 << 20),
-        ("llama3-8b-tp8", 64, None, 256 << 20), ("llama3-8b-tp8", 128, None, 256 << 20),
-        ("mla-576", 16, None, 256 << 20), ("mla-576", 32, None, 256 << 20),
-        ("llama3-8b", 16, 5, 4 << 20), ("llama3-8b", 16, 5, 32 << 20),
-        ("llama3-8b", 64, 5, 4 << 20), ("mla-576", 16, 5, 4 << 20), ("mla-576", 64, 5, 16 << 20),
-        ("llama3-8b-tp8", 128, 5, 4 << 20),
-    ]  # fmt: skip
-    saved = (copy_engine.USE_2D, copy_engine.LANES, copy_engine.MIN_2D_ROWS,
-             copy_engine.ONE_D_MIN_RUN)  # fmt: skip
-    out = []
-    for name, page, layer, nbytes in cases:
-        geo = KVGeometry(page_size=page, **GEOMETRIES[name])
-        per_page = geo.page_bytes if layer is None else geo.page_bytes // geo.num_layers
-        st = Setup(raw_host, geo, geo.page_bytes * max(1, nbytes // per_page), joint=True)
-        n = max(1, min(st.n_pages, nbytes // per_page))
-        moved = n * per_page
-        ids_c, slots_c, ids, slots = st.ids_cpu[:n], st.slots_cpu[:n], st.ids[:n], st.slots[:n]
-
-        def ce(two_d: bool, lanes: int, ld: bool):
-            def call():
-                copy_engine.USE_2D, copy_engine.LANES = two_d, lanes
-                copy_engine.MIN_2D_ROWS, copy_engine.ONE_D_MIN_RUN = 2, 1 << 62
-                try:
-                    if ld:
-                        got = load(st.host, ids_c, st.kv, slots_c, layer=layer,
-                                   backend="copy_engine", validate=False)  # fmt: skip
-                    else:
-                        got = save(st.kv, slots_c, st.host, ids_c, layer=layer,
-                                   backend="copy_engine", validate=False)  # fmt: skip
-                    assert got == "copy_engine", "the copy engine did not run"
-                finally:
-                    (copy_engine.USE_2D, copy_engine.LANES, copy_engine.MIN_2D_ROWS,
-                     copy_engine.ONE_D_MIN_RUN) = saved  # fmt: skip
-
-            return call
-
-        fns = ceiling_fns(raw_host, moved)
-        fns["kernel_load"] = lambda: load(st.host, ids, st.kv, slots, layer=layer,
-                                          backend="kernel", validate=False)  # fmt: skip
-        fns["kernel_save"] = lambda: save(st.kv, slots, st.host, ids, layer=layer,
-                                          backend="kernel", validate=False)  # fmt: skip
-        for two_d in (True, False):
-            for lanes in (1, 2, 4):
-                for ld in (True, False):
-                    key = f"ce{'2d' if two_d else '1d'}_l{lanes}_{'load' if ld else 'save'}"
-                    fns[key] = ce(two_d, lanes, ld)
-        r = dict(geometry=name, page_size=page, layer=layer, mib=round(moved / 2**20, 2))
-        try:
-            t = interleaved(fns, args.reps)
-        except (AssertionError, RuntimeError) as e:
-            r.update(error=str(e)[:300], failed=copy_engine._failed.pop(0, None))
-            out.append(r)
-            print(f"ce sweep {r}", flush=True)
-            continue
-        for key in t:
-            if not key.startswith("ceiling"):
-                ceiling = "ceiling_h2d" if key.endswith("load") else "ceiling_d2h"
-                r[key] = ratio(t, ceiling, key)
-        r["ceiling_gbps"] = round(gbps(moved, statistics.median(t["ceiling_h2d"])), 2)
-        out.append(r)
-        print(f"ce sweep {r}", flush=True)
-    return out
-
-
-def ce_diag(raw_host, args) -> dict:
-    """Whether a batched copy can be captured in a CUDA graph, and whether a 2-D copy takes a
-    row pitch over 2 GiB (rows further apart than ``copy_engine.MAX_PITCH`` get 1-D copies)."""
-    out: dict = {"support": copy_engine._support(0)}
-    geo = KVGeometry(page_size=16, **GEOMETRIES["llama3-8b"])
-    st = Setup(raw_host, geo, 64 << 20)
-    stream = torch.cuda.Stream()
-    graph = torch.cuda.CUDAGraph()
-    failed = dict(copy_engine._failed)
-    try:
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            got = load(st.host, st.ids_cpu, st.kv, st.slots_cpu, backend="copy_engine",
-                       validate=False)  # fmt: skip
-        graph.replay()
-        torch.cuda.synchronize()
-        out["graph_capture"] = dict(backend=got, failed=copy_engine._failed.get(0))
-    except RuntimeError as e:
-        out["graph_capture"] = dict(error=str(e).splitlines()[0][:200],
-                                    failed=copy_engine._failed.get(0))  # fmt: skip
-    torch.cuda.synchronize()
-    copy_engine._failed.clear()
-    copy_engine._failed.update(failed)
-    # one latent group of 2 layers, 2.25 GiB apart
-    mla = KVGeometry(num_layers=2, page_size=16, num_kv_heads=1, head_dim=1024, dtype="bf16",
-                     kind="mla")  # fmt: skip
-    slots_n = (9 << 30) // 4 // mla.item_bytes  # 2.25 GiB per layer
-    cache = torch.empty(2, slots_n, 1024, dtype=mla.dtype, device=DEV)
-    kv = DeviceKV.from_caches(mla, cache)
-    n = 64
-    host = raw_host[: n * mla.page_bytes].view(mla.dtype).view(n, *mla.host_page_shape)
-    ids = torch.randperm(n)
-    slots = torch.randperm(slots_n // 16)[:n, None] * 16 + torch.arange(16)
-    saved = copy_engine.MAX_PITCH
-    copy_engine.MAX_PITCH = 1 << 40
-    try:
-        plan = copy_engine.row_plan(kv, 0, 2)
-        flat = slots.view(-1).to(DEV)
-        cache.view(torch.int16)[:, flat] = -0x5A5B  # poison the destination rows
-        got = load(host, ids, kv, slots, backend="copy_engine", validate=False)
-        torch.cuda.synchronize()
-        ref = torch.empty(2, n * 16, 1024, dtype=mla.dtype, device=DEV)
-        reference.load_ref(
-            host, ids, DeviceKV.from_caches(mla, ref), torch.arange(n * 16).view(n, 16)
-        )
-        same = bool(torch.equal(cache[:, flat].view(torch.int16), ref.view(torch.int16)))
-        out["pitch_over_2gib"] = dict(pitch=plan.pitch, mode=plan.mode, backend=got, exact=same,
-                                      failed=copy_engine._failed.get(0))  # fmt: skip
-    finally:
-        copy_engine.MAX_PITCH = saved
-        copy_engine._failed.clear()
-        copy_engine._failed.update(failed)
-        del cache
-        torch.cuda.empty_cache()
-    # one-layer loads of 16 MiB in 512-byte runs (16384 pages): refused once (cudaError 1) at
-    # 16384 descriptors per call on the H200; by descriptors per call and form
-    geo = KVGeometry(2, 2, 1, 128, "bf16")
-    st = Setup(raw_host, geo, 16384 * geo.page_bytes, joint=True)
-    runs = {}
-    saved = copy_engine.MAX_OPS, copy_engine.MIN_2D_ROWS, copy_engine.LANES
-    for max_ops in (16384, 4096, 1024):
-        for min_rows in (2, 4):
-            copy_engine.MAX_OPS, copy_engine.MIN_2D_ROWS, copy_engine.LANES = max_ops, min_rows, 1
-            copy_engine._failed.clear()
-            try:
-                got = load(st.host, st.ids_cpu, st.kv, st.slots_cpu, layer=1,
-                           backend="copy_engine", validate=False)  # fmt: skip
-                torch.cuda.synchronize()
-                runs[f"{max_ops}_{'2d' if min_rows == 2 else '1d'}"] = dict(
-                    backend=got, stats=copy_engine.last_stats, failed=copy_engine._failed.get(0)
-                )
-            finally:
-                copy_engine.MAX_OPS, copy_engine.MIN_2D_ROWS, copy_engine.LANES = saved
-    copy_engine._failed.clear()
-    copy_engine._failed.update(failed)
-    out["many_small_one_layer"] = runs
-    print(f"copy engine diag {out}", flush=True)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--bytes", type=int, default=256 << 20)
@@ -742,11 +497,6 @@ def main() -> None:
         "--store-tokens",
         type=lambda s: [int(x) for x in s.split(",")],
         default=[1, 16, 64, 256, 1024, 4096, 16384, 65536, 131072],
-    )
-    ap.add_argument(
-        "--ce-page-sizes",
-        type=lambda s: [int(x) for x in s.split(",")],
-        default=[1, 4, 16, 32, 64, 128],
     )
     ap.add_argument("--only", default="", help="comma list of sections to run (default: all)")
     ap.add_argument("--quick", action="store_true", help="64 MiB, page sizes 1,16,128, 3 reps")
@@ -769,12 +519,8 @@ def main() -> None:
         "unroll": lambda: unroll_sweep(raw_host, args),
         "tp8": lambda: tp8_sweep(raw_host, args),
         "direct": lambda: direct_sweep(raw_host, args),
-        "copy_engine": lambda: ce_rows(raw_host, args),
-        "ce_one_layer": lambda: ce_layer_rows(raw_host, args),
-        "ce_diag": lambda: ce_diag(raw_host, args),
-        "ce_sweep": lambda: ce_sweep(raw_host, args),
     }
-    optional = ("unroll", "tp8", "ce_diag", "ce_sweep")
+    optional = ("unroll", "tp8")
     chosen = args.only.split(",") if args.only else [k for k in sections if k not in optional]
     for name in chosen:
         result[name] = sections[name]()

@@ -1,6 +1,7 @@
 """The kernels' build route, checked where CI runs (nvcc, no GPU): every .cu compiles, the
 library loads and its entry points reject bad launches; the cache lock builds once."""
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -11,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagekv.kernels import jit
+from pagekv.geometry import KVGeometry
+from pagekv.kernels import DeviceKV, jit
+from pagekv.kernels.layout import mean_run_bytes
 
 NVCC = jit.find_nvcc()
 needs_nvcc = pytest.mark.skipif(
@@ -33,7 +36,7 @@ def test_sources_compile_and_library_loads(tmp_path):
     assert lib_path.exists() and lib_path.stat().st_size > 10_000
     assert jit.build_library("90", directory=tmp_path) == lib_path  # cached
     lib = jit._open(lib_path)
-    assert lib.pagekv_abi_version() == 4
+    assert lib.pagekv_abi_version() == jit._ABI_VERSION == 5
     # Bad launch parameters are refused before any CUDA call (cudaErrorInvalidValue == 1).
     err = lib.pagekv_page_transfer(0, 1, None, None, None, 0, None, 0, 1, 1, 1, 1, 1,
                                    256, 16, 2, 4, 0, 1, 3, 8, 1024, 4, None)  # fmt: skip
@@ -47,21 +50,41 @@ def test_sources_compile_and_library_loads(tmp_path):
     err = lib.pagekv_slot_copy(0, None, None, None, 0, None, 0, 1, 1, 1, 1, 1,
                                256, 2, 4, 3, 2, 16, 8, 1024, None)  # fmt: skip
     assert err == 1  # layers 3..4 of 4
-    # copy engine: bad descriptor forms are refused before any CUDA call
+    # copy engine: bad arguments are refused before any CUDA call
     ce = lib.pagekv_ce_page_transfer
-    good = [0, 1, None, None, None, None, 1, 1, 1, 1, 256, 256, 16, 2, 4, 0, 4, 0, 0, 1, 2,
-            16384, None, None]  # fmt: skip
-    # rows mode, K/V groups, layers, first layer, page size, lanes (two), descriptors per call
-    bad = ((17, 3), (13, 3), (16, 5), (15, -1), (12, 0), (20, 0), (20, 9), (21, 0))
+    good = [0, 1, None, None, None, None, 1, 1, 1, 1, 256, 256, 16, 2, 4, 0, 4, 1, 2, 16384,
+            None, None]  # fmt: skip
+    # K/V groups, layers, first layer, page size, lanes (two), descriptors per call
+    bad = ((13, 3), (16, 5), (15, -1), (12, 0), (18, 0), (18, 17), (19, 0))
     for index, value in bad:
         args = list(good)
         args[index] = value
         assert ce(*args) == 1, (index, value)
-    args = list(good)
-    args[17], args[18] = 1, 256 * 16 - 1  # 2-D rows closer than a 16-token run
-    assert ce(*args) == 1
     if not torch.cuda.is_available():
         assert lib.pagekv_copy_engine_support(0) == 0
+    check_slot_runs(lib)
+
+
+def check_slot_runs(lib):
+    """The library's run count (no GPU needed) is layout.mean_run_bytes's, on random tables
+    with skipped slots, descending and page-crossing runs."""
+    geo = KVGeometry(2, 16, 1, 128, "bf16")
+    kv = DeviceKV.from_caches(geo, torch.empty(2, 4096, 1, 128, dtype=torch.bfloat16),
+                              torch.empty(2, 4096, 1, 128, dtype=torch.bfloat16))  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    tables = [torch.arange(64).view(4, 16), torch.arange(63, -1, -1).view(4, 16),
+              torch.full((3, 16), -1), torch.empty(0, 16, dtype=torch.int64)]  # fmt: skip
+    for skip in (0.0, 0.05, 0.5):
+        s = (torch.randperm(256, generator=gen)[:, None] * 16 + torch.arange(16)).contiguous()
+        s[torch.rand(s.shape, generator=gen) < skip] = -1
+        tables.append(s)
+    out = (ctypes.c_int64 * 2)()
+    for s in tables:
+        assert lib.pagekv_slot_runs(s.data_ptr(), s.shape[0], 16, out) == 0
+        tokens = int((s >= 0).sum())
+        assert out[0] == tokens
+        assert geo.item_bytes * tokens / max(out[1], 1) == mean_run_bytes(kv, s), s
+    assert lib.pagekv_slot_runs(None, 1, 16, out) == 1
 
 
 def test_compile_failure_is_reported(tmp_path, monkeypatch):

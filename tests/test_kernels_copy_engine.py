@@ -1,6 +1,6 @@
 """The copy-engine backend and the measured backend table, on CPU: the setting, the table's
-choice and cache, the descriptor form picked from a cache's layer addresses, and the fallback
-to the kernel when the driver refuses a call (a stand-in library)."""
+choice and cache, the descriptors' arguments, and the fallback to the kernel when the driver
+refuses a call (a stand-in library)."""
 
 import json
 import logging
@@ -17,26 +17,36 @@ from pagekv.kernels.layout import mean_run_bytes
 INF = math.inf
 
 
-def entry(load, all_layers, run, total, kernel, ce, direct=INF):
+def entry(load, all_layers, run, total, kernel, ce, direct=INF, host=(1e-5, 1e-5, 1e-5)):
+    """A measured shape: completion seconds, and host seconds of the call (kernel, copy engine,
+    direct)."""
     return Entry(Shape(load, all_layers, float(run), total),
-                 (("kernel", kernel), ("copy_engine", ce), ("direct", direct)))  # fmt: skip
+                 (("kernel", kernel), ("copy_engine", ce), ("direct", direct)),
+                 tuple(zip(("kernel", "copy_engine", "direct"), host)))  # fmt: skip
 
 
 TABLE = CopyTable("k", "GPU", (
     entry(True, True, 4096, 16 << 20, kernel=1.0, ce=2.0),  # small runs: the kernel
     entry(True, True, 32768, 16 << 20, kernel=1.0, ce=1.08),  # within the slack: copy engine
-    entry(True, True, 131072, 16 << 20, kernel=1.0, ce=0.9, direct=0.5),  # direct fastest
+    entry(True, True, 36864, 16 << 20, kernel=1.0, ce=1.3),  # a longer run, yet slower
+    entry(True, True, 131072, 16 << 20, kernel=1.0, ce=0.9),
+    entry(True, True, 262144, 16 << 20, kernel=1.0, ce=0.9, direct=0.5),  # direct fastest
     entry(False, True, 4096, 16 << 20, kernel=1.0, ce=0.95),
     entry(True, False, 32768, 1 << 20, kernel=1.0, ce=1.5),
     entry(True, False, 32768, 16 << 20, kernel=1.0, ce=1.0),
+    entry(True, False, 32768, 128 << 20, kernel=1.0, ce=1.0),
 ))  # fmt: skip
 ALL = ("kernel", "copy_engine", "direct")
 
 
-def test_setting(monkeypatch):
+def pick(load=True, all_layers=True, run=4096, total=16 << 20, allowed=ALL, table=TABLE):
+    return table.choose(Shape(load, all_layers, run, total), allowed)
+
+
+def test_setting_defaults_to_the_kernel(monkeypatch):
     monkeypatch.delenv("PAGEKV_COPY_BACKEND", raising=False)
-    assert jit.copy_backend_setting() == "auto"
-    for value in ("kernel", "COPY_ENGINE", " direct ", "torch", "auto"):
+    assert jit.copy_backend_setting() == "kernel"
+    for value in ("auto", "COPY_ENGINE", " direct ", "torch", "kernel"):
         monkeypatch.setenv("PAGEKV_COPY_BACKEND", value)
         assert jit.copy_backend_setting() == value.strip().lower()
     monkeypatch.setenv("PAGEKV_COPY_BACKEND", "dma")
@@ -44,23 +54,44 @@ def test_setting(monkeypatch):
         jit.copy_backend_setting()
 
 
-def test_choice_nearest_shape_and_slack():
-    def pick(load=True, all_layers=True, run=4096, total=16 << 20, allowed=ALL):
-        return TABLE.choose(Shape(load, all_layers, run, total), allowed)
-
+def test_choice_at_measured_runs_and_slack():
     assert pick(run=4096) == "kernel"
-    assert pick(run=3000) == "kernel"  # nearest in log scale: 4096
     assert pick(run=32768) == "copy_engine"  # 8% slower, within COPY_ENGINE_SLACK
-    assert pick(run=20000) == "copy_engine"  # log2 distance: nearer 32768 than 4096
-    assert pick(run=1 << 20) == "direct"
+    assert pick(run=36864) == "kernel"  # measured there: no interpolation from 32 KiB
+    assert pick(run=131072) == "copy_engine"
+    assert pick(run=1 << 20) == "direct"  # above the grid: its longest run
     assert pick(run=1 << 20, allowed=("kernel", "copy_engine")) == "copy_engine"
     assert pick(run=32768, allowed=("kernel", "direct")) == "kernel"  # copy engine failed
-    assert pick(load=False, run=512) == "copy_engine"  # the only save entry
+    assert pick(load=False, run=4096) == "copy_engine"  # saves are chosen on their own
     assert pick(all_layers=False, run=32768, total=1 << 20) == "kernel"
     assert pick(all_layers=False, run=32768, total=64 << 20) == "copy_engine"
-    # the nearest entry with nothing allowed measured: the next one
-    assert pick(run=4096, allowed=("direct",)) == "direct"
+    assert pick(run=4096, allowed=("direct",)) == "kernel"  # nothing allowed measured
     assert CopyTable("k", "GPU", ()).choose(Shape(True, True, 1, 1), ALL) == "kernel"
+
+
+def test_a_shape_between_entries_needs_both_sides_to_agree():
+    assert pick(run=20000) == "kernel"  # 4 KiB says kernel, 32 KiB copy engine
+    assert pick(run=34000) == "kernel"  # 32 KiB says copy engine, 36 KiB kernel
+    assert pick(run=50000) == "kernel"  # 36 KiB kernel, 128 KiB copy engine
+    assert pick(run=200000) == "kernel"  # 128 KiB copy engine, 256 KiB direct
+    # totals too: 1 MiB says kernel, 16 MiB copy engine
+    assert pick(all_layers=False, run=32768, total=4 << 20) == "kernel"
+    assert pick(all_layers=False, run=32768, total=32 << 20) == "copy_engine"
+    assert pick(run=3000) == "kernel"  # shorter than every measured run
+    assert pick(load=False, run=3000) == "kernel"
+
+
+def test_a_backend_that_holds_the_host_longer_than_the_kernel_is_never_chosen():
+    slack = copy_table.ENQUEUE_SLACK_S
+    fast_but_blocking = entry(True, True, 1, 1, kernel=1.0, ce=0.5, direct=0.4,
+                              host=(1e-5, 1e-5 + slack * 1.1, 1e-5 + slack * 1.1))  # fmt: skip
+    assert fast_but_blocking.best(ALL) == "kernel"
+    within = entry(True, True, 1, 1, kernel=1.0, ce=0.5, direct=0.4,
+                   host=(1e-5, 1e-5 + slack * 0.9, 1e-3))  # fmt: skip
+    assert within.best(ALL) == "copy_engine"
+    unmeasured_host = Entry(Shape(True, True, 1.0, 1), (("kernel", 1.0), ("copy_engine", 0.5)),
+                            (("kernel", 1e-5),))  # fmt: skip
+    assert unmeasured_host.best(ALL) == "kernel"
 
 
 def test_slack_is_relative_to_the_fastest():
@@ -69,6 +100,32 @@ def test_slack_is_relative_to_the_fastest():
     e = entry(True, True, 1, 1, kernel=1.0, ce=1.0 + copy_table.COPY_ENGINE_SLACK * 0.99)
     assert e.best(ALL) == "copy_engine"
     assert entry(True, True, 1, 1, kernel=INF, ce=INF).best(ALL) is None
+
+
+def test_choices_are_remembered_and_bounded(monkeypatch):
+    table = CopyTable("k", "GPU", TABLE.entries)
+    calls = []
+    agreed = CopyTable._agreed
+    monkeypatch.setattr(CopyTable, "_agreed", lambda self, *a: calls.append(a) or agreed(self, *a))
+    assert [pick(run=32768, table=table) for _ in range(3)] == ["copy_engine"] * 3
+    assert len(calls) == 1
+    assert pick(run=32768, allowed=("kernel",), table=table) == "kernel"  # another key
+    assert len(calls) == 2
+    monkeypatch.setattr(copy_table, "MEMO_MAX", 4)
+    for run in range(10):
+        pick(run=32768 + run, table=table)
+    assert len(table._memo) <= 4
+    assert table == CopyTable("k", "GPU", TABLE.entries)  # the memo is not part of equality
+
+
+def test_calibration_geometries_have_the_grid_runs():
+    from pagekv.kernels._calibrate import _geometry
+
+    for run in copy_table.RUN_BYTES:
+        for all_layers in (True, False):
+            geo = _geometry(all_layers, run)
+            assert geo.page_size * geo.item_bytes == run
+    assert _geometry(True, 36864).is_mla and _geometry(True, 36864).page_size == 32
 
 
 def test_table_cache_round_trip_key_and_bad_files(tmp_path, caplog):
@@ -105,6 +162,21 @@ def test_measured_once_then_read_from_the_cache(tmp_path):
     assert copy_table.load_table(path, "k") == TABLE  # one file per key
 
 
+def test_a_failed_measurement_leaves_auto_on_the_kernel_and_nothing_cached(tmp_path, caplog):
+    path = copy_table.table_path(tmp_path / "cache", "k")
+
+    def measure():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    with caplog.at_level(logging.WARNING, logger="pagekv.kernels.copy_table"):
+        table, fresh = copy_table.measured_or_empty(path, "k", "GPU", measure)
+    assert not fresh and table.entries == ()
+    assert table.choose(Shape(True, True, 32768, 16 << 20), ALL) == "kernel"
+    assert not path.exists()
+    assert ["out of memory" in r.getMessage() for r in caplog.records] == [True]
+    assert copy_table.measured_or_empty(path, "k", "GPU", lambda: TABLE) == (TABLE, True)
+
+
 def test_table_key_names_device_driver_and_library():
     base = copy_table.table_key("H100", 13000, "libpagekv_a.so")
     assert base == copy_table.table_key("H100", 13000, "libpagekv_a.so")
@@ -123,59 +195,9 @@ def test_grid_covers_both_directions_and_spans():
     assert {(s[0], s[1]) for s in shapes} == {(a, b) for a in (True, False) for b in (True, False)}
 
 
-# ---- descriptor forms -----------------------------------------------------------------------
+# ---- descriptors ----------------------------------------------------------------------------
 GEO = KVGeometry(4, 16, 2, 64, "bf16")  # 256-byte rows, 4 KiB per page run
 ROW = GEO.row_elems
-
-
-def test_row_plan_separate_k_and_v_tensors(monkeypatch):
-    both = torch.empty(2, GEO.num_layers, 100, 2, 64, dtype=torch.bfloat16)
-    kv = DeviceKV.from_caches(GEO, both[0], both[1])
-    layer_pitch = 100 * GEO.item_bytes
-    assert copy_engine.MIN_2D_ROWS == 4
-    assert copy_engine.row_plan(kv, 0, 4) == copy_engine.RowPlan(1, layer_pitch, 4)
-    # 2 layers, or one layer's K and V: fewer rows than MIN_2D_ROWS, so 1-D copies
-    assert copy_engine.row_plan(kv, 1, 2) == copy_engine.RowPlan(0, 0, 1)
-    assert copy_engine.row_plan(kv, 2, 1) == copy_engine.RowPlan(0, 0, 1)
-    monkeypatch.setattr(copy_engine, "MIN_2D_ROWS", 2)
-    assert copy_engine.row_plan(kv, 1, 2) == copy_engine.RowPlan(1, layer_pitch, 2)
-    # one layer: K then V, 4 layers apart
-    assert copy_engine.row_plan(kv, 2, 1) == copy_engine.RowPlan(2, 4 * layer_pitch, 2)
-
-
-def test_row_plan_interleaved_layers_and_mla():
-    inter = torch.empty(GEO.num_layers, 2, 100, 2, 64, dtype=torch.bfloat16)
-    kv = DeviceKV.from_caches(GEO, inter[:, 0], inter[:, 1])
-    assert copy_engine.row_plan(kv, 0, 4) == copy_engine.RowPlan(2, 100 * GEO.item_bytes, 8)
-    assert copy_engine.row_plan(kv, 1, 1) == copy_engine.RowPlan(0, 0, 1)  # K, V: 2 rows < 4
-    mla = KVGeometry.mla(5, 8, 576, "bf16")
-    lat = DeviceKV.from_caches(mla, torch.empty(5, 50, 576, dtype=torch.bfloat16))
-    assert copy_engine.row_plan(lat, 0, 5) == copy_engine.RowPlan(2, 50 * mla.item_bytes, 5)
-    assert copy_engine.row_plan(lat, 0, 3) == copy_engine.RowPlan(0, 0, 1)  # 3 rows < 4
-    assert copy_engine.row_plan(lat, 1, 1) == copy_engine.RowPlan(0, 0, 1)
-
-
-def test_row_plan_one_copy_per_row_when_rows_are_not_evenly_spaced(monkeypatch):
-    flat = torch.empty(10_000, ROW, dtype=torch.bfloat16)
-    starts = [0, 130, 200, 700, 1000, 1900, 2500, 4000]  # uneven gaps
-    layers = [flat[s : s + 100].view(100, 2, 64) for s in starts]
-    kv = DeviceKV.from_caches(GEO, layers[:4], layers[4:])
-    assert copy_engine.row_plan(kv, 0, 4) == copy_engine.RowPlan(0, 0, 1)
-    both = torch.empty(2, GEO.num_layers, 100, 2, 64, dtype=torch.bfloat16)
-    kv = DeviceKV.from_caches(GEO, both[0], both[1])
-    monkeypatch.setattr(copy_engine, "MAX_PITCH", 100 * GEO.item_bytes - 1)
-    assert copy_engine.row_plan(kv, 0, 4) == copy_engine.RowPlan(0, 0, 1)
-    monkeypatch.setattr(copy_engine, "MAX_PITCH", 1 << 40)
-    monkeypatch.setattr(copy_engine, "USE_2D", False)
-    assert copy_engine.row_plan(kv, 0, 4) == copy_engine.RowPlan(0, 0, 1)
-
-
-def test_row_plan_long_runs_are_1d_copies():
-    both = torch.empty(2, GEO.num_layers, 100, 2, 64, dtype=torch.bfloat16)
-    kv = DeviceKV.from_caches(GEO, both[0], both[1])
-    short = copy_engine.ONE_D_MIN_RUN - 1
-    assert copy_engine.row_plan(kv, 0, 4, short).mode == 1
-    assert copy_engine.row_plan(kv, 0, 4, copy_engine.ONE_D_MIN_RUN) == copy_engine.RowPlan(0, 0, 1)
 
 
 def test_mean_run_bytes():
@@ -190,13 +212,6 @@ def test_mean_run_bytes():
     strided = torch.empty(GEO.num_layers, 100, 2, 2, 64, dtype=torch.bfloat16)
     kv = DeviceKV.from_caches(GEO, strided[:, :, 0], strided[:, :, 1])
     assert mean_run_bytes(kv, torch.arange(32).view(2, 16)) == GEO.item_bytes  # 1-token runs
-
-
-def test_row_plan_rows_closer_than_a_run_are_not_2d():
-    # 1-slot caches: layers 256 bytes apart, a 16-token run is 4 KiB wide
-    flat = torch.empty(GEO.num_layers, 1, 2, 64, dtype=torch.bfloat16)
-    kv = DeviceKV.from_caches(GEO, flat, flat)
-    assert copy_engine.row_plan(kv, 0, 4) == copy_engine.RowPlan(0, 0, 1)
 
 
 # ---- fallback when the driver refuses a call -------------------------------------------------
@@ -229,7 +244,7 @@ def test_refused_call_is_logged_once_and_the_device_stops_using_it(monkeypatch, 
     assert not copy_engine.supported(0) and "cudaError 1" in copy_engine.disabled_reason(0)
     assert copy_engine.supported(1)  # another device keeps it
     args = lib.calls[0]
-    assert args[17:19] == (1, 100 * GEO.item_bytes)  # rows_mode 1 over the layers, its pitch
+    assert args[15:20] == (0, 4, copy_engine.FLAGS, copy_engine.LANES, copy_engine.MAX_OPS)
 
 
 def test_unsupported_library_or_driver(monkeypatch):

@@ -21,9 +21,11 @@ The contract with the engine (tested in tests/gpu/test_engine_contract_gpu.py):
 4. **Layer-wise load lifetimes.** Index tensors of :meth:`load_async` live on the load stream
    until its kernels finish (see :mod:`.layerwise`).
 5. **No hidden host syncs.** :meth:`save`, :meth:`load` and :meth:`load_async` validate CPU
-   indices on the CPU and upload them from a pinned ring allocated once (a page-locked
-   allocation or a pageable upload would synchronise the device); saves and loads run on
-   separate streams.
+   indices on the CPU and either hand them to the copy engine as they are (where
+   ``PAGEKV_COPY_BACKEND=auto`` and the measured table pick it: :mod:`.transfer_indices`) or
+   upload them for the kernel (the default) from a pinned ring
+   allocated once (a page-locked allocation or a pageable upload would synchronise the
+   device); saves and loads run on separate streams.
 6. **Bounded waits.** :meth:`lookup` returns within ``lookup_timeout_s``; store failures are
    misses and counters (``stats()['store_errors']``), never exceptions in the engine's step.
 7. **Pool pressure.** A prefetch takes the longest prefix that fits; fetched pages are handed
@@ -42,6 +44,7 @@ engine's thread); ``prefetch``/``flush`` can be awaited from any loop, ``prefetc
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import time
@@ -52,7 +55,8 @@ import torch
 
 from pagekv.errors import ConnectorClosed, PoolExhausted
 from pagekv.geometry import KVGeometry
-from pagekv.kernels import DeviceKV, load, save
+from pagekv.kernels import DeviceKV, calibrate, load, save
+from pagekv.kernels.jit import copy_backend_setting, load_library
 from pagekv.kernels.layout import check_slots
 from pagekv.store import ClientConfig
 from pagekv.store.wire import native
@@ -68,6 +72,7 @@ from .loop import LoopThread
 from .page_cache import PageCache
 from .staging import IndexStaging
 from .streaming_load import StreamingLoad
+from .transfer_indices import transfer_indices
 from .writeback import WriteBack
 
 __all__ = ["KVConnector", "Prefetch", "SaveHandle"]
@@ -150,6 +155,8 @@ class KVConnector:
         self._load_stream = torch.cuda.Stream(self.kv.device) if cuda else None
         self._staging = IndexStaging() if cuda else None  # the only page-locked allocation
         self._closed = False
+        # host <-> device copies (load, load_async, save) by the backend they used
+        self.transfer_backends: collections.Counter[str] = collections.Counter()
         # a fetch-or-recompute policy (pagekv.connector.policy.FetchPolicy) the engine consults;
         # its decisions and their inputs show in stats()["policy"]
         self.policy: Any = None
@@ -180,14 +187,23 @@ class KVConnector:
             raise ValueError(f"device_slots needs {need} slots (1-D), got shape {tuple(s.shape)}")
         return check_slots(s[:need], num_pages, self.geometry.page_size, self.kv.num_slots)
 
+    def _count(self, backend: str) -> None:
+        self.transfer_backends[backend] += 1
+
     # ---- lookup ----------------------------------------------------------------------------
     def connect(self, timeout_s: float = 5.0) -> bool:
         """Connect to the store's nodes now (see :meth:`KVIndex.connect`), so that the first
         bounded lookup does not pay for the connections, and load (or build, ~1 s) the store's
         native checked copy, so that the first fetch does not pay for that. True when every
         node answered; never raises on store trouble (``NativeCopyUnavailable`` only with
-        ``PAGEKV_NATIVE_COPY=on`` and no library). Call at start-up, not per request."""
+        ``PAGEKV_NATIVE_COPY=on`` and no library). On CUDA with ``PAGEKV_COPY_BACKEND=auto``
+        it also reads (or measures, ~15 s once per GPU and driver) the table that picks each
+        copy's backend (:func:`pagekv.kernels.calibrate`), which the first load or save would do
+        otherwise. Call at start-up, not per request."""
         native.load()
+        cuda = self.kv.device.type == "cuda" and load_library() is not None
+        if cuda and copy_backend_setting() == "auto":
+            calibrate(self.kv.device.index)
         return self.index.connect(timeout_s)
 
     def lookup(
@@ -373,15 +389,14 @@ class KVConnector:
             return
         slots = self._load_slots(prefetch, device_slots)
         if self._load_stream is None:
-            load(self.pool.buffer, prefetch.page_ids, self.kv, slots)
+            self._count(load(self.pool.buffer, prefetch.page_ids, self.kv, slots))
             return
-        stream, dev = torch.cuda.current_stream(self.kv.device), self.kv.device
+        stream = torch.cuda.current_stream(self.kv.device)
         for event in self.cache.ready_events(prefetch.page_ids):
             stream.wait_event(event)
-        ids = self._staging.upload(torch.tensor(prefetch.page_ids, dtype=torch.int64), dev)
-        if not slots.is_cuda:
-            slots = self._staging.upload(slots, dev)
-        load(self.pool.buffer, ids, self.kv, slots, validate=False)
+        idx = transfer_indices(True, self.kv, prefetch.page_ids, slots, self._staging)
+        self._count(load(self.pool.buffer, idx.ids, self.kv, idx.slots, backend=idx.backend,
+                         validate=False))  # fmt: skip
         done = torch.cuda.Event()
         done.record(stream)
         prefetch.loads.append(done)
@@ -397,6 +412,7 @@ class KVConnector:
                            self._load_stream, ready, self._staging)  # fmt: skip
         if layers.done_event is not None:
             prefetch.loads.append(layers.done_event)
+        self._count(layers.backend)
         return layers
 
     # ---- save ------------------------------------------------------------------------------
@@ -465,7 +481,7 @@ class KVConnector:
     ) -> torch.cuda.Event | None:
         """Device slots ``table[rows]`` -> host ``pages``; the copy's event (None on CPU)."""
         if self._save_stream is None:
-            save(self.kv, table[rows], self.pool.buffer, pages)
+            self._count(save(self.kv, table[rows], self.pool.buffer, pages))
             return None
         engine = torch.cuda.current_stream(self.kv.device)
         stream = self._save_stream
@@ -473,9 +489,10 @@ class KVConnector:
         upload, dev = self._staging.upload, self.kv.device
         with torch.cuda.stream(stream):  # index tensors allocated (and freed) on this stream
             rows_t = torch.tensor(rows, dtype=torch.int64)
-            slots = table[upload(rows_t, dev)] if table.is_cuda else upload(table[rows], dev)
-            ids = upload(torch.tensor(pages, dtype=torch.int64), dev)
-            save(self.kv, slots, self.pool.buffer, ids, validate=False)
+            slots = table[upload(rows_t, dev)] if table.is_cuda else table[rows]
+            idx = transfer_indices(False, self.kv, pages, slots, self._staging)
+            self._count(save(self.kv, idx.slots, self.pool.buffer, idx.ids, backend=idx.backend,
+                             validate=False))  # fmt: skip
             event = torch.cuda.Event()
             event.record(stream)
         if engine_waits:
@@ -500,6 +517,7 @@ class KVConnector:
         out.update(self.writeback.stats())
         out.update(self.cache.describe(), host_pages=self.pool.num_pages)
         out["store"] = dict(self.store.counters)
+        out["transfer_backends"] = dict(self.transfer_backends)
         if self.policy is not None:
             out["policy"] = self.policy.stats()
         return out

@@ -3,9 +3,10 @@ so the engine computes layer ``i`` while layer ``i + 1`` is being copied.
 
 Ownership: the page ids and slot indices the kernels read are copied to the device *on the
 load stream* (from the connector's pinned staging ring, ``non_blocking``: no host sync) and
-kept referenced by the :class:`LayerLoad`,
-so the engine's allocator can never hand their memory to the engine's stream while later
-layers still read them. The host pages stay held by the prefetch handle, whose release waits
+kept referenced by the :class:`LayerLoad`, so the engine's allocator can never hand their
+memory to the engine's stream while later layers still read them. Where ``auto`` takes the
+copy engine for a layer's shape the indices stay on the CPU (:mod:`.transfer_indices`).
+The host pages stay held by the prefetch handle, whose release waits
 for :attr:`LayerLoad.done_event`.
 """
 
@@ -19,6 +20,7 @@ import torch
 from pagekv.kernels import DeviceKV, load
 
 from .staging import IndexStaging
+from .transfer_indices import transfer_indices
 
 __all__ = ["LayerLoad"]
 
@@ -44,10 +46,11 @@ class LayerLoad:
         self.num_layers = kv.geometry.num_layers
         self.events: list[torch.cuda.Event] = []
         self._keep: tuple[torch.Tensor, ...] = ()
+        self.backend = "none"  # what the last layer's copy used (kernel, copy_engine, ...)
         if not page_ids:
             return
         if stream is None:
-            load(host, page_ids, kv, slots)
+            self.backend = load(host, page_ids, kv, slots)
             return
         device = kv.device
         stream.wait_stream(torch.cuda.current_stream(device))  # slots written, prior writes
@@ -56,14 +59,13 @@ class LayerLoad:
         if staging is None:
             staging = IndexStaging(capacity=len(page_ids) * (1 + slots.shape[1]) + 1)
         with torch.cuda.stream(stream):
-            ids = staging.upload(torch.tensor(page_ids, dtype=torch.int64), device)
-            if slots.device.type == "cpu":
-                slots = staging.upload(slots, device)
-            else:
+            idx = transfer_indices(True, kv, page_ids, slots, staging, layer=0)
+            if slots.is_cuda:
                 slots.record_stream(stream)  # the engine's tensor: keep its memory until done
-            self._keep = (ids, slots)
+            self._keep = (idx.ids, idx.slots)
             for layer in range(self.num_layers):
-                load(host, ids, kv, slots, layer=layer, validate=False)
+                self.backend = load(host, idx.ids, kv, idx.slots, layer=layer,
+                                    backend=idx.backend, validate=False)  # fmt: skip
                 event = torch.cuda.Event()
                 event.record(stream)
                 self.events.append(event)

@@ -13,8 +13,9 @@ loop thread.
 
 Owns: a copy of the slot table taken at the call (the engine may reuse its tensor at once; a
 CUDA table is cloned on the caller's stream), the index tensors of every launch (uploaded
-through the connector's pinned staging ring on the load stream, and kept referenced until this
-object is dropped, like ``LayerLoad._keep``), and one CUDA event per launch, also appended to the
+through the connector's pinned staging ring on the load stream, or CPU tensors where ``auto``
+takes the copy engine: :mod:`.transfer_indices`; kept referenced until this object is dropped,
+like ``LayerLoad._keep``), and one CUDA event per launch, also appended to the
 prefetch's ``loads``: :meth:`KVConnector.release` keeps the host pages until those copies are
 done (contract 3). The launches run in order on one stream, so the last event covers them all:
 :meth:`wait` makes a stream wait on it, which the engine does before reading *or writing* the
@@ -41,6 +42,7 @@ from pagekv.kernels import DeviceKV, load
 from .handles import Prefetch
 from .page_cache import PageCache
 from .staging import IndexStaging
+from .transfer_indices import transfer_indices
 
 __all__ = ["CHUNK_BYTES", "CHUNK_PAGES", "StreamingLoad", "chunk_pages"]
 
@@ -83,6 +85,7 @@ class StreamingLoad:
         self.chunks = 0  # launches
         self.events: list[torch.cuda.Event] = []
         self._keep: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.backend = "none"  # what the last launch used (kernel, copy_engine, ...)
         self._lock = threading.Lock()
         self._stopped = False
         self._start: torch.cuda.Event | None = None
@@ -115,7 +118,7 @@ class StreamingLoad:
     def _launch(self, page_ids: list[int], loads: list[Any]) -> None:
         slots = self._slots[self.loaded : self.loaded + len(page_ids)]
         if self.stream is None:
-            load(self.host, page_ids, self.kv, slots)
+            self.backend = load(self.host, page_ids, self.kv, slots)
             return
         stream, dev = self.stream, self.kv.device
         with torch.cuda.device(dev), torch.cuda.stream(stream):
@@ -124,13 +127,12 @@ class StreamingLoad:
                 self._start = None
             for event in self.cache.ready_events(page_ids):
                 stream.wait_event(event)
-            ids = self.staging.upload(torch.tensor(page_ids, dtype=torch.int64), dev)
-            if not slots.is_cuda:
-                slots = self.staging.upload(slots, dev)
-            load(self.host, ids, self.kv, slots, validate=False)
+            idx = transfer_indices(True, self.kv, page_ids, slots, self.staging)
+            self.backend = load(self.host, idx.ids, self.kv, idx.slots, backend=idx.backend,
+                                validate=False)  # fmt: skip
             done = torch.cuda.Event()
             done.record(stream)
-        self._keep.append((ids, slots))
+        self._keep.append((idx.ids, idx.slots))
         self.events.append(done)
         loads.append(done)
 

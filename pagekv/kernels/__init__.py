@@ -14,7 +14,7 @@ from .copy_table import calibrate
 from .fused_store import store_kv
 from .jit import KernelsUnavailable, kernels_unavailable_reason
 from .layout import DeviceKV
-from .ops import DIRECT_MIN_RUN_BYTES, Backend, copy_slots, load, save
+from .ops import DIRECT_MIN_RUN_BYTES, Backend, choose_backend, copy_slots, load, save
 from .reference import copy_slots_ref, load_ref, save_ref, store_kv_ref
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "DeviceKV",
     "KernelsUnavailable",
     "calibrate",
+    "choose_backend",
     "copy_slots",
     "copy_slots_ref",
     "kernels_unavailable_reason",

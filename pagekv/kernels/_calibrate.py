@@ -22,9 +22,13 @@ __all__ = ["measure_entries"]
 
 
 def _geometry(all_layers: bool, run: int) -> KVGeometry:
-    heads = 1 if run <= 8192 else 8  # 256-byte rows (TP-8 slices) or 2 KiB rows (Llama-3-8B)
-    item = heads * 128 * 2
-    return KVGeometry(32 if all_layers else 2, run // item, heads, 128, "bf16")
+    """The standard geometry with ``run``-byte page runs: MLA-576 (1152-byte rows) where the run
+    is a multiple of 1152, else 256-byte rows (TP-8 slices) up to 8 KiB, else 2 KiB rows."""
+    layers = 32 if all_layers else 2
+    if run % 1152 == 0:
+        return KVGeometry(layers, run // 1152, 1, 576, "bf16", "mla")
+    heads = 1 if run <= 8192 else 8
+    return KVGeometry(layers, run // (heads * 256), heads, 128, "bf16")
 
 
 def _shape_seconds(
@@ -45,12 +49,13 @@ def _shape_seconds(
     layer = None if all_layers else 1
     rows = geo.num_layers * geo.num_kv if all_layers else geo.num_kv
     stream = torch.cuda.current_stream()
-    seconds = []
+    seconds, enqueue = [], []
     for backend in BACKENDS:
         if (backend == "copy_engine" and not ce_ok) or (
             backend == "direct" and n_pages * rows > DIRECT_MAX_COPIES
         ):
             seconds.append((backend, math.inf))
+            enqueue.append((backend, math.inf))
             continue
         if load:
             fn = functools.partial(ops.load, host, ids, kv, slots, layer=layer, backend=backend,
@@ -58,11 +63,13 @@ def _shape_seconds(
         else:
             fn = functools.partial(ops.save, kv, slots, host, ids, layer=layer, backend=backend,
                                    validate=False)  # fmt: skip
-        t = median_seconds(fn, stream.synchronize)
+        t, host_s = median_seconds(fn, stream.synchronize)
         if backend == "copy_engine" and not copy_engine.supported(dev.index or 0):
-            t = math.inf  # the driver refused it: the kernel ran in its place
+            t = host_s = math.inf  # the driver refused it: the kernel ran in its place
         seconds.append((backend, t))
-    return Entry(Shape(load, all_layers, float(run), n_pages * per_page), tuple(seconds))
+        enqueue.append((backend, host_s))
+    shape = Shape(load, all_layers, float(run), n_pages * per_page)
+    return Entry(shape, tuple(seconds), tuple(enqueue))
 
 
 def measure_entries(device: int) -> list[Entry]:

@@ -1,18 +1,30 @@
-"""Which backend ``backend="auto"`` uses for a transfer: a table measured once per device.
+"""Which backend ``PAGEKV_COPY_BACKEND=auto`` uses for a transfer: a table measured once per
+device.
 
 For a grid of transfer shapes (direction, all layers or one, bytes per run of consecutive slots,
-bytes in all) the kernel, the copy engine and the direct memcpy backend are timed on this GPU;
-a transfer takes the backend of the nearest measured shape. The copy engine wins unless it is
-more than ``COPY_ENGINE_SLACK`` slower than the fastest: it leaves the SMs to the model, which
-the kernels do not (docs/benchmarks.md, "beside a decode").
+bytes in all) the kernel, the copy engine and the direct memcpy backend are timed on this GPU:
+the time to completion and the host time of the call (its *enqueue* time: what the calling
+thread, an engine's step thread, waits). A backend is a candidate for a shape only when its
+enqueue time is at most the kernel's plus ``ENQUEUE_SLACK_S``: the copy engine's host cost
+grows with its copies (~0.5-1 us each, and the call blocks once the driver's queue is full: a
+4 GiB load of 32 KiB runs held the host 580 of its 650 ms on the H200), and an engine's step
+never waits on a transfer. Among the candidates the copy engine wins unless it is more than
+``COPY_ENGINE_SLACK`` slower than the fastest: it leaves the SMs to the model.
+
+A transfer takes a backend only when the measured shapes around it agree
+(:meth:`CopyTable.choose`: the nearest runs on both sides, each at the nearest totals on both
+sides); anything else, or a run shorter than any measured one, takes the kernel. The grid
+includes the runs engines produce (page size x row bytes for Llama-3-8B, its TP-8 slice and
+MLA-576 at 16-128 tokens), because the copy engine's rate is not monotonic in the run: 32 KiB
+runs 0.96 of the bus, 36 KiB (MLA, 32 tokens) 0.74 on the H200.
 
 Cache: ``$PAGEKV_CACHE_DIR/copy_table_<key>.json``, the key naming the GPU, the driver, the
 kernel library (its source hash) and the copy engine's settings, so a new driver, a changed
 kernel or other copy-engine defaults measure again. A file lock makes concurrent processes
-measure once. Measuring takes a few seconds, synchronises the device and uses up to 256 MiB of
-device and of pinned host memory for the while; it happens on the first ``auto`` transfer that
-could use the copy engine, or when :func:`calibrate` is called (do it at start-up to keep it off
-the serving path). ``PAGEKV_COPY_BACKEND`` overrides the table.
+measure once. Measuring takes ~15 s, synchronises the device and uses up to 256 MiB of device
+and of pinned host memory for the while; it happens on the first ``auto`` transfer that could
+use the copy engine, or when :func:`calibrate` is called (do it at start-up to keep it off the
+serving path).
 """
 
 from __future__ import annotations
@@ -28,11 +40,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 __all__ = [
     "COPY_ENGINE_SLACK",
+    "ENQUEUE_SLACK_S",
     "CopyTable",
     "Entry",
     "Shape",
@@ -43,15 +56,18 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-TABLE_VERSION = 2
+TABLE_VERSION = 4
 # The copy engine is chosen unless it takes more than this fraction longer than the fastest.
 COPY_ENGINE_SLACK = 0.10
+# A backend whose call holds the host longer than the kernel's plus this is never chosen.
+ENQUEUE_SLACK_S = 25e-6
 # The measured grid: bytes per run (page_size x row bytes when slots are consecutive) and bytes
-# per transfer, for loads and saves of all layers (32) and of one layer. Up to 128 MiB: a copy
-# call's fixed host cost (~50-100 us with 4 streams) decides 1-16 MiB transfers, the engines'
-# rate the large ones (a 1-4 GiB prefix, its 32-128 MiB layers), where the copy engine is within
-# 8% of the kernel or faster for runs >= 32 KiB (H200, docs/benchmarks.md).
-RUN_BYTES = (512, 2048, 8192, 32768, 131072)
+# per transfer, for loads and saves of all layers and of one layer. Runs: those of the TP-8
+# slice (256-byte rows: 4-32 KiB), MLA-576 (1152-byte rows: 18-144 KiB) and Llama-3-8B (2 KiB
+# rows: 32-256 KiB) at 16-128 tokens a page, so those shapes are measured, not interpolated.
+# Up to 128 MiB: a copy call's fixed host cost decides 1-16 MiB transfers, the engines' rate
+# the large ones.
+RUN_BYTES = (4096, 8192, 16384, 18432, 32768, 36864, 65536, 73728, 131072, 147456, 262144)
 TOTAL_BYTES = (1 << 20, 16 << 20, 128 << 20)
 BACKENDS = ("kernel", "copy_engine", "direct")
 DIRECT_MAX_COPIES = 4096  # the direct backend is not timed where it would issue more memcpys
@@ -71,9 +87,16 @@ class Shape:
 class Entry:
     shape: Shape
     seconds: tuple[tuple[str, float], ...]  # (backend, median seconds), inf = not measured
+    enqueue: tuple[tuple[str, float], ...]  # (backend, median host seconds of the call)
 
     def best(self, allowed: Collection[str]) -> str | None:
-        times = {b: s for b, s in self.seconds if b in allowed and math.isfinite(s)}
+        """The backend for this shape among ``allowed`` (None when none was measured): those
+        whose enqueue time is within ``ENQUEUE_SLACK_S`` of the kernel's, then the copy engine
+        unless it is more than ``COPY_ENGINE_SLACK`` slower than the fastest."""
+        host = dict(self.enqueue)
+        bound = host.get("kernel", math.inf) + ENQUEUE_SLACK_S
+        times = {b: s for b, s in self.seconds if b in allowed and math.isfinite(s)
+                 and (b == "kernel" or host.get(b, math.inf) <= bound)}  # fmt: skip
         if not times:
             return None
         fastest = min(times, key=times.__getitem__)
@@ -83,38 +106,51 @@ class Entry:
         return fastest
 
 
+MEMO_MAX = 4096  # choices remembered per table (a serving process sees few distinct shapes)
+
+
 @dataclass(frozen=True)
 class CopyTable:
     key: str
     device: str
     entries: tuple[Entry, ...]
+    _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def choose(self, shape: Shape, allowed: Collection[str]) -> str:
-        """Backend of the nearest measured shape of the same direction and layer span
-        (log-scale distance in run bytes, then in total bytes); ``kernel`` if none fits."""
+        """The backend the measured shapes around ``shape`` (same direction and layer span)
+        agree on: the nearest measured runs at or below and at or above ``shape``'s, each at the
+        nearest measured totals at or below and at or above (log scale; one side where
+        ``shape`` is outside the grid). ``kernel`` when they disagree, when a run is shorter
+        than every measured one, when nothing fits. Remembered per (shape, allowed): a
+        layer-by-layer load asks once per layer."""
+        key = (shape, tuple(sorted(allowed)))
+        hit = self._memo.get(key)
+        if hit is None:
+            if len(self._memo) >= MEMO_MAX:
+                self._memo.clear()
+            hit = self._memo[key] = self._agreed(shape, allowed)
+        return hit
 
-        def distance(e: Entry) -> tuple[float, float]:
-            s = e.shape
-            return (
-                abs(math.log2(max(s.run_bytes, 1)) - math.log2(max(shape.run_bytes, 1))),
-                abs(math.log2(max(s.total_bytes, 1)) - math.log2(max(shape.total_bytes, 1))),
-            )
-
+    def _agreed(self, shape: Shape, allowed: Collection[str]) -> str:
         same = [
             e
             for e in self.entries
             if e.shape.load == shape.load and e.shape.all_layers == shape.all_layers
         ]
-        for e in sorted(same, key=distance):
-            best = e.best(allowed)
-            if best is not None:
-                return best
-        return "kernel"
+        runs = _around([e.shape.run_bytes for e in same], shape.run_bytes)
+        if not runs or min(e.shape.run_bytes for e in same) > shape.run_bytes:
+            return "kernel"
+        picks = set()
+        for run in runs:
+            row = [e for e in same if e.shape.run_bytes == run]
+            for total in _around([e.shape.total_bytes for e in row], shape.total_bytes):
+                picks |= {e.best(allowed) or "kernel" for e in row if e.shape.total_bytes == total}
+        return picks.pop() if len(picks) == 1 else "kernel"
 
     def to_json(self) -> dict:
         return {"version": TABLE_VERSION, "key": self.key, "device": self.device,
-                "entries": [{"shape": asdict(e.shape), "seconds": dict(e.seconds)}
-                            for e in self.entries]}  # fmt: skip
+                "entries": [{"shape": asdict(e.shape), "seconds": dict(e.seconds),
+                             "enqueue": dict(e.enqueue)} for e in self.entries]}  # fmt: skip
 
     @classmethod
     def from_json(cls, doc: dict) -> CopyTable:
@@ -125,8 +161,21 @@ class CopyTable:
             sh = e["shape"]
             shape = Shape(bool(sh["load"]), bool(sh["all_layers"]), float(sh["run_bytes"]),
                           int(sh["total_bytes"]))  # fmt: skip
-            entries.append(Entry(shape, tuple((str(b), float(s)) for b, s in e["seconds"].items())))
+            entries.append(Entry(shape, _pairs(e["seconds"]), _pairs(e["enqueue"])))
         return cls(str(doc["key"]), str(doc["device"]), tuple(entries))
+
+
+def _pairs(d: dict) -> tuple[tuple[str, float], ...]:
+    return tuple((str(b), float(s)) for b, s in d.items())
+
+
+def _around(values: Iterable[float], x: float) -> list[float]:
+    """The nearest of ``values`` at or below ``x`` and the nearest at or above (one where they
+    coincide or ``x`` is outside them; none for no values)."""
+    vals = sorted(set(values))
+    below = [v for v in vals if v <= x][-1:]
+    above = [v for v in vals if v >= x][:1]
+    return sorted(set(below + above))
 
 
 def table_key(device_name: str, driver: int, library: str) -> str:
@@ -176,18 +225,36 @@ def cached_or_measured(
         return table, True
 
 
-def median_seconds(fn: Callable[[], None], sync: Callable[[], None], reps: int = 5) -> float:
-    """Median wall time of ``fn`` to completion (``sync`` waits for the device), after one
+def measured_or_empty(
+    path: Path, key: str, device: str, measure: Callable[[], CopyTable]
+) -> tuple[CopyTable, bool]:
+    """:func:`cached_or_measured`, or, when measuring fails (out of memory, a CUDA error), an
+    empty table (``auto`` then takes the kernel) kept in this process only, after one warning:
+    a transfer never fails because its backend could not be measured."""
+    try:
+        return cached_or_measured(path, key, measure)
+    except RuntimeError as e:  # torch.cuda.OutOfMemoryError included
+        log.warning("pagekv: measuring the transfer backends on %s failed (%s); backend='auto' "
+                    "uses the kernel in this process", device, e)  # fmt: skip
+        return CopyTable(key, device, ()), False
+
+
+def median_seconds(
+    fn: Callable[[], object], sync: Callable[[], None], reps: int = 5
+) -> tuple[float, float]:
+    """Median wall time of ``fn`` to completion (``sync`` waits for the device) and median host
+    time of the call itself (its enqueue time), the device idle at each start, after one
     untimed call: what one transfer costs, host-side descriptor building included."""
     fn()
     sync()
-    times = []
+    times, enqueue = [], []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
+        enqueue.append(time.perf_counter() - start)
         sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(enqueue)
 
 
 def grid() -> Iterable[tuple[bool, bool, int, int]]:
@@ -220,8 +287,7 @@ def calibrate(device: int | None = None, *, force: bool = False) -> CopyTable:
         name = torch.cuda.get_device_name(index)
         driver = copy_engine._support(index)
         library = Path(getattr(lib, "_name", "lib")).name
-        form = (f"lanes={copy_engine.LANES},min_2d_rows={copy_engine.MIN_2D_ROWS},"
-                f"one_d_min_run={copy_engine.ONE_D_MIN_RUN}")  # fmt: skip
+        form = f"lanes={copy_engine.LANES},flags={copy_engine.FLAGS}"
         key = table_key(name, driver, f"{library}|{form}")
         path = table_path(cache_dir(), key)
         if force and path.exists():
@@ -233,7 +299,7 @@ def calibrate(device: int | None = None, *, force: bool = False) -> CopyTable:
 
             return CopyTable(key, name, tuple(measure_entries(index)))
 
-        table, fresh = cached_or_measured(path, key, measure)
+        table, fresh = measured_or_empty(path, key, name, measure)
         if fresh:
             log.info("pagekv: copy table for %s written to %s", name, path)
         _tables[index] = table

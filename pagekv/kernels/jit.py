@@ -8,9 +8,9 @@ sources: ``tests/test_kernels_build.py``), and launches on the stream torch hand
   architecture and CUDA version; a file lock makes concurrent processes build once.
 * ``PAGEKV_KERNELS``: ``auto`` (default: kernels when possible, else torch with one warning),
   ``torch`` (always the reference path), ``cuda`` (kernels or an error saying why not).
-* ``PAGEKV_COPY_BACKEND``: what ``backend="auto"`` transfers use: ``auto`` (default: per
-  transfer shape, from the table measured once per device, :mod:`.copy_table`), or always
-  ``kernel``, ``copy_engine``, ``direct`` or ``torch``.
+* ``PAGEKV_COPY_BACKEND``: what ``backend="auto"`` transfers use: ``kernel`` (default), or
+  ``auto`` (opt-in: per transfer shape, from the table measured once per device,
+  :mod:`.copy_table`), or always ``copy_engine``, ``direct`` or ``torch``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "pagekv_kernels.cu", CSRC / "copy_engine.cu")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 
 
 def backend_mode() -> str:
@@ -147,8 +147,9 @@ _SIGNATURES["pagekv_direct_page_transfer"] = (
     ctypes.c_int,
 )
 _SIGNATURES["pagekv_copy_engine_support"] = ([_I], ctypes.c_int)
+_SIGNATURES["pagekv_slot_runs"] = ([_P, _L, _I, ctypes.POINTER(_L)], ctypes.c_int)
 _SIGNATURES["pagekv_ce_page_transfer"] = (
-    [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 7 + [_L, _I, _I, _L, _P, ctypes.POINTER(_L)],
+    [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 8 + [_L, _P, ctypes.POINTER(_L)],
     ctypes.c_int,
 )
 

@@ -20,6 +20,7 @@ a negative slot means "skip this token": nothing is read or written for it.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -148,6 +149,11 @@ class DeviceKV:
         return tuple(t.data_ptr() for group in self.layers for t in group)
 
     @functools.cached_property
+    def layer_ptr_array(self) -> ctypes.Array:
+        """``layer_ptrs`` as a ctypes int64 array (made once: host-side copies read it)."""
+        return (ctypes.c_int64 * len(self.layer_ptrs))(*self.layer_ptrs)
+
+    @functools.cached_property
     def _tables(self) -> dict[torch.device, torch.Tensor]:
         return {}
 
@@ -259,10 +265,10 @@ def mean_run_bytes(kv: DeviceKV, slots: torch.Tensor) -> float:
     """Mean bytes of one run of consecutive device slots within a page (a copy's width when a
     run is copied as one block): slots ``[n, page_size]`` on the CPU, negative = skipped."""
     item = kv.geometry.item_bytes
-    valid = slots >= 0
     if kv.slot_stride_bytes != item:
         return float(item)
-    follows = torch.zeros_like(valid)
-    follows[:, 1:] = valid[:, 1:] & valid[:, :-1] & (slots[:, 1:] == slots[:, :-1] + 1)
-    runs = int((valid & ~follows).sum())
-    return item * int(valid.sum()) / max(runs, 1)
+    valid = slots >= 0
+    tokens = int(valid.sum())
+    # a token continues a run when it and the one before it (same page) are valid and adjacent
+    follows = int((valid[:, 1:] & valid[:, :-1] & (slots[:, 1:] == slots[:, :-1] + 1)).sum())
+    return item * tokens / max(tokens - follows, 1)

@@ -5,13 +5,14 @@
 * ``"direct"``: one ``cudaMemcpyAsync`` per run of consecutive slots (large pages);
 * ``"torch"``: the reference (:mod:`.reference`), used on CPU and when kernels are unavailable.
 
-``backend="auto"`` picks: torch on CPU; the kernel when the page ids or slots are CUDA tensors
-(the other two build their copies on the host) or a CUDA graph is being captured; else the
-backend of the nearest shape in the table measured once for this GPU (:mod:`.copy_table`), the
-copy engine unless it is more than 10% slower. ``PAGEKV_COPY_BACKEND`` (:mod:`.jit`) replaces
-``auto`` with one backend. Launches go on torch's current stream and neither allocate nor
-synchronise, so kernel launches can be captured in a CUDA graph (pass device index tensors and
-``validate=False`` inside a capture).
+``backend="auto"`` picks: torch on CPU; else what ``PAGEKV_COPY_BACKEND`` (:mod:`.jit`) says,
+by default the kernel. With the setting ``auto`` (opt-in): the kernel when the page ids or
+slots are CUDA tensors (the other two build their copies on the host) or a CUDA graph is being
+captured; else the backend the measured shapes around this one agree on in the table measured
+once for this GPU (:mod:`.copy_table`): only backends whose host time per call stays within
+the kernel's, the copy engine unless it is more than 10% slower than the fastest. Launches go on
+torch's current stream and neither allocate nor synchronise, so kernel launches can be captured
+in a CUDA graph (pass device index tensors and ``validate=False`` inside a capture).
 
 ``validate=True`` checks index values (range, repeats) before anything is written, which syncs
 when the indices are CUDA tensors. ``validate=False`` keeps the shape/dtype/device checks; every
@@ -37,10 +38,9 @@ from .layout import (
     check_page_ids,
     check_slots,
     check_unique_slots,
-    mean_run_bytes,
 )
 
-__all__ = ["DIRECT_MIN_RUN_BYTES", "Backend", "copy_slots", "load", "save"]
+__all__ = ["DIRECT_MIN_RUN_BYTES", "Backend", "choose_backend", "copy_slots", "load", "save"]
 
 Backend = Literal["auto", "kernel", "copy_engine", "direct", "torch"]
 _BACKENDS = ("auto", "kernel", "copy_engine", "direct", "torch")
@@ -124,6 +124,15 @@ def _kernel_lib(backend: str, cuda_ok: bool, why_not: str) -> ctypes.CDLL | None
     return lib
 
 
+def _device_indices(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, copied on the current stream without holding the host: a CPU
+    tensor goes through pinned memory (torch's caching host allocator, which keeps the block
+    until the copy is done), since a copy from pageable memory waits for the stream."""
+    if t.device.type == "cpu" and not t.is_pinned():
+        t = t.contiguous().pin_memory()
+    return t.to(device, non_blocking=True).contiguous()
+
+
 def _host_indices(ids: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU int64 contiguous ``ids``/``slots`` for the copy engine (which applies the kernels'
     bounds rule itself)."""
@@ -145,7 +154,11 @@ def _direct_bounds(
 
 
 def _auto_backend(
-    load: bool, kv: DeviceKV, ids: torch.Tensor, s: torch.Tensor, layer: int | None
+    load: bool,
+    kv: DeviceKV,
+    ids: torch.Tensor,
+    s: torch.Tensor,
+    layer: int | None,
 ) -> str:
     """See the module docstring: the setting, else the kernel or the measured table."""
     setting = copy_backend_setting()
@@ -162,8 +175,27 @@ def _auto_backend(
     geo = kv.geometry
     rows = geo.num_layers * geo.num_kv if layer is None else geo.num_kv
     total = ids.numel() * geo.page_size * rows * geo.item_bytes
-    shape = copy_table.Shape(load, layer is None, mean_run_bytes(kv, s), total)
+    shape = copy_table.Shape(load, layer is None, copy_engine.run_bytes(kv, s), total)
     return copy_table.calibrate(device).choose(shape, allowed)
+
+
+def choose_backend(
+    load: bool, kv: DeviceKV, page_ids: Index, slots: Index, *, layer: int | None = None
+) -> str:
+    """The backend ``backend="auto"`` takes for this transfer (see the module docstring):
+    ``torch`` off CUDA, else from the setting, the index tensors' device and the measured
+    table. Reads the indices' shapes and, when on the CPU, their values (no device sync; the
+    first call on a device may measure the table: :func:`~.copy_table.calibrate`).
+
+    A caller holding CPU indices (the connector) asks this first: for ``copy_engine`` and
+    ``direct`` it passes them as they are (read during the call, no upload); for the others it
+    uploads them and passes device tensors (capturable, nothing read on the host)."""
+    check_layer(layer, kv.geometry.num_layers)
+    ids = check_page_ids(page_ids, 0, unique=False, check_values=False)
+    s = check_slots(slots, ids.numel(), kv.geometry.page_size, kv.num_slots, check_values=False)
+    if kv.device.type != "cuda" or load_library() is None:
+        return "torch"
+    return _auto_backend(load, kv, ids, s, layer)
 
 
 def _page_transfer(
@@ -223,15 +255,13 @@ def _page_transfer(
         backend = "kernel"  # said once per device by copy_engine.fail
     if backend == "direct":
         ids_h, s_h = _direct_bounds(ids, s, host.shape[0], kv.num_slots)
-        table = (ctypes.c_int64 * len(kv.layer_ptrs))(*kv.layer_ptrs)
         err = lib.pagekv_direct_page_transfer(
-            dev.index, int(load), host.data_ptr(), table, ids_h.data_ptr(), s_h.data_ptr(),
-            ids_h.numel(), geo.page_bytes, kv.slot_stride_bytes, geo.item_bytes, geo.page_size,
-            geo.num_kv, geo.num_layers, l0, nl, stream,
+            dev.index, int(load), host.data_ptr(), kv.layer_ptr_array, ids_h.data_ptr(),
+            s_h.data_ptr(), ids_h.numel(), geo.page_bytes, kv.slot_stride_bytes, geo.item_bytes,
+            geo.page_size, geo.num_kv, geo.num_layers, l0, nl, stream,
         )  # fmt: skip
     else:
-        ids_d = ids.to(dev, non_blocking=True).contiguous()
-        s_d = s.to(dev, non_blocking=True).contiguous()
+        ids_d, s_d = _device_indices(ids, dev), _device_indices(s, dev)
         host_addr = _device_address(host, dev)
         width = _vector_width(geo.item_bytes, kv.slot_stride_bytes, host_addr, *kv.layer_ptrs)
         unroll = UNROLL_LOAD if load else UNROLL_SAVE

@@ -102,11 +102,14 @@ def require_copy_engine():
 
 
 def test_auto_uses_the_measured_table_and_the_setting(monkeypatch):
-    monkeypatch.delenv("PAGEKV_COPY_BACKEND", raising=False)
     geo = KVGeometry(2, 128, 8, 128, "bf16")  # 128-token pages of 2 KiB rows: 256 KiB runs
     kv = DeviceKV.from_caches(geo, *device_caches(geo, 1024))
     pool = HostPagePool(geo, 8)
     contiguous = torch.arange(1024).view(8, 128)
+    monkeypatch.delenv("PAGEKV_COPY_BACKEND", raising=False)  # the default: the kernel
+    assert save(kv, contiguous, pool.buffer, list(range(8))) == "kernel"
+    assert load(pool.buffer, list(range(8)), kv, contiguous, layer=1) == "kernel"
+    monkeypatch.setenv("PAGEKV_COPY_BACKEND", "auto")
     table = calibrate(0)
     assert table.entries and all(
         dict(e.seconds)["kernel"] > 0 for e in table.entries
@@ -135,13 +138,13 @@ def _layout(name, geo, num_slots):
     """Device caches (poisoned) for ``geo`` laid out as ``name``; returns the per-kv groups."""
     shape = geo.device_layer_shape
     L, nkv = geo.num_layers, geo.num_kv
-    if name in ("separate", "one_d"):  # one tensor per K and V: 2-D copies over the layers
+    if name == "separate":  # one tensor per K and V
         return [poison_(torch.empty(L, num_slots, *shape, dtype=geo.dtype, device=DEV))
                 for _ in range(nkv)]  # fmt: skip
-    if name == "interleaved":  # [layer, K/V, slot]: one 2-D copy over all rows
+    if name == "interleaved":  # [layer, K/V, slot]
         t = poison_(torch.empty(L, nkv, num_slots, *shape, dtype=geo.dtype, device=DEV))
         return [t[:, c] for c in range(nkv)]
-    if name == "uneven":  # per-layer tensors at uneven distances: one copy per row
+    if name == "uneven":  # per-layer tensors at uneven distances
         rows, gap = num_slots * geo.row_elems, 2048
         flat = poison_(torch.empty(L * nkv * (rows + gap) + gap, dtype=geo.dtype, device=DEV))
         offsets = [i * (rows + gap) + (i * i % 5) * 400 for i in range(L * nkv)]
@@ -153,20 +156,18 @@ def _layout(name, geo, num_slots):
     raise ValueError(name)
 
 
-@pytest.mark.parametrize("layout", ["separate", "interleaved", "uneven", "strided", "one_d"])
+@pytest.mark.parametrize("layout", ["separate", "interleaved", "uneven", "strided"])
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 @pytest.mark.parametrize("page_size", [1, 16, 128])
 @pytest.mark.parametrize("on_default_stream", [True, False], ids=["default", "side"])
-@pytest.mark.parametrize("lanes", [1, 3])
+@pytest.mark.parametrize("lanes", [1, copy_engine.LANES])
 def test_copy_engine_layouts_bounds_and_stream_order(
     layout, mla, page_size, on_default_stream, lanes, monkeypatch
 ):
-    """Every descriptor form against the reference, with out-of-range page ids and slots
+    """Every cache layout against the reference, with out-of-range page ids and slots
     skipped (validate=False), ordered after and before the stream's neighbouring work, on one
-    stream or split over three (7 descriptors per driver call)."""
+    stream or split over the default lanes (7 descriptors per driver call)."""
     require_copy_engine()
-    if layout == "one_d":
-        monkeypatch.setattr(copy_engine, "USE_2D", False)
     monkeypatch.setattr(copy_engine, "LANES", lanes)
     if lanes > 1:
         monkeypatch.setattr(copy_engine, "MAX_OPS", 7)

@@ -1,26 +1,25 @@
 // Copy-engine backend: a page-first host <-> layer-first device transfer issued as batched DMA
-// copies (cudaMemcpyBatchAsync / cudaMemcpy3DBatchAsync, CUDA 12.8+), so the bytes move on the
-// GPU's copy engines and no SM runs for them (the kernels in pagekv_kernels.cu use SMs).
+// copies (cudaMemcpyBatchAsync, CUDA 12.8+), so the bytes move on the GPU's copy engines and no
+// SM runs for them (the kernels in pagekv_kernels.cu use SMs).
 //
-// Descriptors, by ``rows_mode`` (the Python side picks it from the cache's layer addresses):
-//   0  one 1-D copy per (run of consecutive slots in a page, layer, K/V);
-//   1  one 2-D copy per (run, K/V) whose rows are the layers: needs every layer of a group at
-//      the same distance (``dev_pitch``) from the previous one (one tensor per K and V);
-//   2  one 2-D copy per run whose rows are (layer, K/V) in host order: needs those addresses
-//      at one distance ``dev_pitch`` (a one-layer transfer: V - K of that layer).
-// A run ends at a page end, a skipped slot or (slot stride != row bytes) every token. Bounds
-// are the kernels': a page id outside [0, num_host_pages) skips its page, a slot outside
-// [0, num_slots) skips its token, so no index becomes a wild copy.
+// Descriptors: one 1-D copy per (run of consecutive slots in a page, layer, K/V). A run ends at
+// a page end, a skipped slot or (slot stride != row bytes) every token. Bounds are the kernels':
+// a page id outside [0, num_host_pages) skips its page, a slot outside [0, num_slots) skips its
+// token, so no index becomes a wild copy. (2-D copies, one per run over the layers, cost ~3 us
+// of copy-engine time each and lost to the kernel wherever 1-D copies do: docs/benchmarks.md.)
 //
 // Ownership: the descriptor arrays live in thread-local scratch vectors and are read by the
 // driver during the call; the bytes they point at are read by the DMA engines later, in
 // stream order: the caller keeps the host pages and device slots valid until an event
 // recorded after the call completes (the same rule as a kernel launch).
 //
-// Streams: each call may split its copies over several streams ("lanes": the caller's and side
-// streams forked from it and joined back by events), so that several copy engines work at once.
-// The batched API refuses the legacy default stream (torch's default stream): a call there runs
-// wholly on side streams, ordered after the caller's earlier work and before its later work.
+// Streams: each call splits its copies over several streams ("lanes": the caller's and side
+// streams), so that several copy engines work at once. Every side stream first waits on an
+// event recorded on the caller's stream (so the copies follow the caller's earlier work), and
+// the caller's stream then waits on an event recorded on each side stream (so completion is
+// visible there, and the caller's later work and events come after all the copies). The batched
+// API refuses the legacy default stream (torch's default stream): a call there runs wholly on
+// side streams, joined back the same way.
 //
 // Exported with C linkage; every entry point returns a cudaError_t (0 = success).
 
@@ -45,18 +44,19 @@ cudaError_t use_device(int device) {
 #if CUDART_VERSION >= 12080
 constexpr bool kCompiled = true;
 
-// Descriptors of one call: 1-D (dst, src, size) or 2-D (ops), in the order they were added.
+// Descriptors of one call (dst, src, size), in the order they were added.
 struct Scratch {
   std::vector<void*> dst;
   std::vector<const void*> src;
   std::vector<size_t> size;
-  std::vector<cudaMemcpy3DBatchOp> ops;
 };
 thread_local Scratch scratch;
 
+// Sources are read in stream order (cudaMemcpySrcAccessOrderStream): a load may follow, on
+// the stream, the save that fills its host pages.
 cudaError_t batch_1d(size_t first, size_t n, unsigned flags, cudaStream_t stream) {
   cudaMemcpyAttributes attr = {};
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // sources may be written just before
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
   attr.flags = flags;
   size_t attr_first = 0;
 #if CUDART_VERSION >= 13000
@@ -70,38 +70,19 @@ cudaError_t batch_1d(size_t first, size_t n, unsigned flags, cudaStream_t stream
 #endif
 }
 
-cudaError_t batch_2d(size_t first, size_t n, cudaStream_t stream) {
-#if CUDART_VERSION >= 13000
-  return cudaMemcpy3DBatchAsync(n, scratch.ops.data() + first, 0, stream);
-#else
-  size_t fail = 0;
-  return cudaMemcpy3DBatchAsync(n, scratch.ops.data() + first, &fail, 0, stream);
-#endif
-}
-
 // Sends descriptors [first, first + n) to the driver. A call refused as invalid is split in
 // halves and sent again, down to kMinSplit descriptors (a refusal caused by the batch's size;
 // nothing of a refused call runs, and a copy sent twice writes the same bytes).
 constexpr size_t kMinSplit = 64;
-cudaError_t send(bool two_d, size_t first, size_t n, unsigned flags, cudaStream_t stream,
-                 int64_t* splits) {
+cudaError_t send(size_t first, size_t n, unsigned flags, cudaStream_t stream, int64_t* splits) {
   if (n == 0) return cudaSuccess;
-  cudaError_t err = two_d ? batch_2d(first, n, stream) : batch_1d(first, n, flags, stream);
+  cudaError_t err = batch_1d(first, n, flags, stream);
   if (err != cudaErrorInvalidValue || n <= kMinSplit) return err;
   cudaGetLastError();
   ++*splits;
-  err = send(two_d, first, n / 2, flags, stream, splits);
+  err = send(first, n / 2, flags, stream, splits);
   if (err != cudaSuccess) return err;
-  return send(two_d, first + n / 2, n - n / 2, flags, stream, splits);
-}
-
-cudaMemcpy3DOperand pointer_operand(const char* p, int64_t pitch) {
-  cudaMemcpy3DOperand o = {};
-  o.type = cudaMemcpyOperandTypePointer;
-  o.op.ptr.ptr = const_cast<char*>(p);
-  o.op.ptr.rowLength = static_cast<size_t>(pitch);  // elements of 1 byte for pointer copies
-  o.op.ptr.layerHeight = 0;                         // one layer: tightly packed
-  return o;
+  return send(first + n / 2, n - n / 2, flags, stream, splits);
 }
 
 void add_1d(char* dst, const char* src, size_t n) {
@@ -110,23 +91,13 @@ void add_1d(char* dst, const char* src, size_t n) {
   scratch.size.push_back(n);
 }
 
-void add_2d(char* dst, int64_t dst_pitch, const char* src, int64_t src_pitch, size_t width,
-            size_t height, unsigned flags) {
-  cudaMemcpy3DBatchOp op = {};
-  op.src = pointer_operand(src, src_pitch);
-  op.dst = pointer_operand(dst, dst_pitch);
-  op.extent = make_cudaExtent(width, height, 1);
-  op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  op.flags = flags;
-  scratch.ops.push_back(op);
-}
 #else
 constexpr bool kCompiled = false;
 #endif
 
 // Per device: side streams (lanes, and the stand-in for the legacy default stream) and the
 // events that fork work onto them and join it back, created on first use.
-constexpr int kMaxLanes = 8;
+constexpr int kMaxLanes = 16;
 struct Lanes {
   cudaStream_t side[kMaxLanes] = {};
   cudaEvent_t fork = nullptr;
@@ -170,23 +141,41 @@ int pagekv_copy_engine_support(int device) {
   return driver;
 }
 
+// Runs of consecutive valid slots (>= 0) within each page of a host int64 slot table
+// [n_pages, page_size]: out[0] = valid slots, out[1] = runs. What the Python side's
+// layout.mean_run_bytes computes with torch, without its per-call overhead (a one-layer load
+// calls it for every layer). Needs no GPU.
+int pagekv_slot_runs(const int64_t* slots, int64_t n_pages, int page_size, int64_t* out) {
+  if ((!slots && n_pages > 0) || !out || n_pages < 0 || page_size <= 0)
+    return static_cast<int>(cudaErrorInvalidValue);
+  int64_t tokens = 0, runs = 0;
+  for (int64_t i = 0; i < n_pages; ++i) {
+    const int64_t* sl = slots + i * page_size;
+    for (int j = 0; j < page_size; ++j) {
+      if (sl[j] < 0) continue;
+      ++tokens;
+      if (j == 0 || sl[j - 1] < 0 || sl[j] != sl[j - 1] + 1) ++runs;
+    }
+  }
+  out[0] = tokens;
+  out[1] = runs;
+  return 0;
+}
+
 // page_ids [n_pages] and slots [n_pages * page_size] are host int64 arrays, read during the
-// call. The copies are split over ``lanes`` streams (the caller's and lanes - 1 side streams,
-// forked from and joined back to the caller's by events), so several copy engines work at once.
-// ``max_ops`` bounds the descriptors per driver call. ``stats`` (may be null) receives
-// [descriptors sent, calls split after a refusal].
+// call. The copies are split over ``lanes`` streams (see "Streams" above). ``max_ops`` bounds
+// the descriptors per driver call. ``stats`` (may be null) receives [descriptors sent, calls
+// split after a refusal].
 int pagekv_ce_page_transfer(int device, int load, char* host, const int64_t* layer_ptrs,
                             const int64_t* page_ids, const int64_t* slots, int64_t n_pages,
                             int64_t num_host_pages, int64_t num_slots, int64_t page_bytes,
                             int64_t slot_stride, int item_bytes, int page_size, int num_kv,
-                            int num_layers, int layer_begin, int layer_count, int rows_mode,
-                            int64_t dev_pitch, int flags, int lanes, int64_t max_ops,
-                            cudaStream_t stream, int64_t* stats) {
+                            int num_layers, int layer_begin, int layer_count, int flags,
+                            int lanes, int64_t max_ops, cudaStream_t stream, int64_t* stats) {
   if (stats) stats[0] = stats[1] = 0;
   if (layer_count <= 0 || layer_begin < 0 || layer_begin + layer_count > num_layers ||
-      item_bytes <= 0 || page_size <= 0 || (num_kv != 1 && num_kv != 2) || rows_mode < 0 ||
-      rows_mode > 2 || lanes < 1 || lanes > kMaxLanes || max_ops < 1 ||
-      (rows_mode != 0 && dev_pitch < static_cast<int64_t>(page_size) * item_bytes))
+      item_bytes <= 0 || page_size <= 0 || (num_kv != 1 && num_kv != 2) || lanes < 1 ||
+      lanes > kMaxLanes || max_ops < 1)
     return static_cast<int>(cudaErrorInvalidValue);
 #if CUDART_VERSION < 12080
   (void)load; (void)host; (void)layer_ptrs; (void)page_ids; (void)slots; (void)n_pages;
@@ -201,8 +190,6 @@ int pagekv_ce_page_transfer(int device, int load, char* host, const int64_t* lay
   scratch.dst.clear();
   scratch.src.clear();
   scratch.size.clear();
-  scratch.ops.clear();
-  const unsigned fl = static_cast<unsigned>(flags);
   const bool contiguous = slot_stride == item_bytes;
   const int64_t row = static_cast<int64_t>(page_size) * item_bytes;  // host bytes per (layer, kv)
   for (int64_t i = 0; i < n_pages; ++i) {
@@ -214,46 +201,35 @@ int pagekv_ce_page_transfer(int device, int load, char* host, const int64_t* lay
       const int64_t first = sl[j];
       if (first < 0 || first >= num_slots) { ++j; continue; }
       int run = 1;
-      while (contiguous && j + run < page_size && sl[j + run] == first + run && first + run < num_slots)
+      while (contiguous && j + run < page_size && sl[j + run] == first + run &&
+             first + run < num_slots)
         ++run;
       const size_t width = static_cast<size_t>(run) * item_bytes;
       char* h0 = host + page * page_bytes + static_cast<int64_t>(j) * item_bytes;
       const int64_t d0 = first * slot_stride;
-      if (rows_mode == 0) {
-        for (int l = layer_begin; l < layer_begin + layer_count; ++l) {
-          for (int c = 0; c < num_kv; ++c) {
-            char* hp = h0 + (static_cast<int64_t>(l) * num_kv + c) * row;
-            char* dp = reinterpret_cast<char*>(layer_ptrs[c * num_layers + l]) + d0;
-            load ? add_1d(dp, hp, width) : add_1d(hp, dp, width);
-          }
-        }
-      } else {
-        const int groups = rows_mode == 1 ? num_kv : 1;
-        const size_t height = rows_mode == 1 ? layer_count : static_cast<size_t>(layer_count) * num_kv;
-        const int64_t host_pitch = rows_mode == 1 ? num_kv * row : row;
-        for (int c = 0; c < groups; ++c) {
-          char* hp = h0 + (static_cast<int64_t>(layer_begin) * num_kv + c) * row;
-          char* dp = reinterpret_cast<char*>(layer_ptrs[c * num_layers + layer_begin]) + d0;
-          load ? add_2d(dp, dev_pitch, hp, host_pitch, width, height, fl)
-               : add_2d(hp, host_pitch, dp, dev_pitch, width, height, fl);
+      for (int l = layer_begin; l < layer_begin + layer_count; ++l) {
+        for (int c = 0; c < num_kv; ++c) {
+          char* hp = h0 + (static_cast<int64_t>(l) * num_kv + c) * row;
+          char* dp = reinterpret_cast<char*>(layer_ptrs[c * num_layers + l]) + d0;
+          load ? add_1d(dp, hp, width) : add_1d(hp, dp, width);
         }
       }
       j += run;
     }
   }
-  const bool two_d = rows_mode != 0;
-  const size_t total = two_d ? scratch.ops.size() : scratch.dst.size();
+  const size_t total = scratch.dst.size();
   if (total == 0) return 0;
   // 2. streams: the caller's, or side streams forked from it (the batched API refuses the
   // legacy default stream, so a call there runs wholly on side streams)
   const bool legacy = is_legacy(stream);
+  const unsigned fl = static_cast<unsigned>(flags);
   int used = static_cast<int>(std::min<size_t>(static_cast<size_t>(lanes), total));
   std::unique_lock<std::mutex> lock(lanes_mutex, std::defer_lock);
   Lanes* l = nullptr;
   cudaStream_t targets[kMaxLanes];
   for (int i = 0; i < used; ++i) targets[i] = stream;
   if (legacy || used > 1) {
-    lock.lock();
+    lock.lock();  // the side streams and events are shared by the device's callers
     err = lanes_for(device, used, l);
     if (err == cudaSuccess) err = cudaEventRecord(l->fork, stream);
     for (int i = 0; i < used && err == cudaSuccess; ++i) {
@@ -270,7 +246,7 @@ int pagekv_ce_page_transfer(int device, int load, char* host, const int64_t* lay
     const size_t begin = total * i / used, end = total * (i + 1) / used;
     for (size_t b = begin; b < end && err == cudaSuccess; b += static_cast<size_t>(max_ops)) {
       const size_t n = std::min<size_t>(static_cast<size_t>(max_ops), end - b);
-      err = send(two_d, b, n, fl, targets[i], &splits);
+      err = send(b, n, fl, targets[i], &splits);
       if (err == cudaSuccess) sent += n;
     }
   }

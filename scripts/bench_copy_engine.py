@@ -1,0 +1,200 @@
+"""Copy-engine ratio table (GPU): each backend and ``auto``'s choice against the pinned copy.
+
+For the issue's shapes (Llama-3-8B, its TP-8 slice, MLA-576; pages of 16-128 tokens; all-layer
+transfers of ``--mib`` and one-layer loads and saves of 4 and 16 MiB) the kernel (device
+indices), the copy engine (CPU indices) and ``auto`` (``PAGEKV_COPY_BACKEND=auto``, set here:
+the connector's path, :func:`~pagekv.connector.transfer_indices.transfer_indices` on CPU page
+ids and slots, then the transfer with what it returned) are timed in the same rounds as a
+contiguous pinned copy of the same bytes (the ceiling) and reported as ceiling time / their
+time, with the backend ``auto`` took. ``enqueue_us_*``: the host time of one call, the device
+idle at its start (what an engine's step thread would wait).
+
+The ``enqueue`` section: the copy engine's host time against its copies (Llama-3-8B, 16-token
+pages: 32 KiB runs, 64 copies a page), for 1 and 16 streams, from 16 MiB to 1 GiB: where the
+host time stops growing with the copies' count alone and follows the transfer, the driver's
+queue is full and the call waits for the copy engines.
+
+    python scripts/bench_copy_engine.py [--mib 256] [--reps 5] [--only all_layers,one_layer,enqueue]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from _bench_util import environment, parse_args, write_result
+from bench_kernels import GEOMETRIES, Setup, ceiling_fns, gbps, interleaved, ratio
+
+from pagekv.connector import KVGeometry
+from pagekv.connector.staging import IndexStaging
+from pagekv.connector.transfer_indices import transfer_indices
+from pagekv.kernels import calibrate, copy_engine, load, save
+
+BACKENDS = ("kernel", "copy_engine")
+
+
+def transfer_fns(st: Setup, n: int, layer: int | None) -> dict[str, Callable[[], str]]:
+    """``{backend}_{load,save}``: the kernel with device indices (capturable), the copy
+    engine with CPU indices, ``auto`` as the connector runs it (CPU indices in); for one-layer
+    transfers also ``kernelcpu``: the kernel handed CPU indices (uploaded through pinned
+    memory)."""
+    fns = {}
+    for backend in BACKENDS:
+        ids, slots = (st.ids, st.slots) if backend == "kernel" else (st.ids_cpu, st.slots_cpu)
+        fns[f"{backend}_load"] = _call(load, st.host, ids[:n], st.kv, slots[:n], layer=layer,
+                                       backend=backend)  # fmt: skip
+        fns[f"{backend}_save"] = _call(save, st.kv, slots[:n], st.host, ids[:n], layer=layer,
+                                       backend=backend)  # fmt: skip
+    if layer is not None:  # what a layer-by-layer load with CPU indices pays for the upload
+        fns["kernelcpu_load"] = _call(load, st.host, st.ids_cpu[:n], st.kv, st.slots_cpu[:n],
+                                      layer=layer, backend="kernel")  # fmt: skip
+        fns["kernelcpu_save"] = _call(save, st.kv, st.slots_cpu[:n], st.host, st.ids_cpu[:n],
+                                      layer=layer, backend="kernel")  # fmt: skip
+    staging = IndexStaging()
+    page_ids, slots = st.ids_cpu[:n].tolist(), st.slots_cpu[:n]
+
+    def auto(is_load: bool) -> str:
+        idx = transfer_indices(is_load, st.kv, page_ids, slots, staging, layer=layer)
+        if is_load:
+            return load(st.host, idx.ids, st.kv, idx.slots, layer=layer, backend=idx.backend,
+                        validate=False)  # fmt: skip
+        return save(st.kv, idx.slots, st.host, idx.ids, layer=layer, backend=idx.backend,
+                    validate=False)  # fmt: skip
+
+    fns["auto_load"] = lambda: auto(True)
+    fns["auto_save"] = lambda: auto(False)
+    return fns
+
+
+def _call(fn: Callable[..., str], *args, layer: int | None, backend: str) -> Callable[[], str]:
+    return lambda: fn(*args, layer=layer, backend=backend, validate=False)
+
+
+def device_ms(fn: Callable[[], str], reps: int = 3) -> tuple[float, float]:
+    """Median host ms of one call and ms to its completion, the device idle at each start."""
+    host, total = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+        total.append(time.perf_counter() - t)
+    return statistics.median(host) * 1e3, statistics.median(total) * 1e3
+
+
+def enqueue_probe(raw_host: torch.Tensor) -> list[dict]:
+    """The copy engine's host time against its copies, for 1 and 16 streams (module doc)."""
+    geo = KVGeometry(page_size=16, **GEOMETRIES["llama3-8b"])
+    st = Setup(raw_host, geo, raw_host.numel())
+    rows = []
+    saved = copy_engine.LANES
+    try:
+        for lanes in (1, 16):
+            copy_engine.LANES = lanes
+            for mib in (16, 64, 256, 1024):
+                n = min(st.n_pages, (mib << 20) // geo.page_bytes)
+                fn = _call(load, st.host, st.ids_cpu[:n], st.kv, st.slots_cpu[:n], layer=None,
+                           backend="copy_engine")  # fmt: skip
+                fn()
+                host, total = device_ms(fn)
+                copies = n * geo.num_layers * geo.num_kv
+                r = dict(lanes=lanes, mib=round(n * geo.page_bytes / 2**20), copies=copies,
+                         enqueue_ms=round(host, 2), total_ms=round(total, 2),
+                         us_per_copy=round(host * 1e3 / copies, 3),
+                         enqueue_share=round(host / total, 3))  # fmt: skip
+                print(f"ce enqueue {r}", flush=True)
+                rows.append(r)
+    finally:
+        copy_engine.LANES = saved
+    return rows
+
+
+def host_us(fn: Callable[[], str], reps: int = 20) -> float:
+    """Median host time of one call (the device drained before each)."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return round(statistics.median(times) * 1e6, 1)
+
+
+def case(raw_host, name: str, page: int, layer: int | None, nbytes: int, args) -> dict:
+    geo = KVGeometry(page_size=page, **GEOMETRIES[name])
+    per_page = geo.page_bytes if layer is None else geo.page_bytes // geo.num_layers
+    pages = max(1, nbytes // per_page)
+    st = Setup(raw_host, geo, min(raw_host.numel(), geo.page_bytes * pages))
+    n = max(1, min(st.n_pages, nbytes // per_page))
+    moved = n * per_page
+    r: dict = dict(geometry=name, page_size=page, layer=layer, mib=round(moved / 2**20, 2),
+                   run_kib=page * geo.item_bytes / 1024)  # fmt: skip
+    try:
+        fns = transfer_fns(st, n, layer)
+        for d in ("load", "save"):
+            r[f"auto_{d}_backend"] = fns[f"auto_{d}"]()
+            if fns[f"copy_engine_{d}"]() != "copy_engine":
+                raise RuntimeError(f"copy engine {d} ran on the kernel: "
+                                   f"{copy_engine.disabled_reason(0)}")  # fmt: skip
+        t = interleaved({**ceiling_fns(raw_host, moved), **fns}, args.reps)
+        for key, fn in fns.items():
+            r[f"enqueue_us_{key}"] = host_us(fn, reps=5)
+    except (AssertionError, RuntimeError) as e:  # recorded, and the table goes on
+        r.update(error=str(e)[:300])
+        print(f"ce table {r}", flush=True)
+        return r
+    for key in fns:
+        r[key] = ratio(t, "ceiling_h2d" if key.endswith("load") else "ceiling_d2h", key)
+    r["ceiling_h2d_gbps"] = round(gbps(moved, statistics.median(t["ceiling_h2d"])), 2)
+    r["ceiling_d2h_gbps"] = round(gbps(moved, statistics.median(t["ceiling_d2h"])), 2)
+    shown = " ".join(f"{k} {r[k]}" for k in fns)
+    host = " ".join(f"{k} {r['enqueue_us_' + k]}" for k in fns)
+    print(f"ce table {name:14s} page {page:4d} layer {layer} {r['mib']} MiB (runs "
+          f"{r['run_kib']} KiB): {shown} | auto took {r['auto_load_backend']}/"
+          f"{r['auto_save_backend']} | enqueue us: {host} | ceiling "
+          f"{r['ceiling_h2d_gbps']}/{r['ceiling_d2h_gbps']} GB/s", flush=True)  # fmt: skip
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    ap.add_argument("--mib", type=int, default=256, help="all-layer transfer size")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--page-sizes", type=ints, default=[16, 32, 64, 128])
+    ap.add_argument("--layer-mib", type=ints, default=[4, 16])
+    ap.add_argument("--only", default="all_layers,one_layer,enqueue")
+    args = parse_args(ap)
+    os.environ["PAGEKV_COPY_BACKEND"] = "auto"  # the "auto" rows measure the opt-in table
+    env = environment()
+    ce = f"copy engine {copy_engine._support(0)} {copy_engine.disabled_reason(0) or 'ok'}"
+    print(f"# {env['device']} torch {env['torch']} cuda {env.get('cuda')} {env['commit']}; {ce}; "
+          f"{copy_engine.LANES} streams")  # fmt: skip
+    calibrate(0)  # the table auto reads (cached, or measured now on the idle GPU)
+    raw_host = torch.empty(max(args.mib << 20, 1 << 30), dtype=torch.uint8).pin_memory()
+    raw_host.random_()
+    result: dict = {"env": env, "args": vars(args), "lanes": copy_engine.LANES}
+    only = args.only.split(",")
+    plan = []
+    if "all_layers" in only:
+        plan += [("all_layers", g, p, None, args.mib) for g in GEOMETRIES for p in args.page_sizes]
+    if "one_layer" in only:
+        plan += [("one_layer", g, 16, 5, mib) for g in GEOMETRIES for mib in args.layer_mib]
+    for section, g, page, layer, mib in plan:
+        result.setdefault(section, []).append(case(raw_host, g, page, layer, mib << 20, args))
+        path = write_result("bench_copy_engine", result)  # after each case: a cut run keeps them
+    if "enqueue" in only and copy_engine.supported(0):
+        result["enqueue"] = enqueue_probe(raw_host)
+        path = write_result("bench_copy_engine", result)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
