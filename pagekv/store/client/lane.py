@@ -28,6 +28,7 @@ import collections
 import concurrent.futures
 import functools
 import logging
+import os
 import queue
 import socket
 import threading
@@ -69,6 +70,10 @@ class _Conn:
         # send: a socket shut down while this thread was idle is replaced, not sent on
         self.aborts = self.aborts_seen = 0
         self.ahead: list[Any] = []  # the closing sentinel, taken early by _fail
+        # the receive's bounce buffer (see recv_values): this connection's thread's alone
+        self.bounce: bytearray | None = bytearray(native.BLOCK_BYTES)
+        if os.environ.get("PAGEKV_DIAG_AB_BASE") == "1":  # DIAG A/B ONLY: delete (in place)
+            self.bounce = None
         self.thread = threading.Thread(target=self._run, name="pagekv-bulk-client", daemon=True)
         self.thread.start()
 
@@ -246,7 +251,7 @@ class _Conn:
             raise ProtocolError(Code.BAD_HEADER, f"reply {reply.id} to request {call.request.id}")
         frames = _places(call, reply, head.sizes)
         counts = reply.counts if reply.code is Code.OK else None
-        call.digests = recv_values(self.sock, frames, counts, self.lib)
+        call.digests = recv_values(self.sock, frames, counts, self.lib, self.bounce)
         if call.prepare is not None:
             call.prepare(reply, frames)
         return reply, frames

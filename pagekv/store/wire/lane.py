@@ -96,11 +96,12 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 def recv_values(
     sock: socket.socket, frames: Sequence[Any], counts: Sequence[int] | None,
-    lib: native.NativeCopy,
+    lib: native.NativeCopy, bounce: Any,
 ) -> list[int] | None:  # fmt: skip
     """Receive ``frames`` (writable buffers, in order) from the blocking ``sock`` with the native
     receive ``lib`` (:meth:`.native.NativeCopy.recv_verify`: one C call, the GIL released, each
-    256 KiB hashed right after it lands, while it is still in the cache) and, when ``counts``
+    256 KiB hashed right after it lands, while it is still in the cache; ``bounce``: the calling
+    thread's buffer of ``native.BLOCK_BYTES``, see there) and, when ``counts``
     (frames per value, adding up to ``len(frames)``) is given, return the xxh3-64 of each value
     as it landed; else None. On the H100 host (a 4 GiB GET in 2 MiB blocks over K connections
     of one process) that moved 3.2-3.7 / 11.0-12.5 / 17.4-19.9 GB/s for K = 1 / 4 / 8, where
@@ -113,7 +114,7 @@ def recv_values(
     if not frames:  # nothing to receive (a reply without values)
         return None if counts is None else [xxhash.xxh3_64_intdigest(b"") for _ in counts]
     try:
-        return lib.recv_verify(sock.fileno(), frames, counts)
+        return lib.recv_verify(sock.fileno(), frames, counts, bounce=bounce)
     except EOFError as e:
         raise PeerClosed(str(e)) from None
     except BlockingIOError:  # SO_RCVTIMEO ran out with nothing read
