@@ -223,11 +223,11 @@ class ClientConfig:
     doubling to ``backoff_max_s``) and tried only as a last resort while their connection is
     up again.
 
-    ``streams`` (default :func:`default_streams` of the node count) is how many connections the client keeps to
-    each node; a batch's requests to a node are spread over them, each with its own window of
-    ``window`` requests in flight and its own deadline, and the client's zmq context gets as
-    many I/O threads (see docs/protocol.md, "Streams"). ``copy_threads`` (default
-    :func:`default_copy_threads`) check and copy the values of GET replies into the
+    ``streams`` (default: :func:`default_streams` of the node count) is how many connections
+    the client keeps to each node; a batch's requests to a node are spread over them, each
+    with its own window of ``window`` requests in flight and its own deadline, and the client's
+    zmq context gets as many I/O threads (see docs/protocol.md, "Streams"). ``copy_threads``
+    (default :func:`default_copy_threads`) check and copy the values of GET replies into the
     caller's buffers and checksum large put batches, on a pool shared by the process's
     clients; 1 does that work on the client's own thread.
 

@@ -282,7 +282,7 @@ class NativeCopy:
         if bounce is not None:  # DIAG A/B ONLY: the None case goes with the switch
             at, size = _address(bounce, True, "bounce", keep)
             if size < chunk_bytes:
-                raise ValueError(f"bounce of {size} bytes is smaller than chunk_bytes {chunk_bytes}")
+                raise ValueError(f"bounce of {size} bytes is smaller than a chunk ({chunk_bytes})")
         received = ctypes.c_uint64(0)
         rc = self._recv(fd, pieces, len(plan), out, len(spans), chunk_bytes, at or None, size,
                         ctypes.byref(received))  # fmt: skip
