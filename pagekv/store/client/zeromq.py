@@ -34,7 +34,7 @@ import zmq
 
 from ..config import ClientConfig
 from ..wire.protocol import ProtocolError, decode_reply
-from .routing import Call, Link, Results, Router, request_header
+from .routing import Call, Link, Results, Router, prepare_send, request_header
 from .transport import Transport, gather_all
 
 __all__ = ["ZmqTransport", "shared_context"]
@@ -367,6 +367,7 @@ class ZmqTransport(Transport):
             clock["sending"] += 1
             clock["wake"]()  # the deadline is now the connection's
             try:
+                await prepare_send(call)
                 await link.send(call)
             except ConnectionError:  # the link was reset while this request waited
                 return None
