@@ -37,7 +37,7 @@ def default_streams(nodes: int = 1) -> int:
     H200 host a 4 GiB prefetch from one node moved 12.4 GB/s over 4 streams, 18.6 over 8). A
     2-core machine keeps a single stream."""
     per_node = min(4, max(1, _usable_cores() // 4))
-    if os.environ.get("PAGEKV_DIAG_AB_BASE") == "1":  # DIAG A/B ONLY: delete
+    if env.DIAG_AB_BASE.get():  # DIAG A/B ONLY: delete
         return per_node
     together = min(8, max(1, _usable_cores() // 2))
     return max(per_node, -(-together // max(1, nodes)))

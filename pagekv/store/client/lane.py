@@ -28,12 +28,12 @@ import collections
 import concurrent.futures
 import functools
 import logging
-import os
 import queue
 import socket
 import threading
 from typing import Any
 
+from pagekv import env
 from pagekv.errors import NativeCopyUnavailable, ProtocolError
 
 from ..config import ClientConfig
@@ -72,7 +72,7 @@ class _Conn:
         self.ahead: list[Any] = []  # the closing sentinel, taken early by _fail
         # the receive's bounce buffer (see recv_values): this connection's thread's alone
         self.bounce: bytearray | None = bytearray(native.BLOCK_BYTES)
-        if os.environ.get("PAGEKV_DIAG_AB_BASE") == "1":  # DIAG A/B ONLY: delete (in place)
+        if env.DIAG_AB_BASE.get():  # DIAG A/B ONLY: delete (in place)
             self.bounce = None
         self.thread = threading.Thread(target=self._run, name="pagekv-bulk-client", daemon=True)
         self.thread.start()

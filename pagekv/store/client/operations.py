@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
+
+from pagekv import env
 
 from ..wire.copies import PARALLEL_BYTES, copy_checksum, parallel_map
 from ..wire.protocol import Code, Op, Request, Status, checksum_frames
@@ -120,7 +121,7 @@ def _checksums(
     return fill
 
 
-_AB_BASE = os.environ.get("PAGEKV_DIAG_AB_BASE") == "1"  # DIAG A/B ONLY: delete
+_AB_BASE = env.DIAG_AB_BASE.get()  # DIAG A/B ONLY: delete
 
 
 def _next_targets(

@@ -32,6 +32,8 @@ from typing import Any
 
 import zmq
 
+from pagekv import env
+
 from ..config import ClientConfig, client_io_threads
 from ..wire.protocol import ProtocolError, decode_reply
 from .routing import Call, Link, Results, Router, prepare_send, request_header
@@ -196,7 +198,7 @@ class ZmqTransport(Transport):
     def __init__(self, config: ClientConfig, router: Router) -> None:
         self.config, self.router = config, router
         self.io_threads = client_io_threads(config.streams, len(config.endpoints))
-        if os.environ.get("PAGEKV_DIAG_AB_BASE") == "1":  # DIAG A/B ONLY: delete
+        if env.DIAG_AB_BASE.get():  # DIAG A/B ONLY: delete
             self.io_threads = config.streams
         self.ctx = shared_context(zmq.Context, self.io_threads)
         self._links: dict[int, list[_Link | None]] = {}  # node -> its links, one per stream
