@@ -2,9 +2,10 @@
 :mod:`..node.lane`) over plain TCP connections, ``ClientConfig.streams`` per node, one thread
 each, when this process has the native receive (:mod:`..wire.native`).
 
-Each connection's thread sends a request and reads the reply's frames straight into the GET's
+Each connection's thread sends a request and reads the reply's frames into the GET's
 destinations (``Call.sinks``) when their sizes match, all of a reply's frames in one native
-call without the GIL, each 256 KiB hashed right after it arrived (:func:`..wire.lane.recv_values`),
+call without the GIL, each 256 KiB hashed right after it arrived (large frames through the
+connection's bounce buffer: :func:`..wire.lane.recv_values`),
 then runs the call's ``prepare`` there (which compares those digests). Up to ``DEPTH``
 requests are out on a connection, so the node starts the next reply while this thread checks
 the last. Each result goes back to the loop through a ``concurrent.futures.Future``:

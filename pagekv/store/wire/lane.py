@@ -3,8 +3,9 @@ and :mod:`.bulk_client`; docs/protocol.md, "Bulk lane").
 
 The bulk lane carries the same messages as the ZeroMQ socket (a msgpack header, then payload
 frames; :mod:`.protocol`), framed so that the receiver knows every frame's size before it reads
-a byte of payload, and can therefore receive each frame straight into its final place (a
-client's destination page), hashing it as it lands (:func:`recv_values`, the native receive)::
+a byte of payload, and can therefore receive each frame into its final place (a client's
+destination page; large frames through a cached bounce buffer, see :func:`recv_values`), hashing
+it as it lands (the native receive)::
 
     prefix   "<4sIIQ": magic b"PKB1", header bytes, frame count, payload bytes (sum of sizes)
     sizes    "<{count}Q": bytes of each payload frame
