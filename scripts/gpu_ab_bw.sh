@@ -74,6 +74,8 @@ for name, v in rows.items():
     a, b = v["A"], v["B"]
     ratio = statistics.median(b) / statistics.median(a) if a and b and statistics.median(a) else float("nan")
     print(f"{name:52s} {str(a):28s} {str(b):28s} {ratio:.3f}")
+for f in (root / "diag_put").glob("*.json"):
+    print("diag_put (arm B, 1-stream PUT vs raw ZeroMQ and TCP):", json.loads(f.read_text())["median"])
 PYEOF
 echo "total $((SECONDS - START)) s"
 } 2>&1 | tee "$OUT/ab.log"
