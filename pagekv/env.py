@@ -203,17 +203,11 @@ OFFLINE = _var("OFFLINE", parse_bool, False,
 REQUIRE_SGLANG = _var("REQUIRE_SGLANG", parse_bool, False,
                       "the same for SGLang (set by `make test-sglang`)", "bool", "off",
                       "tests/engines")  # fmt: skip
-# DIAG A/B ONLY (temporary, issue 29; delete with every use of it once the GPU A/B decided)
-DIAG_AB_BASE = _var("DIAG_AB_BASE", parse_bool, False,
-                    "diagnostics only, temporary: the store client of main e69e494 (in-place lane "
-                    "receive, PUT hashing that holds the loop, I/O threads = streams, 4 streams "
-                    "per node on 16 cores) for scripts/gpu_ab_bw.sh", "bool", "off",
-                    "pagekv.store.client")  # fmt: skip
 
 REGISTRY: tuple[EnvVar[Any], ...] = (KERNELS, COPY_BACKEND, NATIVE_COPY, CACHE_DIR, BULK_CLIENT,
                                      SHM_CLIENT, EXIT_FLUSH_S, CONFIG, TUNE_MALLOC,
                                      MALLOC_ARENAS, MALLOC_TOP_PAD, ENGINE_VENVS, REQUIRE_VLLM,
-                                     REQUIRE_SGLANG, OFFLINE, DIAG_AB_BASE)  # fmt: skip
+                                     REQUIRE_SGLANG, OFFLINE)  # fmt: skip
 
 
 def markdown() -> str:

@@ -3,13 +3,12 @@
 import asyncio
 import os
 import socket
-import threading
 
 import pytest
 import zmq
 import zmq.asyncio
 
-from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreUnavailable
+from pagekv.store import AsyncStoreClient, Status, StoreUnavailable
 
 
 def free_port():
@@ -91,78 +90,4 @@ async def test_a_send_refused_for_want_of_a_connection_never_escapes(node, monke
     found = await client.exists_many(keys)
     assert fails == [0] and found.found == [True] * 3 and found.unanswered == 0
     assert client.counters["send_errors"] == 0 and client.counters["node_failures"] == 0
-    client.close()
-
-
-def _gated_checksums(monkeypatch):
-    """Replace the PUT checksum with one that waits for ``gate`` (then hashes for real) and
-    records how many are running: the hash jobs of a large PUT made observable."""
-    from pagekv.store.client import operations
-    from pagekv.store.wire.protocol import checksum_frames
-
-    gate, lock, state = threading.Event(), threading.Lock(), {"running": 0, "started": 0}
-
-    def gated(frames):
-        with lock:
-            state["running"] += 1
-            state["started"] += 1
-        try:
-            if not gate.wait(30):  # never reached when the test passes
-                raise TimeoutError("the gate was not opened")
-            return checksum_frames(frames)
-        finally:
-            with lock:
-                state["running"] -= 1
-
-    monkeypatch.setattr(operations, "checksum_frames", gated)
-    return gate, state
-
-
-@pytest.mark.asyncio
-async def test_a_large_puts_hashing_leaves_the_loop_free(node, monkeypatch):
-    """A PUT's values are hashed on the copy pool while the loop runs on: a task of the same
-    loop opens the gate the hash jobs wait for (a loop that waited for them would never run
-    it: the jobs would time out and the PUT fail). The values arrive intact."""
-    gate, state = _gated_checksums(monkeypatch)
-    client = AsyncStoreClient(
-        node.address, config=ClientConfig((node.address,), timeout_s=30, copy_threads=4)
-    )
-    keys = [os.urandom(16) for _ in range(4)]
-    data = [os.urandom(2 << 20) for _ in keys]
-
-    async def open_gate():
-        while state["started"] == 0:
-            await asyncio.sleep(0.001)
-        gate.set()
-
-    opener = asyncio.create_task(open_gate())
-    assert await client.put_many(keys, data) == [Status.OK] * 4
-    await opener
-    into = [bytearray(b"\xa5" * (2 << 20)) for _ in keys]
-    assert await client.get_many(keys, into=into) == [True] * 4
-    assert [bytes(b) for b in into] == data
-    client.close()
-
-
-@pytest.mark.asyncio
-async def test_a_put_cancelled_while_hashing_returns_with_no_hash_job_running(node, monkeypatch):
-    """Cancelled while its values are hashed on the pool, a PUT returns only once no job
-    reads them any more (the caller may reuse its buffers at once)."""
-    gate, state = _gated_checksums(monkeypatch)
-    client = AsyncStoreClient(
-        node.address, config=ClientConfig((node.address,), timeout_s=30, copy_threads=4)
-    )
-    keys = [os.urandom(16) for _ in range(8)]
-    values = [os.urandom(1 << 20) for _ in keys]
-    task = asyncio.create_task(client.put_many(keys, values))
-    while state["running"] == 0:
-        await asyncio.sleep(0.001)
-    opener = threading.Timer(0.05, gate.set)  # the running jobs may finish (the loop waits)
-    opener.start()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert state["running"] == 0
-    opener.join()
-    assert await client.put_many(keys[:1], [b"x" * 100]) == [Status.OK]  # still usable
     client.close()

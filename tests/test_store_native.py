@@ -294,6 +294,29 @@ def test_recv_verify_bad_input_refused_before_reading(lib):
         assert frame == b"0123456789"
 
 
+def test_recv_verify_c_call_refuses_a_missing_bounce(lib):
+    """The C receive has one path (large frames through the bounce): a NULL bounce is -EINVAL,
+    before a byte is read."""
+    import ctypes
+    import errno
+
+    a, b = socket.socketpair()
+    with a, b:
+        n = 64 << 10  # a frame that takes the bounce, small enough for the socket's buffer
+        payload = os.urandom(n)
+        a.sendall(payload)
+        frame = poisoned(n)
+        arr = np.frombuffer(frame, np.uint8)
+        pieces = (native.Piece * 1)((arr.__array_interface__["data"][0], None, n))
+        values = (native.Value * 1)((0, 1, 0))
+        received = ctypes.c_uint64(7)
+        rc = lib._recv(b.fileno(), pieces, 1, values, 1, BLOCK, None, 0, ctypes.byref(received))
+        assert (rc, received.value) == (-errno.EINVAL, 0)
+        assert frame == poisoned(n)
+        assert lib.recv_verify(b.fileno(), [frame], [1], bounce=poisoned(BLOCK)) == [xxh3(payload)]
+        assert frame == payload
+
+
 def _timeval(seconds: float) -> bytes:
     from pagekv.store.wire.lane import timeval
 

@@ -8,7 +8,6 @@ import signal
 import time
 
 import pytest
-import zmq
 
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
 from pagekv.store.config import MAX_STREAMS, default_streams
@@ -291,29 +290,3 @@ def test_a_put_s_requests_go_out_dealt_over_the_streams_in_turn(node_proc, monke
     requests = list(dict.fromkeys(order))
     assert sorted(requests) == list(range(8)), order
     assert all(abs(at - r) < 2 for at, r in enumerate(requests)), requests
-
-
-@pytest.mark.parametrize("cores, streams, nodes, threads", [(2, 1, 3, 1), (16, 4, 3, 8),
-                                                            (16, 8, 1, 8), (64, 4, 3, 12),
-                                                            (16, 2, 3, 6)])  # fmt: skip
-def test_client_connections_are_spread_over_io_threads_of_their_own(monkeypatch, cores, streams,
-                                                                     nodes, threads):  # fmt: skip
-    """One I/O thread per connection (streams x nodes), at most one per 2 cores and never
-    fewer than the streams; the connections are dealt over them in turn, so while there are
-    enough each has its own."""
-    from pagekv.store import config as store_config
-    from pagekv.store.client import zeromq as client_zeromq
-    from pagekv.store.client.routing import Router
-
-    monkeypatch.setattr(store_config, "_usable_cores", lambda: cores)
-    assert store_config.client_io_threads(streams, nodes) == threads
-    cfg = ClientConfig(tuple(f"tcp://127.0.0.1:{p}" for p in range(1, nodes + 1)),
-                       streams=streams)  # fmt: skip
-    transport = client_zeromq.ZmqTransport(cfg, Router(cfg.endpoints, 1, (0.25, 8.0)))
-    try:
-        assert transport.io_threads == threads
-        masks = [transport._link(n, s).sock.getsockopt(zmq.AFFINITY)
-                 for n in range(nodes) for s in range(streams)]  # fmt: skip
-        assert masks == [1 << (k % threads) for k in range(streams * nodes)]
-    finally:
-        transport.close()

@@ -12,7 +12,6 @@ from .wire.protocol import MAX_HEADER_BYTES
 
 __all__ = [
     "ClientConfig",
-    "client_io_threads",
     "CurveClientKeys",
     "NodeConfig",
     "default_copy_threads",
@@ -37,18 +36,8 @@ def default_streams(nodes: int = 1) -> int:
     H200 host a 4 GiB prefetch from one node moved 12.4 GB/s over 4 streams, 18.6 over 8). A
     2-core machine keeps a single stream."""
     per_node = min(4, max(1, _usable_cores() // 4))
-    if env.DIAG_AB_BASE.get():  # DIAG A/B ONLY: delete
-        return per_node
     together = min(8, max(1, _usable_cores() // 2))
     return max(per_node, -(-together // max(1, nodes)))
-
-
-def client_io_threads(streams: int, nodes: int) -> int:
-    """ZeroMQ I/O threads of a client of ``nodes`` nodes with ``streams`` each: one per
-    connection, at most one per 2 cores it may run on (never fewer than ``streams``). Each I/O
-    thread moves its connections' bytes on one core: a client of 3 nodes with 4 streams each
-    that shared 4 threads sent its PUTs (cold pages from memory) over 4 cores, not 12."""
-    return min(streams * nodes, max(streams, _usable_cores() // 2))
 
 
 def default_io_threads() -> int:
@@ -237,10 +226,10 @@ class ClientConfig:
     ``streams`` (default: :func:`default_streams` of the node count) is how many connections
     the client keeps to each node; a batch's requests to a node are spread over them, each
     with its own window of ``window`` requests in flight and its own deadline, and the client's
-    zmq context gets :func:`client_io_threads` I/O threads (see docs/protocol.md, "Streams").
-    ``copy_threads`` (default :func:`default_copy_threads`) check and copy the values of GET
-    replies into the caller's buffers and checksum large put batches, on a pool shared by the
-    process's clients; 1 does that work on the client's own thread.
+    zmq context gets as many I/O threads (see docs/protocol.md, "Streams"). ``copy_threads``
+    (default :func:`default_copy_threads`) check and copy the values of GET replies into the
+    caller's buffers and checksum large put batches, on a pool shared by the process's
+    clients; 1 does that work on the client's own thread.
 
     Transports (:mod:`.client.transport`; each node's chosen from its PING reply): ``shm``
     (default ``PAGEKV_SHM_CLIENT``, on): GETs of a ``--shm`` node on this host are copied

@@ -34,7 +34,6 @@ import socket
 import threading
 from typing import Any
 
-from pagekv import env
 from pagekv.errors import NativeCopyUnavailable, ProtocolError
 
 from ..config import ClientConfig
@@ -72,9 +71,7 @@ class _Conn:
         self.aborts = self.aborts_seen = 0
         self.ahead: list[Any] = []  # the closing sentinel, taken early by _fail
         # the receive's bounce buffer (see recv_values): this connection's thread's alone
-        self.bounce: bytearray | None = bytearray(native.BLOCK_BYTES)
-        if env.DIAG_AB_BASE.get():  # DIAG A/B ONLY: delete (in place)
-            self.bounce = None
+        self.bounce = bytearray(native.BLOCK_BYTES)
         self.thread = threading.Thread(target=self._run, name="pagekv-bulk-client", daemon=True)
         self.thread.start()
 

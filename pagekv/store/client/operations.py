@@ -8,15 +8,11 @@ moves the key on to its next node, and a key no node could answer is ``Status.UN
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
-from pagekv import env
-
-from ..wire.copies import PARALLEL_BYTES, copy_checksum, parallel_map
+from ..wire.copies import copy_checksum, parallel_map
 from ..wire.protocol import Code, Op, Request, Status, checksum_frames
 from .routing import Call, ExistsResult, OpGen, Router, reply_shape_problem
 
@@ -30,8 +26,7 @@ MAX_DEFERRALS = 64  # a node that keeps deferring a key is treated as failing fo
 def put(router: Router, keys: Sequence[bytes], values: Sequence[list[memoryview]]) -> OpGen:
     """``values[i]``: the frames of key i. Stores each on ``replicas`` nodes, replacing a node
     that fails by the key's next one; returns a status per key. The values' checksums are
-    computed request by request, right before each is sent (``Call.before_send``), each value
-    once."""
+    computed request by request, as each is sent (``Call.before_send``), each value once."""
     sizes, nframes = _describe(values)
     sums: list[int | None] = [None] * len(keys)
     cands = router.candidates(keys, router.replicas + 1, router.usable())
@@ -93,35 +88,20 @@ def _describe(values: Sequence[list[memoryview]]) -> tuple[list[int], list[int]]
 def _checksums(
     req: Request, part: list[int], values: Sequence[list[memoryview]], sums: list[int | None],
     sizes: list[int], pool: Executor | None,
-) -> Callable[[], Awaitable[None]]:  # fmt: skip
+) -> Callable[[], None]:  # fmt: skip
     """``req``'s ``before_send``: fill its ``sums`` from ``sums`` (shared by the operation's
-    requests), computing those not known yet (a replica's or a retried key's are). A large
-    request's values are hashed on ``pool``, one job each (xxhash releases the GIL: several
-    cores), while the loop goes on sending other requests and reading replies; a small one's
-    on the loop. Cancelled, it returns only once no job of it reads the values any more."""
+    requests), computing those not known yet (a replica's or a retried key's are), on
+    ``pool`` when the request is large (xxhash releases the GIL: several cores)."""
 
-    async def fill() -> None:
+    def fill() -> None:
         todo = [i for i in part if sums[i] is None]
         nbytes = sum(sizes[i] for i in todo)
-        if _AB_BASE:  # DIAG A/B ONLY: delete (hashed on the loop, which waits for the pool)
-            digests = parallel_map(checksum_frames, [values[i] for i in todo], nbytes, pool)
-        elif pool is None or len(todo) < 2 or nbytes < PARALLEL_BYTES:
-            digests = [checksum_frames(values[i]) for i in todo]
-        else:
-            jobs = [pool.submit(checksum_frames, values[i]) for i in todo]
-            try:
-                digests = await asyncio.gather(*map(asyncio.wrap_future, jobs))
-            except BaseException:
-                concurrent.futures.wait([j for j in jobs if not j.cancel()])
-                raise
-        for i, cs in zip(todo, digests):
+        for i, cs in zip(todo, parallel_map(checksum_frames, [values[i] for i in todo], nbytes,
+                                            pool)):  # fmt: skip
             sums[i] = cs
         req.sums = [sums[i] for i in part]
 
     return fill
-
-
-_AB_BASE = env.DIAG_AB_BASE.get()  # DIAG A/B ONLY: delete
 
 
 def _next_targets(

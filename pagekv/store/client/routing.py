@@ -28,7 +28,7 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, fields
 from typing import Any
@@ -52,7 +52,6 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "reply_shape_problem",
-    "prepare_send",
     "request_header",
 ]
 
@@ -81,26 +80,20 @@ class Call:
     # set by such a transport: per found value of the reply, the xxh3-64 of the frames as
     # they landed
     digests: list[int] | None = None
-    # Awaited once by the transport right before the request is sent (:func:`prepare_send`):
-    # a PUT fills in its values' checksums there, on the copy pool when the request is large,
-    # the loop free meanwhile (other requests are sent and replies read while it hashes).
-    before_send: Callable[[], Awaitable[None]] | None = None
+    # Run once, right before the request's header is encoded (:func:`request_header`): a PUT
+    # fills in its values' checksums there, so hashing the next request's values overlaps the
+    # sending of this one's.
+    before_send: Callable[[], None] | None = None
     # a node that has not answered within this many seconds of the call's start fails it (a
     # lookup with a budget shorter than the client's timeout); None: the client's timeouts
     answer_s: float | None = None
 
 
-async def prepare_send(call: Call) -> None:
-    """Await ``call``'s ``before_send``, once (a request sent again does not hash again)."""
+def request_header(call: Call) -> bytes:
+    """``call``'s request encoded for the wire, after the call's ``before_send`` (run once)."""
     if call.before_send is not None:
         prepare, call.before_send = call.before_send, None
-        await prepare()
-
-
-def request_header(call: Call) -> bytes:
-    """``call``'s request encoded for the wire (its ``before_send`` must have run)."""
-    if call.before_send is not None:
-        raise RuntimeError("request_header before the call's before_send ran")
+        prepare()
     return encode_request(call.request)
 
 

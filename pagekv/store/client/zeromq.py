@@ -32,11 +32,9 @@ from typing import Any
 
 import zmq
 
-from pagekv import env
-
-from ..config import ClientConfig, client_io_threads
+from ..config import ClientConfig
 from ..wire.protocol import ProtocolError, decode_reply
-from .routing import Call, Link, Results, Router, prepare_send, request_header
+from .routing import Call, Link, Results, Router, request_header
 from .transport import Transport, gather_all
 
 __all__ = ["ZmqTransport", "shared_context"]
@@ -197,10 +195,7 @@ class ZmqTransport(Transport):
 
     def __init__(self, config: ClientConfig, router: Router) -> None:
         self.config, self.router = config, router
-        self.io_threads = client_io_threads(config.streams, len(config.endpoints))
-        if env.DIAG_AB_BASE.get():  # DIAG A/B ONLY: delete
-            self.io_threads = config.streams
-        self.ctx = shared_context(zmq.Context, self.io_threads)
+        self.ctx = shared_context(zmq.Context, config.streams)
         self._links: dict[int, list[_Link | None]] = {}  # node -> its links, one per stream
         self._turn: dict[int, int] = {}  # node -> the stream its next batch starts on
         self._ports: list[list[int]] = [[] for _ in config.endpoints]  # PING "ports"
@@ -239,18 +234,16 @@ class ZmqTransport(Transport):
 
     def _open(self, node: int, stream: int) -> _Link:
         endpoint = self._endpoint(node, stream)
-        thread = (node * self.config.streams + stream) % self.io_threads
-        link = _Link(self._new_socket(endpoint, thread), node, stream, endpoint, self._bad_reply)
+        link = _Link(self._new_socket(endpoint, stream), node, stream, endpoint, self._bad_reply)
         self._links.setdefault(node, [None] * self.config.streams)[stream] = link
         return link
 
-    def _new_socket(self, endpoint: str, thread: int) -> zmq.Socket:
+    def _new_socket(self, endpoint: str, stream: int) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
-        # Each connection on an I/O thread of its own (while there are enough: node n's stream
-        # s on thread n * streams + s): left to libzmq, connections opened together all land on
+        # Stream s on I/O thread s: left to libzmq, connections opened together all land on
         # the first I/O thread (its load is counted only once a connection is set up), and
         # every stream's bytes then go through one thread (measured: 2-3 GB/s for 1-8 streams)
-        sock.setsockopt(zmq.AFFINITY, 1 << thread)
+        sock.setsockopt(zmq.AFFINITY, 1 << (stream % self.config.streams))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a node not connected
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -374,7 +367,6 @@ class ZmqTransport(Transport):
             clock["sending"] += 1
             clock["wake"]()  # the deadline is now the connection's
             try:
-                await prepare_send(call)
                 await link.send(call)
             except ConnectionError:  # the link was reset while this request waited
                 return None

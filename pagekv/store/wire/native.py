@@ -250,8 +250,6 @@ class NativeCopy:
         place (stores that bypass the cache); smaller ones straight into place. On the H200 host
         that lifted one lane stream from 0.71-0.73 to 0.79-0.98 of the 1-stream TCP ceiling and
         8 streams from 0.59-0.64 to 0.63-0.68 of theirs (received in place and hashed there).
-        (DIAG A/B ONLY: ``bounce=None`` receives everything in place; delete with the switch in
-        :mod:`..client.lane`.)
 
         Mutates the frames (those not reached when it raises keep what they held; the one it
         was in holds part of its bytes). The caller must keep ``fd`` open for the call: another
@@ -278,13 +276,11 @@ class NativeCopy:
             spans.append((first, count, 0))
             first += count
         out = (Value * max(1, len(spans)))(*spans)
-        at = size = 0
-        if bounce is not None:  # DIAG A/B ONLY: the None case goes with the switch
-            at, size = _address(bounce, True, "bounce", keep)
-            if size < chunk_bytes:
-                raise ValueError(f"bounce of {size} bytes is smaller than a chunk ({chunk_bytes})")
+        at, size = _address(bounce, True, "bounce", keep)
+        if size < chunk_bytes:
+            raise ValueError(f"bounce of {size} bytes is smaller than a chunk ({chunk_bytes})")
         received = ctypes.c_uint64(0)
-        rc = self._recv(fd, pieces, len(plan), out, len(spans), chunk_bytes, at or None, size,
+        rc = self._recv(fd, pieces, len(plan), out, len(spans), chunk_bytes, at, size,
                         ctypes.byref(received))  # fmt: skip
         del keep
         total = sum(p[2] for p in plan)

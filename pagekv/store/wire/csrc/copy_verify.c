@@ -216,25 +216,23 @@ static void copy_out(unsigned char *dst, const unsigned char *src, uint64_t n) {
  * Returns 0 when every byte arrived; 1 when the peer closed the connection (or it was shut
  * down) before; -errno for a failed receive (-EAGAIN / -EWOULDBLOCK: the socket's SO_RCVTIMEO
  * passed with nothing read in one receive); -EINVAL, before anything is read, for values that
- * do not cover the pieces in order, a chunk_bytes of 0 or a bounce smaller than a chunk.
+ * do not cover the pieces in order, a chunk_bytes of 0, or a bounce that is NULL or smaller
+ * than a chunk.
  * `*received`: the bytes received before the return, every one of them in its place (also
  * those of a chunk the failure cut short). A receive interrupted by a signal is retried.
- * Nothing writes to the pieces or the bounce after the return.
- *
- * DIAG A/B ONLY (delete with the switch in pagekv/store/client/lane.py): bounce NULL receives
- * every piece in place. */
+ * Nothing writes to the pieces or the bounce after the return. */
 int pagekv_recv_verify(int fd, const pagekv_piece *pieces, uint64_t npieces,
                        pagekv_value *values, uint64_t nvalues, uint64_t chunk_bytes,
                        unsigned char *bounce, uint64_t bounce_bytes, uint64_t *received) {
     *received = 0;
     if (chunk_bytes == 0 || !values_cover(values, nvalues, npieces)) return -EINVAL;
-    if (bounce != NULL && bounce_bytes < chunk_bytes) return -EINVAL;
+    if (bounce == NULL || bounce_bytes < chunk_bytes) return -EINVAL;
     hasher_t h = {.values = values, .nvalues = nvalues};
     for (uint64_t p = 0; p < npieces; p++) {
         hasher_piece_begins(&h);
         unsigned char *dst = (unsigned char *)pieces[p].dst;
         uint64_t n = pieces[p].nbytes;
-        int bounced = bounce != NULL && n >= BOUNCE_MIN_BYTES;
+        int bounced = n >= BOUNCE_MIN_BYTES;
         for (uint64_t off = 0; off < n; off += chunk_bytes) {
             uint64_t want = n - off < chunk_bytes ? n - off : chunk_bytes, before = *received;
             unsigned char *at = bounced ? bounce : dst + off;
