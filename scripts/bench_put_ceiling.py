@@ -1,11 +1,12 @@
-"""DIAG (issue 29, one-stream PUT): where a one-stream PUT of 64 x 2 MiB (cold client blocks)
-loses against the hot 1-stream TCP ceiling. Each round, interleaved: the TCP ceilings (hot and
+"""The one-stream PUT against what ZeroMQ itself moves: a PUT of 64 x 2 MiB (cold client
+blocks) beside the hot 1-stream TCP ceiling. Each round, interleaved: the TCP ceilings (hot and
 cold), raw ZeroMQ (a DEALER sending the same frames zero-copy in 16 MiB messages, to a
 ROUTER in another process that keeps every frame until the round ends: libzmq's receive into
 fresh memory, no hashing anywhere), and pagekv PUTs (StoreClient streams=1) to a node that
-verifies PUTs and to one that does not (--no-verify-puts). Medians into diag_put.json.
+verifies PUTs and to one that does not (--no-verify-puts). Medians, and
+each against the hot ceiling, into bench_put_ceiling.json.
 
-    python scripts/diag_put.py [--rounds 5]
+    python scripts/bench_put_ceiling.py [--rounds 5]
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def main() -> None:
     for k in rows[0]:
         med[f"{k}_vs_hot"] = round(statistics.median(row[k] / row["tcp_hot"] for row in rows), 3)
     print(f"median {med}", flush=True)
-    print(f"wrote {write_result('diag_put', dict(median=med, rounds=rows))}")
+    print(f"wrote {write_result('bench_put_ceiling', dict(median=med, rounds=rows))}")
 
 
 if __name__ == "__main__":
