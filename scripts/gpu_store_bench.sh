@@ -75,6 +75,6 @@ for name, values in sorted(rows.items()):
 PYEOF
 echo "total $((SECONDS - START)) s; status $status"
 } > >(tee "$OUT/run.log") 2>&1
-wait $!  # tee has written everything
+wait ${!:-} 2>/dev/null || true  # tee has written everything
 cd "$OUT" && tar czf results.tgz results && rm -rf results
 exit $status
