@@ -110,7 +110,7 @@ def run(args, num_nodes: int) -> dict:
         b.release(again)
         # same run: the raw store and a contiguous copy of the same bytes
         keys = b.keys(tokens)
-        with StoreClient(cfg.endpoints, timeout_s=60) as raw:
+        with StoreClient(cfg.endpoints, config=cfg) as raw:  # the same settings (streams)
             views = [b.pool.page_view(p) for p in range(n_pages)]
             r["raw_store_get_s"] = timed(lambda: raw.get_many(keys, into=views), reps=3)[0]
         # the connector's kind of client (asyncio) with a per-key callback, no connector

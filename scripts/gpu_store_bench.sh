@@ -1,34 +1,80 @@
 #!/usr/bin/env bash
-# The store's figures on a GPU host (issue 29's table), in about 8 minutes, JSON into $OUT:
-#   bench_store.json            streams 1 and 8 (one-stream GET/PUT and 8-stream GET against
-#                               the K-stream TCP ceilings), user (put_many/get_many of 32 x 2 MiB,
-#                               fresh buffers, against one TCP stream), rss (node RSS under the
-#                               put stream, in capacities)
-#   bench_connector.json        4 GiB prompt from 1 and 3 TCP nodes: prefetch GB/s (and against
-#                               the 8-stream ceiling), write-back seconds
-#   bench_connector_shm.json    the same from one --shm node: prefetch against 8-thread memcpy,
-#                               write-back seconds
+# The store's figures on a GPU host (issue 29's table, docs/benchmarks.md), in about 5 minutes:
+# two interleaved rounds of
+#   bench_store        streams 1 and 8 (one-stream GET/PUT and 8-stream GET against the
+#                      K-stream TCP ceilings), user (put_many/get_many of 32 x 2 MiB, fresh
+#                      buffers, against one TCP stream), rss (node RSS under the put stream)
+#   bench_connector    4 GiB prompt from 1 and 3 TCP nodes: prefetch GB/s, write-back seconds
+#   bench_connector    the same from one --shm node (prefetch against 8-thread memcpy)
+# then bench_put_ceiling once (one-stream PUT beside raw ZeroMQ and the TCP ceilings).
+# Into $OUT: summary.txt (each figure's values against its target), run.log, results.tgz
+# (every JSON and log, one folder per run).
 #   OUT=/tmp/out bash scripts/gpu_store_bench.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/pagekv-store-bench}
-RESULTS_DIR=$OUT
+R=$OUT/results
+RESULTS_DIR=$R
 WHEEL_DIR=${WHEEL_DIR:-$ROOT/.whl}
 SITE=${PAGEKV_SITE:-/tmp/pagekv-site}
-mkdir -p "$OUT"
-source scripts/gpu_env.sh  # pagekv and what is missing, from wheels; PYTHONPATH set
-
+BUDGET_S=${BUDGET_S:-330}  # a run that could end past this is skipped (and said so)
+mkdir -p "$R"
+START=$SECONDS
 status=0
-run() {  # run NAME ARGS...: scripts/NAME.py ARGS, its log beside its JSON
-  local log="$OUT/$1.log"
-  echo "== $*"
-  $PY "scripts/$1.py" "${@:2}" 2>&1 | tee "$log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+{
+source scripts/gpu_env.sh  # pagekv and what is missing, from wheels; PYTHONPATH set
+nproc
+run() {  # run DIR SECONDS NAME ARGS...: scripts/NAME.py ARGS, its JSON and log into R/DIR
+  local dir="$R/$1"
+  if [ $((SECONDS - START + $2)) -gt "$BUDGET_S" ]; then echo "== skip $1 (time)"; return; fi
+  mkdir -p "$dir"; echo "== $1 (t=$((SECONDS - START)) s)"
+  RESULTS_DIR=$dir timeout "$2" $PY "scripts/$3.py" "${@:4}" > "$dir/log.txt" 2>&1
+  local rc=$?
+  echo "rc $rc"; tail -3 "$dir/log.txt"
+  [ $rc -eq 0 ] || status=1
 }
-run bench_store --only streams,user,rss --streams 1,8 --paths bulk --skip-peers
-run bench_connector --nodes 1,3
-run bench_connector --nodes 1 --shm
-echo "gpu_store_bench: status $status; results in $OUT"
+for round in 1 2; do
+  run "store_$round" 120 bench_store --only streams,user,rss --streams 1,8 --paths bulk \
+    --skip-peers --rounds 4
+  run "connector_$round" 100 bench_connector --nodes 1,3
+  run "connector_shm_$round" 80 bench_connector --nodes 1 --shm
+done
+run put_ceiling 60 bench_put_ceiling --rounds 3
+$PY - "$R" <<'PYEOF' | tee "$OUT/summary.txt"
+import json, pathlib, sys
+root = pathlib.Path(sys.argv[1])
+rows: dict[str, list[float]] = {}
+def add(name, value):
+    rows.setdefault(name, []).append(round(value, 3))
+for d in sorted(root.iterdir()):
+    for f in sorted(d.glob("*.json")):
+        j = json.loads(f.read_text())
+        if f.stem == "bench_store":
+            for r in j.get("streams", {}).get("rows", []):
+                add(f"{r['streams']}-stream GET / hot ceiling (>= {0.85 if r['streams'] == 1 else 0.7})", r["get_ratio"])
+                add(f"{r['streams']}-stream PUT / hot ceiling (1: >= 0.8)", r["put_ratio"])
+            for k, v in j.get("user", {}).get("median", {}).items():
+                if "ratio" in k:
+                    add(f"user 32 x 2 MiB {k} (>= 0.8)", v)
+            if "rss" in j:
+                add("node RSS peak / capacity (<= 1.10)", j["rss"]["peak_over_capacity"])
+        elif f.stem == "bench_connector":
+            for r in j["rows"]:
+                add(f"prefetch {r['nodes']} TCP node(s) GB/s (>= {14 if r['nodes'] == 1 else 16})", r["prefetch_gbps"])
+                add(f"write-back {r['nodes']} TCP node(s) s (3: <= 0.5)", r["writeback_s"])
+        elif f.stem == "bench_connector_shm":
+            for r in j["rows"]:
+                add("prefetch --shm / 8-thread memcpy (>= 0.85)", r["prefetch_vs_memcpy8"])
+                add("write-back --shm s (<= 0.6)", r["writeback_s"])
+        else:
+            print(f"{f.stem}: {json.dumps(j.get('median'))}")
+for name, values in sorted(rows.items()):
+    print(f"{name:52s} {values}")
+PYEOF
+echo "total $((SECONDS - START)) s; status $status"
+} > >(tee "$OUT/run.log") 2>&1
+wait ${!:-} 2>/dev/null || true  # tee has written everything
+cd "$OUT" && tar czf results.tgz results && rm -rf results
 exit $status

@@ -149,7 +149,14 @@ def _send_in_thread(sock: socket.socket, data: list[bytes]) -> threading.Thread:
 
 @pytest.fixture
 def receive(lib):
-    return lib.recv_verify
+    """recv_verify with a fresh bounce of the chunk's size, poisoned (what it held must never
+    reach a frame)."""
+
+    def call(fd, frames, counts, chunk_bytes=BLOCK):
+        return lib.recv_verify(fd, frames, counts, bounce=poisoned(chunk_bytes),
+                               chunk_bytes=chunk_bytes)  # fmt: skip
+
+    return call
 
 
 @pytest.mark.parametrize("chunk", [7, 4096, BLOCK, 8 << 20])
@@ -199,8 +206,11 @@ def test_recv_verify_into_frames_at_every_alignment(receive, rng):
             assert not np.any(b[:o] != POISON) and not np.any(b[o + n :] != POISON)
 
 
-def test_recv_verify_peer_closing_mid_frame_is_eof_with_the_count(receive, rng):
-    data = rng.integers(0, 256, 3 * BLOCK, dtype=np.uint8).tobytes()
+@pytest.mark.parametrize("cut", [3 * BLOCK, 3 * BLOCK + 12_345, BLOCK + 7])
+def test_recv_verify_peer_closing_mid_frame_is_eof_with_the_count(receive, rng, cut):
+    """A receive cut short (at a chunk's end or in the middle of one, of a frame received
+    through the bounce): every byte that came is in its place, nothing after it is written."""
+    data = rng.integers(0, 256, cut, dtype=np.uint8).tobytes()
     frames = [poisoned(BLOCK), poisoned(3 * BLOCK)]
     a, b = socket.socketpair()
     with a, b:
@@ -211,21 +221,25 @@ def test_recv_verify_peer_closing_mid_frame_is_eof_with_the_count(receive, rng):
 
         sender = threading.Thread(target=send_then_end)
         sender.start()
-        with pytest.raises(EOFError, match=f"after {3 * BLOCK} of {4 * BLOCK} bytes"):
+        with pytest.raises(EOFError, match=f"after {cut} of {4 * BLOCK} bytes"):
             receive(b.fileno(), frames, [1, 1])
         sender.join()
-    assert bytes(frames[0]) == data[:BLOCK] and bytes(frames[1][: 2 * BLOCK]) == data[BLOCK:]
+    landed = bytes(frames[0]) + bytes(frames[1])
+    assert landed[:cut] == data and landed[cut:] == bytes(poisoned(4 * BLOCK - cut))
 
 
-def test_recv_verify_stalled_peer_ends_at_the_sockets_receive_timeout(receive):
+@pytest.mark.parametrize("size, sent", [(20, 10), (2 * BLOCK, BLOCK + 5000)])
+def test_recv_verify_stalled_peer_ends_at_the_sockets_receive_timeout(receive, rng, size, sent):
+    data = rng.integers(0, 256, sent, dtype=np.uint8).tobytes()
     a, b = socket.socketpair()
     with a, b:
         b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0.05))
-        a.sendall(b"x" * 10)
-        frame = poisoned(20)
-        with pytest.raises(BlockingIOError, match="after 10 of 20 bytes"):
+        sender = _send_in_thread(a, [data])
+        frame = poisoned(size)
+        with pytest.raises(BlockingIOError, match=f"after {sent} of {size} bytes"):
             receive(b.fileno(), [frame], [1])
-        assert frame[:10] == b"x" * 10 and frame[10:] == poisoned(10)
+        sender.join()
+        assert frame[:sent] == data and frame[sent:] == poisoned(size - sent)
 
 
 def test_recv_verify_ends_when_another_thread_shuts_the_socket_down(receive, rng):
@@ -264,14 +278,43 @@ def test_recv_verify_bad_input_refused_before_reading(lib):
             (ValueError, "do not add up", [poisoned(5), poisoned(5)], [1]),
             (ValueError, "do not add up", [poisoned(5), poisoned(5)], [3, -1]),
         ]
+        bounce = poisoned(BLOCK)
         for kind, message, frames, counts in cases:
             with pytest.raises(kind, match=message):
-                lib.recv_verify(b.fileno(), frames, counts)
+                lib.recv_verify(b.fileno(), frames, counts, bounce=bounce)
         with pytest.raises(ValueError, match="chunk_bytes"):
-            lib.recv_verify(b.fileno(), [poisoned(10)], [1], chunk_bytes=0)
+            lib.recv_verify(b.fileno(), [poisoned(10)], [1], bounce=bounce, chunk_bytes=0)
+        with pytest.raises(ValueError, match="bounce of 4095 bytes"):
+            lib.recv_verify(b.fileno(), [poisoned(10)], [1], bounce=poisoned(4095),
+                            chunk_bytes=4096)  # fmt: skip
+        with pytest.raises(TypeError, match="bounce is read-only"):
+            lib.recv_verify(b.fileno(), [poisoned(10)], [1], bounce=bytes(BLOCK))
         frame = poisoned(10)  # every byte is still there to read
-        assert lib.recv_verify(b.fileno(), [frame], [1]) == [xxh3(b"0123456789")]
+        assert lib.recv_verify(b.fileno(), [frame], [1], bounce=bounce) == [xxh3(b"0123456789")]
         assert frame == b"0123456789"
+
+
+def test_recv_verify_c_call_refuses_a_missing_bounce(lib):
+    """The C receive has one path (large frames through the bounce): a NULL bounce is -EINVAL,
+    before a byte is read."""
+    import ctypes
+    import errno
+
+    a, b = socket.socketpair()
+    with a, b:
+        n = 64 << 10  # a frame that takes the bounce, small enough for the socket's buffer
+        payload = os.urandom(n)
+        a.sendall(payload)
+        frame = poisoned(n)
+        arr = np.frombuffer(frame, np.uint8)
+        pieces = (native.Piece * 1)((arr.__array_interface__["data"][0], None, n))
+        values = (native.Value * 1)((0, 1, 0))
+        received = ctypes.c_uint64(7)
+        rc = lib._recv(b.fileno(), pieces, 1, values, 1, BLOCK, None, 0, ctypes.byref(received))
+        assert (rc, received.value) == (-errno.EINVAL, 0)
+        assert frame == poisoned(n)
+        assert lib.recv_verify(b.fileno(), [frame], [1], bounce=poisoned(BLOCK)) == [xxh3(payload)]
+        assert frame == payload
 
 
 def _timeval(seconds: float) -> bytes:

@@ -39,9 +39,24 @@ def config(node: NodeProcess, **kw) -> ClientConfig:
     return ClientConfig((node.address,), **kw)
 
 
+@pytest.mark.parametrize(
+    "cores, by_nodes",
+    [(1, [1, 1, 1]), (2, [1, 1, 1]), (8, [4, 2, 2]), (16, [8, 4, 4]), (128, [8, 4, 4])],
+)
+def test_default_streams_per_node_minimum_and_a_total_shared_over_nodes(monkeypatch, cores,
+                                                                        by_nodes):  # fmt: skip
+    """One per 4 cores per node (1 to 4), and together at least one per 2 cores (up to 8):
+    a client of one node gets as many streams as one of several has in all."""
+    from pagekv.store import config as store_config
+
+    monkeypatch.setattr(store_config, "_usable_cores", lambda: cores)
+    assert [default_streams(n) for n in (1, 2, 3)] == by_nodes
+    eps = [f"tcp://127.0.0.1:{p}" for p in (1, 2, 3)]
+    assert [ClientConfig(tuple(eps[:n])).streams for n in (1, 2, 3)] == by_nodes
+    assert store_config.NodeConfig(port=0).io_threads == by_nodes[2]
+
+
 def test_streams_config_is_validated():
-    assert 1 <= default_streams() <= 4
-    assert ClientConfig(("tcp://127.0.0.1:1",)).streams == default_streams()
     for bad in (0, -1, 1.5, True, "2", MAX_STREAMS + 1):
         with pytest.raises(ValueError, match="streams"):
             ClientConfig(("tcp://127.0.0.1:1",), streams=bad)

@@ -15,6 +15,7 @@ __all__ = [
     "CurveClientKeys",
     "NodeConfig",
     "default_copy_threads",
+    "default_io_threads",
     "default_shm_threads",
     "default_streams",
     "normalize_endpoint",
@@ -24,13 +25,25 @@ __all__ = [
 MAX_STREAMS = 64
 
 
-def default_streams() -> int:
-    """Connections per node a client opens by default: one per 4 cores it may run on, 1 to 4.
+def default_streams(nodes: int = 1) -> int:
+    """Connections per node a client of ``nodes`` nodes opens by default: one per 4 cores it
+    may run on (1 to 4) per node, and more while all of its connections together are fewer
+    than one per 2 cores (up to 8), shared out over the nodes.
 
-    One stream is about one core's worth of work (the zmq I/O thread moving its bytes, the
-    client's thread checking and copying them); a quarter of the cores leaves the rest to the
-    engine and the node, and past 4 streams loopback gains flatten while every stream costs
-    a connection (and a node slot) per client. A 2-core machine keeps a single stream."""
+    One stream is about one core's worth of work (the kernel's copy out of the socket, the
+    client's hashing of what landed); a client of one node gets as many streams as one of
+    several nodes has in all (a 16-core host: 8 for one node, 4 each for 2 or 3 nodes: on the
+    H200 host a 4 GiB prefetch from one node moved 12.4 GB/s over 4 streams, 18.6 over 8). A
+    2-core machine keeps a single stream."""
+    per_node = min(4, max(1, _usable_cores() // 4))
+    together = min(8, max(1, _usable_cores() // 2))
+    return max(per_node, -(-together // max(1, nodes)))
+
+
+def default_io_threads() -> int:
+    """ZeroMQ I/O threads of a node by default: one per 4 cores it may run on, 1 to 4 (the
+    streams a client of several nodes opens to each; a client of one node opens up to twice
+    as many, which share them)."""
     return min(4, max(1, _usable_cores() // 4))
 
 
@@ -116,7 +129,7 @@ class NodeConfig:
     low_watermark: float = 0.85
     curve_secret_key: str | None = None  # path to a zmq certificate with a secret key
     curve_allow: str | None = None  # directory of allowed client public certificates
-    io_threads: int = 0  # ZeroMQ I/O threads; 0: default_streams() (as many as a client's streams)
+    io_threads: int = 0  # ZeroMQ I/O threads; 0: default_io_threads()
     socket_buffer: int = 0  # bytes for SO_SNDBUF/SO_RCVBUF; 0 keeps the kernel's autotuning
     window: int = 8  # requests a client may have outstanding on one connection
     recv_hwm: int = 2  # complete requests queued per connection before TCP pushes back
@@ -148,8 +161,8 @@ class NodeConfig:
         for name in ("capacity", "max_block_size", "max_message_size", "disk_capacity",
                      "disk_segment_size", "disk_queue_size"):  # fmt: skip
             object.__setattr__(self, name, parse_size(getattr(self, name)))
-        if self.io_threads == 0:  # one I/O thread per stream a same-host client opens
-            object.__setattr__(self, "io_threads", default_streams())
+        if self.io_threads == 0:
+            object.__setattr__(self, "io_threads", default_io_threads())
         if self.verify_threads == 0:
             object.__setattr__(self, "verify_threads", default_copy_threads())
         _positive("NodeConfig", capacity=self.capacity, max_block_size=self.max_block_size,
@@ -276,11 +289,11 @@ class ClientConfig:
     doubling to ``backoff_max_s``) and tried only as a last resort while their connection is
     up again.
 
-    ``streams`` (default :func:`default_streams`) is how many connections the client keeps to
-    each node; a batch's requests to a node are spread over them, each with its own window of
-    ``window`` requests in flight and its own deadline, and the client's zmq context gets as
-    many I/O threads (see docs/protocol.md, "Streams"). ``copy_threads`` (default
-    :func:`default_copy_threads`) check and copy the values of GET replies into the
+    ``streams`` (default: :func:`default_streams` of the node count) is how many connections
+    the client keeps to each node; a batch's requests to a node are spread over them, each
+    with its own window of ``window`` requests in flight and its own deadline, and the client's
+    zmq context gets as many I/O threads (see docs/protocol.md, "Streams"). ``copy_threads``
+    (default :func:`default_copy_threads`) check and copy the values of GET replies into the
     caller's buffers and checksum large put batches, on a pool shared by the process's
     clients; 1 does that work on the client's own thread.
 
@@ -302,7 +315,7 @@ class ClientConfig:
     socket_buffer: int = 0  # 0 keeps the kernel's TCP autotuning
     max_message_bytes: int = 16 << 20  # requests are also cut to each node's advertised limits
     connect_timeout_s: float | None = None  # None: timeout_s
-    streams: int | None = None  # connections per node; None: default_streams()
+    streams: int | None = None  # connections per node; None: default_streams(len(endpoints))
     copy_threads: int | None = None  # None: default_copy_threads(); 1: no pool
     bulk: bool | None = None  # GETs over nodes' bulk lanes; None: PAGEKV_BULK_CLIENT (on)
     shm: bool | None = None  # GETs out of same-host --shm segments; None: PAGEKV_SHM_CLIENT (on)
@@ -324,7 +337,7 @@ class ClientConfig:
         if self.connect_timeout_s is None:
             object.__setattr__(self, "connect_timeout_s", self.timeout_s)
         if self.streams is None:
-            object.__setattr__(self, "streams", default_streams())
+            object.__setattr__(self, "streams", default_streams(len(self.endpoints)))
         if type(self.streams) is not int or not 1 <= self.streams <= MAX_STREAMS:
             raise ValueError(
                 f"ClientConfig.streams must be an int in [1, {MAX_STREAMS}], got {self.streams!r}"

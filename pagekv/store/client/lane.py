@@ -2,9 +2,10 @@
 :mod:`..node.lane`) over plain TCP connections, ``ClientConfig.streams`` per node, one thread
 each, when this process has the native receive (:mod:`..wire.native`).
 
-Each connection's thread sends a request and reads the reply's frames straight into the GET's
+Each connection's thread sends a request and reads the reply's frames into the GET's
 destinations (``Call.sinks``) when their sizes match, all of a reply's frames in one native
-call without the GIL, each 256 KiB hashed right after it arrived (:func:`..wire.lane.recv_values`),
+call without the GIL, each 256 KiB hashed right after it arrived (large frames through the
+connection's bounce buffer: :func:`..wire.lane.recv_values`),
 then runs the call's ``prepare`` there (which compares those digests). Up to ``DEPTH``
 requests are out on a connection, so the node starts the next reply while this thread checks
 the last. Each result goes back to the loop through a ``concurrent.futures.Future``:
@@ -69,6 +70,8 @@ class _Conn:
         # send: a socket shut down while this thread was idle is replaced, not sent on
         self.aborts = self.aborts_seen = 0
         self.ahead: list[Any] = []  # the closing sentinel, taken early by _fail
+        # the receive's bounce buffer (see recv_values): this connection's thread's alone
+        self.bounce = bytearray(native.BLOCK_BYTES)
         self.thread = threading.Thread(target=self._run, name="pagekv-bulk-client", daemon=True)
         self.thread.start()
 
@@ -246,7 +249,7 @@ class _Conn:
             raise ProtocolError(Code.BAD_HEADER, f"reply {reply.id} to request {call.request.id}")
         frames = _places(call, reply, head.sizes)
         counts = reply.counts if reply.code is Code.OK else None
-        call.digests = recv_values(self.sock, frames, counts, self.lib)
+        call.digests = recv_values(self.sock, frames, counts, self.lib, self.bounce)
         if call.prepare is not None:
             call.prepare(reply, frames)
         return reply, frames

@@ -3,8 +3,9 @@ and :mod:`.bulk_client`; docs/protocol.md, "Bulk lane").
 
 The bulk lane carries the same messages as the ZeroMQ socket (a msgpack header, then payload
 frames; :mod:`.protocol`), framed so that the receiver knows every frame's size before it reads
-a byte of payload, and can therefore receive each frame straight into its final place (a
-client's destination page), hashing it as it lands (:func:`recv_values`, the native receive)::
+a byte of payload, and can therefore receive each frame into its final place (a client's
+destination page; large frames through a cached bounce buffer, see :func:`recv_values`), hashing
+it as it lands (the native receive)::
 
     prefix   "<4sIIQ": magic b"PKB1", header bytes, frame count, payload bytes (sum of sizes)
     sizes    "<{count}Q": bytes of each payload frame
@@ -96,11 +97,12 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 def recv_values(
     sock: socket.socket, frames: Sequence[Any], counts: Sequence[int] | None,
-    lib: native.NativeCopy,
+    lib: native.NativeCopy, bounce: Any,
 ) -> list[int] | None:  # fmt: skip
     """Receive ``frames`` (writable buffers, in order) from the blocking ``sock`` with the native
     receive ``lib`` (:meth:`.native.NativeCopy.recv_verify`: one C call, the GIL released, each
-    256 KiB hashed right after it lands, while it is still in the cache) and, when ``counts``
+    256 KiB hashed right after it lands, while it is still in the cache; ``bounce``: the calling
+    thread's buffer of ``native.BLOCK_BYTES``, see there) and, when ``counts``
     (frames per value, adding up to ``len(frames)``) is given, return the xxh3-64 of each value
     as it landed; else None. On the H100 host (a 4 GiB GET in 2 MiB blocks over K connections
     of one process) that moved 3.2-3.7 / 11.0-12.5 / 17.4-19.9 GB/s for K = 1 / 4 / 8, where
@@ -113,7 +115,7 @@ def recv_values(
     if not frames:  # nothing to receive (a reply without values)
         return None if counts is None else [xxhash.xxh3_64_intdigest(b"") for _ in counts]
     try:
-        return lib.recv_verify(sock.fileno(), frames, counts)
+        return lib.recv_verify(sock.fileno(), frames, counts, bounce=bounce)
     except EOFError as e:
         raise PeerClosed(str(e)) from None
     except BlockingIOError:  # SO_RCVTIMEO ran out with nothing read

@@ -26,9 +26,15 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/types.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
-#define PAGEKV_COPY_VERIFY_ABI 4
+#define PAGEKV_COPY_VERIFY_ABI 5
 #define MAX_THREADS 64
+/* pagekv_recv_verify: pieces from this size are received through the caller's bounce buffer
+ * (see there); smaller ones straight into place. */
+#define BOUNCE_MIN_BYTES (64u << 10)
 
 typedef struct {
     void *dst;
@@ -158,32 +164,85 @@ static int recv_all(int fd, unsigned char *buf, uint64_t n, uint64_t *received) 
     return 0;
 }
 
-/* Receive `npieces` pieces, in order, from the connected blocking socket `fd`, each straight
- * into its place (pieces[k].dst, pieces[k].nbytes; src is not used), `chunk_bytes` at a time
- * (recv with MSG_WAITALL). With `nvalues` > 0 the values (consecutive runs of pieces that
- * together cover all of them, in order) are hashed as they arrive: each chunk right after it
- * landed, while it is still in the core's cache, so memory is crossed once; digests as
- * pagekv_copy_verify's. Without values nothing is hashed.
+/* Copy n bytes from a cached buffer to memory that usually is in no cache: on x86-64 whole
+ * 64-byte lines with streaming stores (written without being read first, past the cache;
+ * fenced before this returns), the unaligned head and the tail with memcpy; memcpy elsewhere
+ * and below 4 KiB. */
+static void copy_out(unsigned char *dst, const unsigned char *src, uint64_t n) {
+#if defined(__x86_64__)
+    uint64_t head = (64 - ((uintptr_t)dst & 63)) & 63;
+    if (n < 4096 || head >= n) {
+        memcpy(dst, src, n);
+        return;
+    }
+    memcpy(dst, src, head);
+    dst += head, src += head, n -= head;
+    uint64_t body = n & ~(uint64_t)63;
+    for (uint64_t i = 0; i < body; i += 64) {
+#if defined(__AVX2__)
+        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
+        _mm256_stream_si256((__m256i *)(dst + i), a);
+        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
+#else
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+#endif
+    }
+    _mm_sfence(); /* the streamed lines are in memory before anyone is told the bytes are */
+    memcpy(dst + body, src + body, n - body);
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+/* Receive `npieces` pieces, in order, from the connected blocking socket `fd`, each into its
+ * place (pieces[k].dst, pieces[k].nbytes; src is not used), `chunk_bytes` at a time (recv with
+ * MSG_WAITALL). Pieces of at least BOUNCE_MIN_BYTES are received chunk by chunk into `bounce`
+ * (at least `chunk_bytes`, the caller's, touched by no one else during the call), which stays
+ * in the core's cache, hashed there and streamed into place (copy_out): the kernel's copy
+ * out of the socket never waits on destination lines that are in no cache, and the
+ * destination is written once, never read. Smaller pieces land in place and are hashed there.
+ * With `nvalues` > 0 the values (consecutive runs of pieces that together cover all of them,
+ * in order) are hashed as they arrive; digests as pagekv_copy_verify's. Without values
+ * nothing is hashed.
  *
  * Returns 0 when every byte arrived; 1 when the peer closed the connection (or it was shut
  * down) before; -errno for a failed receive (-EAGAIN / -EWOULDBLOCK: the socket's SO_RCVTIMEO
  * passed with nothing read in one receive); -EINVAL, before anything is read, for values that
- * do not cover the pieces in order or a chunk_bytes of 0. `*received`: the bytes received
- * before the return. A receive interrupted by a signal is retried. */
+ * do not cover the pieces in order, a chunk_bytes of 0, or a bounce that is NULL or smaller
+ * than a chunk.
+ * `*received`: the bytes received before the return, every one of them in its place (also
+ * those of a chunk the failure cut short). A receive interrupted by a signal is retried.
+ * Nothing writes to the pieces or the bounce after the return. */
 int pagekv_recv_verify(int fd, const pagekv_piece *pieces, uint64_t npieces,
                        pagekv_value *values, uint64_t nvalues, uint64_t chunk_bytes,
-                       uint64_t *received) {
+                       unsigned char *bounce, uint64_t bounce_bytes, uint64_t *received) {
     *received = 0;
     if (chunk_bytes == 0 || !values_cover(values, nvalues, npieces)) return -EINVAL;
+    if (bounce == NULL || bounce_bytes < chunk_bytes) return -EINVAL;
     hasher_t h = {.values = values, .nvalues = nvalues};
     for (uint64_t p = 0; p < npieces; p++) {
         hasher_piece_begins(&h);
         unsigned char *dst = (unsigned char *)pieces[p].dst;
-        for (uint64_t off = 0, n = pieces[p].nbytes; off < n; off += chunk_bytes) {
-            uint64_t want = n - off < chunk_bytes ? n - off : chunk_bytes;
-            int rc = recv_all(fd, dst + off, want, received);
-            if (rc != 0) return rc;
-            hasher_update(&h, dst + off, want);
+        uint64_t n = pieces[p].nbytes;
+        int bounced = n >= BOUNCE_MIN_BYTES;
+        for (uint64_t off = 0; off < n; off += chunk_bytes) {
+            uint64_t want = n - off < chunk_bytes ? n - off : chunk_bytes, before = *received;
+            unsigned char *at = bounced ? bounce : dst + off;
+            int rc = recv_all(fd, at, want, received);
+            if (rc != 0) {
+                if (bounced) memcpy(dst + off, bounce, *received - before);
+                return rc;
+            }
+            hasher_update(&h, at, want);
+            if (bounced) copy_out(dst + off, bounce, want);
         }
         hasher_piece_ends(&h);
     }
