@@ -18,9 +18,10 @@ drifts (a shared virtual disk) affects them alike. No page cache helps any of th
 drop is needed; ``--drop-caches`` does one anyway, as root). Where O_DIRECT is refused
 (gVisor) every method reads through the page cache after dropping the file's pages (the JSON's
 ``disk.o_direct`` says which). The replay's model node is a BlockStore whose evictions are
-offered to the tier (the hook phase 2 adds to the node), without a network: its PUTs wait for
-the disk writer when its queue is half full (``--replay-unpaced``: they do not, and a slow
-disk drops writes, counted in ``write_dropped``).
+offered to the tier through its eviction hook (as in a node with a disk tier), without a
+network: its PUTs wait for the disk writer when its queue is half full
+(``--replay-unpaced``: they do not, and a slow disk drops writes, counted in
+``write_dropped``).
 
 Everything goes in one directory, removed at the end. Results: a table, and bench_disk.json
 (``$RESULTS_DIR``, ``--save`` or a temp dir; scripts/_bench_util.py).
@@ -326,22 +327,6 @@ def rebuild_only(root: Path, records: int, args: argparse.Namespace) -> dict[str
     return row
 
 
-class ModelMemory(BlockStore):
-    """The node's memory tier, whose evictions go to the disk tier (the eviction hook phase 2
-    adds to the node, stood in for here by overriding the eviction loop)."""
-
-    disk: DiskTier | None = None
-
-    def _evict_to(self, target: int) -> None:
-        while self._blocks and self.used > target:
-            key, block = self._blocks.popitem(last=False)
-            self.used -= block.cost
-            self.payload -= block.size + len(key)
-            self.evictions += 1
-            if self.disk is not None:
-                self.disk.offer(key, block.frames, block.size, block.checksum)
-
-
 def replay(root: Path, args: argparse.Namespace, with_disk: bool) -> dict[str, Any]:
     """Requests for Zipf-distributed prefixes (working set ``--replay-gib``, memory a quarter
     of it, disk ``--replay-disk`` times it): each GETs its prefix's pages in order, memory then
@@ -349,12 +334,15 @@ def replay(root: Path, args: argparse.Namespace, with_disk: bool) -> dict[str, A
     engine recomputed them)."""
     page, pages = args.replay_page_kib << 10, 16
     prefixes = int(args.replay_gib * GIB) // (page * pages)
-    memory = ModelMemory(int(args.replay_gib * GIB / 4), max_block_bytes=page)
+    memory = BlockStore(int(args.replay_gib * GIB / 4), max_block_bytes=page)
     data = os.urandom(page)
     checksum = xxhash.xxh3_64_intdigest(data)
-    if with_disk:
+    disk = None
+    if with_disk:  # as a node with a disk tier: evictions go to the disk writer's queue
         disk_capacity = int(args.replay_gib * GIB * args.replay_disk)
-        memory.disk = DiskTier(DiskConfig(str(root / "replay"), disk_capacity, args.segment))
+        disk = DiskTier(DiskConfig(str(root / "replay"), disk_capacity, args.segment))
+        memory.on_evict = lambda key, block: disk.offer(key, block.frames, block.size,
+                                                        block.checksum)  # fmt: skip
     rng = random.Random(7)
     weights = [1 / (rank + 1) ** args.zipf for rank in range(prefixes)]
     asked = hits = compulsory = 0
@@ -362,12 +350,12 @@ def replay(root: Path, args: argparse.Namespace, with_disk: bool) -> dict[str, A
     for p in rng.choices(range(prefixes), weights, k=args.replay_requests):
         compulsory += 0 if p in seen else pages  # asked for the first time: no cache has it
         seen.add(p)
-        if memory.disk is not None and not args.replay_unpaced:  # a network paces the PUTs
-            if memory.disk.stats()["disk_queue_bytes"] > memory.disk.config.write_queue_bytes // 2:
-                memory.disk.flush(60)
+        if disk is not None and not args.replay_unpaced:  # a network paces the PUTs
+            if disk.stats()["disk_queue_bytes"] > disk.config.write_queue_bytes // 2:
+                disk.flush(60)
         keys = [p.to_bytes(8, "little") + j.to_bytes(8, "little") for j in range(pages)]
         start = time.perf_counter()
-        found = _leading_hits(memory, keys)
+        found = _leading_hits(memory, disk, keys)
         latencies.append(time.perf_counter() - start)
         asked, hits = asked + pages, hits + found
         for key in keys[found:]:
@@ -377,25 +365,22 @@ def replay(root: Path, args: argparse.Namespace, with_disk: bool) -> dict[str, A
            "max_hit_rate": 1 - compulsory / asked,
            "p50_ms": statistics.median(latencies) * 1e3,
            "p99_ms": statistics.quantiles(latencies, n=100)[98] * 1e3}  # fmt: skip
-    if memory.disk is not None:
-        stats = memory.disk.stats()
+    if disk is not None:
+        stats = disk.stats()
         out.update({k: stats[f"disk_{k}"] for k in ("hits", "misses", "writes", "write_dropped",
                                                      "write_skipped", "rewrites", "corrupt",
                                                      "reclaimed_blocks")})  # fmt: skip
-        memory.disk.close(60)
+        disk.close(60)
         shutil.rmtree(root / "replay")
     return out
 
 
-def _leading_hits(memory: ModelMemory, keys: list[bytes]) -> int:
+def _leading_hits(memory: BlockStore, disk: DiskTier | None, keys: list[bytes]) -> int:
     """How many leading keys are found: memory first, then the rest on disk in one batch."""
     n = 0
     while n < len(keys) and memory.get(keys[n]) is not None:
         n += 1
-    if n == len(keys):
-        return n
-    disk = memory.disk
-    if disk is None:
+    if n == len(keys) or disk is None:
         return n
     rest = []
     for key in keys[n:]:
