@@ -159,15 +159,14 @@ KERNELS = _var("KERNELS", _choice("auto", "torch", "cuda"), "auto",
                "torch reference with one warning), `torch` (always the reference), `cuda` (the "
                "kernels or an error saying why)", "auto, torch, cuda")  # fmt: skip
 COPY_BACKEND = _var("COPY_BACKEND", _choice("auto", "kernel", "copy_engine", "direct", "torch"),
-                    "kernel", "what GPU transfers with `backend=\"auto\"` use: `kernel` (the "
-                    "default: the SM kernels, whose host time does not grow with the transfer), "
-                    "`auto` (opt-in: per transfer shape from a table measured once per GPU and "
-                    "cached, a backend only where its host time stays within the kernel's; the "
-                    "copy engine, which takes no SMs, where it is within 10% of the fastest; the "
-                    "kernel for CUDA index tensors and graph capture), or one of `copy_engine` "
-                    "(the kernel where the driver lacks batched copies; its host time grows with "
-                    "the transfer: see docs/benchmarks.md), `direct`, `torch` for every transfer",
-                    "auto, kernel, copy_engine, direct, torch")  # fmt: skip
+                    "auto", "what GPU transfers with `backend=\"auto\"` use: `auto` (per transfer "
+                    "shape, from a table measured once per GPU and cached: the copy engine, which "
+                    "takes no SMs, where it is within 10% of the fastest, else the fastest; a "
+                    "backend whose host time per call exceeds the kernel's only where the "
+                    "connector's issuer thread enqueues it, never on the caller's thread; the "
+                    "kernel for CUDA index tensors and graph capture), or one of `kernel`, "
+                    "`copy_engine` (the kernel where the driver lacks batched copies), `direct`, "
+                    "`torch` for every transfer", "auto, kernel, copy_engine, direct, torch")  # fmt: skip
 NATIVE_COPY = _var("NATIVE_COPY", _choice("auto", "on", "off"), "auto",
                    "the native checked copy and receive (C, built with `$CC` on first use): "
                    "`auto` (when it builds, else numpy with one warning; clients then use no "

@@ -17,7 +17,10 @@ replayed from CUDA graphs): decode tokens/s of one request while other requests'
 1-4 GiB are loaded layer by layer (one ``load(..., layer=l)`` per layer, prefix after prefix,
 enqueued when the prefill is done, on a side stream, as many as outlast the decode: checked
 each time), against the same decode alone, in alternated pairs; with the host time that
-enqueuing the loads took (an engine's step thread would wait that long).
+enqueuing the loads took (an engine's step thread would wait that long). ``connector``: the loads
+as the connector's ``load_async`` runs them (the table's choice; the copy engine enqueued by
+the connector's issuer thread, :mod:`pagekv.connector.copy_issuer`), so the enqueue time is
+the submitting thread's only.
 
     python scripts/bench_beside_compute.py [--rounds 7] [--engine-sizes 1,4] [--skip-engine]
                                            [--skip-decode]
@@ -34,6 +37,9 @@ import torch
 from _bench_util import environment, parse_args, write_result
 
 from pagekv.connector import KVGeometry
+from pagekv.connector.copy_issuer import CopyIssuer
+from pagekv.connector.staging import IndexStaging
+from pagekv.connector.transfer_indices import launch
 from pagekv.kernels import DeviceKV, calibrate, copy_engine, load
 
 DEV = torch.device("cuda")
@@ -235,9 +241,20 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
     original = engine._save
     state: dict = {}
 
+    issuer, staging = CopyIssuer(DEV), IndexStaging()
+
     def enqueue(how: str, size: int, repeats: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(loads.stream)
+        if how == "connector":  # as load_async runs: the table's choice, on the issuer
+            n = max(1, size // geo.page_bytes)
+            ids, slots = loads.ids_cpu[:n].tolist(), loads.slots_cpu[:n]
+            for _ in range(repeats):
+                with torch.cuda.stream(loads.stream):
+                    out = launch(True, loads.kv, loads.host, ids, slots, staging, issuer,
+                                 layers=range(geo.num_layers))  # fmt: skip
+            state["last"], state["took"] = out.events[-1], out.backend
+            return start, end  # end: recorded once the decode is over (see one())
         for _ in range(repeats):
             for layer in range(geo.num_layers):
                 loads.run(how, layer, size)
@@ -258,7 +275,7 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
     engine._save = save_then_loads
     backends = ["plain_copy", "kernel"]
     backends += [f"copy_engine@{n}" for n in args.ce_lanes] if copy_engine.supported(0) else []
-    backends.append("auto")
+    backends += ["auto", "connector"]
 
     def one(how: str | None, size: int, repeats: int = 0) -> dict:
         state.clear()
@@ -270,7 +287,13 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
         )
         if how is not None:
             start, end = state["events"]
-            out["loads_outlasted_decode"] = not end.query()
+            if how == "connector":
+                out["loads_outlasted_decode"] = not state["last"].query()
+                out["took"] = state["took"]
+                state["last"].wait(loads.stream)  # the decode is over: the host may wait now
+                end.record(loads.stream)
+            else:
+                out["loads_outlasted_decode"] = not end.query()
             loads.stream.synchronize()
             out["prefixes"] = repeats
             out["load_gbps"] = round(repeats * size / start.elapsed_time(end) / 1e6, 2)
@@ -321,6 +344,7 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
                   + (" VOID: the loads ended before the decode" if b in row["void"] else "")
                   for b in backends), flush=True)  # fmt: skip
     engine.close()
+    issuer.close()
     return out
 
 

@@ -6,8 +6,12 @@ indices), the copy engine (CPU indices) and ``auto`` (``PAGEKV_COPY_BACKEND=auto
 the connector's path, :func:`~pagekv.connector.transfer_indices.transfer_indices` on CPU page
 ids and slots, then the transfer with what it returned) are timed in the same rounds as a
 contiguous pinned copy of the same bytes (the ceiling) and reported as ceiling time / their
-time, with the backend ``auto`` took. ``enqueue_us_*``: the host time of one call, the device
-idle at its start (what an engine's step thread would wait).
+time, with the backend ``auto`` took. ``connector``: the same with an issuer thread
+(:mod:`pagekv.connector.copy_issuer`), as the connector's ``load_async``, streaming loads and
+saves run: the table's choice where the copy engine's host time is not the caller's, each call
+followed by the current stream waiting on its completion. ``enqueue_us_*``: the host time of one
+call, the device idle at its start (what an engine's step thread would wait; for ``connector``
+the call without that wait).
 
 The ``enqueue`` section: the copy engine's host time against its copies (Llama-3-8B, 16-token
 pages: 32 KiB runs, 64 copies a page), for 1 and 16 streams, from 16 MiB to 1 GiB: where the
@@ -30,8 +34,9 @@ from _bench_util import environment, parse_args, write_result
 from bench_kernels import GEOMETRIES, Setup, ceiling_fns, gbps, interleaved, ratio
 
 from pagekv.connector import KVGeometry
+from pagekv.connector.copy_issuer import CopyIssuer
 from pagekv.connector.staging import IndexStaging
-from pagekv.connector.transfer_indices import transfer_indices
+from pagekv.connector.transfer_indices import launch, transfer_indices
 from pagekv.kernels import calibrate, copy_engine, load, save
 
 BACKENDS = ("kernel", "copy_engine")
@@ -67,7 +72,44 @@ def transfer_fns(st: Setup, n: int, layer: int | None) -> dict[str, Callable[[],
 
     fns["auto_load"] = lambda: auto(True)
     fns["auto_save"] = lambda: auto(False)
+    fns["connector_load"] = lambda: connector(True, st.kv, st.host, page_ids, slots, layer)
+    fns["connector_save"] = lambda: connector(False, st.kv, st.host, page_ids, slots, layer)
     return fns
+
+
+_issuer: CopyIssuer | None = None
+_staging: IndexStaging | None = None
+
+
+def _submit(is_load: bool, kv, host, page_ids, slots, layer):
+    """The transfer as the connector's load_async, streaming loads and saves run it: the
+    table's choice, the copy engine enqueued by the issuer's thread (``deferred``)."""
+    global _issuer, _staging
+    if _issuer is None:
+        _issuer = CopyIssuer(torch.device("cuda", torch.cuda.current_device()))
+        _staging = IndexStaging()
+    return launch(is_load, kv, host, page_ids, slots, _staging, _issuer, layers=(layer,))
+
+
+def connector(is_load: bool, kv, host, page_ids, slots, layer) -> str:
+    """:func:`_submit`, then the current stream waits on it (the host waits for the enqueue)."""
+    out = _submit(is_load, kv, host, page_ids, slots, layer)
+    out.events[-1].wait()
+    return out.backend
+
+
+def submit_us(is_load: bool, st: Setup, n: int, layer: int | None, reps: int = 5) -> float:
+    """Median host time of the connector's call (the issuer enqueues the copy engine's
+    transfers): what the engine's thread spends, the device and the issuer idle at each start."""
+    page_ids, slots = st.ids_cpu[:n].tolist(), st.slots_cpu[:n]
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = _submit(is_load, st.kv, st.host, page_ids, slots, layer)
+        times.append(time.perf_counter() - t)
+        out.events[-1].synchronize()
+    return round(statistics.median(times) * 1e6, 1)
 
 
 def _call(fn: Callable[..., str], *args, layer: int | None, backend: str) -> Callable[[], str]:
@@ -139,12 +181,16 @@ def case(raw_host, name: str, page: int, layer: int | None, nbytes: int, args) -
         fns = transfer_fns(st, n, layer)
         for d in ("load", "save"):
             r[f"auto_{d}_backend"] = fns[f"auto_{d}"]()
+            r[f"connector_{d}_backend"] = fns[f"connector_{d}"]()
             if fns[f"copy_engine_{d}"]() != "copy_engine":
                 raise RuntimeError(f"copy engine {d} ran on the kernel: "
                                    f"{copy_engine.disabled_reason(0)}")  # fmt: skip
         t = interleaved({**ceiling_fns(raw_host, moved), **fns}, args.reps)
         for key, fn in fns.items():
-            r[f"enqueue_us_{key}"] = host_us(fn, reps=5)
+            if key.startswith("connector_"):
+                r[f"enqueue_us_{key}"] = submit_us(key.endswith("load"), st, n, layer)
+            else:
+                r[f"enqueue_us_{key}"] = host_us(fn, reps=5)
     except (AssertionError, RuntimeError) as e:  # recorded, and the table goes on
         r.update(error=str(e)[:300])
         print(f"ce table {r}", flush=True)
@@ -157,7 +203,8 @@ def case(raw_host, name: str, page: int, layer: int | None, nbytes: int, args) -
     host = " ".join(f"{k} {r['enqueue_us_' + k]}" for k in fns)
     print(f"ce table {name:14s} page {page:4d} layer {layer} {r['mib']} MiB (runs "
           f"{r['run_kib']} KiB): {shown} | auto took {r['auto_load_backend']}/"
-          f"{r['auto_save_backend']} | enqueue us: {host} | ceiling "
+          f"{r['auto_save_backend']}, connector {r['connector_load_backend']}/"
+          f"{r['connector_save_backend']} | enqueue us: {host} | ceiling "
           f"{r['ceiling_h2d_gbps']}/{r['ceiling_d2h_gbps']} GB/s", flush=True)  # fmt: skip
     return r
 
@@ -172,7 +219,7 @@ def main() -> None:
     ap.add_argument("--layer-mib", type=ints, default=[4, 16])
     ap.add_argument("--only", default="all_layers,one_layer,enqueue")
     args = parse_args(ap)
-    os.environ["PAGEKV_COPY_BACKEND"] = "auto"  # the "auto" rows measure the opt-in table
+    os.environ["PAGEKV_COPY_BACKEND"] = "auto"  # the default, whatever the caller's setting
     env = environment()
     ce = f"copy engine {copy_engine._support(0)} {copy_engine.disabled_reason(0) or 'ok'}"
     print(f"# {env['device']} torch {env['torch']} cuda {env.get('cuda')} {env['commit']}; {ce}; "

@@ -43,9 +43,9 @@ def pick(load=True, all_layers=True, run=4096, total=16 << 20, allowed=ALL, tabl
     return table.choose(Shape(load, all_layers, run, total), allowed)
 
 
-def test_setting_defaults_to_the_kernel(monkeypatch):
+def test_setting_defaults_to_auto(monkeypatch):
     monkeypatch.delenv("PAGEKV_COPY_BACKEND", raising=False)
-    assert jit.copy_backend_setting() == "kernel"
+    assert jit.copy_backend_setting() == "auto"
     for value in ("auto", "COPY_ENGINE", " direct ", "torch", "kernel"):
         monkeypatch.setenv("PAGEKV_COPY_BACKEND", value)
         assert jit.copy_backend_setting() == value.strip().lower()
@@ -89,6 +89,13 @@ def test_a_backend_that_holds_the_host_longer_than_the_kernel_is_never_chosen():
     within = entry(True, True, 1, 1, kernel=1.0, ce=0.5, direct=0.4,
                    host=(1e-5, 1e-5 + slack * 0.9, 1e-3))  # fmt: skip
     assert within.best(ALL) == "copy_engine"
+    # enqueued by the connector's issuer thread: the copy engine's host time is not the caller's
+    assert fast_but_blocking.best(ALL, deferred=True) == "copy_engine"
+    assert fast_but_blocking.best(("kernel", "direct"), deferred=True) == "kernel"  # direct: no
+    assert TABLE.choose(fast_but_blocking.shape, ALL) == "kernel"
+    deferred = CopyTable("k", "GPU", (fast_but_blocking,))
+    assert deferred.choose(fast_but_blocking.shape, ALL, deferred=True) == "copy_engine"
+    assert deferred.choose(fast_but_blocking.shape, ALL) == "kernel"  # remembered apart
     unmeasured_host = Entry(Shape(True, True, 1.0, 1), (("kernel", 1.0), ("copy_engine", 0.5)),
                             (("kernel", 1e-5),))  # fmt: skip
     assert unmeasured_host.best(ALL) == "kernel"

@@ -33,19 +33,20 @@ def kv():
 def test_host_side_backends_get_the_cpu_indices_without_upload(monkeypatch, choice):
     asked = []
 
-    def choose(load, kv, ids, slots, *, layer=None):
-        asked.append((load, ids.tolist(), slots.tolist(), layer))
+    def choose(load, kv, ids, slots, *, layer=None, deferred=False):
+        asked.append((load, ids.tolist(), slots.tolist(), layer, deferred))
         return choice
 
     monkeypatch.setattr(transfer_indices, "choose_backend", choose)
     staging = Staging()
     slots = torch.arange(8, dtype=torch.int64).view(2, 4)
-    idx = transfer_indices.transfer_indices(True, kv(), [5, 3], slots, staging, layer=1)
+    idx = transfer_indices.transfer_indices(True, kv(), [5, 3], slots, staging, layer=1,
+                                            deferred=True)  # fmt: skip
     assert idx == Indices(idx.ids, idx.slots, choice)
     assert idx.ids.tolist() == [5, 3] and idx.ids.dtype == torch.int64
     assert torch.equal(idx.slots, slots) and not idx.on_device
     assert staging.uploads == []
-    assert asked == [(True, [5, 3], slots.tolist(), 1)]
+    assert asked == [(True, [5, 3], slots.tolist(), 1, True)]
 
 
 @pytest.mark.parametrize("choice", ["kernel", "torch"])

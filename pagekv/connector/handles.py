@@ -45,10 +45,10 @@ class Prefetch:
 
     @property
     def loaded_event(self) -> Any:
-        """CUDA event that completes once every chunk launched into ``device_slots`` has landed
-        (one stream: the last event covers all). None on CPU, without ``device_slots``, or when
-        no chunk was launched."""
-        return None if self.streaming is None else self.streaming.last_event
+        """Completes once every chunk launched into ``device_slots`` has landed (``wait``,
+        ``query``, ``synchronize`` as a CUDA event's). None on CPU, without ``device_slots``, or
+        when no chunk was launched."""
+        return None if self.streaming is None else self.streaming.done_event
 
     def wait_loaded(self, stream: Any = None) -> None:
         """Make ``stream`` (default: the current stream) wait, on the GPU, until every chunk

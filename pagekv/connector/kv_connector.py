@@ -61,6 +61,7 @@ from pagekv.kernels.layout import check_slots
 from pagekv.store import ClientConfig
 from pagekv.store.wire import native
 
+from .copy_issuer import AllOf, CopyIssuer
 from .fetch import Fetcher, Waiter
 from .handles import Prefetch, SaveHandle
 from .hashing import KeyNamespace, page_keys
@@ -72,7 +73,7 @@ from .loop import LoopThread
 from .page_cache import PageCache
 from .staging import IndexStaging
 from .streaming_load import StreamingLoad
-from .transfer_indices import transfer_indices
+from .transfer_indices import launch
 from .writeback import WriteBack
 
 __all__ = ["KVConnector", "Prefetch", "SaveHandle"]
@@ -84,16 +85,6 @@ _COUNTERS = (
     "prefetch_seconds", "prefetch_pool_short", "bytes_in", "bytes_out", "saves",
     "save_pool_full", "store_errors", "pages_saved", "pages_written_again",
 )  # fmt: skip
-
-
-class _AllDone:
-    """Completes when every one of ``events`` has (a write-back waits on one completion)."""
-
-    def __init__(self, events: list[Any]) -> None:
-        self.events = events
-
-    def query(self) -> bool:
-        return all(e.query() for e in self.events)
 
 
 class KVConnector:
@@ -154,6 +145,8 @@ class KVConnector:
         self._save_stream = torch.cuda.Stream(self.kv.device) if cuda else None
         self._load_stream = torch.cuda.Stream(self.kv.device) if cuda else None
         self._staging = IndexStaging() if cuda else None  # the only page-locked allocation
+        # enqueues the copy-engine transfers of load_async, streaming loads and saves
+        self._issuer = CopyIssuer(self.kv.device) if cuda else None
         self._closed = False
         # host <-> device copies (load, load_async, save) by the backend they used
         self.transfer_backends: collections.Counter[str] = collections.Counter()
@@ -286,7 +279,7 @@ class KVConnector:
             return None
         table = self._slot_table(device_slots, num_pages)
         return StreamingLoad(self.kv, self.pool.buffer, self.cache, table, self._load_stream,
-                             self._staging)  # fmt: skip
+                             self._staging, self._issuer)  # fmt: skip
 
     def _release_orphan(self, done: Any) -> None:
         if not done.cancelled() and done.exception() is None:
@@ -394,12 +387,11 @@ class KVConnector:
         stream = torch.cuda.current_stream(self.kv.device)
         for event in self.cache.ready_events(prefetch.page_ids):
             stream.wait_event(event)
-        idx = transfer_indices(True, self.kv, prefetch.page_ids, slots, self._staging)
-        self._count(load(self.pool.buffer, idx.ids, self.kv, idx.slots, backend=idx.backend,
-                         validate=False))  # fmt: skip
-        done = torch.cuda.Event()
-        done.record(stream)
-        prefetch.loads.append(done)
+        # on the caller's stream, which the caller's later work follows: never deferred
+        out = launch(True, self.kv, self.pool.buffer, prefetch.page_ids, slots, self._staging,
+                     None)  # fmt: skip
+        self._count(out.backend)
+        prefetch.loads.append(out.events[0])
 
     def load_async(self, prefetch: Prefetch, device_slots: Any) -> LayerLoad:
         """Layer by layer on the load stream, one event per layer: ``wait_layer(i)`` before
@@ -409,7 +401,7 @@ class KVConnector:
         slots = self._load_slots(prefetch, device_slots)
         ready = self.cache.ready_events(prefetch.page_ids) if self._load_stream else []
         layers = LayerLoad(self.kv, self.pool.buffer, prefetch.page_ids, slots,
-                           self._load_stream, ready, self._staging)  # fmt: skip
+                           self._load_stream, ready, self._staging, self._issuer)  # fmt: skip
         if layers.done_event is not None:
             prefetch.loads.append(layers.done_event)
         self._count(layers.backend)
@@ -474,7 +466,7 @@ class KVConnector:
             return
         events = self.cache.ready_events([p for _, p in held])
         self.stats_counters["pages_written_again"] += len(held)
-        self._loop.call_soon(self.writeback.submit, held, _AllDone(events) if events else None)
+        self._loop.call_soon(self.writeback.submit, held, AllOf(events) if events else None)
 
     def _copy_out(
         self, table: torch.Tensor, rows: list[int], pages: list[int], engine_waits: bool
@@ -490,11 +482,12 @@ class KVConnector:
         with torch.cuda.stream(stream):  # index tensors allocated (and freed) on this stream
             rows_t = torch.tensor(rows, dtype=torch.int64)
             slots = table[upload(rows_t, dev)] if table.is_cuda else table[rows]
-            idx = transfer_indices(False, self.kv, pages, slots, self._staging)
-            self._count(save(self.kv, idx.slots, self.pool.buffer, idx.ids, backend=idx.backend,
-                             validate=False))  # fmt: skip
-            event = torch.cuda.Event()
-            event.record(stream)
+            # deferred to the issuer unless the engine's stream waits on the copy now (its host
+            # would wait for the issuer then)
+            out = launch(False, self.kv, self.pool.buffer, pages, slots, self._staging,
+                         None if engine_waits else self._issuer)  # fmt: skip
+            self._count(out.backend)
+            event = out.events[0]
         if engine_waits:
             engine.wait_event(event)
         return event
@@ -518,6 +511,8 @@ class KVConnector:
         out.update(self.cache.describe(), host_pages=self.pool.num_pages)
         out["store"] = dict(self.store.counters)
         out["transfer_backends"] = dict(self.transfer_backends)
+        if self._issuer is not None:
+            out["copy_issuer"] = dict(self._issuer.counters)
         if self.policy is not None:
             out["policy"] = self.policy.stats()
         return out

@@ -5,7 +5,9 @@ Ownership: the page ids and slot indices the kernels read are copied to the devi
 load stream* (from the connector's pinned staging ring, ``non_blocking``: no host sync) and
 kept referenced by the :class:`LayerLoad`, so the engine's allocator can never hand their
 memory to the engine's stream while later layers still read them. Where ``auto`` takes the
-copy engine for a layer's shape the indices stay on the CPU (:mod:`.transfer_indices`).
+copy engine for a layer's shape the indices stay on the CPU and the connector's issuer thread
+enqueues the layers (:mod:`.copy_issuer`): ``wait_layer`` then holds the host only until that
+layer is enqueued.
 The host pages stay held by the prefetch handle, whose release waits
 for :attr:`LayerLoad.done_event`.
 """
@@ -19,8 +21,9 @@ import torch
 
 from pagekv.kernels import DeviceKV, load
 
+from .copy_issuer import CopyIssuer
 from .staging import IndexStaging
-from .transfer_indices import transfer_indices
+from .transfer_indices import launch
 
 __all__ = ["LayerLoad"]
 
@@ -42,9 +45,10 @@ class LayerLoad:
         stream: torch.cuda.Stream | None,
         wait_for: Sequence[Any] = (),
         staging: IndexStaging | None = None,
+        issuer: CopyIssuer | None = None,
     ) -> None:
         self.num_layers = kv.geometry.num_layers
-        self.events: list[torch.cuda.Event] = []
+        self.events: list[Any] = []  # per layer: a CUDA event, or the issuer's completion
         self._keep: tuple[torch.Tensor, ...] = ()
         self.backend = "none"  # what the last layer's copy used (kernel, copy_engine, ...)
         if not page_ids:
@@ -59,20 +63,17 @@ class LayerLoad:
         if staging is None:
             staging = IndexStaging(capacity=len(page_ids) * (1 + slots.shape[1]) + 1)
         with torch.cuda.stream(stream):
-            idx = transfer_indices(True, kv, page_ids, slots, staging, layer=0)
+            out = launch(True, kv, host, page_ids, slots, staging, issuer,
+                         layers=range(self.num_layers))  # fmt: skip
             if slots.is_cuda:
                 slots.record_stream(stream)  # the engine's tensor: keep its memory until done
-            self._keep = (idx.ids, idx.slots)
-            for layer in range(self.num_layers):
-                self.backend = load(host, idx.ids, kv, idx.slots, layer=layer,
-                                    backend=idx.backend, validate=False)  # fmt: skip
-                event = torch.cuda.Event()
-                event.record(stream)
-                self.events.append(event)
+            self._keep = (out.indices.ids, out.indices.slots)
+            self.backend, self.events = out.backend, out.events
 
     @property
-    def done_event(self) -> torch.cuda.Event | None:
-        """Completes when every layer is on the device (None on CPU or for no pages)."""
+    def done_event(self) -> Any:
+        """Completes when every layer is on the device (None on CPU or for no pages): the
+        layers are copied in order on one stream (the load stream's, or the issuer's)."""
         return self.events[-1] if self.events else None
 
     def wait_layer(self, layer: int) -> None:

@@ -38,6 +38,8 @@ def close_connector(conn: Any, timeout_s: float) -> None:
         log.warning("pagekv: close: fetches did not stop within 5 s")
     conn.index.close()
     loop.close()
+    if conn._issuer is not None:
+        conn._issuer.close()  # what it was given is enqueued and done
     for stream in (conn._save_stream, conn._load_stream):
         if stream is not None:
             stream.synchronize()  # no copy may touch the pool once it is unregistered

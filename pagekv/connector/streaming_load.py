@@ -17,10 +17,11 @@ through the connector's pinned staging ring on the load stream, or CPU tensors w
 takes the copy engine: :mod:`.transfer_indices`; kept referenced until this object is dropped,
 like ``LayerLoad._keep``), and one CUDA event per launch, also appended to the
 prefetch's ``loads``: :meth:`KVConnector.release` keeps the host pages until those copies are
-done (contract 3). The launches run in order on one stream, so the last event covers them all:
-:meth:`wait` makes a stream wait on it, which the engine does before reading *or writing* the
-slots in every case, since a prefetch that comes short (deadline, miss, ``min_tokens``) may have
-launched chunks that are still landing.
+done (contract 3). A launch the table gives the copy engine is enqueued by the connector's
+issuer (its event a :class:`~.copy_issuer.Completion`), the others on the load stream, so no
+single event covers them all: :meth:`wait` makes a stream wait on each, which the engine does
+before reading *or writing* the slots in every case, since a prefetch that comes short
+(deadline, miss, ``min_tokens``) may have launched chunks that are still landing.
 
 Stopping: :meth:`stop` (a cancelled prefetch, a ``prefetch_sync`` past its timeout) makes
 later ``advance`` calls do nothing; from then on the events are final.
@@ -39,10 +40,11 @@ import torch
 
 from pagekv.kernels import DeviceKV, load
 
+from .copy_issuer import AllOf, CopyIssuer
 from .handles import Prefetch
 from .page_cache import PageCache
 from .staging import IndexStaging
-from .transfer_indices import transfer_indices
+from .transfer_indices import launch
 
 __all__ = ["CHUNK_BYTES", "CHUNK_PAGES", "StreamingLoad", "chunk_pages"]
 
@@ -77,9 +79,10 @@ class StreamingLoad:
         slots: torch.Tensor,
         stream: torch.cuda.Stream | None,
         staging: IndexStaging | None,
+        issuer: CopyIssuer | None = None,
     ) -> None:
         self.kv, self.host, self.cache = kv, host, cache
-        self.stream, self.staging = stream, staging
+        self.stream, self.staging, self.issuer = stream, staging, issuer
         self.chunk = chunk_pages(kv.geometry.page_bytes)
         self.loaded = 0  # leading pages whose copy has been launched (done, on CPU)
         self.chunks = 0  # launches
@@ -99,10 +102,10 @@ class StreamingLoad:
             self._start.record(caller)  # slots and earlier writes to them come first
 
     @property
-    def last_event(self) -> torch.cuda.Event | None:
+    def done_event(self) -> AllOf | None:
         """Completes once every launched chunk is on the device (None on CPU or if none)."""
         with self._lock:
-            return self.events[-1] if self.events else None
+            return AllOf(self.events) if self.events else None
 
     def advance(self, prefetch: Prefetch, *, final: bool = False) -> None:
         """Launch the load of ``prefetch.page_ids[loaded:]`` if a chunk's worth waits (or any,
@@ -127,12 +130,9 @@ class StreamingLoad:
                 self._start = None
             for event in self.cache.ready_events(page_ids):
                 stream.wait_event(event)
-            idx = transfer_indices(True, self.kv, page_ids, slots, self.staging)
-            self.backend = load(self.host, idx.ids, self.kv, idx.slots, backend=idx.backend,
-                                validate=False)  # fmt: skip
-            done = torch.cuda.Event()
-            done.record(stream)
-        self._keep.append((idx.ids, idx.slots))
+            out = launch(True, self.kv, self.host, page_ids, slots, self.staging, self.issuer)
+            self.backend, done = out.backend, out.events[0]
+        self._keep.append((out.indices.ids, out.indices.slots))
         self.events.append(done)
         loads.append(done)
 
@@ -144,6 +144,6 @@ class StreamingLoad:
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
         """Make ``stream`` (default: the current one) wait on every launched chunk; no host
         sync. Nothing to do on CPU, where the chunks were copied synchronously."""
-        event = self.last_event
+        event = self.done_event
         if event is not None:
-            (stream or torch.cuda.current_stream(self.kv.device)).wait_event(event)
+            event.wait(stream or torch.cuda.current_stream(self.kv.device))

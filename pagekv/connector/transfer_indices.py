@@ -1,4 +1,5 @@
-"""The index tensors the connector hands to a host <-> device transfer, and the backend.
+"""The connector's host <-> device transfers: their index tensors, their backend and where they
+are enqueued.
 
 The engine gives the connector slot tables on the CPU (validated there) or on its device; the
 connector's page ids are host ints. For CPU tables the connector asks
@@ -9,19 +10,28 @@ reads device tensors, uploaded on the current stream from the connector's pinned
 (:class:`~.staging.IndexStaging`), which the caller keeps referenced until the launch's event
 completes. A CUDA slot table (the engine's tensor) always goes to the kernel: reading it on
 the host would sync.
+
+:func:`launch` enqueues a transfer. Copy-engine transfers go to the connector's
+:class:`~.copy_issuer.CopyIssuer` where the caller passes one (the copy engine's host time then
+lands on the issuer's thread, so the table may give it shapes whose enqueue would hold the
+caller: ``deferred``); everything else is enqueued on the current stream by the caller.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from pagekv.kernels import DeviceKV, choose_backend
+from pagekv.kernels import DeviceKV, choose_backend, copy_engine, load, save
 
+from .copy_issuer import CopyIssuer
 from .staging import IndexStaging
 
-__all__ = ["HOST_INDEX_BACKENDS", "Indices", "transfer_indices"]
+__all__ = ["HOST_INDEX_BACKENDS", "Indices", "Launched", "launch", "transfer_indices"]
 
 HOST_INDEX_BACKENDS = ("copy_engine", "direct")
 
@@ -49,13 +59,71 @@ def transfer_indices(
     staging: IndexStaging,
     *,
     layer: int | None = None,
+    deferred: bool = False,
 ) -> Indices:
     """Indices for a transfer of ``page_ids`` to/from ``slots`` (validated CPU table, or the
-    engine's CUDA tensor), launched next on the current stream (uploads go there)."""
+    engine's CUDA tensor), launched next on the current stream (uploads go there), or by an
+    issuer thread where ``deferred`` (see :func:`pagekv.kernels.choose_backend`)."""
     ids = torch.tensor(page_ids, dtype=torch.int64)
     if not slots.is_cuda:
-        choice = choose_backend(load, kv, ids, slots, layer=layer)
+        choice = choose_backend(load, kv, ids, slots, layer=layer, deferred=deferred)
         if choice in HOST_INDEX_BACKENDS:
             return Indices(ids, slots.contiguous(), choice)
         slots = staging.upload(slots, kv.device)
     return Indices(staging.upload(ids, kv.device), slots, "auto")
+
+
+@dataclass(frozen=True)
+class Launched:
+    """What :func:`launch` enqueued: the backend (``copy_engine`` when queued on the issuer),
+    one completion per layer asked for (a ``torch.cuda.Event`` recorded on the current stream,
+    or the issuer's :class:`~.copy_issuer.Completion`), and the indices, which the caller keeps
+    referenced until the last completion has completed."""
+
+    backend: str
+    events: list[Any]
+    indices: Indices
+
+
+def launch(
+    load_: bool,
+    kv: DeviceKV,
+    host: torch.Tensor,
+    page_ids: list[int],
+    slots: torch.Tensor,
+    staging: IndexStaging,
+    issuer: CopyIssuer | None,
+    *,
+    layers: Sequence[int | None] = (None,),
+) -> Launched:
+    """Enqueue the transfer of ``page_ids`` (host pages) to (``load_``) or from the device
+    ``slots``, after the current stream's enqueued work: once per entry of ``layers`` (None:
+    all layers at once; else those layers, one after the other), one completion each. With an
+    ``issuer``, a transfer the table gives the copy engine is queued there and the current
+    stream is not ordered after it: consumers wait on the completions. (Where the device has
+    stopped using the copy engine, such a transfer runs here and takes the kernel.)"""
+    idx = transfer_indices(load_, kv, page_ids, slots, staging, layer=layers[0],
+                           deferred=issuer is not None)  # fmt: skip
+    if (
+        idx.backend == "copy_engine"
+        and issuer is not None
+        and copy_engine.supported(kv.device.index or 0)
+    ):
+        one = functools.partial(_transfer, load_, kv, host, idx)
+        return Launched("copy_engine", issuer.submit([functools.partial(one, layer)
+                                                      for layer in layers]), idx)  # fmt: skip
+    stream = torch.cuda.current_stream(kv.device)
+    backend, events = "none", []
+    for layer in layers:
+        backend = _transfer(load_, kv, host, idx, layer)
+        event = torch.cuda.Event()
+        event.record(stream)
+        events.append(event)
+    return Launched(backend, events, idx)
+
+
+def _transfer(load_: bool, kv: DeviceKV, host: torch.Tensor, idx: Indices, layer: int | None):
+    if load_:
+        return load(host, idx.ids, kv, idx.slots, layer=layer, backend=idx.backend,
+                    validate=False)  # fmt: skip
+    return save(kv, idx.slots, host, idx.ids, layer=layer, backend=idx.backend, validate=False)

@@ -89,14 +89,17 @@ class Entry:
     seconds: tuple[tuple[str, float], ...]  # (backend, median seconds), inf = not measured
     enqueue: tuple[tuple[str, float], ...]  # (backend, median host seconds of the call)
 
-    def best(self, allowed: Collection[str]) -> str | None:
+    def best(self, allowed: Collection[str], deferred: bool = False) -> str | None:
         """The backend for this shape among ``allowed`` (None when none was measured): those
-        whose enqueue time is within ``ENQUEUE_SLACK_S`` of the kernel's, then the copy engine
-        unless it is more than ``COPY_ENGINE_SLACK`` slower than the fastest."""
+        whose enqueue time is within ``ENQUEUE_SLACK_S`` of the kernel's (the copy engine
+        whatever its enqueue time when ``deferred``: a thread other than the caller's enqueues
+        it), then the copy engine unless it is more than ``COPY_ENGINE_SLACK`` slower than the
+        fastest."""
         host = dict(self.enqueue)
         bound = host.get("kernel", math.inf) + ENQUEUE_SLACK_S
+        free = ("kernel", "copy_engine") if deferred else ("kernel",)
         times = {b: s for b, s in self.seconds if b in allowed and math.isfinite(s)
-                 and (b == "kernel" or host.get(b, math.inf) <= bound)}  # fmt: skip
+                 and (b in free or host.get(b, math.inf) <= bound)}  # fmt: skip
         if not times:
             return None
         fastest = min(times, key=times.__getitem__)
@@ -116,22 +119,22 @@ class CopyTable:
     entries: tuple[Entry, ...]
     _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
-    def choose(self, shape: Shape, allowed: Collection[str]) -> str:
+    def choose(self, shape: Shape, allowed: Collection[str], deferred: bool = False) -> str:
         """The backend the measured shapes around ``shape`` (same direction and layer span)
         agree on: the nearest measured runs at or below and at or above ``shape``'s, each at the
         nearest measured totals at or below and at or above (log scale; one side where
         ``shape`` is outside the grid). ``kernel`` when they disagree, when a run is shorter
-        than every measured one, when nothing fits. Remembered per (shape, allowed): a
-        layer-by-layer load asks once per layer."""
-        key = (shape, tuple(sorted(allowed)))
+        than every measured one, when nothing fits. ``deferred``: see :meth:`Entry.best`.
+        Remembered per (shape, allowed, deferred): a layer-by-layer load asks once per layer."""
+        key = (shape, tuple(sorted(allowed)), deferred)
         hit = self._memo.get(key)
         if hit is None:
             if len(self._memo) >= MEMO_MAX:
                 self._memo.clear()
-            hit = self._memo[key] = self._agreed(shape, allowed)
+            hit = self._memo[key] = self._agreed(shape, allowed, deferred)
         return hit
 
-    def _agreed(self, shape: Shape, allowed: Collection[str]) -> str:
+    def _agreed(self, shape: Shape, allowed: Collection[str], deferred: bool) -> str:
         same = [
             e
             for e in self.entries
@@ -144,7 +147,8 @@ class CopyTable:
         for run in runs:
             row = [e for e in same if e.shape.run_bytes == run]
             for total in _around([e.shape.total_bytes for e in row], shape.total_bytes):
-                picks |= {e.best(allowed) or "kernel" for e in row if e.shape.total_bytes == total}
+                picks |= {e.best(allowed, deferred) or "kernel" for e in row
+                          if e.shape.total_bytes == total}  # fmt: skip
         return picks.pop() if len(picks) == 1 else "kernel"
 
     def to_json(self) -> dict:

@@ -159,6 +159,7 @@ def _auto_backend(
     ids: torch.Tensor,
     s: torch.Tensor,
     layer: int | None,
+    deferred: bool = False,
 ) -> str:
     """See the module docstring: the setting, else the kernel or the measured table."""
     setting = copy_backend_setting()
@@ -176,11 +177,17 @@ def _auto_backend(
     rows = geo.num_layers * geo.num_kv if layer is None else geo.num_kv
     total = ids.numel() * geo.page_size * rows * geo.item_bytes
     shape = copy_table.Shape(load, layer is None, copy_engine.run_bytes(kv, s), total)
-    return copy_table.calibrate(device).choose(shape, allowed)
+    return copy_table.calibrate(device).choose(shape, allowed, deferred)
 
 
 def choose_backend(
-    load: bool, kv: DeviceKV, page_ids: Index, slots: Index, *, layer: int | None = None
+    load: bool,
+    kv: DeviceKV,
+    page_ids: Index,
+    slots: Index,
+    *,
+    layer: int | None = None,
+    deferred: bool = False,
 ) -> str:
     """The backend ``backend="auto"`` takes for this transfer (see the module docstring):
     ``torch`` off CUDA, else from the setting, the index tensors' device and the measured
@@ -189,13 +196,16 @@ def choose_backend(
 
     A caller holding CPU indices (the connector) asks this first: for ``copy_engine`` and
     ``direct`` it passes them as they are (read during the call, no upload); for the others it
-    uploads them and passes device tensors (capturable, nothing read on the host)."""
+    uploads them and passes device tensors (capturable, nothing read on the host).
+    ``deferred``: the caller enqueues copy-engine transfers on a thread of its own (the
+    connector's issuer), so the copy engine's host time is not the caller's and does not bar
+    it (:meth:`~.copy_table.CopyTable.choose`)."""
     check_layer(layer, kv.geometry.num_layers)
     ids = check_page_ids(page_ids, 0, unique=False, check_values=False)
     s = check_slots(slots, ids.numel(), kv.geometry.page_size, kv.num_slots, check_values=False)
     if kv.device.type != "cuda" or load_library() is None:
         return "torch"
-    return _auto_backend(load, kv, ids, s, layer)
+    return _auto_backend(load, kv, ids, s, layer, deferred)
 
 
 def _page_transfer(

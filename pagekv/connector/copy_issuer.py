@@ -1,0 +1,173 @@
+"""The connector's copy-engine issuer: a thread of the connector's own that enqueues the
+transfers given to the copy engine, so that the thread asking for them (an engine's step
+thread, the connector's loop) spends microseconds on them. A copy-engine transfer costs the host
+~0.5-1 us per copy (one per run of slots, layer and K/V; a 4 GiB load of 32 KiB runs ~70 ms),
+and a call waits for the engines once the driver's queue is full: on the caller's thread it
+would hold an engine's step for most of the transfer (docs/benchmarks.md, "copy engine").
+
+Rules:
+
+* :meth:`CopyIssuer.submit` records a *fork* event on the caller's current stream and queues
+  the job: its copies come after everything enqueued on that stream before the call (waits on
+  ready events, the engine's writes to the slots). Nothing enqueued on that stream after the
+  call is ordered after the copies: consumers order themselves on the job's completions.
+* The issuer's thread runs jobs in submission order on the issuer's own stream: it waits on the
+  job's fork event, enqueues each of the job's transfers (each falls back to the kernel, once
+  logged, where the driver refuses batched copies) and records one event after each.
+* A :class:`Completion` stands for one transfer's event, with the part of ``torch.cuda.Event``
+  its consumers use: ``wait(stream)`` (what ``stream.wait_event`` calls) blocks the host only
+  until the transfer is *enqueued*, then makes the stream wait on the GPU; ``query()`` is False
+  until it is enqueued and done; ``synchronize()`` blocks until it is done.
+* Ownership: a job holds its CPU page ids and slots, the host buffer and the device cache until
+  its transfers are enqueued; whoever holds the host pages and slots keeps them until the
+  completion completes (the rule for an event).
+* A transfer that raises (no kernel left to fall back to: a broken CUDA context) fails its
+  completion: ``wait``, ``query`` and ``synchronize`` raise :class:`CopyFailed`, so nothing reads
+  or publishes the bytes it did not copy. The thread goes on with the next transfer.
+* :meth:`close` runs the queued jobs, waits for their copies and stops the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["AllOf", "CopyFailed", "CopyIssuer", "Completion"]
+
+log = logging.getLogger(__name__)
+
+
+class CopyFailed(RuntimeError):
+    """A transfer queued on the issuer could not be enqueued on the GPU."""
+
+
+class Completion:
+    """One queued transfer's completion (see the module docstring)."""
+
+    __slots__ = ("_enqueued", "_error", "_event")
+
+    def __init__(self) -> None:
+        self._enqueued = threading.Event()
+        self._event: torch.cuda.Event | None = None
+        self._error: BaseException | None = None
+
+    def _set(self, event: torch.cuda.Event | None, error: BaseException | None = None) -> None:
+        self._event, self._error = event, error
+        self._enqueued.set()
+
+    def _wait_enqueued(self) -> torch.cuda.Event:
+        self._enqueued.wait()
+        if self._event is None:
+            raise CopyFailed(f"a copy-engine transfer failed: {self._error!r}") from self._error
+        return self._event
+
+    @property
+    def enqueued(self) -> bool:
+        return self._enqueued.is_set()
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` (default: the current one) wait for the transfer on the GPU; the
+        host waits only until the issuer has enqueued it."""
+        self._wait_enqueued().wait(stream)
+
+    def query(self) -> bool:
+        if not self._enqueued.is_set():
+            return False
+        return self._wait_enqueued().query()
+
+    def synchronize(self) -> None:
+        self._wait_enqueued().synchronize()
+
+
+Transfer = Callable[[], str]  # enqueues one transfer on the current stream; returns its backend
+
+
+class CopyIssuer:
+    """The issuer thread of one connector on ``device`` (started on the first job)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._stream: torch.cuda.Stream | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self.counters = {"jobs": 0, "transfers": 0, "failed": 0, "kernel_fallbacks": 0}
+
+    def submit(self, transfers: Sequence[Transfer]) -> list[Completion]:
+        """Queue ``transfers`` after the current stream's enqueued work; one completion each.
+        Raises ``RuntimeError`` once closed."""
+        fork = torch.cuda.Event()
+        fork.record(torch.cuda.current_stream(self.device))
+        done = [Completion() for _ in transfers]
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the copy issuer is closed")
+            if self._thread is None:
+                self._stream = torch.cuda.Stream(self.device)
+                self._thread = threading.Thread(target=self._run, name="pagekv-copy-issuer",
+                                                daemon=True)  # fmt: skip
+                self._thread.start()
+            self.counters["jobs"] += 1
+            self._queue.put((fork, list(transfers), done))
+        return done
+
+    def close(self) -> None:
+        """Run what is queued, wait for its copies, stop the thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+            if thread is not None:
+                self._queue.put(None)
+        if thread is not None:
+            thread.join()
+            self._stream.synchronize()
+
+    def _run(self) -> None:
+        stream = self._stream
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            while (job := self._queue.get()) is not None:
+                fork, transfers, done = job
+                stream.wait_event(fork)
+                for transfer, completion in zip(transfers, done):
+                    self._one(stream, transfer, completion)
+
+    def _one(self, stream: torch.cuda.Stream, transfer: Transfer, completion: Completion) -> None:
+        try:
+            backend = transfer()
+            event = torch.cuda.Event()
+            event.record(stream)
+        except Exception as e:  # the completion carries it to every consumer
+            self.counters["failed"] += 1
+            log.error("pagekv: a copy-engine transfer failed: %r", e)
+            completion._set(None, e)
+            return
+        self.counters["transfers"] += 1
+        self.counters["kernel_fallbacks"] += backend != "copy_engine"
+        completion._set(event)
+
+
+class AllOf:
+    """Completes when every one of ``events`` (CUDA events or completions) has; the same
+    three methods, applied to each."""
+
+    def __init__(self, events: Sequence[Any]) -> None:
+        self.events = list(events)
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        for event in self.events:
+            event.wait(stream)
+
+    def query(self) -> bool:
+        return all(event.query() for event in self.events)
+
+    def synchronize(self) -> None:
+        for event in self.events:
+            event.synchronize()

@@ -1,0 +1,201 @@
+"""The connector's copy-engine issuer (pagekv/connector/copy_issuer.py) on the GPU: a transfer
+the table gives the copy engine is enqueued by the issuer's thread, not the caller's; its copies
+come after the caller's stream's earlier work; consumers that wait on its completion see every
+byte (destinations poisoned first, compared with the bytes saved); a transfer that raises fails
+its completion and not the next one; close() drains."""
+
+import threading
+
+import pytest
+import torch
+
+from pagekv.connector import KeyNamespace, KVConnector
+from pagekv.connector.copy_issuer import CopyFailed, CopyIssuer
+from pagekv.connector.host_pool import HostPagePool
+from pagekv.connector.staging import IndexStaging
+from pagekv.connector.transfer_indices import launch
+from pagekv.kernels import DeviceKV, copy_engine, save
+from pagekv.store.launch import NodeProcess
+from tests.gpu.test_kernels_gpu import device_caches, geometry
+from tests.helpers import bits_equal, poison_
+
+pytestmark = pytest.mark.cuda
+DEV = torch.device("cuda", 0)
+
+
+def require_copy_engine():
+    if not copy_engine.supported(0):
+        pytest.skip(f"copy engine unavailable here: {copy_engine.disabled_reason(0)}")
+
+
+def setup(n_pages=8, page_size=16):
+    geo = geometry(torch.bfloat16, False, 2048, page_size, num_layers=4)
+    num_slots = 3 * n_pages * page_size
+    caches = device_caches(geo, num_slots)
+    kv = DeviceKV.from_caches(geo, *caches)
+    pool = HostPagePool(geo, n_pages)
+    perm = torch.randperm(num_slots)
+    a, b = perm[: n_pages * page_size], perm[n_pages * page_size : 2 * n_pages * page_size]
+    return geo, caches, kv, pool, a.view(n_pages, page_size), b.view(n_pages, page_size)
+
+
+class Gate:
+    """A transfer that holds the issuer's thread until opened."""
+
+    def __init__(self):
+        self.entered, self.opened = threading.Event(), threading.Event()
+
+    def __call__(self):
+        self.entered.set()
+        assert self.opened.wait(30)
+        return "copy_engine"
+
+
+def test_the_caller_returns_before_its_copies_are_enqueued_and_waiters_see_every_byte(
+    monkeypatch,
+):
+    require_copy_engine()
+    monkeypatch.setenv("PAGEKV_COPY_BACKEND", "copy_engine")
+    geo, caches, kv, pool, a, b = setup()
+    want = [t[:, a.reshape(-1)].clone() for t in caches]
+    assert save(kv, a, pool.buffer, list(range(8))) == "copy_engine"  # host pages := slots A
+    for t in caches:
+        t[:, b.reshape(-1)] = poison_(torch.empty_like(t[:, b.reshape(-1)]))
+    issuer = CopyIssuer(DEV)
+    try:
+        gate = Gate()
+        issuer.submit([gate])
+        assert gate.entered.wait(30)
+        out = launch(True, kv, pool.buffer, list(range(8)), b, IndexStaging(1 << 16), issuer,
+                     layers=range(geo.num_layers))  # fmt: skip
+        assert out.backend == "copy_engine" and len(out.events) == geo.num_layers
+        assert not any(e.enqueued or e.query() for e in out.events)  # the issuer is held
+        waited = threading.Event()
+
+        def consumer():  # a stream that waits on the last layer: the host waits for the enqueue
+            out.events[-1].wait(torch.cuda.current_stream(DEV))
+            waited.set()
+
+        t = threading.Thread(target=consumer)
+        t.start()
+        assert not waited.wait(0.2)  # bounded: it must still be waiting, the gate is closed
+        gate.opened.set()
+        t.join(30)
+        assert waited.is_set()
+        for layer in range(geo.num_layers):
+            out.events[layer].wait()
+        for t_, w in zip(caches, want):
+            assert bits_equal(t_[:, b.reshape(-1)], w)
+        assert issuer.counters["transfers"] == 1 + geo.num_layers
+        assert issuer.counters["kernel_fallbacks"] == 0
+    finally:
+        issuer.close()
+
+
+def test_copies_come_after_the_callers_earlier_work(monkeypatch):
+    """The caller's stream fills the host pages late (a save behind a long sleep); the issuer's
+    load from those pages must carry the new bytes, not what the pages held before."""
+    require_copy_engine()
+    monkeypatch.setenv("PAGEKV_COPY_BACKEND", "copy_engine")
+    _, caches, kv, pool, a, b = setup()
+    poison_(pool.buffer)  # stale bytes the load must never carry
+    want = [t[:, a.reshape(-1)].clone() for t in caches]
+    for t in caches:
+        t[:, b.reshape(-1)] = 0
+    issuer = CopyIssuer(DEV)
+    try:
+        side = torch.cuda.Stream(DEV)
+        side.wait_stream(torch.cuda.current_stream(DEV))
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the save
+            save(kv, a, pool.buffer, list(range(8)), backend="kernel")
+            out = launch(True, kv, pool.buffer, list(range(8)), b, IndexStaging(1 << 16), issuer)
+        assert out.backend == "copy_engine"
+        out.events[0].synchronize()
+        for t_, w in zip(caches, want):
+            assert bits_equal(t_[:, b.reshape(-1)], w)
+    finally:
+        issuer.close()
+
+
+def test_a_transfer_that_raises_fails_its_completion_not_the_next():
+    issuer = CopyIssuer(DEV)
+    try:
+
+        def broken():
+            raise RuntimeError("cudaErrorLaunchFailure (a stand-in)")
+
+        first = issuer.submit([broken, lambda: "copy_engine"])
+        with pytest.raises(CopyFailed, match="stand-in"):
+            first[0].wait()
+        with pytest.raises(CopyFailed):
+            first[0].query()
+        first[1].synchronize()
+        assert first[1].query()
+        assert issuer.counters["failed"] == 1 and issuer.counters["transfers"] == 1
+    finally:
+        issuer.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        issuer.submit([lambda: "copy_engine"])
+
+
+def test_close_drains_what_was_queued():
+    issuer = CopyIssuer(DEV)
+    gate = Gate()
+    done = issuer.submit([gate, lambda: "copy_engine"])
+    assert gate.entered.wait(30)
+    closer = threading.Thread(target=issuer.close)
+    closer.start()
+    assert not done[1].enqueued
+    gate.opened.set()
+    closer.join(30)
+    assert not closer.is_alive() and all(d.enqueued and d.query() for d in done)
+
+
+@pytest.fixture(scope="module")
+def node():
+    n = NodeProcess("--capacity", "1GiB").start()
+    yield n
+    n.stop()
+
+
+@pytest.mark.parametrize("engine_waits", [True, False])
+def test_connector_layerwise_streaming_and_saves_through_the_issuer(node, monkeypatch,
+                                                                    engine_waits):  # fmt: skip
+    """The connector's load_async, streaming loads and (with engine_waits=False) saves go to its
+    issuer when the copy engine is chosen; every byte lands where the engine waits for it."""
+    require_copy_engine()
+    monkeypatch.setenv("PAGEKV_COPY_BACKEND", "copy_engine")
+    geo = geometry(torch.bfloat16, False, 2048, 16, num_layers=4)
+    n_pages, n_tok = 6, 6 * 16
+    caches = device_caches(geo, 4 * n_tok + 3)
+    ns = KeyNamespace(f"issuer-{engine_waits}", geo)
+    conn = KVConnector(geo, caches, node.address, host_pages=4 * n_pages, namespace=ns)
+    try:
+        perm = torch.randperm(4 * n_tok + 3)
+        a, c, d = perm[:n_tok], perm[n_tok : 2 * n_tok], perm[2 * n_tok : 3 * n_tok]
+        tokens = torch.randint(0, 32000, (n_tok,)).tolist()
+        want = [t[:, a].clone() for t in caches]
+        for t in caches:
+            t[:, torch.cat([c, d])] = poison_(torch.empty_like(t[:, torch.cat([c, d])]))
+        saved = conn.save(tokens, a.tolist(), engine_waits=engine_waits)
+        assert saved.pages == n_pages
+        if not engine_waits:
+            torch.cuda.current_stream(DEV).wait_event(saved.event)  # before slots A change
+        conn.flush_sync(timeout=30)
+        conn.cache.evict(4 * n_pages)  # the loads below come from the store
+        handle = conn.prefetch_sync(tokens, timeout_s=30)
+        layers = conn.load_async(handle, c.tolist())
+        conn.release(handle)
+        for layer in range(geo.num_layers):
+            layers.wait_layer(layer)
+        streamed = conn.prefetch_sync(tokens, device_slots=d.tolist(), timeout_s=30)
+        streamed.wait_loaded()
+        for t, w in zip(caches, want):
+            assert bits_equal(t[:, c], w) and bits_equal(t[:, d], w)
+        conn.release(streamed)
+        issued = conn._issuer.counters
+        assert issued["transfers"] == geo.num_layers + 1 + (not engine_waits), issued
+        assert issued["kernel_fallbacks"] == 0
+    finally:
+        conn.close()
