@@ -20,7 +20,7 @@ each time), against the same decode alone, in alternated pairs; with the host ti
 enqueuing the loads took (an engine's step thread would wait that long). ``connector``: the loads
 as the connector's ``load_async`` runs them (the table's choice; the copy engine enqueued by
 the connector's issuer thread, :mod:`pagekv.connector.copy_issuer`), so the enqueue time is
-the submitting thread's only.
+the submitting thread's only; ``connector_ce`` the same with the copy engine for every layer.
 
     python scripts/bench_beside_compute.py [--rounds 7] [--engine-sizes 1,4] [--skip-engine]
                                            [--skip-decode]
@@ -246,13 +246,18 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
     def enqueue(how: str, size: int, repeats: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(loads.stream)
-        if how == "connector":  # as load_async runs: the table's choice, on the issuer
+        if how.startswith("connector"):  # as load_async runs them, on the issuer: the
+            # table's choice, or (connector_ce) the copy engine whatever the table says
             n = max(1, size // geo.page_bytes)
             ids, slots = loads.ids_cpu[:n].tolist(), loads.slots_cpu[:n]
-            for _ in range(repeats):
-                with torch.cuda.stream(loads.stream):
-                    out = launch(True, loads.kv, loads.host, ids, slots, staging, issuer,
-                                 layers=range(geo.num_layers))  # fmt: skip
+            os.environ["PAGEKV_COPY_BACKEND"] = "copy_engine" if how == "connector_ce" else "auto"
+            try:
+                for _ in range(repeats):
+                    with torch.cuda.stream(loads.stream):
+                        out = launch(True, loads.kv, loads.host, ids, slots, staging, issuer,
+                                     layers=range(geo.num_layers))  # fmt: skip
+            finally:
+                os.environ["PAGEKV_COPY_BACKEND"] = "auto"
             state["last"], state["took"] = out.events[-1], out.backend
             return start, end  # end: recorded once the decode is over (see one())
         for _ in range(repeats):
@@ -276,6 +281,7 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
     backends = ["plain_copy", "kernel"]
     backends += [f"copy_engine@{n}" for n in args.ce_lanes] if copy_engine.supported(0) else []
     backends += ["auto", "connector"]
+    backends += ["connector_ce"] if copy_engine.supported(0) else []
 
     def one(how: str | None, size: int, repeats: int = 0) -> dict:
         state.clear()
@@ -287,7 +293,7 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
         )
         if how is not None:
             start, end = state["events"]
-            if how == "connector":
+            if how.startswith("connector"):
                 out["loads_outlasted_decode"] = not state["last"].query()
                 out["took"] = state["took"]
                 state["last"].wait(loads.stream)  # the decode is over: the host may wait now

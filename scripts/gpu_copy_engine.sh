@@ -13,6 +13,7 @@
 # Each step has its own time limit and log; results go to $RESULTS_DIR (default $OUT/ce, or
 # benchmarks/results), then into one $OUT/ce.tgz when $OUT is set.
 #   WHEEL_DIR=/path/to/.whl bash scripts/gpu_copy_engine.sh
+# (TESTS= narrows step 3 to the files named, RATIO_ARGS= passes arguments to step 4)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -63,11 +64,11 @@ XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8 --dist load")
 SIG=INT TAIL=40 step tests 150 $PY -m pytest -q -rfE -p no:cacheprovider $XDIST \
   --junitxml="$RESULTS_DIR/tests.xml" \
   -k "not (match_reference or store_kv_matches) or (bfloat16 and i64)" \
-  tests/gpu/test_copy_issuer_gpu.py tests/gpu/test_connector_copy_engine_gpu.py \
+  ${TESTS:-tests/gpu/test_copy_issuer_gpu.py tests/gpu/test_connector_copy_engine_gpu.py \
   tests/gpu/test_streaming_load_gpu.py tests/gpu/test_engine_contract_gpu.py \
   tests/test_kernels_copy_engine.py tests/test_transfer_indices.py tests/gpu/test_kernels_gpu.py \
-  tests/test_engine_gpu.py
-TAIL=40 step ratio_table 110 $PY scripts/bench_copy_engine.py
+  tests/test_engine_gpu.py}
+TAIL=40 step ratio_table 110 $PY scripts/bench_copy_engine.py ${RATIO_ARGS:-}
 TAIL=30 step beside 110 $PY scripts/bench_beside_compute.py --skip-decode --engine-sizes 4 \
   --engine-pairs 3 --max-prefixes 8
 echo "gpu_copy_engine: status $status"

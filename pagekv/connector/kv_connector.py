@@ -190,7 +190,7 @@ class KVConnector:
         native checked copy, so that the first fetch does not pay for that. True when every
         node answered; never raises on store trouble (``NativeCopyUnavailable`` only with
         ``PAGEKV_NATIVE_COPY=on`` and no library). On CUDA with ``PAGEKV_COPY_BACKEND=auto``
-        it also reads (or measures, ~15 s once per GPU and driver) the table that picks each
+        it also reads (or measures, ~30 s once per GPU and driver) the table that picks each
         copy's backend (:func:`pagekv.kernels.calibrate`), which the first load or save would do
         otherwise. Call at start-up, not per request."""
         native.load()

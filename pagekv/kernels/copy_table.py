@@ -1,30 +1,34 @@
-"""Which backend ``PAGEKV_COPY_BACKEND=auto`` uses for a transfer: a table measured once per
-device.
+"""Which backend ``PAGEKV_COPY_BACKEND=auto`` (the default) uses for a transfer: a table
+measured once per device.
 
 For a grid of transfer shapes (direction, all layers or one, bytes per run of consecutive slots,
 bytes in all) the kernel, the copy engine and the direct memcpy backend are timed on this GPU:
-the time to completion and the host time of the call (its *enqueue* time: what the calling
-thread, an engine's step thread, waits). A backend is a candidate for a shape only when its
-enqueue time is at most the kernel's plus ``ENQUEUE_SLACK_S``: the copy engine's host cost
-grows with its copies (~0.5-1 us each, and the call blocks once the driver's queue is full: a
-4 GiB load of 32 KiB runs held the host 580 of its 650 ms on the H200), and an engine's step
-never waits on a transfer. Among the candidates the copy engine wins unless it is more than
-``COPY_ENGINE_SLACK`` slower than the fastest: it leaves the SMs to the model.
+seconds per call of three calls back to back (a connector's chunks and layers follow one
+another, so a call's host time overlaps the copies before it) and the host time of one call
+(its *enqueue* time: what the calling thread waits). On the caller's thread (``deferred``
+false) a backend is a candidate for a shape only when its enqueue time is at most the kernel's
+plus ``ENQUEUE_SLACK_S``: the copy engine's host cost grows with its copies (~0.5-1 us each, and
+the call blocks once the driver's queue is full: a 4 GiB load of 32 KiB runs held the host 580
+of its 650 ms on the H200), and an engine's step never waits on a transfer. Where a thread of
+the connector's own enqueues the copy engine's transfers (``deferred``:
+:mod:`pagekv.connector.copy_issuer`) its host time bars nothing. Among the candidates the copy
+engine wins unless it is more than ``COPY_ENGINE_SLACK`` slower than the fastest: it leaves the
+SMs to the model.
 
 A transfer takes a backend only when the measured shapes around it agree
 (:meth:`CopyTable.choose`: the nearest runs on both sides, each at the nearest totals on both
 sides); anything else, or a run shorter than any measured one, takes the kernel. The grid
 includes the runs engines produce (page size x row bytes for Llama-3-8B, its TP-8 slice and
 MLA-576 at 16-128 tokens), because the copy engine's rate is not monotonic in the run: 32 KiB
-runs 0.96 of the bus, 36 KiB (MLA, 32 tokens) 0.74 on the H200.
+runs 0.96 of the bus, 36 KiB (MLA, 32 tokens) 0.74 on the H200 in one run, 0.97 in another.
 
 Cache: ``$PAGEKV_CACHE_DIR/copy_table_<key>.json``, the key naming the GPU, the driver, the
 kernel library (its source hash) and the copy engine's settings, so a new driver, a changed
 kernel or other copy-engine defaults measure again. A file lock makes concurrent processes
-measure once. Measuring takes ~15 s, synchronises the device and uses up to 256 MiB of device
-and of pinned host memory for the while; it happens on the first ``auto`` transfer that could
-use the copy engine, or when :func:`calibrate` is called (do it at start-up to keep it off the
-serving path).
+measure once. Measuring takes ~30 s, synchronises the device and uses up to 256 MiB of device
+and of pinned host memory for the while; it happens on the first ``auto`` transfer with CPU
+indices, or when :func:`calibrate` is called (``KVConnector.connect`` does: at start-up, off
+the serving path).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-TABLE_VERSION = 4
+TABLE_VERSION = 5
 # The copy engine is chosen unless it takes more than this fraction longer than the fastest.
 COPY_ENGINE_SLACK = 0.10
 # A backend whose call holds the host longer than the kernel's plus this is never chosen.
@@ -244,11 +248,12 @@ def measured_or_empty(
 
 
 def median_seconds(
-    fn: Callable[[], object], sync: Callable[[], None], reps: int = 5
+    fn: Callable[[], object], sync: Callable[[], None], reps: int = 5, inner: int = 3
 ) -> tuple[float, float]:
-    """Median wall time of ``fn`` to completion (``sync`` waits for the device) and median host
-    time of the call itself (its enqueue time), the device idle at each start, after one
-    untimed call: what one transfer costs, host-side descriptor building included."""
+    """Median seconds per call of ``inner`` calls back to back, the device idle at the first
+    (the rate of a run of transfers, each call's host time overlapping the copies before it:
+    a connector streams chunks and layers one after another), and the median host time of the
+    first call itself (its enqueue time), after one untimed call."""
     fn()
     sync()
     times, enqueue = [], []
@@ -256,8 +261,10 @@ def median_seconds(
         start = time.perf_counter()
         fn()
         enqueue.append(time.perf_counter() - start)
+        for _ in range(inner - 1):
+            fn()
         sync()
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / inner)
     return statistics.median(times), statistics.median(enqueue)
 
 

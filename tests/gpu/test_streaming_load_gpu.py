@@ -62,8 +62,10 @@ def engine(node, stored):
     h = asyncio.run(b.prefetch(stored[0], device_slots=torch.arange(SLOTS - N, SLOTS)))
     assert h.loaded_tokens == N
     b.release(h)
-    torch.cuda.synchronize()
+    h.loaded_event.synchronize()  # its chunks landed (the pages' holds go with them): not a
+    # device sync, which does not wait for a chunk the connector's issuer has yet to enqueue
     b.cache.evict(PAGES + 8)
+    assert b.cache.describe()["host_cached"] == 0
     for c in dst:
         poison_(c)
     yield b, dst
