@@ -166,7 +166,8 @@ COPY_BACKEND = _var("COPY_BACKEND", _choice("auto", "kernel", "copy_engine", "di
                     "connector's issuer thread enqueues it, never on the caller's thread; the "
                     "kernel for CUDA index tensors and graph capture), or one of `kernel`, "
                     "`copy_engine` (the kernel where the driver lacks batched copies), `direct`, "
-                    "`torch` for every transfer", "auto, kernel, copy_engine, direct, torch")  # fmt: skip
+                    "`torch` for every transfer",
+                    "auto, kernel, copy_engine, direct, torch")  # fmt: skip
 NATIVE_COPY = _var("NATIVE_COPY", _choice("auto", "on", "off"), "auto",
                    "the native checked copy and receive (C, built with `$CC` on first use): "
                    "`auto` (when it builds, else numpy with one warning; clients then use no "

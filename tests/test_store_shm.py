@@ -18,6 +18,7 @@ from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
 from pagekv.store.client import shm
 from pagekv.store.launch import NodeProcess
 from pagekv.store.node.segment import FreeSpace
+from pagekv.store.wire.protocol import Op
 
 MIB = 1 << 20
 
@@ -438,6 +439,48 @@ def test_values_of_several_nodes_are_copied_in_key_order(monkeypatch, kind):
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_copies_start_before_the_last_locate_is_answered(monkeypatch):
+    """The first calls' values are copied and handed on while later LOCATEs are still out: here
+    the last LOCATE is only sent once the first value has arrived (a GET that waited for every
+    LOCATE before copying would wait here for ever: bounded at 20 s)."""
+    from pagekv.store.client.zeromq import ZmqTransport
+
+    monkeypatch.setattr(shm, "CHUNK_BYTES", 1)  # one call per chunk
+    first = asyncio.Event()
+    real = ZmqTransport.run
+
+    async def run(self, calls):
+        if len(calls) < 2 or any(c.request.op is not Op.LOCATE for c in calls):
+            return await real(self, calls)
+        head = await real(self, calls[:-1])
+        await asyncio.wait_for(first.wait(), 20)
+        return {**head, **await real(self, calls[-1:])}
+
+    monkeypatch.setattr(ZmqTransport, "run", run)
+    node = NodeProcess("--shm", "--capacity", "32MiB").start()
+    try:
+        rng = random.Random(9)
+        keys = [rng.randbytes(16) for _ in range(6)]
+        values = [[rng.randbytes(40_000)] for _ in keys]
+        into = [poisoned(v) for v in values]
+        with StoreClient([node.address], timeout_s=30) as client:
+            assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        cfg = ClientConfig((node.address,), timeout_s=30, max_message_bytes=50_000)  # 1 a call
+        client = AsyncStoreClient(cfg.endpoints, config=cfg)
+        try:
+
+            def arrived(i):
+                first.set()
+
+            got = asyncio.run(client.get_many(keys, into=into, on_arrival=arrived))
+            assert got == [True] * len(keys) and client.counters["shm_hits"] == len(keys)
+        finally:
+            client.close()
+        assert [[bytes(f) for f in v] for v in into] == values
+    finally:
+        node.stop()
 
 
 # ---- PUTs written straight into the segment (RESERVE, copy, COMMIT) ------------------------

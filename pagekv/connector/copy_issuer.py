@@ -12,8 +12,9 @@ Rules:
   ready events, the engine's writes to the slots). Nothing enqueued on that stream after the
   call is ordered after the copies: consumers order themselves on the job's completions.
 * The issuer's thread runs jobs in submission order on the issuer's own stream: it waits on the
-  job's fork event, enqueues each of the job's transfers (each falls back to the kernel, once
-  logged, where the driver refuses batched copies) and records one event after each.
+  job's fork event and runs the job, which enqueues its transfers (a layer-by-layer load is one
+  job: one library call, :func:`pagekv.kernels.transfer_layers`; what the driver refuses falls
+  back to the kernel, once logged) with one event recorded after each.
 * A :class:`Completion` stands for one transfer's event, with the part of ``torch.cuda.Event``
   its consumers use: ``wait(stream)`` (what ``stream.wait_event`` calls) blocks the host only
   until the transfer is *enqueued*, then makes the stream wait on the GPU; ``query()`` is False
@@ -21,9 +22,9 @@ Rules:
 * Ownership: a job holds its CPU page ids and slots, the host buffer and the device cache until
   its transfers are enqueued; whoever holds the host pages and slots keeps them until the
   completion completes (the rule for an event).
-* A transfer that raises (no kernel left to fall back to: a broken CUDA context) fails its
-  completion: ``wait``, ``query`` and ``synchronize`` raise :class:`CopyFailed`, so nothing reads
-  or publishes the bytes it did not copy. The thread goes on with the next transfer.
+* A job that raises (no kernel left to fall back to: a broken CUDA context) fails its
+  completions: ``wait``, ``query`` and ``synchronize`` raise :class:`CopyFailed`, so nothing
+  reads or publishes the bytes it did not copy. The thread goes on with the next job.
 * :meth:`close` runs the queued jobs, waits for their copies and stops the thread.
 """
 
@@ -84,7 +85,9 @@ class Completion:
         self._wait_enqueued().synchronize()
 
 
-Transfer = Callable[[], str]  # enqueues one transfer on the current stream; returns its backend
+# Enqueues its transfers on the current stream (the issuer's), a CUDA event recorded after
+# each; returns the backend it used and the events.
+Job = Callable[[], tuple[str, list[torch.cuda.Event]]]
 
 
 class CopyIssuer:
@@ -99,12 +102,12 @@ class CopyIssuer:
         self._closed = False
         self.counters = {"jobs": 0, "transfers": 0, "failed": 0, "kernel_fallbacks": 0}
 
-    def submit(self, transfers: Sequence[Transfer]) -> list[Completion]:
-        """Queue ``transfers`` after the current stream's enqueued work; one completion each.
-        Raises ``RuntimeError`` once closed."""
+    def submit(self, job: Job, transfers: int) -> list[Completion]:
+        """Queue ``job`` (``transfers`` transfers, one event each) after the current stream's
+        enqueued work; one completion per transfer. Raises ``RuntimeError`` once closed."""
         fork = torch.cuda.Event()
         fork.record(torch.cuda.current_stream(self.device))
-        done = [Completion() for _ in transfers]
+        done = [Completion() for _ in range(transfers)]
         with self._lock:
             if self._closed:
                 raise RuntimeError("the copy issuer is closed")
@@ -114,7 +117,7 @@ class CopyIssuer:
                                                 daemon=True)  # fmt: skip
                 self._thread.start()
             self.counters["jobs"] += 1
-            self._queue.put((fork, list(transfers), done))
+            self._queue.put((fork, job, done))
         return done
 
     def close(self) -> None:
@@ -133,25 +136,26 @@ class CopyIssuer:
     def _run(self) -> None:
         stream = self._stream
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            while (job := self._queue.get()) is not None:
-                fork, transfers, done = job
+            while (item := self._queue.get()) is not None:
+                fork, job, done = item
                 stream.wait_event(fork)
-                for transfer, completion in zip(transfers, done):
-                    self._one(stream, transfer, completion)
+                self._one(job, done)
 
-    def _one(self, stream: torch.cuda.Stream, transfer: Transfer, completion: Completion) -> None:
+    def _one(self, job: Job, done: list[Completion]) -> None:
         try:
-            backend = transfer()
-            event = torch.cuda.Event()
-            event.record(stream)
-        except Exception as e:  # the completion carries it to every consumer
-            self.counters["failed"] += 1
+            backend, events = job()
+            if len(events) != len(done):
+                raise RuntimeError(f"a job recorded {len(events)} events for {len(done)} transfers")
+        except Exception as e:  # the completions carry it to every consumer
+            self.counters["failed"] += len(done)
             log.error("pagekv: a copy-engine transfer failed: %r", e)
-            completion._set(None, e)
+            for completion in done:
+                completion._set(None, e)
             return
-        self.counters["transfers"] += 1
-        self.counters["kernel_fallbacks"] += backend != "copy_engine"
-        completion._set(event)
+        self.counters["transfers"] += len(done)
+        self.counters["kernel_fallbacks"] += len(done) * (backend != "copy_engine")
+        for completion, event in zip(done, events):
+            completion._set(event)
 
 
 class AllOf:

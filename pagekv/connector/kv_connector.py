@@ -147,6 +147,8 @@ class KVConnector:
         self._staging = IndexStaging() if cuda else None  # the only page-locked allocation
         # enqueues the copy-engine transfers of load_async, streaming loads and saves
         self._issuer = CopyIssuer(self.kv.device) if cuda else None
+        if cuda and load_library() is not None:
+            self.kv.pointer_table(self.kv.device)  # made here (a sync), not by the first kernel
         self._closed = False
         # host <-> device copies (load, load_async, save) by the backend they used
         self.transfer_backends: collections.Counter[str] = collections.Counter()

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from pagekv.kernels import DeviceKV, choose_backend, copy_engine, load, save
+from pagekv.kernels import DeviceKV, choose_backend, copy_engine, transfer_layers
 
 from .copy_issuer import CopyIssuer
 from .staging import IndexStaging
@@ -104,26 +104,10 @@ def launch(
     stopped using the copy engine, such a transfer runs here and takes the kernel.)"""
     idx = transfer_indices(load_, kv, page_ids, slots, staging, layer=layers[0],
                            deferred=issuer is not None)  # fmt: skip
-    if (
-        idx.backend == "copy_engine"
-        and issuer is not None
-        and copy_engine.supported(kv.device.index or 0)
-    ):
-        one = functools.partial(_transfer, load_, kv, host, idx)
-        return Launched("copy_engine", issuer.submit([functools.partial(one, layer)
-                                                      for layer in layers]), idx)  # fmt: skip
-    stream = torch.cuda.current_stream(kv.device)
-    backend, events = "none", []
-    for layer in layers:
-        backend = _transfer(load_, kv, host, idx, layer)
-        event = torch.cuda.Event()
-        event.record(stream)
-        events.append(event)
+    job = functools.partial(transfer_layers, load_, host, idx.ids, kv, idx.slots, list(layers),
+                            backend=idx.backend)  # fmt: skip
+    deferred = issuer is not None and copy_engine.supported(kv.device.index or 0)
+    if idx.backend == "copy_engine" and deferred:
+        return Launched("copy_engine", issuer.submit(job, len(layers)), idx)
+    backend, events = job()
     return Launched(backend, events, idx)
-
-
-def _transfer(load_: bool, kv: DeviceKV, host: torch.Tensor, idx: Indices, layer: int | None):
-    if load_:
-        return load(host, idx.ids, kv, idx.slots, layer=layer, backend=idx.backend,
-                    validate=False)  # fmt: skip
-    return save(kv, idx.slots, host, idx.ids, layer=layer, backend=idx.backend, validate=False)

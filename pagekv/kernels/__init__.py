@@ -14,7 +14,15 @@ from .copy_table import calibrate
 from .fused_store import store_kv
 from .jit import KernelsUnavailable, kernels_unavailable_reason
 from .layout import DeviceKV
-from .ops import DIRECT_MIN_RUN_BYTES, Backend, choose_backend, copy_slots, load, save
+from .ops import (
+    DIRECT_MIN_RUN_BYTES,
+    Backend,
+    choose_backend,
+    copy_slots,
+    load,
+    save,
+    transfer_layers,
+)
 from .reference import copy_slots_ref, load_ref, save_ref, store_kv_ref
 
 __all__ = [
@@ -33,4 +41,5 @@ __all__ = [
     "save_ref",
     "store_kv",
     "store_kv_ref",
+    "transfer_layers",
 ]

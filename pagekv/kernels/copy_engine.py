@@ -36,7 +36,14 @@ import torch
 
 from .layout import DeviceKV, mean_run_bytes
 
-__all__ = ["LANES", "disabled_reason", "page_transfer", "run_bytes", "supported"]
+__all__ = [
+    "LANES",
+    "disabled_reason",
+    "page_transfer",
+    "page_transfer_layers",
+    "run_bytes",
+    "supported",
+]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +132,41 @@ def page_transfer(
     fail(device, f"copy-engine {'load' if load else 'save'} failed with cudaError {err} "
                  f"({stats[0]} copies sent of {ids.numel()} pages)")  # fmt: skip
     return False
+
+
+def page_transfer_layers(
+    lib: ctypes.CDLL,
+    load: bool,
+    host: torch.Tensor,
+    kv: DeviceKV,
+    ids: torch.Tensor,
+    slots: torch.Tensor,
+    layers: list[int | None],
+    events: list[torch.cuda.Event],
+    stream: int,
+) -> int:
+    """:func:`page_transfer` once per entry of ``layers`` (a layer, or None for all), in order,
+    ``events[i]`` recorded on ``stream`` after entry ``i``: all in one library call. Returns how
+    many entries were issued and recorded; fewer than ``len(layers)`` (after one log line for the
+    device) when the driver refused a call: the caller runs the rest on the kernel. The events
+    must exist (torch creates a CUDA event at its first ``record``)."""
+    geo = kv.geometry
+    device = kv.device.index or 0
+    handles = (ctypes.c_void_p * len(events))(*(event.cuda_event for event in events))
+    which = (ctypes.c_int * len(layers))(*(-1 if layer is None else layer for layer in layers))
+    stats, done = (ctypes.c_int64 * 2)(), ctypes.c_int(0)
+    err = lib.pagekv_ce_page_transfer_layers(
+        device, int(load), host.data_ptr(), kv.layer_ptr_array, ids.data_ptr(), slots.data_ptr(),
+        ids.numel(), host.shape[0], kv.num_slots, geo.page_bytes, kv.slot_stride_bytes,
+        geo.item_bytes, geo.page_size, geo.num_kv, geo.num_layers, which, len(layers), handles,
+        FLAGS, LANES, MAX_OPS, stream, stats, ctypes.byref(done),
+    )  # fmt: skip
+    global last_stats
+    last_stats = (stats[0], stats[1])
+    if err != 0:
+        fail(device, f"copy-engine {'load' if load else 'save'} failed with cudaError {err} "
+                     f"({stats[0]} copies sent of {ids.numel()} pages)")  # fmt: skip
+    return done.value
 
 
 def fail(device: int, why: str) -> None:

@@ -153,6 +153,12 @@ _SIGNATURES["pagekv_ce_page_transfer"] = (
     ctypes.c_int,
 )
 
+_SIGNATURES["pagekv_ce_page_transfer_layers"] = (
+    [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 4 + [_P, _I, _P, _I, _I, _L, _P]
+    + [ctypes.POINTER(_L), ctypes.POINTER(_I)],
+    ctypes.c_int,
+)  # fmt: skip
+
 
 class StoreKVPlan(ctypes.Structure):
     """Mirror of ``StoreKVPlan`` in csrc/pagekv_kernels.cu (all int64: no padding to match)."""

@@ -4,6 +4,7 @@ come after the caller's stream's earlier work; consumers that wait on its comple
 byte (destinations poisoned first, compared with the bytes saved); a transfer that raises fails
 its completion and not the next one; close() drains."""
 
+import logging
 import threading
 
 import pytest
@@ -14,10 +15,10 @@ from pagekv.connector.copy_issuer import CopyFailed, CopyIssuer
 from pagekv.connector.host_pool import HostPagePool
 from pagekv.connector.staging import IndexStaging
 from pagekv.connector.transfer_indices import launch
-from pagekv.kernels import DeviceKV, copy_engine, save
+from pagekv.kernels import DeviceKV, copy_engine, jit, load_ref, save, save_ref, transfer_layers
 from pagekv.store.launch import NodeProcess
 from tests.gpu.test_kernels_gpu import device_caches, geometry
-from tests.helpers import bits_equal, poison_
+from tests.helpers import bits_equal, poison_, random_tensor
 
 pytestmark = pytest.mark.cuda
 DEV = torch.device("cuda", 0)
@@ -39,8 +40,16 @@ def setup(n_pages=8, page_size=16):
     return geo, caches, kv, pool, a.view(n_pages, page_size), b.view(n_pages, page_size)
 
 
+def recorded(n=1):
+    """A job of ``n`` empty transfers: ``n`` events recorded on the issuer's stream."""
+    events = [torch.cuda.Event() for _ in range(n)]
+    for event in events:
+        event.record()
+    return "copy_engine", events
+
+
 class Gate:
-    """A transfer that holds the issuer's thread until opened."""
+    """A job that holds the issuer's thread until opened."""
 
     def __init__(self):
         self.entered, self.opened = threading.Event(), threading.Event()
@@ -48,7 +57,7 @@ class Gate:
     def __call__(self):
         self.entered.set()
         assert self.opened.wait(30)
-        return "copy_engine"
+        return recorded()
 
 
 def test_the_caller_returns_before_its_copies_are_enqueued_and_waiters_see_every_byte(
@@ -64,7 +73,7 @@ def test_the_caller_returns_before_its_copies_are_enqueued_and_waiters_see_every
     issuer = CopyIssuer(DEV)
     try:
         gate = Gate()
-        issuer.submit([gate])
+        issuer.submit(gate, 1)
         assert gate.entered.wait(30)
         out = launch(True, kv, pool.buffer, list(range(8)), b, IndexStaging(1 << 16), issuer,
                      layers=range(geo.num_layers))  # fmt: skip
@@ -125,24 +134,30 @@ def test_a_transfer_that_raises_fails_its_completion_not_the_next():
         def broken():
             raise RuntimeError("cudaErrorLaunchFailure (a stand-in)")
 
-        first = issuer.submit([broken, lambda: "copy_engine"])
-        with pytest.raises(CopyFailed, match="stand-in"):
-            first[0].wait()
-        with pytest.raises(CopyFailed):
-            first[0].query()
-        first[1].synchronize()
-        assert first[1].query()
-        assert issuer.counters["failed"] == 1 and issuer.counters["transfers"] == 1
+        first = issuer.submit(broken, 2)
+        second = issuer.submit(lambda: recorded(2), 2)
+        short = issuer.submit(lambda: recorded(1), 2)  # a job that records too few events
+        for failed in first:
+            with pytest.raises(CopyFailed, match="stand-in"):
+                failed.wait()
+            with pytest.raises(CopyFailed):
+                failed.query()
+        for ok in second:
+            ok.synchronize()
+            assert ok.query()
+        with pytest.raises(CopyFailed, match="1 events for 2"):
+            short[1].synchronize()
+        assert issuer.counters["failed"] == 4 and issuer.counters["transfers"] == 2
     finally:
         issuer.close()
     with pytest.raises(RuntimeError, match="closed"):
-        issuer.submit([lambda: "copy_engine"])
+        issuer.submit(recorded, 1)
 
 
 def test_close_drains_what_was_queued():
     issuer = CopyIssuer(DEV)
     gate = Gate()
-    done = issuer.submit([gate, lambda: "copy_engine"])
+    done = [*issuer.submit(gate, 1), *issuer.submit(recorded, 1)]
     assert gate.entered.wait(30)
     closer = threading.Thread(target=issuer.close)
     closer.start()
@@ -199,3 +214,55 @@ def test_connector_layerwise_streaming_and_saves_through_the_issuer(node, monkey
         assert issued["kernel_fallbacks"] == 0
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize("backend", ["copy_engine", "kernel"])
+@pytest.mark.parametrize("layers", [[None], [0, 1, 2, 3], [2, 0]], ids=["all", "each", "some"])
+@pytest.mark.parametrize("direction", ["load", "save"])
+def test_transfer_layers_matches_the_reference(backend, layers, direction):
+    if backend == "copy_engine":
+        require_copy_engine()
+    geo, caches, kv, pool, a, _ = setup()
+    ids = torch.randperm(8)
+    pool.buffer.copy_(random_tensor(pool.buffer.shape, geo.dtype))
+    if direction == "load":
+        for t in caches:
+            poison_(t)
+        want = [t.clone() for t in caches]
+        for layer in layers:
+            load_ref(pool.buffer, ids, DeviceKV.from_caches(geo, *want), a, layer=layer)
+    else:
+        poison_(pool.buffer)
+        want = pool.buffer.clone()
+        for layer in layers:
+            save_ref(kv, a, want, ids, layer=layer)
+    used, events = transfer_layers(direction == "load", pool.buffer, ids, kv, a, layers,
+                                   backend=backend)  # fmt: skip
+    assert used == backend and len(events) == len(layers)
+    events[-1].synchronize()
+    if direction == "load":
+        assert all(bits_equal(t, w) for t, w in zip(caches, want))
+    else:
+        assert bits_equal(pool.buffer, want)
+
+
+def test_transfer_layers_refused_by_the_driver_runs_on_the_kernel(monkeypatch, caplog):
+    require_copy_engine()
+    lib = jit.load_library()
+    monkeypatch.setattr(copy_engine, "_failed", {})
+    calls = []
+    monkeypatch.setattr(lib, "pagekv_ce_page_transfer_layers", lambda *a: calls.append(a) or 1)
+    geo, caches, kv, pool, a, _ = setup()
+    pool.buffer.copy_(random_tensor(pool.buffer.shape, geo.dtype))
+    for t in caches:
+        poison_(t)
+    want = [t.clone() for t in caches]
+    load_ref(pool.buffer, torch.arange(8), DeviceKV.from_caches(geo, *want), a)
+    with caplog.at_level(logging.WARNING, logger="pagekv.kernels.copy_engine"):
+        every = list(range(geo.num_layers))
+        used, events = transfer_layers(True, pool.buffer, list(range(8)), kv, a, every,
+                                       backend="copy_engine")  # fmt: skip
+    events[-1].synchronize()
+    assert used == "kernel" and len(calls) == 1 and not copy_engine.supported(0)
+    assert len([r for r in caplog.records if "copy-engine" in r.getMessage()]) == 1
+    assert all(bits_equal(t, w) for t, w in zip(caches, want))

@@ -16,19 +16,20 @@ node failure (the node is PINGed again before its next use). A value the LOCATE 
 disk tier holds more of the call's values than it brings into memory at once) is ``DEFERRED``
 in the GET reply: asked for again, as a GET's deferred values are.
 
-Copies run in chunks of whole calls, taken in the order of their first key across all the
-nodes of a batch (the leading values come first from three nodes as from one), ``PIPELINE``
+Copies start as LOCATEs are answered (a node answers a run's LOCATEs in the order they were
+sent, which is key order), in chunks of whole calls of about ``CHUNK_BYTES``, ``PIPELINE``
 chunks at once: each chunk one call of the native checked copy on ``workers // PIPELINE``
 threads (or, without it, numpy copies on a small pool), on driver threads, so that while the
-loop hands one chunk's values on the next ones are being copied. A call's reply is handed on
-(``prepare``, ``on_reply``) once its chunk is copied; the run is not over until every copy it
-started is (they write into the caller's buffers).
+loop takes the next LOCATE replies and hands one chunk's values on, the next ones are being
+copied. A call's reply is handed on (``prepare``, ``on_reply``) once its chunk is copied; the
+run is not over until every copy it started is (they write into the caller's buffers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import mmap
 import os
 import weakref
@@ -170,55 +171,115 @@ class ShmTransport(Transport):
         return {rid: result for part in parts for rid, result in part.items()}
 
     async def _gets(self, calls: list[Call]) -> Results:
+        """LOCATE every call over ZeroMQ; copy the calls' values as their LOCATEs are answered,
+        in the order of each call's first key across the nodes (the leading values come first
+        from three nodes as from one), in chunks (see the module docstring). A call whose
+        LOCATE failed or made no sense is a failed call (None)."""
         results: Results = {}
+        located: asyncio.Queue[_Plan | None] = asyncio.Queue()
+        order = sorted(range(len(calls)), key=lambda k: calls[k].idxs[0] if calls[k].idxs else 0)
+        rank = {k: r for r, k in enumerate(order)}
+        answers: list[_Plan | bool | None] = [False] * len(calls)  # False: not answered yet
+        ready = 0  # answers[order[:ready]] have gone to ``located``
+
+        def release() -> None:
+            nonlocal ready
+            while ready < len(order) and answers[order[ready]] is not False:
+                plan = answers[order[ready]]
+                if plan is None:
+                    results[calls[order[ready]].request.id] = None
+                else:
+                    located.put_nowait(plan)
+                ready += 1
+
+        def answered(k: int, reply: Reply, frames: list[Any]) -> None:
+            answers[k] = self._plan(calls[k], (reply, frames))
+            if rank[k] == ready:
+                release()
+
+        def over(_: asyncio.Future) -> None:  # the LOCATEs not answered failed
+            for k in range(len(calls)):
+                if answers[k] is False:
+                    answers[k] = None
+            release()
+            located.put_nowait(None)
+
         locates = [Call(c.node, Request(Op.LOCATE, self.router.next_id(), c.request.keys), [],
-                        c.idxs, answer_s=c.answer_s) for c in calls]  # fmt: skip
-        located = await self.zmq.run(locates)
-        plans = []
-        for call, locate in zip(calls, locates):
-            plan = self._plan(call, located.get(locate.request.id))
-            if plan is None:
-                results[call.request.id] = None
-            else:
-                plans.append(plan)
-        plans.sort(key=lambda plan: plan.first)  # key order across the nodes
-        chunks = _in_chunks(plans, CHUNK_BYTES)
-        total = sum(sum(job.sizes) for plan in plans for job in plan.jobs)
-        if total < PARALLEL_BYTES or self.workers < 2:
-            for chunk in chunks:
-                self._copy([job for plan in chunk for job in plan.jobs])
-                self._hand_on(chunk, results)
-            return results
-        await self._pipelined(chunks, results)
+                        c.idxs, answer_s=c.answer_s, on_reply=functools.partial(answered, k))
+                   for k, c in enumerate(calls)]  # fmt: skip
+        locating = asyncio.ensure_future(self.zmq.run(locates))
+        locating.add_done_callback(over)
+        try:
+            await self._copy_as_located(located, results)
+        finally:
+            if not locating.done():
+                locating.cancel()
+        await locating  # its failures were handled in over(); a raise goes to the caller
         return results
 
-    async def _pipelined(self, chunks: list[list[_Plan]], results: Results) -> None:
-        """Copy the chunks ``PIPELINE`` at a time on the driver threads; hand each chunk's
-        replies on in order while the next ones are copied."""
+    async def _copy_as_located(
+        self, located: asyncio.Queue[_Plan | None], results: Results
+    ) -> None:
+        """Take the plans as their LOCATEs are answered (None: no more) into chunks of about
+        ``CHUNK_BYTES``; copy each on a driver thread, ``PIPELINE`` at a time (a chunk under
+        ``PARALLEL_BYTES`` with nothing else in flight, or without threads to spare, on the
+        loop's thread), and hand each chunk's replies on in order."""
         loop = asyncio.get_running_loop()
-        if self._driver is None:
-            self._driver = ThreadPoolExecutor(PIPELINE, thread_name_prefix="pagekv-shm-driver")
-            weakref.finalize(self, self._driver.shutdown, wait=False)
-            self._slots = asyncio.Semaphore(PIPELINE)
+        started: asyncio.Queue[tuple[list[_Plan], concurrent.futures.Future | None] | None]
+        started = asyncio.Queue()
         futures: list[concurrent.futures.Future] = []
 
-        async def start(chunk: list[_Plan]) -> None:
-            await self._slots.acquire()
-            jobs = [job for plan in chunk for job in plan.jobs]
-            fut = self._driver.submit(self._copy, jobs)
-            fut.add_done_callback(lambda _f: loop.call_soon_threadsafe(self._slots.release))
-            futures.append(fut)
+        async def start_chunks() -> None:
+            chunk: list[_Plan] = []
+            nbytes, more = 0, True
+            while more:
+                plan = await located.get()
+                more = plan is not None
+                if plan is not None:
+                    chunk.append(plan)
+                    nbytes += sum(sum(job.sizes) for job in plan.jobs)
+                if chunk and (nbytes >= CHUNK_BYTES or not more):
+                    started.put_nowait((chunk, await self._start(chunk, nbytes, futures, loop)))
+                    chunk, nbytes = [], 0
+            started.put_nowait(None)
+
+        async def hand_on() -> None:
+            while (item := await started.get()) is not None:
+                chunk, future = item
+                if future is not None:
+                    await asyncio.wrap_future(future)
+                self._hand_on(chunk, results)
 
         try:
-            for k, chunk in enumerate(chunks):
-                while len(futures) < min(len(chunks), k + PIPELINE):
-                    await start(chunks[len(futures)])
-                await asyncio.wrap_future(futures[k])
-                self._hand_on(chunk, results)
+            await gather_all([start_chunks(), hand_on()])
         finally:  # never return while a copy still writes into the caller's buffers
             running = [fut for fut in futures if not fut.done()]
             if running:
                 concurrent.futures.wait(running)
+
+    async def _start(
+        self,
+        chunk: list[_Plan],
+        nbytes: int,
+        futures: list[concurrent.futures.Future],
+        loop: asyncio.AbstractEventLoop,
+    ) -> concurrent.futures.Future | None:
+        """Start ``chunk``'s copy on a driver thread once one of the ``PIPELINE`` slots is
+        free; None when it was copied here instead (small, or no threads to spare)."""
+        jobs = [job for plan in chunk for job in plan.jobs]
+        idle = all(fut.done() for fut in futures)
+        if self.workers < 2 or (nbytes < PARALLEL_BYTES and idle):
+            self._copy(jobs)
+            return None
+        if self._driver is None:
+            self._driver = ThreadPoolExecutor(PIPELINE, thread_name_prefix="pagekv-shm-driver")
+            weakref.finalize(self, self._driver.shutdown, wait=False)
+            self._slots = asyncio.Semaphore(PIPELINE)
+        await self._slots.acquire()
+        future = self._driver.submit(self._copy, jobs)
+        future.add_done_callback(lambda _f: loop.call_soon_threadsafe(self._slots.release))
+        futures.append(future)
+        return future
 
     async def _puts(self, calls: list[Call]) -> Results:
         """PUT calls written straight into the segments: a RESERVE of each call's values over
@@ -473,19 +534,6 @@ def _copy_one(job: _Job, plan: tuple[list[Any], int, int]) -> None:
     sources, first, last = plan
     job.digest = copy_checksum(job.targets, sources)  # each chunk hashed as it lands
     job.why = _verify(job, first, last)
-
-
-def _in_chunks(plans: list[_Plan], chunk_bytes: int) -> list[list[_Plan]]:
-    """Consecutive runs of calls of about ``chunk_bytes`` each (at least one call a run)."""
-    chunks: list[list[_Plan]] = []
-    nbytes = chunk_bytes
-    for plan in plans:
-        if nbytes >= chunk_bytes:
-            chunks.append([])
-            nbytes = 0
-        chunks[-1].append(plan)
-        nbytes += sum(sum(job.sizes) for job in plan.jobs)
-    return chunks
 
 
 def _map(advert: dict[str, Any]) -> tuple[Mapped | None, str]:
