@@ -11,8 +11,9 @@ One form: on the H200 (docs/benchmarks.md, "copy engine") 1-D copies over 16 str
 ~28 KiB, where 2-D copies (~3 us of engine time each) reached only 0.47-0.88 and the kernel
 0.92. Its host cost grows with the copies: ~0.5 us each, and the call waits for the engines
 once the driver's queue is full, so the calling thread is held for most of a transfer of 32 KiB
-runs; it is therefore never the default, and ``PAGEKV_COPY_BACKEND=auto`` (:mod:`.copy_table`)
-takes it only where its measured host time stays within the kernel's.
+runs: ``auto`` (:mod:`.copy_table`) takes it on the caller's thread only where its measured host
+time stays within the kernel's, and elsewhere only where a thread of the connector's own issues
+it (:mod:`pagekv.connector.copy_issuer`), never for runs under ``ops.COPY_ENGINE_MIN_RUN``.
 
 Availability is found at run time: the library must be built with CUDA >= 12.8 and the driver
 must be >= 12.8 (:func:`supported`). A call the driver refuses is logged once and the device

@@ -8,9 +8,9 @@ sources: ``tests/test_kernels_build.py``), and launches on the stream torch hand
   architecture and CUDA version; a file lock makes concurrent processes build once.
 * ``PAGEKV_KERNELS``: ``auto`` (default: kernels when possible, else torch with one warning),
   ``torch`` (always the reference path), ``cuda`` (kernels or an error saying why not).
-* ``PAGEKV_COPY_BACKEND``: what ``backend="auto"`` transfers use: ``kernel`` (default), or
-  ``auto`` (opt-in: per transfer shape, from the table measured once per device,
-  :mod:`.copy_table`), or always ``copy_engine``, ``direct`` or ``torch``.
+* ``PAGEKV_COPY_BACKEND``: what ``backend="auto"`` transfers use: ``auto`` (the default: per
+  transfer shape, from the table measured once per device, :mod:`.copy_table`), or always
+  ``kernel``, ``copy_engine``, ``direct`` or ``torch``.
 """
 
 from __future__ import annotations

@@ -101,7 +101,8 @@ def test_connector_copy_engine_refused_falls_back_to_the_kernel_with_one_log_lin
     lib = jit.load_library()
     monkeypatch.setattr(copy_engine, "_failed", {})
     calls = []
-    monkeypatch.setattr(lib, "pagekv_ce_page_transfer", lambda *a: calls.append(a) or 1)
+    for name in ("pagekv_ce_page_transfer", "pagekv_ce_page_transfer_layers"):
+        monkeypatch.setattr(lib, name, lambda *a: calls.append(a) or 1)
     geo = geometry(torch.bfloat16, False, 2048, 16)
     with caplog.at_level(logging.WARNING, logger="pagekv.kernels.copy_engine"):
         counts = round_trip(node, geo, "copy_engine", monkeypatch)

@@ -15,7 +15,18 @@ from pagekv.connector.copy_issuer import CopyFailed, CopyIssuer
 from pagekv.connector.host_pool import HostPagePool
 from pagekv.connector.staging import IndexStaging
 from pagekv.connector.transfer_indices import launch
-from pagekv.kernels import DeviceKV, copy_engine, jit, load_ref, save, save_ref, transfer_layers
+from pagekv.kernels import (
+    DeviceKV,
+    calibrate,
+    choose_backend,
+    copy_engine,
+    copy_table,
+    jit,
+    load_ref,
+    save,
+    save_ref,
+    transfer_layers,
+)
 from pagekv.store.launch import NodeProcess
 from tests.gpu.test_kernels_gpu import device_caches, geometry
 from tests.helpers import bits_equal, poison_, random_tensor
@@ -266,3 +277,23 @@ def test_transfer_layers_refused_by_the_driver_runs_on_the_kernel(monkeypatch, c
     assert used == "kernel" and len(calls) == 1 and not copy_engine.supported(0)
     assert len([r for r in caplog.records if "copy-engine" in r.getMessage()]) == 1
     assert all(bits_equal(t, w) for t, w in zip(caches, want))
+
+
+def test_auto_never_gives_the_copy_engine_runs_under_its_floor(monkeypatch):
+    require_copy_engine()
+    monkeypatch.delenv("PAGEKV_COPY_BACKEND", raising=False)  # the default: auto
+    table = calibrate(0)
+    allowed = ["kernel", "direct", "copy_engine"]
+    for page_size, expect_floor in ((16, True), (128, False)):  # 32 KiB and 256 KiB runs
+        geo, _, kv, _, _, _ = setup(n_pages=8, page_size=page_size)
+        a = torch.randperm(8)[:, None] * page_size + torch.arange(page_size)  # whole-page runs
+        run = page_size * geo.item_bytes
+        total = 8 * page_size * geo.num_layers * geo.num_kv * geo.item_bytes
+        for deferred in (False, True):
+            got = choose_backend(True, kv, list(range(8)), a, deferred=deferred)
+            if expect_floor:
+                assert got != "copy_engine"
+            else:
+                want = table.choose(copy_table.Shape(True, True, float(run), total), allowed,
+                                    deferred)  # fmt: skip
+                assert got == want
