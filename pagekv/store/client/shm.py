@@ -93,6 +93,8 @@ class _Job:
     targets: list[Any]
     why: str = ""
     digest: int = 0
+    sources: list[Any] | None = None  # views of the segment, set by _sources
+    granules: tuple[int, int] = (0, 0)  # [first, last) granules the value covers
 
 
 @dataclass
@@ -267,6 +269,8 @@ class ShmTransport(Transport):
         """Start ``chunk``'s copy on a driver thread once one of the ``PIPELINE`` slots is
         free; None when it was copied here instead (small, or no threads to spare)."""
         jobs = [job for plan in chunk for job in plan.jobs]
+        for job in jobs:
+            _sources(job)  # here, on the loop: the copy's thread then needs no GIL
         idle = all(fut.done() for fut in futures)
         if self.workers < 2 or (nbytes < PARALLEL_BYTES and idle):
             self._copy(jobs)
@@ -415,27 +419,29 @@ class ShmTransport(Transport):
         return _Plan(call, reply, jobs)
 
     def _copy(self, jobs: list[_Job]) -> None:
-        """Copy and check ``jobs`` (any thread): each job's ``why`` and ``digest`` are set. A
-        batch worth spreading goes to the native checked copy in one call on its share of the
-        threads (one GIL hand-off for the lot), else job by job (on the pool without it)."""
-        ready = [(job, plan) for job in jobs if not isinstance(plan := _sources(job), str)]
-        nbytes = sum(sum(job.sizes) for job, _ in ready)
+        """Copy ``jobs`` whose sources are set (:func:`_sources`; any thread): each job's
+        ``digest`` is set; :func:`_verify` follows on the loop (:meth:`_hand_on`). A batch worth
+        spreading goes to the native checked copy in one call on its share of the threads (the
+        GIL released for the whole copy: a driver thread runs no other Python that could wait
+        for it), else job by job (on the pool without it)."""
+        ready = [job for job in jobs if job.sources is not None]
+        nbytes = sum(sum(job.sizes) for job in ready)
         lib = native.load()
         if lib is not None and len(ready) > 1 and nbytes >= PARALLEL_BYTES and self.workers > 1:
             threads = min(max(1, self.workers // PIPELINE), native.MAX_THREADS)
-            digests = lib.copy_verify([(job.targets, src) for job, (src, _, _) in ready],
+            digests = lib.copy_verify([(job.targets, job.sources) for job in ready],
                                       threads=threads)  # fmt: skip
-            for (job, (_, first, last)), digest in zip(ready, digests):
-                job.digest, job.why = digest, _verify(job, first, last)
+            for job, digest in zip(ready, digests):
+                job.digest = digest
             return
         if lib is None and len(ready) > 1 and nbytes >= PARALLEL_BYTES and self.workers > 1:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="pagekv-shm")
                 weakref.finalize(self, self._pool.shutdown, wait=False)
-            list(self._pool.map(lambda item: _copy_one(*item), ready))
+            list(self._pool.map(_copy_one, ready))
             return
-        for job, plan in ready:
-            _copy_one(job, plan)
+        for job in ready:
+            _copy_one(job)
 
     def _hand_on(self, chunk: list[_Plan], results: Results) -> None:
         """Each call's reply as a GET reply: the copied values found (frames: their
@@ -452,6 +458,8 @@ class ShmTransport(Transport):
             frames: list[Any] = []
             call.digests = []
             for job in plan.jobs:
+                if not job.why:
+                    job.why = _verify(job)
                 if job.why == "evicted":
                     status[job.k] = int(Status.NOT_FOUND)
                     self.counters["shm_evicted"] += 1
@@ -500,40 +508,40 @@ def _targets(call: Call, k: int, sizes: Sequence[int]) -> list[Any]:
     return [np.empty(n, np.uint8) for n in sizes]
 
 
-def _sources(job: _Job) -> tuple[list[Any], int, int] | str:
-    """The sources of one job's copy (views of the segment) and the granules it covers, or
-    why it is not copied (its ``why`` is set then)."""
+def _sources(job: _Job) -> None:
+    """Set ``job.sources`` (views of the segment) and ``job.granules`` (those the value covers),
+    or ``job.why`` when it is not copied ("size": frames do not match the destination;
+    "bad_reply": outside the segment)."""
     targets = job.call.sinks[job.k] if job.call.sinks is not None else None
     if targets is not None and not all(t is s for t, s in zip(job.targets, targets)):
         job.why = "size"
-        return job.why
+        return
     adv = job.mapped.advert
     total, granule = sum(job.sizes), adv["granule"]
     first, rem = divmod(job.offset - adv["data_offset"], granule)
     last = first + max(1, -(-total // granule))
     if job.offset < adv["data_offset"] or rem or last > adv["granules"]:
         job.why = "bad_reply"
-        return job.why
+        return
     sources, pos = [], job.offset
     for n in job.sizes:
         sources.append(job.mapped.bytes[pos : pos + n])
         if sources[-1].size != n:  # a frame past the file's end: a lying reply
             job.why = "bad_reply"
-            return job.why
+            return
         pos += n
-    return sources, first, last
+    job.sources, job.granules = sources, (first, last)
 
 
-def _verify(job: _Job, first: int, last: int) -> str:
+def _verify(job: _Job) -> str:
     """After the copy (see pagekv.store.node.segment): "" when the granules' generations are
     still the LOCATE's, else "evicted"."""
+    first, last = job.granules
     return "" if (job.mapped.gens[first:last] == job.gen).all() else "evicted"
 
 
-def _copy_one(job: _Job, plan: tuple[list[Any], int, int]) -> None:
-    sources, first, last = plan
-    job.digest = copy_checksum(job.targets, sources)  # each chunk hashed as it lands
-    job.why = _verify(job, first, last)
+def _copy_one(job: _Job) -> None:
+    job.digest = copy_checksum(job.targets, job.sources)  # each chunk hashed as it lands
 
 
 def _map(advert: dict[str, Any]) -> tuple[Mapped | None, str]:
