@@ -246,6 +246,7 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
     def enqueue(how: str, size: int, repeats: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(loads.stream)
+        state["t0"] = time.monotonic()
         if how.startswith("connector"):  # as load_async runs them, on the issuer: the
             # table's choice, or (connector_ce) the copy engine whatever the table says
             n = max(1, size // geo.page_bytes)
@@ -296,8 +297,11 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
             if how.startswith("connector"):
                 out["loads_outlasted_decode"] = not state["last"].query()
                 out["took"] = state["took"]
-                state["last"].wait(loads.stream)  # the decode is over: the host may wait now
+                last = state["last"]
+                last.wait(loads.stream)  # the decode is over: the host may wait now
                 end.record(loads.stream)
+                # when the issuer had enqueued the last layer (host side), from the first call
+                out["issued_ms"] = round((last.enqueued_at - state["t0"]) * 1e3, 1)
             else:
                 out["loads_outlasted_decode"] = not end.query()
             loads.stream.synchronize()

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,15 +51,17 @@ class CopyFailed(RuntimeError):
 class Completion:
     """One queued transfer's completion (see the module docstring)."""
 
-    __slots__ = ("_enqueued", "_error", "_event")
+    __slots__ = ("_enqueued", "_error", "_event", "enqueued_at")
 
     def __init__(self) -> None:
         self._enqueued = threading.Event()
         self._event: torch.cuda.Event | None = None
         self._error: BaseException | None = None
+        self.enqueued_at: float | None = None  # time.monotonic() when it was (diagnostics)
 
     def _set(self, event: torch.cuda.Event | None, error: BaseException | None = None) -> None:
         self._event, self._error = event, error
+        self.enqueued_at = time.monotonic()
         self._enqueued.set()
 
     def _wait_enqueued(self) -> torch.cuda.Event:
