@@ -37,7 +37,7 @@ import torch
 from _bench_util import environment, parse_args, write_result
 
 from pagekv.connector import KVGeometry
-from pagekv.connector.copy_issuer import CopyIssuer
+from pagekv.connector.copy_issuer import Completion, CopyIssuer
 from pagekv.connector.staging import IndexStaging
 from pagekv.connector.transfer_indices import launch
 from pagekv.kernels import DeviceKV, calibrate, copy_engine, load
@@ -300,8 +300,8 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
                 last = state["last"]
                 last.wait(loads.stream)  # the decode is over: the host may wait now
                 end.record(loads.stream)
-                # when the issuer had enqueued the last layer (host side), from the first call
-                out["issued_ms"] = round((last.enqueued_at - state["t0"]) * 1e3, 1)
+                if isinstance(last, Completion):  # when the issuer had enqueued the last
+                    out["issued_ms"] = round((last.enqueued_at - state["t0"]) * 1e3, 1)  # layer
             else:
                 out["loads_outlasted_decode"] = not end.query()
             loads.stream.synchronize()
