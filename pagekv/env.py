@@ -161,7 +161,8 @@ KERNELS = _var("KERNELS", _choice("auto", "torch", "cuda"), "auto",
 COPY_BACKEND = _var("COPY_BACKEND", _choice("auto", "kernel", "copy_engine", "direct", "torch"),
                     "auto", "what GPU transfers with `backend=\"auto\"` use: `auto` (per transfer "
                     "shape, from a table measured once per GPU and cached: the copy engine, which "
-                    "takes no SMs, where it is within 10% of the fastest, else the fastest; a "
+                    "takes no SMs, for runs of at least 64 KiB where it is within 10% of the "
+                    "fastest, else the fastest; a "
                     "backend whose host time per call exceeds the kernel's only where the "
                     "connector's issuer thread enqueues it, never on the caller's thread; the "
                     "kernel for CUDA index tensors and graph capture), or one of `kernel`, "
