@@ -420,7 +420,7 @@ class ShmTransport(Transport):
 
     def _copy(self, jobs: list[_Job]) -> None:
         """Copy ``jobs`` whose sources are set (:func:`_sources`; any thread): each job's
-        ``digest`` is set; :func:`_verify_all` follows on the loop (:meth:`_hand_on`). A batch worth
+        ``digest`` is set; :func:`_verify` follows on the loop (:meth:`_hand_on`). A batch worth
         spreading goes to the native checked copy in one call on its share of the threads (the
         GIL released for the whole copy: a driver thread runs no other Python that could wait
         for it), else job by job (on the pool without it)."""
@@ -447,7 +447,6 @@ class ShmTransport(Transport):
         """Each call's reply as a GET reply: the copied values found (frames: their
         destinations, digests: as they were copied), the evicted ones not; then the call's
         ``prepare`` and ``on_reply`` (the GET's checks and callbacks)."""
-        _verify_all([job for plan in chunk for job in plan.jobs if not job.why])
         for plan in chunk:
             call, located = plan.call, plan.located
             if any(job.why == "bad_reply" for job in plan.jobs):
@@ -459,6 +458,8 @@ class ShmTransport(Transport):
             frames: list[Any] = []
             call.digests = []
             for job in plan.jobs:
+                if not job.why:
+                    job.why = _verify(job)
                 if job.why == "evicted":
                     status[job.k] = int(Status.NOT_FOUND)
                     self.counters["shm_evicted"] += 1
@@ -532,23 +533,11 @@ def _sources(job: _Job) -> None:
     job.sources, job.granules = sources, (first, last)
 
 
-def _verify_all(jobs: list[_Job]) -> None:
-    """After the copies (see pagekv.store.node.segment): each job's ``why`` becomes "evicted"
-    unless its granules' generations are all still the LOCATE's; one numpy pass per mapping (a
-    pass per value cost ~15 us each on the loop, as much as a 64 MiB chunk's copy on 16 cores)."""
-    by_mapping: dict[int, list[_Job]] = {}
-    for job in jobs:
-        by_mapping.setdefault(id(job.mapped), []).append(job)
-    for group in by_mapping.values():
-        firsts = np.fromiter((job.granules[0] for job in group), np.int64, len(group))
-        counts = np.fromiter((job.granules[1] - job.granules[0] for job in group), np.int64,
-                             len(group))  # fmt: skip
-        wanted = np.fromiter((job.gen for job in group), np.uint64, len(group))
-        starts = np.cumsum(counts) - counts
-        granules = np.arange(int(counts.sum())) + np.repeat(firsts - starts, counts)
-        stale = group[0].mapped.gens[granules] != np.repeat(wanted, counts)
-        for job, bad in zip(group, np.add.reduceat(stale, starts)):
-            job.why = "evicted" if bad else ""
+def _verify(job: _Job) -> str:
+    """After the copy (see pagekv.store.node.segment): "" when the granules' generations are
+    still the LOCATE's, else "evicted"."""
+    first, last = job.granules
+    return "" if (job.mapped.gens[first:last] == job.gen).all() else "evicted"
 
 
 def _copy_one(job: _Job) -> None:
