@@ -16,7 +16,6 @@ sources: ``tests/test_kernels_build.py``), and launches on the stream torch hand
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
 import hashlib
 import logging
@@ -24,12 +23,12 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 from pagekv import env
+from pagekv.build_cache import build_once
 from pagekv.errors import KernelsUnavailable
 
 __all__ = [
@@ -102,22 +101,16 @@ def build_library(arch: str, *, nvcc: str | None = None, directory: Path | None 
         raise KernelsUnavailable(
             "nvcc not found (set CUDA_HOME or put nvcc on PATH; install the CUDA toolkit)"
         )
-    directory = directory or cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
     cuda = nvcc_version(nvcc)
-    lib = directory / f"libpagekv_sm{arch}_cu{cuda}_{_source_digest(arch, cuda)}.so"
-    with open(directory / f"{lib.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent processes: one builds, the others wait
-        if lib.exists():
-            return lib
-        with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            out = Path(tmp) / lib.name
-            log.info("pagekv: building CUDA kernels for sm_%s with %s", arch, nvcc)
-            proc = subprocess.run(compile_command(nvcc, arch, out), capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise KernelsUnavailable(f"nvcc failed for sm_{arch}:\n{proc.stderr[-4000:]}")
-            os.replace(out, lib)
-    return lib
+    name = f"libpagekv_sm{arch}_cu{cuda}_{_source_digest(arch, cuda)}.so"
+
+    def build(out: Path) -> None:
+        log.info("pagekv: building CUDA kernels for sm_%s with %s", arch, nvcc)
+        proc = subprocess.run(compile_command(nvcc, arch, out), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise KernelsUnavailable(f"nvcc failed for sm_{arch}:\n{proc.stderr[-4000:]}")
+
+    return build_once((directory or cache_dir()) / name, build)
 
 
 _SIGNATURES = {

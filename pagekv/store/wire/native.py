@@ -25,7 +25,6 @@ socket (see :mod:`.bulk_wire`): one call, the GIL released, each chunk hashed as
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
 import hashlib
 import logging
@@ -33,7 +32,6 @@ import os
 import shlex
 import subprocess
 import sysconfig
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +42,7 @@ except ImportError:  # pragma: no cover - the test environment has numpy
     np = None
 
 from pagekv import env
+from pagekv.build_cache import build_once
 from pagekv.errors import NativeCopyUnavailable
 
 __all__ = ["BLOCK_BYTES", "NativeCopy", "NativeCopyUnavailable", "Piece", "Value",
@@ -148,19 +147,12 @@ def build_library(*, cc: Sequence[str] | None = None, directory: Path | None = N
     cc = tuple(cc) if cc is not None else compiler()
     if not cc:
         raise NativeCopyUnavailable(f"$CC is empty; {_what_to_do()}")
-    directory = directory or cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    lib = directory / library_name(cc)
-    with open(directory / f"{lib.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent processes: one builds, the others wait
-        if lib.exists():
-            return lib
-        with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            out = Path(tmp) / lib.name
-            log.info("pagekv: building the native checked copy with %s", shlex.join(cc))
-            _run([*cc, *CFLAGS, "-o", str(out), str(SOURCE)], "building copy_verify.c")
-            os.replace(out, lib)  # atomic: readers see no library or the whole one
-    return lib
+
+    def build(out: Path) -> None:
+        log.info("pagekv: building the native checked copy with %s", shlex.join(cc))
+        _run([*cc, *CFLAGS, "-o", str(out), str(SOURCE)], "building copy_verify.c")
+
+    return build_once((directory or cache_dir()) / library_name(cc), build)
 
 
 class NativeCopy:
