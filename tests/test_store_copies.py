@@ -14,6 +14,7 @@ import threading
 import numpy as np
 import pytest
 
+from pagekv import build_cache
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
 from pagekv.store.client import operations, zeromq
 from pagekv.store.config import NodeConfig, default_copy_threads
@@ -224,11 +225,15 @@ async def test_a_call_never_returns_while_its_pool_still_copies(node_proc, monke
 
 def test_copies_module_has_no_store_imports():
     """copies is a leaf (config imports it): it must not import the rest of the store, only
-    the native checked copy, itself a leaf (it imports nothing of pagekv but the errors)."""
+    the native checked copy, itself a leaf (it imports nothing of pagekv but the errors and
+    the build-once rule, which imports nothing of pagekv)."""
     source = open(copies.__file__).read().replace("from . import native\n", "", 1)
     assert "from ." not in source and "import pagekv" not in source
     source = open(native.__file__).read().replace("from pagekv.errors import", "", 1)
+    source = source.replace("from pagekv.build_cache import", "", 1)
     assert "from ." not in source and "import pagekv" not in source and "pagekv." not in source
+    source = open(build_cache.__file__).read()
+    assert "from ." not in source and "pagekv" not in source.split('"""')[2]
 
 
 # ---- per-stream ports: each stream served by its own node I/O thread ----------------------
