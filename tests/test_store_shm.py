@@ -131,19 +131,25 @@ def test_next_chunk_is_copied_while_the_last_is_published(node, native_copy, mon
         assert len(copying) >= 3 and overlapped == [True] * (len(copying) - 1)
 
         gate, looked, landed = threading.Event(), threading.Event(), threading.Event()
+        ahead = threading.Event()
         started = []
 
         def held_back(self, jobs):
-            """A copy ahead starts once announcing has failed, and is held until the test has
-            looked (at most 1 s: a client that waits for it, as it must, cannot let the test
-            look first, so the copy goes on when that bound runs out)."""
+            """The first copy waits until a copy ahead has started (copies start as LOCATEs
+            are answered: without this the first chunk could be announced before the second's
+            LOCATE is back, and there would be no copy ahead to check). That copy ahead starts
+            writing once announcing has failed, and is held until the test has looked (at most
+            1 s: a client that waits for it, as it must, cannot let the test look first, so
+            the copy goes on when that bound runs out)."""
             started.append(1)
             if len(started) > 1:
+                ahead.set()
                 assert gate.wait(timeout=10)
                 looked.wait(timeout=1)
                 result = copy(self, jobs)
                 landed.set()
                 return result
+            assert ahead.wait(timeout=10)
             return copy(self, jobs)
 
         def refuse(i):
