@@ -15,7 +15,7 @@ in the same invocation::
 
     VENV=$(bash scripts/engines/setup_vllm.sh)
     $VENV/bin/python scripts/bench_vllm_scheduler.py --baseline /tmp/base \\
-        --out benchmarks/results/bench_vllm_scheduler_<commit>.json
+        --out benchmarks/results/bench_vllm_scheduler.json
 """
 
 from __future__ import annotations
