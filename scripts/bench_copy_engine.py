@@ -156,18 +156,6 @@ def enqueue_probe(raw_host: torch.Tensor) -> list[dict]:
     return rows
 
 
-def host_us(fn: Callable[[], str], reps: int = 20) -> float:
-    """Median host time of one call (the device drained before each)."""
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    torch.cuda.synchronize()
-    return round(statistics.median(times) * 1e6, 1)
-
-
 def case(raw_host, name: str, page: int, layer: int | None, nbytes: int, args) -> dict:
     geo = KVGeometry(page_size=page, **GEOMETRIES[name])
     per_page = geo.page_bytes if layer is None else geo.page_bytes // geo.num_layers
@@ -190,7 +178,7 @@ def case(raw_host, name: str, page: int, layer: int | None, nbytes: int, args) -
             if key.startswith("connector_"):
                 r[f"enqueue_us_{key}"] = submit_us(key.endswith("load"), st, n, layer)
             else:
-                r[f"enqueue_us_{key}"] = host_us(fn, reps=5)
+                r[f"enqueue_us_{key}"] = round(device_ms(fn, reps=5)[0] * 1e3, 1)
     except (AssertionError, RuntimeError) as e:  # recorded, and the table goes on
         r.update(error=str(e)[:300])
         print(f"ce table {r}", flush=True)
