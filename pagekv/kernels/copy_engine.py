@@ -32,6 +32,7 @@ import ctypes
 import functools
 import logging
 import threading
+from typing import Any
 
 import torch
 
@@ -117,22 +118,12 @@ def page_transfer(
     kernel launch there would be. ``ids`` ``[n]`` and ``slots`` ``[n, page_size]`` are CPU int64
     contiguous tensors. Returns False, after one log line for the device, when the driver
     refused the call: nothing of it may be relied on and the caller runs the kernel."""
-    geo = kv.geometry
-    device = kv.device.index or 0
     stats = (ctypes.c_int64 * 2)()
     err = lib.pagekv_ce_page_transfer(
-        device, int(load), host.data_ptr(), kv.layer_ptr_array, ids.data_ptr(), slots.data_ptr(),
-        ids.numel(), host.shape[0], kv.num_slots, geo.page_bytes, kv.slot_stride_bytes,
-        geo.item_bytes, geo.page_size, geo.num_kv, geo.num_layers, layer_begin, layer_count,
-        FLAGS, LANES, MAX_OPS, stream, stats,
+        *_transfer_args(load, host, kv, ids, slots), layer_begin, layer_count, FLAGS, LANES,
+        MAX_OPS, stream, stats,
     )  # fmt: skip
-    global last_stats
-    last_stats = (stats[0], stats[1])
-    if err == 0:
-        return True
-    fail(device, f"copy-engine {'load' if load else 'save'} failed with cudaError {err} "
-                 f"({stats[0]} copies sent of {ids.numel()} pages)")  # fmt: skip
-    return False
+    return _report(err, stats, load, kv, ids)
 
 
 def page_transfer_layers(
@@ -151,23 +142,39 @@ def page_transfer_layers(
     many entries were issued and recorded; fewer than ``len(layers)`` (after one log line for the
     device) when the driver refused a call: the caller runs the rest on the kernel. The events
     must exist (torch creates a CUDA event at its first ``record``)."""
-    geo = kv.geometry
-    device = kv.device.index or 0
     handles = (ctypes.c_void_p * len(events))(*(event.cuda_event for event in events))
     which = (ctypes.c_int * len(layers))(*(-1 if layer is None else layer for layer in layers))
     stats, done = (ctypes.c_int64 * 2)(), ctypes.c_int(0)
     err = lib.pagekv_ce_page_transfer_layers(
-        device, int(load), host.data_ptr(), kv.layer_ptr_array, ids.data_ptr(), slots.data_ptr(),
-        ids.numel(), host.shape[0], kv.num_slots, geo.page_bytes, kv.slot_stride_bytes,
-        geo.item_bytes, geo.page_size, geo.num_kv, geo.num_layers, which, len(layers), handles,
-        FLAGS, LANES, MAX_OPS, stream, stats, ctypes.byref(done),
+        *_transfer_args(load, host, kv, ids, slots), which, len(layers), handles, FLAGS, LANES,
+        MAX_OPS, stream, stats, ctypes.byref(done),
     )  # fmt: skip
+    _report(err, stats, load, kv, ids)
+    return done.value
+
+
+def _transfer_args(
+    load: bool, host: torch.Tensor, kv: DeviceKV, ids: torch.Tensor, slots: torch.Tensor
+) -> tuple[Any, ...]:
+    """The arguments both library entries start with: device, direction, buffers, geometry."""
+    geo = kv.geometry
+    return (kv.device.index or 0, int(load), host.data_ptr(), kv.layer_ptr_array,
+            ids.data_ptr(), slots.data_ptr(), ids.numel(), host.shape[0], kv.num_slots,
+            geo.page_bytes, kv.slot_stride_bytes, geo.item_bytes, geo.page_size, geo.num_kv,
+            geo.num_layers)  # fmt: skip
+
+
+def _report(err: int, stats: Any, load: bool, kv: DeviceKV, ids: torch.Tensor) -> bool:
+    """Keep a call's ``stats`` in :data:`last_stats`; True when it succeeded, else (after
+    :func:`fail`) False."""
     global last_stats
     last_stats = (stats[0], stats[1])
-    if err != 0:
-        fail(device, f"copy-engine {'load' if load else 'save'} failed with cudaError {err} "
-                     f"({stats[0]} copies sent of {ids.numel()} pages)")  # fmt: skip
-    return done.value
+    if err == 0:
+        return True
+    why = (f"copy-engine {'load' if load else 'save'} failed with cudaError {err} "
+           f"({stats[0]} copies sent of {ids.numel()} pages)")  # fmt: skip
+    fail(kv.device.index or 0, why)
+    return False
 
 
 def fail(device: int, why: str) -> None:
