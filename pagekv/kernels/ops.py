@@ -329,13 +329,12 @@ def transfer_layers(
     s = check_slots(slots, ids.numel(), geo.page_size, kv.num_slots, check_values=False)
     if backend == "auto":
         backend = _auto_backend(load, kv, ids, s, layers[0])
-    events = []
-    for _ in layers:
-        events.append(torch.cuda.Event())
-        events[-1].record()  # created now: the library records it again after its entry
+    events = [torch.cuda.Event() for _ in layers]
     done = 0
     index = kv.device.index or 0
     if backend == "copy_engine" and copy_engine.supported(index):
+        for event in events:  # created now: the library records it again after its entry
+            event.record()
         lib = _kernel_lib(backend, True, "")
         ids_h, s_h = _host_indices(ids, s)
         check_host(geo, host)
