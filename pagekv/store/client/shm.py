@@ -105,10 +105,6 @@ class _Plan:
     located: Reply
     jobs: list[_Job]
 
-    @property
-    def first(self) -> int:
-        return self.call.idxs[0] if self.call.idxs else 0
-
 
 class ShmTransport(Transport):
     """GETs of the ``--shm`` nodes of this host that this client took (:meth:`take`); their
@@ -275,12 +271,9 @@ class ShmTransport(Transport):
         if self.workers < 2 or (nbytes < PARALLEL_BYTES and idle):
             self._copy(jobs)
             return None
-        if self._driver is None:
-            self._driver = ThreadPoolExecutor(PIPELINE, thread_name_prefix="pagekv-shm-driver")
-            weakref.finalize(self, self._driver.shutdown, wait=False)
-            self._slots = asyncio.Semaphore(PIPELINE)
+        driver = self._drivers()
         await self._slots.acquire()
-        future = self._driver.submit(self._copy, jobs)
+        future = driver.submit(self._copy, jobs)
         future.add_done_callback(lambda _f: loop.call_soon_threadsafe(self._slots.release))
         futures.append(future)
         return future
@@ -372,11 +365,7 @@ class ShmTransport(Transport):
         nbytes = sum(sum(memoryview(f).nbytes for f in sources) for _, sources in values)
         if nbytes < PARALLEL_BYTES or self.workers < 2:
             return [copy_checksum(targets, sources) for targets, sources in values]
-        if self._driver is None:
-            self._driver = ThreadPoolExecutor(PIPELINE, thread_name_prefix="pagekv-shm-driver")
-            weakref.finalize(self, self._driver.shutdown, wait=False)
-            self._slots = asyncio.Semaphore(PIPELINE)
-        fut = self._driver.submit(self._write_all, values)
+        fut = self._drivers().submit(self._write_all, values)
         try:
             return await asyncio.wrap_future(fut)
         finally:  # never return while a copy still reads the caller's buffers
@@ -387,10 +376,7 @@ class ShmTransport(Transport):
         lib = native.load()
         if lib is not None:
             return lib.copy_verify(values, threads=min(self.workers, native.MAX_THREADS))
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="pagekv-shm")
-            weakref.finalize(self, self._pool.shutdown, wait=False)
-        return list(self._pool.map(lambda value: copy_checksum(*value), values))
+        return list(self._numpy_pool().map(lambda value: copy_checksum(*value), values))
 
     def _plan(self, call: Call, result: Any) -> _Plan | None:
         """The copy jobs of one GET call from its LOCATE's result; None when the LOCATE
@@ -435,13 +421,26 @@ class ShmTransport(Transport):
                 job.digest = digest
             return
         if lib is None and len(ready) > 1 and nbytes >= PARALLEL_BYTES and self.workers > 1:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="pagekv-shm")
-                weakref.finalize(self, self._pool.shutdown, wait=False)
-            list(self._pool.map(_copy_one, ready))
+            list(self._numpy_pool().map(_copy_one, ready))
             return
         for job in ready:
             _copy_one(job)
+
+    def _drivers(self) -> ThreadPoolExecutor:
+        """The threads chunks and PUT batches are copied on (``PIPELINE``), made on first use
+        with the ``_slots`` that bound the chunks in copy at once."""
+        if self._driver is None:
+            self._driver = ThreadPoolExecutor(PIPELINE, thread_name_prefix="pagekv-shm-driver")
+            weakref.finalize(self, self._driver.shutdown, wait=False)
+            self._slots = asyncio.Semaphore(PIPELINE)
+        return self._driver
+
+    def _numpy_pool(self) -> ThreadPoolExecutor:
+        """The threads of numpy copies, without the native checked copy (made on first use)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="pagekv-shm")
+            weakref.finalize(self, self._pool.shutdown, wait=False)
+        return self._pool
 
     def _hand_on(self, chunk: list[_Plan], results: Results) -> None:
         """Each call's reply as a GET reply: the copied values found (frames: their
