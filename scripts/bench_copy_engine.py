@@ -6,12 +6,16 @@ indices), the copy engine (CPU indices) and ``auto`` (``PAGEKV_COPY_BACKEND=auto
 the connector's path, :func:`~pagekv.connector.transfer_indices.transfer_indices` on CPU page
 ids and slots, then the transfer with what it returned) are timed in the same rounds as a
 contiguous pinned copy of the same bytes (the ceiling) and reported as ceiling time / their
-time, with the backend ``auto`` took. ``connector``: the same with an issuer thread
-(:mod:`pagekv.connector.copy_issuer`), as the connector's ``load_async``, streaming loads and
-saves run: the table's choice where the copy engine's host time is not the caller's, each call
-followed by the current stream waiting on its completion. ``enqueue_us_*``: the host time of one
-call, the device idle at its start (what an engine's step thread would wait; for ``connector``
-the call without that wait).
+time, with the backend ``auto`` took; all-layer transfers also the staged backend
+(:mod:`pagekv.kernels.staged`: whole pages by the copy engine through a device ring, CPU
+indices). One-layer rows add ``held_*``: the same ratios with a GPU wait enqueued ahead of each
+timed run, so the device time alone counts (the layers of a layer-by-layer load are enqueued
+together; the plain ratio includes the first call's host time). ``connector``: the same with
+an issuer thread (:mod:`pagekv.connector.copy_issuer`), as the connector's ``load_async``,
+streaming loads and saves run: the table's choice where the copy engine's host time is not the
+caller's, each call followed by the current stream waiting on its completion.
+``enqueue_us_*``: the host time of one call, the device idle at its start (what an engine's
+step thread would wait; for ``connector`` the call without that wait).
 
 The ``enqueue`` section: the copy engine's host time against its copies (Llama-3-8B, 16-token
 pages: 32 KiB runs, 64 copies a page), for 1 and 16 streams, from 16 MiB to 1 GiB: where the
@@ -40,6 +44,7 @@ from pagekv.connector.transfer_indices import launch, transfer_indices
 from pagekv.kernels import calibrate, copy_engine, load, save
 
 BACKENDS = ("kernel", "copy_engine")
+HOLD_CYCLES = 40_000_000  # ~20 ms of torch.cuda._sleep on a ~2 GHz GPU
 
 
 def transfer_fns(st: Setup, n: int, layer: int | None) -> dict[str, Callable[[], str]]:
@@ -48,7 +53,7 @@ def transfer_fns(st: Setup, n: int, layer: int | None) -> dict[str, Callable[[],
     transfers also ``kernelcpu``: the kernel handed CPU indices (uploaded through pinned
     memory)."""
     fns = {}
-    for backend in BACKENDS:
+    for backend in BACKENDS + (("staged",) if layer is None else ()):
         ids, slots = (st.ids, st.slots) if backend == "kernel" else (st.ids_cpu, st.slots_cpu)
         fns[f"{backend}_load"] = _call(load, st.host, ids[:n], st.kv, slots[:n], layer=layer,
                                        backend=backend)  # fmt: skip
@@ -129,6 +134,26 @@ def device_ms(fn: Callable[[], str], reps: int = 3) -> tuple[float, float]:
     return statistics.median(host) * 1e3, statistics.median(total) * 1e3
 
 
+def held_interleaved(fns: dict, reps: int, inner: int = 3) -> dict[str, list[float]]:
+    """:func:`interleaved`'s rounds, each timing ``inner`` back-to-back calls after a ~20 ms
+    GPU wait enqueued ahead of them: the calls are all enqueued before the device reaches the
+    first, so the time is the device's alone (what a layer's transfer costs inside a
+    layer-by-layer load, whose layers are enqueued together), not the host's."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(HOLD_CYCLES)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / inner)
+    return times
+
+
 def enqueue_probe(raw_host: torch.Tensor) -> list[dict]:
     """The copy engine's host time against its copies, for 1 and 16 streams (module doc)."""
     geo = KVGeometry(page_size=16, **GEOMETRIES["llama3-8b"])
@@ -170,10 +195,16 @@ def case(raw_host, name: str, page: int, layer: int | None, nbytes: int, args) -
         for d in ("load", "save"):
             r[f"auto_{d}_backend"] = fns[f"auto_{d}"]()
             r[f"connector_{d}_backend"] = fns[f"connector_{d}"]()
-            if fns[f"copy_engine_{d}"]() != "copy_engine":
-                raise RuntimeError(f"copy engine {d} ran on the kernel: "
-                                   f"{copy_engine.disabled_reason(0)}")  # fmt: skip
+            for backend in ("copy_engine", "staged") if layer is None else ("copy_engine",):
+                if fns[f"{backend}_{d}"]() != backend:
+                    raise RuntimeError(f"{backend} {d} ran on the kernel: "
+                                       f"{copy_engine.disabled_reason(0)}")  # fmt: skip
         t = interleaved({**ceiling_fns(raw_host, moved), **fns}, args.reps)
+        if layer is not None:  # device time alone: the host's enqueue hidden behind a wait
+            held = held_interleaved({**ceiling_fns(raw_host, moved), **fns}, args.reps)
+            for key in fns:
+                ceiling = "ceiling_h2d" if key.endswith("load") else "ceiling_d2h"
+                r[f"held_{key}"] = ratio(held, ceiling, key)
         for key, fn in fns.items():
             if key.startswith("connector_"):
                 r[f"enqueue_us_{key}"] = submit_us(key.endswith("load"), st, n, layer)
@@ -187,7 +218,8 @@ def case(raw_host, name: str, page: int, layer: int | None, nbytes: int, args) -
         r[key] = ratio(t, "ceiling_h2d" if key.endswith("load") else "ceiling_d2h", key)
     r["ceiling_h2d_gbps"] = round(gbps(moved, statistics.median(t["ceiling_h2d"])), 2)
     r["ceiling_d2h_gbps"] = round(gbps(moved, statistics.median(t["ceiling_d2h"])), 2)
-    shown = " ".join(f"{k} {r[k]}" for k in fns)
+    shown = " ".join(f"{k} {r[k]}" + (f" (held {r['held_' + k]})" if layer is not None else "")
+                     for k in fns)  # fmt: skip
     host = " ".join(f"{k} {r['enqueue_us_' + k]}" for k in fns)
     print(f"ce table {name:14s} page {page:4d} layer {layer} {r['mib']} MiB (runs "
           f"{r['run_kib']} KiB): {shown} | auto took {r['auto_load_backend']}/"

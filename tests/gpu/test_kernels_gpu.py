@@ -22,6 +22,7 @@ from pagekv.kernels import (
     load_ref,
     save,
     save_ref,
+    staged,
     store_kv,
     store_kv_ref,
 )
@@ -219,6 +220,145 @@ def test_copy_engine_layouts_bounds_and_stream_order(
         assert got == "copy_engine", lay
         for g_after, g_ref in zip(after, ref.layers):
             assert all(bits_equal(a, b) for a, b in zip(g_after, g_ref)), ("load", layout, lay)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("page_size", [1, 16, 128])
+@pytest.mark.parametrize("item_bytes", [256, 1152, 2048])
+@pytest.mark.parametrize("on_default_stream", [True, False], ids=["default", "side"])
+def test_staged_matches_reference_across_chunks_calls_and_streams(
+    mla, page_size, item_bytes, on_default_stream, monkeypatch
+):
+    """The staged backend against the reference: chunks small enough that the ring's buffers
+    are reused within a call and across calls enqueued back to back; out-of-range pages and
+    (loads) slots skipped; ordered after the stream's earlier work and before its later work."""
+    require_copy_engine()
+    if mla and item_bytes != 1152:
+        pytest.skip("MLA rows are 1152 bytes here")
+    geo = geometry(torch.bfloat16, mla, item_bytes, page_size, num_layers=4)
+    monkeypatch.setattr(staged, "CHUNK_BYTES", 3 * geo.page_bytes)  # 3 pages a chunk
+    n_pages = max(8, 512 // page_size)
+    num_slots = n_pages * page_size + 40
+    pool = HostPagePool(geo, n_pages + 4)
+    ids = torch.randperm(n_pages + 4)[:n_pages]
+    spare = sorted(set(range(n_pages + 4)) - set(ids.tolist()))
+    ids[1], ids[-2] = n_pages + 4 + 7, -3  # out-of-range pages: skipped whole
+    ref_ids = ids.clone()
+    ref_ids[1], ref_ids[-2] = spare[0], spare[1]
+    full = torch.randperm(num_slots)[: n_pages * page_size].view(n_pages, page_size)
+    ref_full = full.clone()
+    ref_full[1], ref_full[-2] = -1, -1
+    stream = torch.cuda.default_stream(DEV) if on_default_stream else torch.cuda.Stream(DEV)
+
+    # saves: two calls back to back into two pools, every slot valid
+    pools = [pool, HostPagePool(geo, n_pages + 4)]
+    fresh = [DeviceKV.from_caches(geo, *device_caches(geo, num_slots)) for _ in pools]
+    want = [poison_(p.buffer.clone()) for p in pools]
+    for w, f in zip(want, fresh):
+        save_ref(f, ref_full, w, ref_ids)
+    src = [DeviceKV.from_caches(geo, *device_caches(geo, num_slots, poisoned=True)) for _ in pools]
+    for p in pools:
+        poison_(p.buffer)
+    torch.cuda.synchronize()  # inputs ready; what follows is ordered by the stream alone
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(2_000_000)  # earlier work: the gathers must wait for it
+        got = []
+        for s_kv, f_kv, p in zip(src, fresh, pools):
+            for a, b in zip(s_kv.layers, f_kv.layers):
+                for x, y in zip(a, b):
+                    x.copy_(y)
+            got.append(save(s_kv, full, p.buffer, ids, backend="staged", validate=False))
+        # read back on the stream: must see the saved pages
+        after = [p.buffer.to(DEV, non_blocking=True) for p in pools]
+    stream.synchronize()
+    assert got == ["staged", "staged"]
+    assert all(bits_equal(a.cpu(), w) for a, w in zip(after, want)), "save"
+
+    # loads: two calls back to back, ~10% of the slots skipped or out of range
+    slots = slot_table(n_pages, page_size, num_slots, torch.int64)
+    every = slots.view(-1)[:: max(3, page_size // 2)]
+    every.copy_(torch.where(every >= 0, every + num_slots, every))
+    ref_slots = slots.clone()
+    ref_slots[ref_slots >= num_slots] = -1
+    ref_slots[1], ref_slots[-2] = -1, -1
+    for p in pools:
+        p.buffer.copy_(random_tensor(p.buffer.shape, geo.dtype))
+    dst = [DeviceKV.from_caches(geo, *device_caches(geo, num_slots, poisoned=True)) for _ in pools]
+    ref = []
+    for p in pools:
+        r = DeviceKV.from_caches(geo, *device_caches(geo, num_slots, poisoned=True))
+        load_ref(p.buffer, ref_ids, r, ref_slots)
+        ref.append(r)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(2_000_000)
+        for d in dst:
+            for g in d.layers:
+                for t in g:
+                    poison_(t)  # runs after the sleep: the loads must come after it
+        got = [load(p.buffer, ids, d, slots, backend="staged", validate=False)
+               for p, d in zip(pools, dst)]  # fmt: skip
+        after = [[[t.clone() for t in g] for g in d.layers] for d in dst]
+    stream.synchronize()
+    assert got == ["staged", "staged"]
+    for a_kv, r_kv in zip(after, ref):
+        for g_after, g_ref in zip(a_kv, r_kv.layers):
+            assert all(bits_equal(a, b) for a, b in zip(g_after, g_ref)), "load"
+
+
+def test_staged_takes_the_kernel_for_skipped_save_tokens_and_one_layer():
+    """A staged save with a skipped token would overwrite that token's host bytes with a whole
+    page: it runs on the kernel, which leaves them as they were; a one-layer transfer too."""
+    require_copy_engine()
+    geo = KVGeometry(3, 16, 2, 128, "bf16")
+    pool = HostPagePool(geo, 6)
+    kv = DeviceKV.from_caches(geo, *device_caches(geo, 100))
+    ids = torch.tensor([4, 0, 2])
+    slots = torch.randperm(100)[:48].view(3, 16)
+    slots[1, 5] = -1
+    want = poison_(pool.buffer.clone())
+    save_ref(kv, slots, want, ids)
+    pool.buffer.copy_(want)
+    assert save(kv, slots, pool.buffer, ids, backend="staged") == "kernel"
+    torch.cuda.synchronize()
+    assert bits_equal(pool.buffer, want)
+    slots[1, 5] = 99
+    save_ref(kv, slots, want, ids, layer=1)
+    assert save(kv, slots, pool.buffer, ids, layer=1, backend="staged") == "kernel"
+    dst = device_caches(geo, 100, poisoned=True)
+    ref = [d.clone() for d in dst]
+    load_ref(pool.buffer, ids, DeviceKV.from_caches(geo, *ref), slots, layer=2)
+    got = load(pool.buffer, ids, DeviceKV.from_caches(geo, *dst), slots, layer=2,
+               backend="staged")  # fmt: skip
+    torch.cuda.synchronize()
+    assert got == "kernel" and bits_equal(pool.buffer, want)
+    assert all(bits_equal(a, b) for a, b in zip(dst, ref))
+
+
+def test_staged_refused_falls_back_to_the_kernel_with_one_log_line(monkeypatch, caplog):
+    require_copy_engine()
+    lib = jit.load_library()
+    monkeypatch.setattr(copy_engine, "_failed", {})
+    calls = []
+    monkeypatch.setattr(lib, "pagekv_ce_pages", lambda *a: calls.append(a) or 1)
+    geo = KVGeometry(3, 16, 2, 128, "bf16")
+    pool = HostPagePool(geo, 6)
+    ids = torch.tensor([4, 0, 2])
+    slots = torch.randperm(100)[:48].view(3, 16)
+    with caplog.at_level(logging.WARNING, logger="pagekv.kernels.copy_engine"):
+        for _ in range(2):
+            pool.buffer.copy_(random_tensor(pool.buffer.shape, geo.dtype))
+            dst = device_caches(geo, 100, poisoned=True)
+            ref = [d.clone() for d in dst]
+            load_ref(pool.buffer, ids, DeviceKV.from_caches(geo, *ref), slots)
+            got = load(pool.buffer, ids, DeviceKV.from_caches(geo, *dst), slots,
+                       backend="staged")  # fmt: skip
+            torch.cuda.synchronize()
+            assert got == "kernel" and all(bits_equal(a, b) for a, b in zip(dst, ref))
+    lines = [r.getMessage() for r in caplog.records if "staged" in r.getMessage()]
+    assert len(calls) == 1 and len(lines) == 1, lines
+    assert "cudaError 1" in lines[0] and "kernel" in lines[0]
+    assert not copy_engine.supported(0)
 
 
 def test_copy_engine_refused_falls_back_to_the_kernel_with_one_log_line(monkeypatch, caplog):
