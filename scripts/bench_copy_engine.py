@@ -10,7 +10,9 @@ time, with the backend ``auto`` took; all-layer transfers also the staged backen
 (:mod:`pagekv.kernels.staged`: whole pages by the copy engine through a device ring, CPU
 indices). One-layer rows add ``held_*``: the same ratios with a GPU wait enqueued ahead of each
 timed run, so the device time alone counts (the layers of a layer-by-layer load are enqueued
-together; the plain ratio includes the first call's host time). ``connector``: the same with
+together; the plain ratio includes the first call's host time), and ``layerwise_load``: a whole
+layer-by-layer load of all layers of the same pages as ``load_async`` runs it, against a
+contiguous copy of its bytes. ``connector``: the same with
 an issuer thread (:mod:`pagekv.connector.copy_issuer`), as the connector's ``load_async``,
 streaming loads and saves run: the table's choice where the copy engine's host time is not the
 caller's, each call followed by the current stream waiting on its completion.
@@ -134,6 +136,31 @@ def device_ms(fn: Callable[[], str], reps: int = 3) -> tuple[float, float]:
     return statistics.median(host) * 1e3, statistics.median(total) * 1e3
 
 
+def layerwise(raw_host: torch.Tensor, st: Setup, n: int, nbytes: int, reps: int) -> dict:
+    """A whole layer-by-layer load of ``n`` pages as ``load_async`` runs it (CPU ids and slots
+    in, the table's choice, one upload for all layers, through the issuer), against a
+    contiguous copy of the same bytes: plain, and held (device time alone)."""
+    page_ids, slots = st.ids_cpu[:n].tolist(), st.slots_cpu[:n]
+    layers = range(st.geo.num_layers)
+    took = []
+
+    def run() -> str:
+        global _issuer, _staging
+        if _issuer is None:
+            _issuer = CopyIssuer(torch.device("cuda", torch.cuda.current_device()))
+            _staging = IndexStaging()
+        out = launch(True, st.kv, st.host, page_ids, slots, _staging, _issuer, layers=layers)
+        out.events[-1].wait()
+        took.append(out.backend)
+        return out.backend
+
+    fns = {"ceiling_lw": ceiling_fns(raw_host, nbytes)["ceiling_h2d"], "layerwise_load": run}
+    plain, held = interleaved(fns, reps), held_interleaved(fns, reps)
+    return {"layerwise_load": ratio(plain, "ceiling_lw", "layerwise_load"),
+            "held_layerwise_load": ratio(held, "ceiling_lw", "layerwise_load"),
+            "layerwise_backend": took[-1], "layerwise_mib": round(nbytes / 2**20, 1)}  # fmt: skip
+
+
 def held_interleaved(fns: dict, reps: int, inner: int = 3) -> dict[str, list[float]]:
     """:func:`interleaved`'s rounds, each timing ``inner`` back-to-back calls after a ~20 ms
     GPU wait enqueued ahead of them: the calls are all enqueued before the device reaches the
@@ -205,6 +232,7 @@ def case(raw_host, name: str, page: int, layer: int | None, nbytes: int, args) -
             for key in fns:
                 ceiling = "ceiling_h2d" if key.endswith("load") else "ceiling_d2h"
                 r[f"held_{key}"] = ratio(held, ceiling, key)
+            r.update(layerwise(raw_host, st, n, moved * geo.num_layers, args.reps))
         for key, fn in fns.items():
             if key.startswith("connector_"):
                 r[f"enqueue_us_{key}"] = submit_us(key.endswith("load"), st, n, layer)
@@ -220,6 +248,9 @@ def case(raw_host, name: str, page: int, layer: int | None, nbytes: int, args) -
     r["ceiling_d2h_gbps"] = round(gbps(moved, statistics.median(t["ceiling_d2h"])), 2)
     shown = " ".join(f"{k} {r[k]}" + (f" (held {r['held_' + k]})" if layer is not None else "")
                      for k in fns)  # fmt: skip
+    if layer is not None:
+        shown += (f" | layer by layer, {r['layerwise_mib']} MiB on {r['layerwise_backend']}: "
+                  f"{r['layerwise_load']} (held {r['held_layerwise_load']})")  # fmt: skip
     host = " ".join(f"{k} {r['enqueue_us_' + k]}" for k in fns)
     print(f"ce table {name:14s} page {page:4d} layer {layer} {r['mib']} MiB (runs "
           f"{r['run_kib']} KiB): {shown} | auto took {r['auto_load_backend']}/"

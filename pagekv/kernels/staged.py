@@ -10,23 +10,27 @@ A host page is contiguous (page-first layout), so moving whole pages takes one c
 only scatters (loads) or gathers (saves) device memory, ~10x faster than the bus: a few thread
 blocks for a small share of the transfer's time instead of the whole of it.
 
-Pipeline, per call, in chunks of at most :data:`CHUNK_BYTES` of pages (a page larger than the
-ring's buffers takes the kernel): a load copies chunk ``c`` into ring buffer ``c % BUFFERS`` on
-the ring's copy stream and scatters it on the caller's stream, so the copy of the next chunk
-overlaps the scatter of this one; a save gathers on the caller's stream and copies out on the
-ring's stream. Every ordering is on the GPU (events), none on the host:
+Pipeline, per call, in chunks of at most :data:`CHUNK_BYTES` of pages: chunk ``c`` uses ring
+buffer ``c % BUFFERS``; its pages are split over the ring's ``LANES`` copy streams, each of
+which carries its share of every chunk back to back (no join between chunks, so the engines
+never wait for a chunk's slowest share). A load copies on the lanes and scatters on the
+caller's stream, so the copies of the next chunk overlap the scatter of this one; a save
+gathers on the caller's stream and copies out on the lanes. Every ordering is on the GPU
+(events), none on the host:
 
-* a load's copies start after the caller's stream's earlier work (the copy stream waits on it);
-  a save's copies to the host pages complete before the caller's stream's later work (it waits
-  on the copy stream at the end): the call is ordered on the caller's stream like a kernel;
-* a buffer is refilled only after the last reader of its previous contents has run (an event
-  recorded after each scatter, or each copy out), whichever call and stream that was.
+* a load's copies start after the caller's stream's earlier work (each lane waits on it); a
+  save's copies to the host pages complete before the caller's stream's later work (it waits on
+  each lane at the end): the call is ordered on the caller's stream like a kernel;
+* a buffer is overwritten only after every earlier user of it has run (events recorded after
+  each scatter or gather on the caller's stream and after each lane's copies), whichever call,
+  direction and stream that was.
 
 Ownership: page ids and slots are CPU tensors read during the call (the slots are uploaded on
 the caller's stream); the caller keeps the host pages valid until an event recorded on its
-stream after the call completes, as for a kernel launch. The ring (``BUFFERS`` x
-``CHUNK_BYTES`` of device memory per device, allocated at its first use) and its copy stream
-belong to this module; one lock per device orders the calls that use it.
+stream after the call completes, as for a kernel launch. The ring (``BUFFERS`` buffers of
+``max(CHUNK_BYTES, page bytes)`` of device memory per device, sized and allocated at its first
+use: 32 MiB for pages up to 16 MiB) and its streams belong to this module; one lock per device
+orders the calls that use it. A later geometry whose page does not fit takes the kernel.
 
 Bounds: a page id out of range skips its page. A load skips tokens whose slot is out of range
 (the kernel's rule). A save with any token skipped takes the kernel instead (:func:`page_transfer`
@@ -61,18 +65,21 @@ Kernel = Callable[[bool, int, int, torch.Tensor, torch.Tensor], int]
 
 
 class _Ring:
-    """One device's staging buffers, copy stream and the events that order their reuse."""
+    """One device's staging buffers, copy streams and the events that order their reuse."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, nbytes: int) -> None:
         self.device = device
+        self.nbytes = nbytes
         self.lock = threading.Lock()
-        self.stream = torch.cuda.Stream(device)
-        self.nbytes = CHUNK_BYTES
-        with torch.cuda.stream(self.stream):
-            self.buffers = [torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self.lanes = [torch.cuda.Stream(device) for _ in range(LANES)]
+        with torch.cuda.stream(self.lanes[0]):
+            self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device)
                             for _ in range(BUFFERS)]  # fmt: skip
-        self.filled = [torch.cuda.Event() for _ in range(BUFFERS)]
-        self.free = [torch.cuda.Event() for _ in range(BUFFERS)]
+        # per buffer: after the scatter or gather on the caller's stream (one), and after each
+        # lane's copies (one per lane)
+        self.on_caller = [torch.cuda.Event() for _ in range(BUFFERS)]
+        self.on_lane = [[torch.cuda.Event() for _ in range(LANES)] for _ in range(BUFFERS)]
+        self.saved = [False] * BUFFERS  # whether a save used the buffer last
         self.turn = 0
         self._aranges: dict[int, torch.Tensor] = {}
 
@@ -81,9 +88,9 @@ class _Ring:
         streams read it."""
         t = self._aranges.get(n)
         if t is None:
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(self.lanes[0]):
                 t = self._aranges[n] = torch.arange(n, dtype=torch.int64, device=self.device)
-            self.stream.synchronize()  # once per page count per process
+            self.lanes[0].synchronize()  # once per page count per process
         return t
 
 
@@ -91,12 +98,13 @@ _rings: dict[int, _Ring] = {}
 _rings_lock = threading.Lock()
 
 
-def _ring(device: torch.device) -> _Ring:
+def _ring(device: torch.device, page_bytes: int) -> _Ring:
     index = device.index or 0
     with _rings_lock:
         ring = _rings.get(index)
         if ring is None:
-            ring = _rings[index] = _Ring(torch.device("cuda", index))
+            ring = _Ring(torch.device("cuda", index), max(CHUNK_BYTES, page_bytes))
+            _rings[index] = ring
         return ring
 
 
@@ -122,8 +130,8 @@ def page_transfer(
     if not load and bool(((slots < 0) | (slots >= kv.num_slots)).any()):
         return False
     device = kv.device
-    ring = _ring(device)
-    per = min(CHUNK_BYTES, ring.nbytes) // geo.page_bytes
+    ring = _ring(device, geo.page_bytes)
+    per = min(max(CHUNK_BYTES, geo.page_bytes), ring.nbytes) // geo.page_bytes
     if per == 0:
         return False
     n = ids.numel()
@@ -134,12 +142,14 @@ def page_transfer(
     with ring.lock:
         local = ring.arange(per)
         if load:
-            ring.stream.wait_stream(caller)
+            for lane in ring.lanes:
+                lane.wait_stream(caller)
         try:
             return _chunks(lib, load, host, kv, ids, slots_d, ring, caller, local, kernel)
         finally:
             if not load:
-                caller.wait_stream(ring.stream)
+                for lane in ring.lanes:
+                    caller.wait_stream(lane)
 
 
 def _chunks(
@@ -156,33 +166,46 @@ def _chunks(
 ) -> bool:
     """The chunks of :func:`page_transfer`, under the ring's lock."""
     per, n = local.numel(), ids.numel()
+    page = kv.geometry.page_bytes
     stats = (ctypes.c_int64 * 2)()
     for a in range(0, n, per):
         b = min(n, a + per)
         i = ring.turn
         ring.turn = (i + 1) % BUFFERS
-        buf = ring.buffers[i]
-        part = (buf.data_ptr(), b - a, local[: b - a], slots_d[a:b])
+        buf = ring.buffers[i].data_ptr()
+        # each lane's share of the chunk: consecutive pages
+        shares = [(a + (b - a) * k // LANES, a + (b - a) * (k + 1) // LANES) for k in range(LANES)]
+        if not load:  # the gather overwrites the buffer: after every earlier user of it
+            caller.wait_event(ring.on_caller[i])
+            for k in range(LANES):
+                caller.wait_event(ring.on_lane[i][k])
+            err = kernel(False, buf, b - a, local[: b - a], slots_d[a:b])
+            ring.on_caller[i].record(caller)
+            if err != 0:
+                break
+        for k, (lo, hi) in enumerate(shares):
+            if lo == hi:
+                continue
+            lane = ring.lanes[k]
+            lane.wait_event(ring.on_caller[i])  # load: its last scatter; save: this gather
+            if load and ring.saved[i]:  # the other lanes' copies out of the last save
+                for other in range(LANES):
+                    if other != k:
+                        lane.wait_event(ring.on_lane[i][other])
+            if not _copy(lib, load, host, ids[lo:hi], buf + (lo - a) * page, lane, kv, stats):
+                return False
+            ring.on_lane[i][k].record(lane)
+            if load:
+                caller.wait_event(ring.on_lane[i][k])
+        ring.saved[i] = not load
         if load:
-            ring.stream.wait_event(ring.free[i])
-            if not _copy(lib, True, host, ids[a:b], buf, ring, kv, stats):
-                return False
-            ring.filled[i].record(ring.stream)
-            caller.wait_event(ring.filled[i])
-            err = kernel(True, *part)
-            ring.free[i].record(caller)
-        else:
-            caller.wait_event(ring.free[i])
-            err = kernel(False, *part)
-            ring.filled[i].record(caller)
-            ring.stream.wait_event(ring.filled[i])
-            if err == 0 and not _copy(lib, False, host, ids[a:b], buf, ring, kv, stats):
-                return False
-            ring.free[i].record(ring.stream)
-        if err != 0:
-            raise RuntimeError(f"pagekv staged {'load' if load else 'save'} failed: "
-                               f"cudaError {err}")  # fmt: skip
-    return True
+            err = kernel(True, buf, b - a, local[: b - a], slots_d[a:b])
+            ring.on_caller[i].record(caller)
+            if err != 0:
+                break
+    else:
+        return True
+    raise RuntimeError(f"pagekv staged {'load' if load else 'save'} failed: cudaError {err}")
 
 
 def _copy(
@@ -190,18 +213,18 @@ def _copy(
     load: bool,
     host: torch.Tensor,
     ids: torch.Tensor,
-    buf: torch.Tensor,
-    ring: _Ring,
+    staging: int,
+    lane: torch.cuda.Stream,
     kv: DeviceKV,
     stats: ctypes.Array,
 ) -> bool:
-    """One chunk's page copies on the ring's stream; False (after :func:`copy_engine.fail`)
-    when the driver refused them."""
+    """Pages ``ids`` <-> the device buffer at ``staging`` on ``lane``; False (after
+    :func:`copy_engine.fail`) when the driver refused the copies."""
     geo = kv.geometry
     err = lib.pagekv_ce_pages(
         kv.device.index or 0, int(load), host.data_ptr(), ids.data_ptr(), ids.numel(),
-        host.shape[0], geo.page_bytes, buf.data_ptr(), copy_engine.FLAGS, LANES,
-        copy_engine.MAX_OPS, ring.stream.cuda_stream, stats,
+        host.shape[0], geo.page_bytes, staging, copy_engine.FLAGS, 1, copy_engine.MAX_OPS,
+        lane.cuda_stream, stats,
     )  # fmt: skip
     if err == 0:
         return True

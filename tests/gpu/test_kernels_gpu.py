@@ -236,6 +236,7 @@ def test_staged_matches_reference_across_chunks_calls_and_streams(
     if mla and item_bytes != 1152:
         pytest.skip("MLA rows are 1152 bytes here")
     geo = geometry(torch.bfloat16, mla, item_bytes, page_size, num_layers=4)
+    monkeypatch.setattr(staged, "_rings", {})  # a ring of this test's own
     monkeypatch.setattr(staged, "CHUNK_BYTES", 3 * geo.page_bytes)  # 3 pages a chunk
     n_pages = max(8, 512 // page_size)
     num_slots = n_pages * page_size + 40
@@ -304,6 +305,46 @@ def test_staged_matches_reference_across_chunks_calls_and_streams(
     for a_kv, r_kv in zip(after, ref):
         for g_after, g_ref in zip(a_kv, r_kv.layers):
             assert all(bits_equal(a, b) for a, b in zip(g_after, g_ref)), "load"
+
+
+@pytest.mark.parametrize("first", ["load", "save"])
+def test_staged_buffers_are_shared_safely_across_directions_and_streams(first, monkeypatch):
+    """A load and a save on two independent streams, the first held back on the GPU: the
+    second's use of the shared ring buffers waits for the first's, whatever the directions."""
+    require_copy_engine()
+    monkeypatch.setattr(staged, "_rings", {})
+    geo = KVGeometry(4, 16, 2, 128, "bf16")
+    monkeypatch.setattr(staged, "CHUNK_BYTES", 2 * geo.page_bytes)  # 2 pages a chunk
+    n_pages, num_slots = 12, 12 * 16 + 8
+    load_pool, save_pool = HostPagePool(geo, n_pages), HostPagePool(geo, n_pages)
+    load_pool.buffer.copy_(random_tensor(load_pool.buffer.shape, geo.dtype))
+    ids = torch.randperm(n_pages)
+    slots = torch.randperm(num_slots)[: n_pages * 16].view(n_pages, 16)
+    dst = DeviceKV.from_caches(geo, *device_caches(geo, num_slots, poisoned=True))
+    ref = DeviceKV.from_caches(geo, *device_caches(geo, num_slots, poisoned=True))
+    load_ref(load_pool.buffer, ids, ref, slots)
+    src = DeviceKV.from_caches(geo, *device_caches(geo, num_slots))
+    want = poison_(save_pool.buffer.clone())
+    save_ref(src, slots, want, ids)
+    poison_(save_pool.buffer)
+    streams = torch.cuda.Stream(DEV), torch.cuda.Stream(DEV)
+    jobs = {
+        "load": lambda: load(load_pool.buffer, ids, dst, slots, backend="staged", validate=False),
+        "save": lambda: save(src, slots, save_pool.buffer, ids, backend="staged", validate=False),
+    }
+    order = [first, "save" if first == "load" else "load"]
+    torch.cuda.synchronize()
+    got = []
+    for k, (stream, name) in enumerate(zip(streams, order)):
+        with torch.cuda.stream(stream):
+            if k == 0:
+                torch.cuda._sleep(50_000_000)  # the first is held back on the GPU
+            got.append(jobs[name]())
+    torch.cuda.synchronize()
+    assert got == ["staged", "staged"]
+    assert bits_equal(save_pool.buffer, want)
+    assert all(bits_equal(a, b) for a, b in zip(dst.layers[0] + dst.layers[1],
+                                                ref.layers[0] + ref.layers[1]))  # fmt: skip
 
 
 def test_staged_takes_the_kernel_for_skipped_save_tokens_and_one_layer():
