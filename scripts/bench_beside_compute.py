@@ -156,7 +156,6 @@ def _ms(ref: torch.cuda.Event, ev: torch.cuda.Event) -> float:
 
 def decode_beside(args: argparse.Namespace, step: DecodeStep, loads: Loads) -> dict:
     ce = [f"copy_engine@{n}" for n in args.ce_lanes] if copy_engine.supported(0) else []
-    ce += ["staged"] if copy_engine.supported(0) else []
     backends = ["plain_copy", "kernel", *ce, "auto", "direct"]
     # warm-up, and each load's time alone (sizes the decode run beside it)
     load_ms = {}

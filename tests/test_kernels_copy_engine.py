@@ -46,7 +46,7 @@ def pick(load=True, all_layers=True, run=4096, total=16 << 20, allowed=ALL, tabl
 def test_setting_defaults_to_auto(monkeypatch):
     monkeypatch.delenv("PAGEKV_COPY_BACKEND", raising=False)
     assert jit.copy_backend_setting() == "auto"
-    for value in ("auto", "COPY_ENGINE", " direct ", "torch", "kernel", "staged"):
+    for value in ("auto", "COPY_ENGINE", " direct ", "torch", "kernel"):
         monkeypatch.setenv("PAGEKV_COPY_BACKEND", value)
         assert jit.copy_backend_setting() == value.strip().lower()
     monkeypatch.setenv("PAGEKV_COPY_BACKEND", "dma")
@@ -99,24 +99,6 @@ def test_a_backend_that_holds_the_host_longer_than_the_kernel_is_never_chosen():
     unmeasured_host = Entry(Shape(True, True, 1.0, 1), (("kernel", 1.0), ("copy_engine", 0.5)),
                             (("kernel", 1e-5),))  # fmt: skip
     assert unmeasured_host.best(ALL) == "kernel"
-
-
-def test_staged_where_fastest_and_off_the_callers_thread_when_its_host_time_is_long():
-    def staged_entry(kernel, ce, staged, host):
-        return Entry(Shape(True, True, 4096.0, 16 << 20),
-                     (("kernel", kernel), ("copy_engine", ce), ("staged", staged)),
-                     tuple(zip(("kernel", "copy_engine", "staged"), host)))  # fmt: skip
-
-    allowed = ("kernel", "copy_engine", "staged", "direct")
-    slow_host = staged_entry(1.0, 20.0, 0.95, (1e-5, 1e-3, 1e-3))
-    assert slow_host.best(allowed) == "kernel"  # on the caller's thread its host time bars it
-    assert slow_host.best(allowed, deferred=True) == "staged"  # on the issuer's: the fastest
-    assert slow_host.best(("kernel", "direct"), deferred=True) == "kernel"  # not allowed
-    cheap = staged_entry(1.0, 20.0, 0.95, (1e-5, 1e-5, 1e-5))
-    assert cheap.best(allowed) == "staged"
-    # the copy engine (no SMs at all) within its slack of the fastest still wins
-    near = staged_entry(1.0, 1.0, 0.95, (1e-5, 1e-5, 1e-5))
-    assert near.best(allowed) == "copy_engine"
 
 
 def test_slack_is_relative_to_the_fastest():

@@ -156,7 +156,7 @@ class CopyIssuer:
                 completion._set(None, e)
             return
         self.counters["transfers"] += len(done)
-        self.counters["kernel_fallbacks"] += len(done) * (backend == "kernel")
+        self.counters["kernel_fallbacks"] += len(done) * (backend != "copy_engine")
         for completion, event in zip(done, events):
             completion._set(event)
 

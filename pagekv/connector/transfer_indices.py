@@ -11,11 +11,10 @@ reads device tensors, uploaded on the current stream from the connector's pinned
 completes. A CUDA slot table (the engine's tensor) always goes to the kernel: reading it on
 the host would sync.
 
-:func:`launch` enqueues a transfer. Copy-engine and staged transfers (whose copies the host
-describes one by one) go to the connector's :class:`~.copy_issuer.CopyIssuer` where the caller
-passes one (their host time then lands on the issuer's thread, so the table may give them
-shapes whose enqueue would hold the caller: ``deferred``); everything else is enqueued on the
-current stream by the caller.
+:func:`launch` enqueues a transfer. Copy-engine transfers go to the connector's
+:class:`~.copy_issuer.CopyIssuer` where the caller passes one (the copy engine's host time then
+lands on the issuer's thread, so the table may give it shapes whose enqueue would hold the
+caller: ``deferred``); everything else is enqueued on the current stream by the caller.
 """
 
 from __future__ import annotations
@@ -32,18 +31,9 @@ from pagekv.kernels import DeviceKV, choose_backend, copy_engine, transfer_layer
 from .copy_issuer import CopyIssuer
 from .staging import IndexStaging
 
-__all__ = [
-    "HOST_INDEX_BACKENDS",
-    "ISSUED_BACKENDS",
-    "Indices",
-    "Launched",
-    "launch",
-    "transfer_indices",
-]
+__all__ = ["HOST_INDEX_BACKENDS", "Indices", "Launched", "launch", "transfer_indices"]
 
-HOST_INDEX_BACKENDS = ("copy_engine", "staged", "direct")
-# backends whose host time lands on the connector's issuer thread when it has one
-ISSUED_BACKENDS = ("copy_engine", "staged")
+HOST_INDEX_BACKENDS = ("copy_engine", "direct")
 
 
 @dataclass(frozen=True)
@@ -85,8 +75,7 @@ def transfer_indices(
 
 @dataclass(frozen=True)
 class Launched:
-    """What :func:`launch` enqueued: the backend (one of :data:`ISSUED_BACKENDS` when queued on
-    the issuer),
+    """What :func:`launch` enqueued: the backend (``copy_engine`` when queued on the issuer),
     one completion per layer asked for (a ``torch.cuda.Event`` recorded on the current stream,
     or the issuer's :class:`~.copy_issuer.Completion`), and the indices, which the caller keeps
     referenced until the last completion has completed."""
@@ -118,7 +107,7 @@ def launch(
     job = functools.partial(transfer_layers, load_, host, idx.ids, kv, idx.slots, list(layers),
                             backend=idx.backend)  # fmt: skip
     deferred = issuer is not None and copy_engine.supported(kv.device.index or 0)
-    if idx.backend in ISSUED_BACKENDS and deferred:
-        return Launched(idx.backend, issuer.submit(job, len(layers)), idx)
+    if idx.backend == "copy_engine" and deferred:
+        return Launched("copy_engine", issuer.submit(job, len(layers)), idx)
     backend, events = job()
     return Launched(backend, events, idx)

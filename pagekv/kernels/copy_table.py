@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-TABLE_VERSION = 6
+TABLE_VERSION = 5
 # The copy engine is chosen unless it takes more than this fraction longer than the fastest.
 COPY_ENGINE_SLACK = 0.10
 # A backend whose call holds the host longer than the kernel's plus this is never chosen.
@@ -73,7 +73,7 @@ ENQUEUE_SLACK_S = 25e-6
 # the large ones.
 RUN_BYTES = (4096, 8192, 16384, 18432, 32768, 36864, 65536, 73728, 131072, 147456, 262144)
 TOTAL_BYTES = (1 << 20, 16 << 20, 128 << 20)
-BACKENDS = ("kernel", "copy_engine", "staged", "direct")
+BACKENDS = ("kernel", "copy_engine", "direct")
 DIRECT_MAX_COPIES = 4096  # the direct backend is not timed where it would issue more memcpys
 
 
@@ -95,13 +95,13 @@ class Entry:
 
     def best(self, allowed: Collection[str], deferred: bool = False) -> str | None:
         """The backend for this shape among ``allowed`` (None when none was measured): those
-        whose enqueue time is within ``ENQUEUE_SLACK_S`` of the kernel's (the copy engine and
-        the staged backend whatever their enqueue time when ``deferred``: a thread other than
-        the caller's enqueues them), then the copy engine unless it is more than
-        ``COPY_ENGINE_SLACK`` slower than the fastest, else the fastest."""
+        whose enqueue time is within ``ENQUEUE_SLACK_S`` of the kernel's (the copy engine
+        whatever its enqueue time when ``deferred``: a thread other than the caller's enqueues
+        it), then the copy engine unless it is more than ``COPY_ENGINE_SLACK`` slower than the
+        fastest."""
         host = dict(self.enqueue)
         bound = host.get("kernel", math.inf) + ENQUEUE_SLACK_S
-        free = ("kernel", "copy_engine", "staged") if deferred else ("kernel",)
+        free = ("kernel", "copy_engine") if deferred else ("kernel",)
         times = {b: s for b, s in self.seconds if b in allowed and math.isfinite(s)
                  and (b in free or host.get(b, math.inf) <= bound)}  # fmt: skip
         if not times:

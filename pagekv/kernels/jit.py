@@ -10,7 +10,7 @@ sources: ``tests/test_kernels_build.py``), and launches on the stream torch hand
   ``torch`` (always the reference path), ``cuda`` (kernels or an error saying why not).
 * ``PAGEKV_COPY_BACKEND``: what ``backend="auto"`` transfers use: ``auto`` (the default: per
   transfer shape, from the table measured once per device, :mod:`.copy_table`), or always
-  ``kernel``, ``copy_engine``, ``staged``, ``direct`` or ``torch``.
+  ``kernel``, ``copy_engine``, ``direct`` or ``torch``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "pagekv_kernels.cu", CSRC / "copy_engine.cu")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
-_ABI_VERSION = 6
+_ABI_VERSION = 5
 
 
 def backend_mode() -> str:
@@ -145,10 +145,7 @@ _SIGNATURES["pagekv_ce_page_transfer"] = (
     [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 8 + [_L, _P, ctypes.POINTER(_L)],
     ctypes.c_int,
 )
-_SIGNATURES["pagekv_ce_pages"] = (
-    [_I, _I, _P, _P, _L, _L, _L, _P, _I, _I, _L, _P, ctypes.POINTER(_L)],
-    ctypes.c_int,
-)
+
 _SIGNATURES["pagekv_ce_page_transfer_layers"] = (
     [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 4 + [_P, _I, _P, _I, _I, _L, _P]
     + [ctypes.POINTER(_L), ctypes.POINTER(_I)],

@@ -2,27 +2,24 @@
 
 * ``"kernel"``: the CUDA kernels (:mod:`.jit`), host memory read/written in place, on 4-8 SMs;
 * ``"copy_engine"``: batched DMA copies (:mod:`.copy_engine`), no SMs; needs CUDA >= 12.8;
-* ``"staged"``: whole pages by the copy engines through a device ring, scattered by the kernel
-  at device-memory speed (:mod:`.staged`); all-layer transfers (one layer takes the kernel);
 * ``"direct"``: one ``cudaMemcpyAsync`` per run of consecutive slots (large pages);
 * ``"torch"``: the reference (:mod:`.reference`), used on CPU and when kernels are unavailable.
 
 ``backend="auto"`` picks: torch on CPU; else what ``PAGEKV_COPY_BACKEND`` (:mod:`.jit`) says.
 With the setting ``auto`` (the default): the kernel when the page ids or slots are CUDA tensors
-(the others build their copies on the host) or a CUDA graph is being captured; else the
+(the other two build their copies on the host) or a CUDA graph is being captured; else the
 backend the measured shapes around this one agree on in the table measured once for this GPU
 (:mod:`.copy_table`): on the caller's thread only backends whose host time per call stays within
-the kernel's (the connector's issuer thread lifts that bar for the copy engine and the staged
-backend: ``deferred``), the copy engine for runs of at least ``COPY_ENGINE_MIN_RUN`` unless it
-is more than 10% slower than the fastest, else the fastest. Kernel launches go on torch's
-current stream and neither allocate nor synchronise, so they can be captured in a CUDA graph
-(pass device index tensors and ``validate=False`` inside a capture).
+the kernel's (the connector's issuer thread lifts that bar for the copy engine: ``deferred``),
+the copy engine for runs of at least ``COPY_ENGINE_MIN_RUN`` unless it is more than 10% slower
+than the fastest. Launches go on torch's current stream and neither allocate nor synchronise, so
+kernel launches can be captured in a CUDA graph (pass device index tensors and
+``validate=False`` inside a capture).
 
 ``validate=True`` checks index values (range, repeats) before anything is written, which syncs
 when the indices are CUDA tensors. ``validate=False`` keeps the shape/dtype/device checks; every
-backend then skips (never writes) tokens whose page id or slot is out of range (a staged save
-with such a token takes the kernel). ``copy_engine``, ``staged`` and ``direct`` asked for with
-CUDA index tensors copy them to the host first (a sync).
+backend then skips (never writes) tokens whose page id or slot is out of range. ``copy_engine``
+and ``direct`` asked for with CUDA index tensors copy them to the host first (a sync).
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ from typing import Literal
 
 import torch
 
-from . import copy_engine, copy_table, reference, staged
+from . import copy_engine, copy_table, reference
 from .jit import KernelsUnavailable, copy_backend_setting, load_library
 from .layout import (
     DeviceKV,
@@ -55,9 +52,9 @@ __all__ = [
     "transfer_layers",
 ]
 
-Backend = Literal["auto", "kernel", "copy_engine", "staged", "direct", "torch"]
-_BACKENDS = ("auto", "kernel", "copy_engine", "staged", "direct", "torch")
-_CUDA_BACKENDS = ("kernel", "copy_engine", "staged", "direct")
+Backend = Literal["auto", "kernel", "copy_engine", "direct", "torch"]
+_BACKENDS = ("auto", "kernel", "copy_engine", "direct", "torch")
+_CUDA_BACKENDS = ("kernel", "copy_engine", "direct")
 # Thread blocks for host<->device transfers: enough to reach the bus, leaving the SMs to the
 # model (H100 measurements, docs/benchmarks.md). All-layer loads use 4: with 16 KiB page blocks
 # at random host addresses 8-16 blocks reading over PCIe lost ~15% (address-translation
@@ -180,8 +177,6 @@ def _auto_backend(
 ) -> str:
     """See the module docstring: the setting, else the kernel or the measured table."""
     setting = copy_backend_setting()
-    if setting == "staged" and layer is not None:
-        return "kernel"  # one layer is not staged: the kernel, with uploaded indices
     if setting != "auto":
         return setting
     if ids.device.type != "cpu" or s.device.type != "cpu" or not ids.numel():
@@ -194,8 +189,6 @@ def _auto_backend(
     allowed = ["kernel", "direct"]
     if copy_engine.supported(device) and run >= COPY_ENGINE_MIN_RUN:
         allowed.append("copy_engine")
-    if copy_engine.supported(device) and layer is None:
-        allowed.append("staged")
     rows = geo.num_layers * geo.num_kv if layer is None else geo.num_kv
     total = ids.numel() * geo.page_size * rows * geo.item_bytes
     shape = copy_table.Shape(load, layer is None, run, total)
@@ -276,17 +269,6 @@ def _page_transfer(
             return _page_transfer(load, host, ids, kv, s, layer, "torch", None, validate)
     l0, nl = (0, geo.num_layers) if layer is None else (layer, 1)
     stream = current_stream(dev.index)
-    if backend == "staged" and layer is None and copy_engine.supported(dev.index or 0):
-        ids_h, s_h = _host_indices(ids, s)
-
-        def scatter(load_: bool, addr: int, pages: int, ids_d: torch.Tensor, s_d: torch.Tensor):
-            return _kernel(lib, load_, kv, addr, pages, ids_d, s_d, 0, geo.num_layers,
-                           staged.SCATTER_BLOCKS, current_stream(dev.index))  # fmt: skip
-
-        if staged.page_transfer(lib, load, host, kv, ids_h, s_h, scatter):
-            return "staged"
-    if backend == "staged":
-        backend = "kernel"  # one layer, a save with skipped tokens, no copy engine
     if backend == "copy_engine":
         index = dev.index or 0
         if copy_engine.supported(index):
@@ -306,42 +288,21 @@ def _page_transfer(
     else:
         ids_d, s_d = _device_indices(ids, dev), _device_indices(s, dev)
         host_addr = _device_address(host, dev)
-        err = _kernel(lib, load, kv, host_addr, host.shape[0], ids_d, s_d, l0, nl, num_blocks,
-                      stream)  # fmt: skip
+        width = _vector_width(geo.item_bytes, kv.slot_stride_bytes, host_addr, *kv.layer_ptrs)
+        unroll = UNROLL_LOAD if load else UNROLL_SAVE
+        threads = THREADS if unroll == 4 else THREADS // 2  # unroll 8: 512-thread blocks
+        chunks = ids_d.numel() * geo.num_kv * geo.page_size * nl * geo.item_bytes // width
+        blocks = max(1, min(num_blocks, -(-chunks // (threads * unroll))))
+        err = lib.pagekv_page_transfer(
+            dev.index, int(load), host_addr, kv.pointer_table(dev).data_ptr(), ids_d.data_ptr(),
+            int(ids_d.dtype == torch.int64), s_d.data_ptr(), int(s_d.dtype == torch.int64),
+            ids_d.numel(), host.shape[0], kv.num_slots, geo.page_bytes, kv.slot_stride_bytes,
+            geo.item_bytes, geo.page_size, geo.num_kv, geo.num_layers, l0, nl, width, blocks,
+            threads, unroll, stream,
+        )  # fmt: skip
     if err != 0:
         raise RuntimeError(f"pagekv {backend} {'load' if load else 'save'} failed: cudaError {err}")
     return backend
-
-
-def _kernel(
-    lib: ctypes.CDLL,
-    load: bool,
-    kv: DeviceKV,
-    host_addr: int,
-    num_host_pages: int,
-    ids_d: torch.Tensor,
-    s_d: torch.Tensor,
-    l0: int,
-    nl: int,
-    num_blocks: int,
-    stream: int,
-) -> int:
-    """Launch the transfer kernel between page-first pages at ``host_addr`` (pinned host memory
-    or a device buffer) and ``kv``'s layers ``l0``..``l0 + nl - 1``; the cudaError."""
-    geo = kv.geometry
-    dev = kv.device
-    width = _vector_width(geo.item_bytes, kv.slot_stride_bytes, host_addr, *kv.layer_ptrs)
-    unroll = UNROLL_LOAD if load else UNROLL_SAVE
-    threads = THREADS if unroll == 4 else THREADS // 2  # unroll 8: 512-thread blocks
-    chunks = ids_d.numel() * geo.num_kv * geo.page_size * nl * geo.item_bytes // width
-    blocks = max(1, min(num_blocks, -(-chunks // (threads * unroll))))
-    return lib.pagekv_page_transfer(
-        dev.index, int(load), host_addr, kv.pointer_table(dev).data_ptr(), ids_d.data_ptr(),
-        int(ids_d.dtype == torch.int64), s_d.data_ptr(), int(s_d.dtype == torch.int64),
-        ids_d.numel(), num_host_pages, kv.num_slots, geo.page_bytes, kv.slot_stride_bytes,
-        geo.item_bytes, geo.page_size, geo.num_kv, geo.num_layers, l0, nl, width, blocks,
-        threads, unroll, stream,
-    )  # fmt: skip
 
 
 def transfer_layers(

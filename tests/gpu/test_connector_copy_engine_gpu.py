@@ -83,17 +83,6 @@ def test_connector_copies_on_the_copy_engine_match(node, monkeypatch, mla, page_
     assert counts == {"copy_engine": 3, "streaming": "copy_engine"}, counts
 
 
-@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
-@pytest.mark.parametrize("page_size", [1, 16, 128])
-def test_connector_copies_on_the_staged_backend_match(node, monkeypatch, mla, page_size):
-    """Staged: the save, the load and the streaming prefetch (all layers); load_async (layer
-    by layer) takes the kernel."""
-    require_copy_engine()
-    geo = geometry(torch.bfloat16, mla, 1152 if mla else 256, page_size)
-    counts = round_trip(node, geo, "staged", monkeypatch)
-    assert counts == {"staged": 2, "kernel": 1, "streaming": "staged"}, counts
-
-
 @pytest.mark.parametrize("setting", ["auto", "kernel"])
 @pytest.mark.parametrize("cuda_slots", [False, True], ids=["cpu_slots", "cuda_slots"])
 @pytest.mark.parametrize("page_size", [1, 16, 128])

@@ -122,67 +122,6 @@ cudaError_t lanes_for(int device, int count, Lanes*& out) {
   return err;
 }
 
-#if CUDART_VERSION >= 12080
-// Sends the scratch descriptors on ``stream``, split over ``lanes`` streams (see "Streams"
-// above), ``max_ops`` descriptors per driver call; ``stats`` as the entry points say.
-cudaError_t issue(int device, cudaStream_t stream, int lanes, int64_t max_ops, int flags,
-                  int64_t* stats) {
-  const size_t total = scratch.dst.size();
-  if (total == 0) return cudaSuccess;
-  // the caller's stream, or side streams forked from it (the batched API refuses the legacy
-  // default stream, so a call there runs wholly on side streams)
-  const bool legacy = is_legacy(stream);
-  const unsigned fl = static_cast<unsigned>(flags);
-  int used = static_cast<int>(std::min<size_t>(static_cast<size_t>(lanes), total));
-  std::unique_lock<std::mutex> lock(lanes_mutex, std::defer_lock);
-  Lanes* l = nullptr;
-  cudaError_t err = cudaSuccess;
-  cudaStream_t targets[kMaxLanes];
-  for (int i = 0; i < used; ++i) targets[i] = stream;
-  if (legacy || used > 1) {
-    lock.lock();  // the side streams and events are shared by the device's callers
-    err = lanes_for(device, used, l);
-    if (err == cudaSuccess) err = cudaEventRecord(l->fork, stream);
-    for (int i = 0; i < used && err == cudaSuccess; ++i) {
-      if (i == 0 && !legacy) continue;
-      targets[i] = l->side[i];
-      err = cudaStreamWaitEvent(targets[i], l->fork, 0);
-    }
-    if (err != cudaSuccess) return err;
-  }
-  // each lane a contiguous share, max_ops descriptors per driver call
-  int64_t splits = 0;
-  size_t sent = 0;
-  for (int i = 0; i < used && err == cudaSuccess; ++i) {
-    const size_t begin = total * i / used, end = total * (i + 1) / used;
-    for (size_t b = begin; b < end && err == cudaSuccess; b += static_cast<size_t>(max_ops)) {
-      const size_t n = std::min<size_t>(static_cast<size_t>(max_ops), end - b);
-      err = send(b, n, fl, targets[i], &splits);
-      if (err == cudaSuccess) sent += n;
-    }
-  }
-  if (err != cudaSuccess) cudaGetLastError();  // the next kernel launch must not see it
-  // join: whatever was enqueued stays ordered before the caller's later work
-  for (int i = 0; i < used && l; ++i) {
-    if (targets[i] == stream) continue;
-    cudaError_t e2 = cudaEventRecord(l->join[i], targets[i]);
-    if (e2 == cudaSuccess) e2 = cudaStreamWaitEvent(stream, l->join[i], 0);
-    if (err == cudaSuccess) err = e2;
-  }
-  if (stats) {
-    stats[0] = static_cast<int64_t>(sent);
-    stats[1] = splits;
-  }
-  return err;
-}
-
-void clear_scratch() {
-  scratch.dst.clear();
-  scratch.src.clear();
-  scratch.size.clear();
-}
-#endif
-
 }  // namespace
 
 extern "C" {
@@ -247,7 +186,10 @@ int pagekv_ce_page_transfer(int device, int load, char* host, const int64_t* lay
   if (n_pages == 0) return 0;
   cudaError_t err = use_device(device);
   if (err != cudaSuccess) return static_cast<int>(err);
-  clear_scratch();
+  // 1. descriptors
+  scratch.dst.clear();
+  scratch.src.clear();
+  scratch.size.clear();
   const bool contiguous = slot_stride == item_bytes;
   const int64_t row = static_cast<int64_t>(page_size) * item_bytes;  // host bytes per (layer, kv)
   for (int64_t i = 0; i < n_pages; ++i) {
@@ -275,44 +217,52 @@ int pagekv_ce_page_transfer(int device, int load, char* host, const int64_t* lay
       j += run;
     }
   }
-  return static_cast<int>(issue(device, stream, lanes, max_ops, flags, stats));
-#endif
-}
-
-// Whole pages between the page-first host pool and a contiguous device buffer: page i of the
-// call (host page page_ids[i]) <-> staging + i * page_bytes, one 1-D copy per run of
-// consecutive page ids (the staged backend: pagekv/kernels/staged.py). page_ids is a host int64
-// array, read during the call; an id outside [0, num_host_pages) skips its page (its staging
-// bytes are left as they are). Streams, ``lanes``, ``max_ops`` and ``stats`` as above.
-int pagekv_ce_pages(int device, int load, char* host, const int64_t* page_ids, int64_t n_pages,
-                    int64_t num_host_pages, int64_t page_bytes, char* staging, int flags,
-                    int lanes, int64_t max_ops, cudaStream_t stream, int64_t* stats) {
-  if (stats) stats[0] = stats[1] = 0;
-  if (n_pages < 0 || (n_pages > 0 && (!page_ids || !host || !staging)) || page_bytes <= 0 ||
-      lanes < 1 || lanes > kMaxLanes || max_ops < 1)
-    return static_cast<int>(cudaErrorInvalidValue);
-#if CUDART_VERSION < 12080
-  (void)device; (void)load; (void)num_host_pages; (void)flags; (void)stream;
-  return static_cast<int>(cudaErrorNotSupported);
-#else
-  if (n_pages == 0) return 0;
-  cudaError_t err = use_device(device);
-  if (err != cudaSuccess) return static_cast<int>(err);
-  clear_scratch();
-  int64_t i = 0;
-  while (i < n_pages) {
-    const int64_t page = page_ids[i];
-    if (page < 0 || page >= num_host_pages) { ++i; continue; }
-    int64_t run = 1;
-    while (i + run < n_pages && page_ids[i + run] == page + run && page + run < num_host_pages)
-      ++run;
-    char* hp = host + page * page_bytes;
-    char* dp = staging + i * page_bytes;
-    const size_t width = static_cast<size_t>(run * page_bytes);
-    load ? add_1d(dp, hp, width) : add_1d(hp, dp, width);
-    i += run;
+  const size_t total = scratch.dst.size();
+  if (total == 0) return 0;
+  // 2. streams: the caller's, or side streams forked from it (the batched API refuses the
+  // legacy default stream, so a call there runs wholly on side streams)
+  const bool legacy = is_legacy(stream);
+  const unsigned fl = static_cast<unsigned>(flags);
+  int used = static_cast<int>(std::min<size_t>(static_cast<size_t>(lanes), total));
+  std::unique_lock<std::mutex> lock(lanes_mutex, std::defer_lock);
+  Lanes* l = nullptr;
+  cudaStream_t targets[kMaxLanes];
+  for (int i = 0; i < used; ++i) targets[i] = stream;
+  if (legacy || used > 1) {
+    lock.lock();  // the side streams and events are shared by the device's callers
+    err = lanes_for(device, used, l);
+    if (err == cudaSuccess) err = cudaEventRecord(l->fork, stream);
+    for (int i = 0; i < used && err == cudaSuccess; ++i) {
+      if (i == 0 && !legacy) continue;
+      targets[i] = l->side[i];
+      err = cudaStreamWaitEvent(targets[i], l->fork, 0);
+    }
+    if (err != cudaSuccess) return static_cast<int>(err);
   }
-  return static_cast<int>(issue(device, stream, lanes, max_ops, flags, stats));
+  // 3. each lane a contiguous share, max_ops descriptors per driver call
+  int64_t splits = 0;
+  size_t sent = 0;
+  for (int i = 0; i < used && err == cudaSuccess; ++i) {
+    const size_t begin = total * i / used, end = total * (i + 1) / used;
+    for (size_t b = begin; b < end && err == cudaSuccess; b += static_cast<size_t>(max_ops)) {
+      const size_t n = std::min<size_t>(static_cast<size_t>(max_ops), end - b);
+      err = send(b, n, fl, targets[i], &splits);
+      if (err == cudaSuccess) sent += n;
+    }
+  }
+  if (err != cudaSuccess) cudaGetLastError();  // the next kernel launch must not see it
+  // 4. join: whatever was enqueued stays ordered before the caller's later work
+  for (int i = 0; i < used && l; ++i) {
+    if (targets[i] == stream) continue;
+    cudaError_t e2 = cudaEventRecord(l->join[i], targets[i]);
+    if (e2 == cudaSuccess) e2 = cudaStreamWaitEvent(stream, l->join[i], 0);
+    if (err == cudaSuccess) err = e2;
+  }
+  if (stats) {
+    stats[0] = static_cast<int64_t>(sent);
+    stats[1] = splits;
+  }
+  return static_cast<int>(err);
 #endif
 }
 

@@ -248,7 +248,7 @@ bool bad_launch(int width, int blocks, int threads) {
 
 extern "C" {
 
-int pagekv_abi_version() { return 6; }
+int pagekv_abi_version() { return 5; }
 
 // 1 if kernels may use a registered host pointer as its device address (UVA), else 0.
 int pagekv_can_use_host_pointer(int device) {
