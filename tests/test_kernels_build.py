@@ -36,7 +36,7 @@ def test_sources_compile_and_library_loads(tmp_path):
     assert lib_path.exists() and lib_path.stat().st_size > 10_000
     assert jit.build_library("90", directory=tmp_path) == lib_path  # cached
     lib = jit._open(lib_path)
-    assert lib.pagekv_abi_version() == jit._ABI_VERSION == 5
+    assert lib.pagekv_abi_version() == jit._ABI_VERSION == 6
     # Bad launch parameters are refused before any CUDA call (cudaErrorInvalidValue == 1).
     err = lib.pagekv_page_transfer(0, 1, None, None, None, 0, None, 0, 1, 1, 1, 1, 1,
                                    256, 16, 2, 4, 0, 1, 3, 8, 1024, 4, None)  # fmt: skip

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "pagekv_kernels.cu", CSRC / "copy_engine.cu")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 
 
 def backend_mode() -> str:
@@ -126,6 +126,11 @@ _SIGNATURES["pagekv_page_transfer"] = (
     [_I, _I, _P, _P, _P, _I, _P, _I] + [_L] * 5 + [_I] * 10 + [_P],
     ctypes.c_int,
 )
+_SIGNATURES["pagekv_page_transfer_layers"] = (
+    [_I, _I, _P, _P, _P, _I, _P, _I] + [_L] * 5 + [_I] * 4 + [_P, _I, _P] + [_I] * 5
+    + [_P, ctypes.POINTER(_I)],
+    ctypes.c_int,
+)  # fmt: skip
 _SIGNATURES["pagekv_slot_copy"] = (
     [_I, _P, _P, _P, _I, _P, _I] + [_L] * 5 + [_I] * 8 + [_P],
     ctypes.c_int,

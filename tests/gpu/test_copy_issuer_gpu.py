@@ -257,6 +257,69 @@ def test_transfer_layers_matches_the_reference(backend, layers, direction):
         assert bits_equal(pool.buffer, want)
 
 
+@pytest.mark.parametrize("where", ["cpu", "cuda"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("direction", ["load", "save"])
+def test_kernel_layers_in_one_call_match_the_reference(where, index_dtype, mla, direction):
+    """The kernel's one-call layer-by-layer transfer: every entry (a layer, all layers, a layer
+    twice) against the reference, with out-of-range pages and slots skipped; a reader waiting
+    on event i sees the layers of entries 0..i written; the whole ordered after the stream's
+    earlier work."""
+    geo = geometry(torch.bfloat16, mla, 1152 if mla else 512, 16, num_layers=5)
+    n_pages, num_slots = 12, 12 * 16 + 30
+    pool = HostPagePool(geo, n_pages + 2)
+    pool.buffer.copy_(random_tensor(pool.buffer.shape, geo.dtype))
+    caches = device_caches(geo, num_slots)
+    kv = DeviceKV.from_caches(geo, *caches)
+    ids = torch.randperm(n_pages + 2)[:n_pages]
+    ids[3] = n_pages + 9  # out of range: skipped whole
+    slots = torch.randperm(num_slots)[: n_pages * 16].view(n_pages, 16)
+    slots[5, 2:7] = num_slots + 3  # out of range: skipped tokens
+    ref_ids, ref_slots = ids.clone(), slots.clone()
+    ref_ids[3] = sorted(set(range(n_pages + 2)) - set(ids.tolist()))[0]
+    ref_slots[3] = -1
+    ref_slots[ref_slots >= num_slots] = -1
+    layers = [3, None, 0, 3, 4]
+    if direction == "load":
+        for t in caches:
+            poison_(t)
+        want = [t.clone() for t in caches]
+        load_ref(pool.buffer, ref_ids, DeviceKV.from_caches(geo, *want), ref_slots)
+    else:
+        poison_(pool.buffer)
+        want = pool.buffer.clone()
+        save_ref(kv, ref_slots, want, ref_ids)
+    idx = [t.to(index_dtype) for t in (ids, slots)]
+    if where == "cuda":
+        idx = [t.to(DEV) for t in idx]
+    stream = torch.cuda.Stream(DEV)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(2_000_000)  # earlier work: the entries come after it
+        used, events = transfer_layers(direction == "load", pool.buffer, idx[0], kv, idx[1],
+                                       layers, backend="kernel")  # fmt: skip
+    assert used == "kernel" and len(events) == len(layers)
+    snaps = []
+    for event in events:  # on streams of their own, each right after its event
+        side = torch.cuda.Stream(DEV)
+        side.wait_event(event)
+        with torch.cuda.stream(side):
+            if direction == "load":
+                snaps.append([t.clone() for t in caches])
+            else:
+                snaps.append(pool.buffer.to(DEV, non_blocking=True))
+    torch.cuda.synchronize()
+    covered: set[int] = set()
+    for i, (layer, snap) in enumerate(zip(layers, snaps)):
+        covered |= set(range(geo.num_layers)) if layer is None else {layer}
+        for lay in sorted(covered):
+            if direction == "load":
+                assert all(bits_equal(a[lay], b[lay]) for a, b in zip(snap, want)), (i, lay)
+            else:
+                assert bits_equal(snap.cpu()[:, lay], want[:, lay]), (i, lay)
+
+
 def test_transfer_layers_refused_by_the_driver_runs_on_the_kernel(monkeypatch, caplog):
     require_copy_engine()
     lib = jit.load_library()

@@ -16,6 +16,8 @@
 // can be captured in a CUDA graph.
 
 #include <cuda_runtime.h>
+
+#include <algorithm>
 #include <stdint.h>
 
 namespace {
@@ -248,7 +250,7 @@ bool bad_launch(int width, int blocks, int threads) {
 
 extern "C" {
 
-int pagekv_abi_version() { return 5; }
+int pagekv_abi_version() { return 6; }
 
 // 1 if kernels may use a registered host pointer as its device address (UVA), else 0.
 int pagekv_can_use_host_pointer(int device) {
@@ -287,6 +289,44 @@ int pagekv_page_transfer(int device, int load, void* host, const int64_t* layer_
   return static_cast<int>(
       load ? dispatch<LaunchPage<true, 4>::Of>(width, wide, p, blocks, threads, stream)
            : dispatch<LaunchPage<false, 4>::Of>(width, wide, p, blocks, threads, stream));
+}
+
+// The transfer of pagekv_page_transfer once per entry of ``layers`` (a layer, or -1 for all
+// layers), in that order on ``stream``, recording ``events[i]`` after entry i: a layer-by-layer
+// load in one call (the caller's host time per layer is a launch and a record, not a Python
+// call). Thread blocks per entry: as many as its chunks fill, at most ``blocks_all`` (all layers)
+// or ``blocks_one`` (one layer). ``done`` (may be null) receives the entries launched and
+// recorded before an error.
+int pagekv_page_transfer_layers(int device, int load, void* host, const int64_t* layer_ptrs,
+                                const void* page_ids, int ids64, const void* slots, int slots64,
+                                int64_t n_pages, int64_t num_host_pages, int64_t num_slots,
+                                int64_t page_bytes, int64_t slot_stride, int item_bytes,
+                                int page_size, int num_kv, int num_layers, const int* layers,
+                                int n_entries, cudaEvent_t* events, int width, int blocks_all,
+                                int blocks_one, int threads, int unroll, cudaStream_t stream,
+                                int* done) {
+  if (done) *done = 0;
+  if (n_entries < 0 || (n_entries > 0 && (!layers || !events)) || blocks_all <= 0 ||
+      blocks_one <= 0 || threads <= 0 || width <= 0)
+    return static_cast<int>(cudaErrorInvalidValue);
+  for (int i = 0; i < n_entries; ++i) {
+    const bool all = layers[i] < 0;
+    const int count = all ? num_layers : 1;
+    const int64_t chunks = n_pages * num_kv * page_size * count * (item_bytes / width);
+    const int64_t fill = (chunks + static_cast<int64_t>(threads) * unroll - 1) /
+                         (static_cast<int64_t>(threads) * unroll);
+    const int blocks = static_cast<int>(std::max<int64_t>(
+        1, std::min<int64_t>(all ? blocks_all : blocks_one, fill)));
+    int err = pagekv_page_transfer(device, load, host, layer_ptrs, page_ids, ids64, slots, slots64,
+                                   n_pages, num_host_pages, num_slots, page_bytes, slot_stride,
+                                   item_bytes, page_size, num_kv, num_layers, all ? 0 : layers[i],
+                                   count, width, blocks, threads, unroll, stream);
+    if (err != 0) return err;
+    cudaError_t e = cudaEventRecord(events[i], stream);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    if (done) *done = i + 1;
+  }
+  return 0;
 }
 
 int pagekv_slot_copy(int device, const int64_t* src_ptrs, const int64_t* dst_ptrs, const void* src_slots,
