@@ -26,6 +26,16 @@ Rules:
   completions: ``wait``, ``query`` and ``synchronize`` raise :class:`CopyFailed`, so nothing
   reads or publishes the bytes it did not copy. The thread goes on with the next job.
 * :meth:`close` runs the queued jobs, waits for their copies and stops the thread.
+* Events: a transfer's CUDA events come from the issuer's pool (:meth:`CopyIssuer.take_events`),
+  created ahead by the issuer's thread while it has no job. Creating a CUDA event (its first
+  record) releases the GIL, and a thread that releases it waits up to the interpreter's switch
+  interval (5 ms) to take it back from a thread running Python: an engine's step thread, say.
+  On the H100 a pure-Python loop beside the issuer slowed a copy-engine load 2-13x while each
+  of its layers' events was created on the issuing thread (scripts/diag_ce_host_rate.py); with
+  pooled events a job costs the issuer's thread three hand-offs (its wake-up, the wait on the
+  fork event, the library call), and a layer-by-layer kernel load none on the caller's.
+  Each event is handed out once (its consumers keep it); the pool refills, a few at a time
+  between jobs, to :data:`SPARE_EVENTS`.
 """
 
 from __future__ import annotations
@@ -91,6 +101,9 @@ class Completion:
 # Enqueues its transfers on the current stream (the issuer's), a CUDA event recorded after
 # each; returns the backend it used and the events.
 Job = Callable[[], tuple[str, list[torch.cuda.Event]]]
+# events the issuer keeps created ahead (a layer-by-layer load takes one a layer)
+SPARE_EVENTS = 256
+_REFILL = object()  # queued to wake the issuer's thread to refill the pool
 
 
 class CopyIssuer:
@@ -103,7 +116,33 @@ class CopyIssuer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self.counters = {"jobs": 0, "transfers": 0, "failed": 0, "kernel_fallbacks": 0}
+        self._spare: list[torch.cuda.Event] = []  # created ahead; under _lock
+        self._refilling = False
+        self.pool_full = threading.Event()  # set while the pool holds SPARE_EVENTS
+        self.counters = {"jobs": 0, "transfers": 0, "failed": 0, "kernel_fallbacks": 0,
+                         "events_created_inline": 0}  # fmt: skip
+
+    def take_events(self, n: int) -> list[torch.cuda.Event]:
+        """``n`` created CUDA events, from the pool where it has them (no GIL hand-off on the
+        calling thread), the rest created here; then the issuer's thread is woken to refill
+        the pool. Each may be recorded again by whoever takes it."""
+        with self._lock:
+            out, self._spare = self._spare[:n], self._spare[n:]
+            if len(self._spare) < SPARE_EVENTS:
+                self.pool_full.clear()
+            wake = not self._closed and not self._refilling
+            if wake:
+                self._start()
+                self._refilling = True
+                self._queue.put(_REFILL)
+        if len(out) < n:
+            self.counters["events_created_inline"] += n - len(out)
+            stream = torch.cuda.current_stream(self.device)
+            for _ in range(n - len(out)):
+                event = torch.cuda.Event()
+                event.record(stream)
+                out.append(event)
+        return out
 
     def submit(self, job: Job, transfers: int) -> list[Completion]:
         """Queue ``job`` (``transfers`` transfers, one event each) after the current stream's
@@ -114,14 +153,18 @@ class CopyIssuer:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the copy issuer is closed")
-            if self._thread is None:
-                self._stream = torch.cuda.Stream(self.device)
-                self._thread = threading.Thread(target=self._run, name="pagekv-copy-issuer",
-                                                daemon=True)  # fmt: skip
-                self._thread.start()
+            self._start()
             self.counters["jobs"] += 1
             self._queue.put((fork, job, done))
         return done
+
+    def _start(self) -> None:
+        """Start the thread (under ``_lock``)."""
+        if self._thread is None:
+            self._stream = torch.cuda.Stream(self.device)
+            self._thread = threading.Thread(target=self._run, name="pagekv-copy-issuer",
+                                            daemon=True)  # fmt: skip
+            self._thread.start()
 
     def close(self) -> None:
         """Run what is queued, wait for its copies, stop the thread. Idempotent."""
@@ -140,9 +183,32 @@ class CopyIssuer:
         stream = self._stream
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             while (item := self._queue.get()) is not None:
+                if item is _REFILL:
+                    self._refill(stream)
+                    continue
                 fork, job, done = item
                 stream.wait_event(fork)
                 self._one(job, done)
+
+    def _refill(self, stream: torch.cuda.Stream) -> None:
+        """Create events up to :data:`SPARE_EVENTS` while no job waits (a job queued meanwhile
+        goes first: the refill is asked again after it)."""
+        while self._queue.empty():
+            with self._lock:
+                if len(self._spare) >= SPARE_EVENTS or self._closed:
+                    self._refilling = False
+                    if len(self._spare) >= SPARE_EVENTS:
+                        self.pool_full.set()
+                    return
+            event = torch.cuda.Event()
+            event.record(stream)
+            with self._lock:
+                self._spare.append(event)
+        with self._lock:
+            self._refilling = False
+            if not self._closed and len(self._spare) < SPARE_EVENTS:
+                self._refilling = True
+                self._queue.put(_REFILL)
 
     def _one(self, job: Job, done: list[Completion]) -> None:
         try:

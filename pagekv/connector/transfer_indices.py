@@ -101,11 +101,13 @@ def launch(
     all layers at once; else those layers, one after the other), one completion each. With an
     ``issuer``, a transfer the table gives the copy engine is queued there and the current
     stream is not ordered after it: consumers wait on the completions. (Where the device has
-    stopped using the copy engine, such a transfer runs here and takes the kernel.)"""
+    stopped using the copy engine, such a transfer runs here and takes the kernel.) The
+    transfers' events come from the issuer's pool when there is an issuer."""
     idx = transfer_indices(load_, kv, page_ids, slots, staging, layer=layers[0],
                            deferred=issuer is not None)  # fmt: skip
+    events = issuer.take_events(len(layers)) if issuer is not None else None
     job = functools.partial(transfer_layers, load_, host, idx.ids, kv, idx.slots, list(layers),
-                            backend=idx.backend)  # fmt: skip
+                            backend=idx.backend, events=events)  # fmt: skip
     deferred = issuer is not None and copy_engine.supported(kv.device.index or 0)
     if idx.backend == "copy_engine" and deferred:
         return Launched("copy_engine", issuer.submit(job, len(layers)), idx)

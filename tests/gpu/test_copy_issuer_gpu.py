@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from pagekv.connector import KeyNamespace, KVConnector
+from pagekv.connector import KeyNamespace, KVConnector, copy_issuer
 from pagekv.connector.copy_issuer import CopyFailed, CopyIssuer
 from pagekv.connector.host_pool import HostPagePool
 from pagekv.connector.staging import IndexStaging
@@ -318,6 +318,50 @@ def test_kernel_layers_in_one_call_match_the_reference(where, index_dtype, mla, 
                 assert all(bits_equal(a[lay], b[lay]) for a, b in zip(snap, want)), (i, lay)
             else:
                 assert bits_equal(snap.cpu()[:, lay], want[:, lay]), (i, lay)
+
+
+def test_the_issuers_events_are_created_ahead_on_its_thread(monkeypatch):
+    """take_events hands out events the issuer's thread created ahead (the caller's thread
+    records none: no GIL hand-off there), creates inline only what the pool lacks, and the
+    pool refills on the issuer's thread; a layer-by-layer kernel load through launch then
+    records only its two index uploads' events on the calling thread (one per layer more
+    without the pool)."""
+    monkeypatch.setattr(copy_issuer, "SPARE_EVENTS", 40)
+    recorded = []
+    record = torch.cuda.Event.record
+    monkeypatch.setattr(torch.cuda.Event, "record",
+                        lambda self, *a: recorded.append(threading.current_thread()) or
+                        record(self, *a))  # fmt: skip
+    issuer = CopyIssuer(DEV)
+    try:
+        first = issuer.take_events(3)  # an empty pool: created here, and a refill asked
+        assert len(first) == 3 and issuer.counters["events_created_inline"] == 3
+        assert recorded.count(threading.main_thread()) == 3
+        assert issuer.pool_full.wait(timeout=60)
+        assert all(t.name == "pagekv-copy-issuer" for t in recorded[3:]) and len(recorded) >= 43
+        recorded.clear()
+        taken = issuer.take_events(32)
+        assert len({id(e) for e in taken + first}) == 35  # each handed out once
+        assert threading.main_thread() not in recorded
+        assert issuer.counters["events_created_inline"] == 3
+        assert issuer.pool_full.wait(timeout=60)
+
+        geo, caches, kv, pool, a, _ = setup()
+        pool.buffer.copy_(random_tensor(pool.buffer.shape, geo.dtype))
+        for t in caches:
+            poison_(t)
+        want = [t.clone() for t in caches]
+        ids = torch.randperm(8)
+        load_ref(pool.buffer, ids, DeviceKV.from_caches(geo, *want), a)
+        monkeypatch.setenv("PAGEKV_COPY_BACKEND", "kernel")
+        recorded.clear()
+        out = launch(True, kv, pool.buffer, ids.tolist(), a, IndexStaging(), issuer,
+                     layers=range(geo.num_layers))  # fmt: skip
+        assert out.backend == "kernel" and recorded.count(threading.main_thread()) == 2
+        out.events[-1].synchronize()
+        assert all(bits_equal(t, w) for t, w in zip(caches, want))
+    finally:
+        issuer.close()
 
 
 def test_transfer_layers_refused_by_the_driver_runs_on_the_kernel(monkeypatch, caplog):
