@@ -4,9 +4,10 @@ layers in one library call, issued from a thread of its own on a side stream, as
 connector's issuer does), while the main thread does one of:
 
 * ``idle``: waits for the issuing thread (``join``);
-* ``gil``: a pure-Python loop (takes the GIL between bytecodes, no CUDA call); ``gil_pre``: the
-  same, the load's events created beforehand and the library called directly (no torch call on
-  the issuing thread); ``gil_fast``: ``gil`` with a 0.1 ms GIL switch interval (5 ms default);
+* ``gil``: a pure-Python loop (takes the GIL between bytecodes, no CUDA call), the load's
+  events created on the issuing thread; ``gil_pre``: the same, its events created beforehand
+  (as the connector's issuer hands them out); ``gil_fast``: ``gil`` with a 0.1 ms GIL switch
+  interval (5 ms by default);
 * ``sync``: replays a decode-step graph and synchronises its stream after each replay;
 * ``item``: replays it and reads one value back (``.item()``: a D2H copy and a wait), as an
   engine's sampler does;
@@ -32,7 +33,6 @@ from bench_beside_compute import DecodeStep, Loads
 
 from pagekv.connector import KVGeometry
 from pagekv.kernels import copy_engine, transfer_layers
-from pagekv.kernels.jit import load_library
 
 GIB = 1 << 30
 MODES = ("idle", "gil", "gil_pre", "gil_fast", "sync", "item", "poll")
@@ -40,20 +40,14 @@ MODES = ("idle", "gil", "gil_pre", "gil_fast", "sync", "item", "poll")
 
 def issue(loads: Loads, out: dict, stream: torch.cuda.Stream, events: list | None) -> None:
     """The load on ``stream``; fills ``out`` with the call's host seconds and the total.
-    ``events``: created beforehand (the library call alone, no torch call on this thread)."""
+    ``events``: created beforehand, as the connector's issuer hands them out."""
     geo = loads.geo
     layers = list(range(geo.num_layers))
     with torch.cuda.stream(stream):
         t0 = time.perf_counter()
-        if events is None:
-            used, events = transfer_layers(True, loads.host, loads.ids_cpu, loads.kv,
-                                           loads.slots_cpu, layers,
-                                           backend="copy_engine")  # fmt: skip
-        else:
-            used = "copy_engine"
-            copy_engine.page_transfer_layers(load_library(), True, loads.host, loads.kv,
-                                             loads.ids_cpu, loads.slots_cpu, layers, events,
-                                             stream.cuda_stream)  # fmt: skip
+        used, events = transfer_layers(True, loads.host, loads.ids_cpu, loads.kv,
+                                       loads.slots_cpu, layers, backend="copy_engine",
+                                       events=events)  # fmt: skip
         out["call_s"] = time.perf_counter() - t0
         events[-1].synchronize()
         out["total_s"] = time.perf_counter() - t0
