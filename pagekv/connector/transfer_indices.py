@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
-from pagekv.kernels import DeviceKV, choose_backend, copy_engine, transfer_layers
+from pagekv.kernels import (
+    DeviceKV,
+    choose_backend,
+    copy_engine,
+    copy_engine_layers,
+    transfer_layers,
+)
 
 from .copy_issuer import CopyIssuer
 from .staging import IndexStaging
@@ -106,10 +112,12 @@ def launch(
     idx = transfer_indices(load_, kv, page_ids, slots, staging, layer=layers[0],
                            deferred=issuer is not None)  # fmt: skip
     events = issuer.take_events(len(layers)) if issuer is not None else None
-    job = functools.partial(transfer_layers, load_, host, idx.ids, kv, idx.slots, list(layers),
-                            backend=idx.backend, events=events)  # fmt: skip
     deferred = issuer is not None and copy_engine.supported(kv.device.index or 0)
     if idx.backend == "copy_engine" and deferred:
-        return Launched("copy_engine", issuer.submit(job, len(layers)), idx)
-    backend, events = job()
+        # checked and prepared here; the issuer's thread makes only the library call
+        run = copy_engine_layers(load_, host, idx.ids, kv, idx.slots, list(layers))
+        return Launched("copy_engine", issuer.submit(functools.partial(run, events),
+                                                     len(layers)), idx)  # fmt: skip
+    backend, events = transfer_layers(load_, host, idx.ids, kv, idx.slots, list(layers),
+                                      backend=idx.backend, events=events)  # fmt: skip
     return Launched(backend, events, idx)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -46,6 +46,7 @@ __all__ = [
     "DIRECT_MIN_RUN_BYTES",
     "Backend",
     "choose_backend",
+    "copy_engine_layers",
     "copy_slots",
     "load",
     "save",
@@ -360,6 +361,47 @@ def transfer_layers(
         backend = _page_transfer(load, host, ids, kv, s, layers[k], backend, None, False)
         events[k].record()
     return backend, events
+
+
+def copy_engine_layers(
+    load: bool,
+    host: torch.Tensor,
+    page_ids: Index,
+    kv: DeviceKV,
+    slots: Index,
+    layers: Sequence[int | None],
+) -> Callable[[list[torch.cuda.Event]], tuple[str, list[torch.cuda.Event]]]:
+    """:func:`transfer_layers` on the copy engine in two parts: the checks and the host
+    indices now, on the calling thread, and the returned callable, which given one created
+    event per entry (:meth:`~pagekv.connector.copy_issuer.CopyIssuer.take_events`) makes only
+    the library call on the current stream: no torch operation, so the thread that runs it
+    (the connector's issuer) hands the GIL over once, for the call, and not once per torch call
+    (each waits up to the interpreter's 5 ms switch interval beside a thread running Python).
+    Where the driver refuses the copies, the entries left run on the kernel."""
+    geo = kv.geometry
+    for layer in layers:
+        check_layer(layer, geo.num_layers)
+    ids = check_page_ids(page_ids, host.shape[0], unique=not load, check_values=False)
+    s = check_slots(slots, ids.numel(), geo.page_size, kv.num_slots, check_values=False)
+    check_host(geo, host)
+    ids_h, s_h = _host_indices(ids, s)
+    lib = _kernel_lib("copy_engine", kv.device.type == "cuda", "CUDA caches")
+    entries = list(layers)
+
+    def run(events: list[torch.cuda.Event]) -> tuple[str, list[torch.cuda.Event]]:
+        if len(events) != len(entries):
+            raise ValueError(f"{len(events)} events for {len(entries)} entries")
+        done = 0
+        if copy_engine.supported(kv.device.index or 0):
+            stream = current_stream(kv.device.index)
+            done = copy_engine.page_transfer_layers(lib, load, host, kv, ids_h, s_h, entries,
+                                                    events, stream)  # fmt: skip
+            if done == len(entries):
+                return "copy_engine", events
+        _kernel_layers(load, host, kv, ids_h, s_h, entries[done:], events[done:], True)
+        return "kernel", events
+
+    return run
 
 
 def _kernel_layers(

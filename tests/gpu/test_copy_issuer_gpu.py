@@ -20,6 +20,7 @@ from pagekv.kernels import (
     calibrate,
     choose_backend,
     copy_engine,
+    copy_engine_layers,
     copy_table,
     jit,
     load_ref,
@@ -227,11 +228,13 @@ def test_connector_layerwise_streaming_and_saves_through_the_issuer(node, monkey
         conn.close()
 
 
-@pytest.mark.parametrize("backend", ["copy_engine", "kernel"])
+@pytest.mark.parametrize("backend", ["copy_engine", "prepared", "kernel"])
 @pytest.mark.parametrize("layers", [[None], [0, 1, 2, 3], [2, 0]], ids=["all", "each", "some"])
 @pytest.mark.parametrize("direction", ["load", "save"])
 def test_transfer_layers_matches_the_reference(backend, layers, direction):
-    if backend == "copy_engine":
+    """transfer_layers, and (prepared) copy_engine_layers as the issuer runs it: checked and
+    prepared first, then the library call given created events."""
+    if backend != "kernel":
         require_copy_engine()
     geo, caches, kv, pool, a, _ = setup()
     ids = torch.randperm(8)
@@ -247,9 +250,17 @@ def test_transfer_layers_matches_the_reference(backend, layers, direction):
         want = pool.buffer.clone()
         for layer in layers:
             save_ref(kv, a, want, ids, layer=layer)
-    used, events = transfer_layers(direction == "load", pool.buffer, ids, kv, a, layers,
-                                   backend=backend)  # fmt: skip
-    assert used == backend and len(events) == len(layers)
+    if backend == "prepared":
+        run = copy_engine_layers(direction == "load", pool.buffer, ids, kv, a, layers)
+        created = [torch.cuda.Event() for _ in layers]
+        for event in created:
+            event.record()
+        used, events = run(created)
+        assert used == "copy_engine" and events == created
+    else:
+        used, events = transfer_layers(direction == "load", pool.buffer, ids, kv, a, layers,
+                                       backend=backend)  # fmt: skip
+        assert used == backend and len(events) == len(layers)
     events[-1].synchronize()
     if direction == "load":
         assert all(bits_equal(t, w) for t, w in zip(caches, want))
