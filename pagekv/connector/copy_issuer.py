@@ -26,16 +26,16 @@ Rules:
   completions: ``wait``, ``query`` and ``synchronize`` raise :class:`CopyFailed`, so nothing
   reads or publishes the bytes it did not copy. The thread goes on with the next job.
 * :meth:`close` runs the queued jobs, waits for their copies and stops the thread.
-* Events: a transfer's CUDA events come from the issuer's pool (:meth:`CopyIssuer.take_events`),
-  created ahead by the issuer's thread while it has no job. Creating a CUDA event (its first
-  record) releases the GIL, and a thread that releases it waits up to the interpreter's switch
-  interval (5 ms) to take it back from a thread running Python: an engine's step thread, say.
-  On the H100 a pure-Python loop beside the issuer slowed a copy-engine load 2-13x while each
-  of its layers' events was created on the issuing thread (scripts/diag_ce_host_rate.py); with
-  pooled events a job costs the issuer's thread three hand-offs (its wake-up, the wait on the
-  fork event, the library call), and a layer-by-layer kernel load none on the caller's.
-  Each event is handed out once (its consumers keep it); the pool refills, a few at a time
-  between jobs, to :data:`SPARE_EVENTS`.
+* Events and GIL hand-offs: a thread that releases the GIL (every torch operation and CUDA
+  call does) waits up to the interpreter's switch interval (5 ms) to take it back from a thread
+  running Python, an engine's scheduler say. So the issuer's thread does as little as possible
+  per job: the copy-engine job is checked and prepared by the submitting thread
+  (:func:`pagekv.kernels.copy_engine_layers`) and runs here as the library call alone, with
+  CUDA events created ahead by this thread while it has no job (:meth:`CopyIssuer.take_events`;
+  each handed out once, the pool refilled between jobs to :data:`SPARE_EVENTS`). On the H100,
+  beside a pure-Python thread, a 1 GiB layer-by-layer load enqueued 2.85 us a copy with the
+  whole transfer on the issuing thread and 1.24 with the prepared call, 0.50 with no other
+  thread (scripts/diag_ce_host_rate.py); beside a graph-captured decode 0.51-0.69.
 """
 
 from __future__ import annotations
