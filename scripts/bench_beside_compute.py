@@ -247,19 +247,22 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(loads.stream)
         state["t0"] = time.monotonic()
+        state["job_s0"] = issuer.counters["job_seconds"]
         if how.startswith("connector"):  # as load_async runs them, on the issuer: the
             # table's choice, or (connector_ce) the copy engine whatever the table says
             n = max(1, size // geo.page_bytes)
             ids, slots = loads.ids_cpu[:n].tolist(), loads.slots_cpu[:n]
             os.environ["PAGEKV_COPY_BACKEND"] = "copy_engine" if how == "connector_ce" else "auto"
+            outs = []
             try:
                 for _ in range(repeats):
                     with torch.cuda.stream(loads.stream):
-                        out = launch(True, loads.kv, loads.host, ids, slots, staging, issuer,
-                                     layers=range(geo.num_layers))  # fmt: skip
+                        outs.append(launch(True, loads.kv, loads.host, ids, slots, staging,
+                                           issuer, layers=range(geo.num_layers)))  # fmt: skip
             finally:
                 os.environ["PAGEKV_COPY_BACKEND"] = "auto"
-            state["last"], state["took"] = out.events[-1], out.backend
+            out = outs[-1]
+            state["last"], state["took"], state["outs"] = out.events[-1], out.backend, outs
             return start, end  # end: recorded once the decode is over (see one())
         for _ in range(repeats):
             for layer in range(geo.num_layers):
@@ -302,6 +305,13 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
                 end.record(loads.stream)
                 if isinstance(last, Completion):  # when the issuer had enqueued the last
                     out["issued_ms"] = round((last.enqueued_at - state["t0"]) * 1e3, 1)  # layer
+                    # of which inside its jobs (the library calls), the rest waiting to run them
+                    job_s = issuer.counters["job_seconds"] - state["job_s0"]
+                    out["in_jobs_ms"] = round(job_s * 1e3, 1)
+                    out["prefix_issued_ms"] = [  # each prefix's first and last layer
+                        [round((o.events[i].enqueued_at - state["t0"]) * 1e3, 1) for i in (0, -1)]
+                        for o in state["outs"]
+                    ]
             else:
                 out["loads_outlasted_decode"] = not end.query()
             loads.stream.synchronize()

@@ -120,7 +120,7 @@ class CopyIssuer:
         self._refilling = False
         self.pool_full = threading.Event()  # set while the pool holds SPARE_EVENTS
         self.counters = {"jobs": 0, "transfers": 0, "failed": 0, "kernel_fallbacks": 0,
-                         "events_created_inline": 0}  # fmt: skip
+                         "events_created_inline": 0, "job_seconds": 0.0}  # fmt: skip
 
     def take_events(self, n: int) -> list[torch.cuda.Event]:
         """``n`` created CUDA events, from the pool where it has them (no GIL hand-off on the
@@ -211,8 +211,10 @@ class CopyIssuer:
                 self._queue.put(_REFILL)
 
     def _one(self, job: Job, done: list[Completion]) -> None:
+        start = time.perf_counter()
         try:
             backend, events = job()
+            self.counters["job_seconds"] += time.perf_counter() - start
             if len(events) != len(done):
                 raise RuntimeError(f"a job recorded {len(events)} events for {len(done)} transfers")
         except Exception as e:  # the completions carry it to every consumer
