@@ -12,7 +12,10 @@ connector's issuer does), while the main thread does one of:
 * ``sync``: replays a decode-step graph and synchronises its stream after each replay;
 * ``item``: replays it and reads one value back (``.item()``: a D2H copy and a wait), as an
   engine's sampler does;
-* ``poll``: replays it and polls an event, ``time.sleep(0)`` between polls.
+* ``poll``: replays it and polls an event, ``time.sleep(0)`` between polls;
+* ``burst``: 48 replays back to back, then ``.tolist()`` of a device tensor (the reference
+  engine's graph decode: one host sync at the end); ``burst_sync``: the same with a stream
+  synchronize before the ``.tolist()``.
 
 Reports per mode the median over rounds of the issuing call's host µs per copy, and the load's
 GB/s (call start to its last event's completion). Then the calling thread's side: the host ms
@@ -42,7 +45,7 @@ from pagekv.connector.transfer_indices import launch
 from pagekv.kernels import copy_engine, copy_engine_layers, transfer_layers
 
 GIB = 1 << 30
-MODES = ("idle", "gil", "gil_pre", "gil_fast", "sync", "item", "poll")
+MODES = ("idle", "gil", "gil_pre", "gil_fast", "sync", "item", "poll", "burst", "burst_sync")
 
 
 def issue(loads: Loads, out: dict, stream: torch.cuda.Stream, prepared: tuple | None) -> None:
@@ -91,6 +94,14 @@ def beside(mode: str, step: DecodeStep, loads: Loads) -> dict:
             sum(range(1000))
         else:
             with torch.cuda.stream(step.stream):
+                if mode.startswith("burst"):  # the reference engine's graph decode
+                    for _ in range(48):
+                        step.graph.replay()
+                    if mode == "burst_sync":
+                        step.stream.synchronize()
+                    step.out[0].tolist()
+                    steps += 48
+                    continue
                 step.graph.replay()
                 if mode == "sync":
                     step.stream.synchronize()
