@@ -124,14 +124,14 @@ class CopyIssuer:
 
     def take_events(self, n: int) -> list[torch.cuda.Event]:
         """``n`` created CUDA events, from the pool where it has them (no GIL hand-off on the
-        calling thread), the rest created here; then the issuer's thread is woken to refill
-        the pool. Each may be recorded again by whoever takes it."""
+        calling thread), the rest created here; the issuer's thread is woken to refill the pool
+        when it is short. Each may be recorded again by whoever takes it."""
         with self._lock:
             out, self._spare = self._spare[:n], self._spare[n:]
-            if len(self._spare) < SPARE_EVENTS:
+            short = len(self._spare) < SPARE_EVENTS
+            if short:
                 self.pool_full.clear()
-            wake = not self._closed and not self._refilling
-            if wake:
+            if short and not self._closed and not self._refilling:
                 self._start()
                 self._refilling = True
                 self._queue.put(_REFILL)
