@@ -26,16 +26,10 @@ Rules:
   completions: ``wait``, ``query`` and ``synchronize`` raise :class:`CopyFailed`, so nothing
   reads or publishes the bytes it did not copy. The thread goes on with the next job.
 * :meth:`close` runs the queued jobs, waits for their copies and stops the thread.
-* Events and GIL hand-offs: a thread that releases the GIL (every torch operation and CUDA
-  call does) waits up to the interpreter's switch interval (5 ms) to take it back from a thread
-  running Python, an engine's scheduler say. So the issuer's thread does as little as possible
-  per job: the copy-engine job is checked and prepared by the submitting thread
-  (:func:`pagekv.kernels.copy_engine_layers`) and runs here as the library call alone, with
-  CUDA events created ahead by this thread while it has no job (:meth:`CopyIssuer.take_events`;
-  each handed out once, the pool refilled between jobs to :data:`SPARE_EVENTS`). On the H100,
-  beside a pure-Python thread, a 1 GiB layer-by-layer load enqueued 2.85 us a copy with the
-  whole transfer on the issuing thread and 1.24 with the prepared call, 0.50 with no other
-  thread (scripts/diag_ce_host_rate.py); beside a graph-captured decode 0.51-0.69.
+* The issuer is a Python thread: between library calls it needs the GIL, and beside a thread
+  that holds it (a pure-Python loop; an engine's graph launches blocked on a full launch queue)
+  it waits for it (scripts/diag_ce_host_rate.py, scripts/diag_engine_issuer.py,
+  docs/benchmarks.md "Copy engine").
 """
 
 from __future__ import annotations
@@ -101,9 +95,6 @@ class Completion:
 # Enqueues its transfers on the current stream (the issuer's), a CUDA event recorded after
 # each; returns the backend it used and the events.
 Job = Callable[[], tuple[str, list[torch.cuda.Event]]]
-# events the issuer keeps created ahead (a layer-by-layer load takes one a layer)
-SPARE_EVENTS = 256
-_REFILL = object()  # queued to wake the issuer's thread to refill the pool
 
 
 class CopyIssuer:
@@ -116,33 +107,8 @@ class CopyIssuer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self._spare: list[torch.cuda.Event] = []  # created ahead; under _lock
-        self._refilling = False
-        self.pool_full = threading.Event()  # set while the pool holds SPARE_EVENTS
         self.counters = {"jobs": 0, "transfers": 0, "failed": 0, "kernel_fallbacks": 0,
-                         "events_created_inline": 0, "job_seconds": 0.0}  # fmt: skip
-
-    def take_events(self, n: int) -> list[torch.cuda.Event]:
-        """``n`` created CUDA events, from the pool where it has them (no GIL hand-off on the
-        calling thread), the rest created here; the issuer's thread is woken to refill the pool
-        when it is short. Each may be recorded again by whoever takes it."""
-        with self._lock:
-            out, self._spare = self._spare[:n], self._spare[n:]
-            short = len(self._spare) < SPARE_EVENTS
-            if short:
-                self.pool_full.clear()
-            if short and not self._closed and not self._refilling:
-                self._start()
-                self._refilling = True
-                self._queue.put(_REFILL)
-        if len(out) < n:
-            self.counters["events_created_inline"] += n - len(out)
-            stream = torch.cuda.current_stream(self.device)
-            for _ in range(n - len(out)):
-                event = torch.cuda.Event()
-                event.record(stream)
-                out.append(event)
-        return out
+                         "job_seconds": 0.0}  # fmt: skip
 
     def submit(self, job: Job, transfers: int) -> list[Completion]:
         """Queue ``job`` (``transfers`` transfers, one event each) after the current stream's
@@ -153,18 +119,14 @@ class CopyIssuer:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the copy issuer is closed")
-            self._start()
+            if self._thread is None:
+                self._stream = torch.cuda.Stream(self.device)
+                self._thread = threading.Thread(target=self._run, name="pagekv-copy-issuer",
+                                                daemon=True)  # fmt: skip
+                self._thread.start()
             self.counters["jobs"] += 1
             self._queue.put((fork, job, done))
         return done
-
-    def _start(self) -> None:
-        """Start the thread (under ``_lock``)."""
-        if self._thread is None:
-            self._stream = torch.cuda.Stream(self.device)
-            self._thread = threading.Thread(target=self._run, name="pagekv-copy-issuer",
-                                            daemon=True)  # fmt: skip
-            self._thread.start()
 
     def close(self) -> None:
         """Run what is queued, wait for its copies, stop the thread. Idempotent."""
@@ -183,32 +145,9 @@ class CopyIssuer:
         stream = self._stream
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             while (item := self._queue.get()) is not None:
-                if item is _REFILL:
-                    self._refill(stream)
-                    continue
                 fork, job, done = item
                 stream.wait_event(fork)
                 self._one(job, done)
-
-    def _refill(self, stream: torch.cuda.Stream) -> None:
-        """Create events up to :data:`SPARE_EVENTS` while no job waits (a job queued meanwhile
-        goes first: the refill is asked again after it)."""
-        while self._queue.empty():
-            with self._lock:
-                if len(self._spare) >= SPARE_EVENTS or self._closed:
-                    self._refilling = False
-                    if len(self._spare) >= SPARE_EVENTS:
-                        self.pool_full.set()
-                    return
-            event = torch.cuda.Event()
-            event.record(stream)
-            with self._lock:
-                self._spare.append(event)
-        with self._lock:
-            self._refilling = False
-            if not self._closed and len(self._spare) < SPARE_EVENTS:
-                self._refilling = True
-                self._queue.put(_REFILL)
 
     def _one(self, job: Job, done: list[Completion]) -> None:
         start = time.perf_counter()

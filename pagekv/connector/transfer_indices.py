@@ -26,13 +26,7 @@ from typing import Any
 
 import torch
 
-from pagekv.kernels import (
-    DeviceKV,
-    choose_backend,
-    copy_engine,
-    copy_engine_layers,
-    transfer_layers,
-)
+from pagekv.kernels import DeviceKV, choose_backend, copy_engine, transfer_layers
 
 from .copy_issuer import CopyIssuer
 from .staging import IndexStaging
@@ -107,17 +101,13 @@ def launch(
     all layers at once; else those layers, one after the other), one completion each. With an
     ``issuer``, a transfer the table gives the copy engine is queued there and the current
     stream is not ordered after it: consumers wait on the completions. (Where the device has
-    stopped using the copy engine, such a transfer runs here and takes the kernel.) The
-    transfers' events come from the issuer's pool when there is an issuer."""
+    stopped using the copy engine, such a transfer runs here and takes the kernel.)"""
     idx = transfer_indices(load_, kv, page_ids, slots, staging, layer=layers[0],
                            deferred=issuer is not None)  # fmt: skip
-    events = issuer.take_events(len(layers)) if issuer is not None else None
+    job = functools.partial(transfer_layers, load_, host, idx.ids, kv, idx.slots, list(layers),
+                            backend=idx.backend)  # fmt: skip
     deferred = issuer is not None and copy_engine.supported(kv.device.index or 0)
     if idx.backend == "copy_engine" and deferred:
-        # checked and prepared here; the issuer's thread makes only the library call
-        run = copy_engine_layers(load_, host, idx.ids, kv, idx.slots, list(layers))
-        return Launched("copy_engine", issuer.submit(functools.partial(run, events),
-                                                     len(layers)), idx)  # fmt: skip
-    backend, events = transfer_layers(load_, host, idx.ids, kv, idx.slots, list(layers),
-                                      backend=idx.backend, events=events)  # fmt: skip
+        return Launched("copy_engine", issuer.submit(job, len(layers)), idx)
+    backend, events = job()
     return Launched(backend, events, idx)

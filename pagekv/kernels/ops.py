@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -46,7 +46,6 @@ __all__ = [
     "DIRECT_MIN_RUN_BYTES",
     "Backend",
     "choose_backend",
-    "copy_engine_layers",
     "copy_slots",
     "load",
     "save",
@@ -315,16 +314,13 @@ def transfer_layers(
     layers: Sequence[int | None],
     *,
     backend: Backend = "auto",
-    events: list[torch.cuda.Event] | None = None,
 ) -> tuple[str, list[torch.cuda.Event]]:
     """:func:`load` (or :func:`save`) once per entry of ``layers`` (a layer, or None for all
     layers), in order on the current stream, with ``validate=False``; a CUDA event recorded
     after each. Returns the backend of the last entry and the events. The copy engine and the
     kernel issue every entry in one library call (the copy engine's host time, ~0.5-1 us a
     copy, spent without the GIL; the kernel's ~5 us a layer); where the driver refuses the copy
-    engine, the entries left run on the kernel. ``events``: one per entry, already created (a
-    first record made: :meth:`pagekv.connector.copy_issuer.CopyIssuer.take_events`), so that this
-    thread releases the GIL for none of them; else created here. CUDA only."""
+    engine, the entries left run on the kernel. CUDA only."""
     if not layers:
         return "none", []
     geo = kv.geometry
@@ -334,17 +330,12 @@ def transfer_layers(
     s = check_slots(slots, ids.numel(), geo.page_size, kv.num_slots, check_values=False)
     if backend == "auto":
         backend = _auto_backend(load, kv, ids, s, layers[0])
-    created = events is not None
-    if events is None:
-        events = [torch.cuda.Event() for _ in layers]
-    elif len(events) != len(layers):
-        raise ValueError(f"{len(events)} events for {len(layers)} entries")
+    events = [torch.cuda.Event() for _ in layers]
     done = 0
     index = kv.device.index or 0
     if backend == "copy_engine" and copy_engine.supported(index):
-        for event in [] if created else events:  # created now: the library records it again
+        for event in events:  # created now: the library records it again after its entry
             event.record()
-        created = True
         lib = _kernel_lib(backend, True, "")
         ids_h, s_h = _host_indices(ids, s)
         check_host(geo, host)
@@ -355,53 +346,12 @@ def transfer_layers(
             return "copy_engine", events
         backend = "kernel"  # said once per device by copy_engine.fail
     if backend == "kernel":
-        _kernel_layers(load, host, kv, ids, s, layers[done:], events[done:], created)
+        _kernel_layers(load, host, kv, ids, s, layers[done:], events[done:])
         return backend, events
     for k in range(done, len(layers)):
         backend = _page_transfer(load, host, ids, kv, s, layers[k], backend, None, False)
         events[k].record()
     return backend, events
-
-
-def copy_engine_layers(
-    load: bool,
-    host: torch.Tensor,
-    page_ids: Index,
-    kv: DeviceKV,
-    slots: Index,
-    layers: Sequence[int | None],
-) -> Callable[[list[torch.cuda.Event]], tuple[str, list[torch.cuda.Event]]]:
-    """:func:`transfer_layers` on the copy engine in two parts: the checks and the host
-    indices now, on the calling thread, and the returned callable, which given one created
-    event per entry (:meth:`~pagekv.connector.copy_issuer.CopyIssuer.take_events`) makes only
-    the library call on the current stream: no torch operation, so the thread that runs it
-    (the connector's issuer) hands the GIL over once, for the call, and not once per torch call
-    (each waits up to the interpreter's 5 ms switch interval beside a thread running Python).
-    Where the driver refuses the copies, the entries left run on the kernel."""
-    geo = kv.geometry
-    for layer in layers:
-        check_layer(layer, geo.num_layers)
-    ids = check_page_ids(page_ids, host.shape[0], unique=not load, check_values=False)
-    s = check_slots(slots, ids.numel(), geo.page_size, kv.num_slots, check_values=False)
-    check_host(geo, host)
-    ids_h, s_h = _host_indices(ids, s)
-    lib = _kernel_lib("copy_engine", kv.device.type == "cuda", "CUDA caches")
-    entries = list(layers)
-
-    def run(events: list[torch.cuda.Event]) -> tuple[str, list[torch.cuda.Event]]:
-        if len(events) != len(entries):
-            raise ValueError(f"{len(events)} events for {len(entries)} entries")
-        done = 0
-        if copy_engine.supported(kv.device.index or 0):
-            stream = current_stream(kv.device.index)
-            done = copy_engine.page_transfer_layers(lib, load, host, kv, ids_h, s_h, entries,
-                                                    events, stream)  # fmt: skip
-            if done == len(entries):
-                return "copy_engine", events
-        _kernel_layers(load, host, kv, ids_h, s_h, entries[done:], events[done:], True)
-        return "kernel", events
-
-    return run
 
 
 def _kernel_layers(
@@ -412,12 +362,11 @@ def _kernel_layers(
     s: torch.Tensor,
     layers: Sequence[int | None],
     events: list[torch.cuda.Event],
-    created: bool,
 ) -> None:
     """The kernel once per entry of ``layers``, ``events[i]`` recorded after entry ``i``: the
-    indices uploaded (when on the CPU) and the launch worked out once, then the entries in one
-    library call (two where the events are created here: the first entry, then the rest), a few
-    us of host time per layer instead of a Python call's ~50."""
+    indices uploaded (when on the CPU) and the launch worked out once, then the entries in two
+    library calls (the first, then the rest), a few us of host time per layer instead of a
+    Python call's ~50."""
     geo, dev = kv.geometry, kv.device
     check_host(geo, host)
     host_ok = host.device == dev or (host.device.type == "cpu" and host.is_pinned())
@@ -433,7 +382,7 @@ def _kernel_layers(
     table, stream = kv.pointer_table(dev).data_ptr(), current_stream(dev.index)
 
     def launch(first: int, end: int) -> None:
-        for event in [] if created else events[first:end]:  # created now: recorded again
+        for event in events[first:end]:  # created now: the library records it after its entry
             event.record()
         part = layers[first:end]
         which = (ctypes.c_int * len(part))(*(-1 if layer is None else layer for layer in part))
@@ -451,11 +400,9 @@ def _kernel_layers(
             raise RuntimeError(f"pagekv kernel {what} failed at entry {first + done.value} of "
                                f"{len(layers)}: cudaError {err}")  # fmt: skip
 
-    if created:
-        launch(0, len(layers))
-    else:  # the first entry runs on the GPU while the host creates the others' events
-        launch(0, 1)
-        launch(1, len(layers))
+    # the first entry runs on the GPU while the host creates the others' events (~3 us each)
+    launch(0, 1)
+    launch(1, len(layers))
 
 
 def load(

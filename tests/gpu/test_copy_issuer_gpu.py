@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from pagekv.connector import KeyNamespace, KVConnector, copy_issuer
+from pagekv.connector import KeyNamespace, KVConnector
 from pagekv.connector.copy_issuer import CopyFailed, CopyIssuer
 from pagekv.connector.host_pool import HostPagePool
 from pagekv.connector.staging import IndexStaging
@@ -20,7 +20,6 @@ from pagekv.kernels import (
     calibrate,
     choose_backend,
     copy_engine,
-    copy_engine_layers,
     copy_table,
     jit,
     load_ref,
@@ -228,13 +227,11 @@ def test_connector_layerwise_streaming_and_saves_through_the_issuer(node, monkey
         conn.close()
 
 
-@pytest.mark.parametrize("backend", ["copy_engine", "prepared", "kernel"])
+@pytest.mark.parametrize("backend", ["copy_engine", "kernel"])
 @pytest.mark.parametrize("layers", [[None], [0, 1, 2, 3], [2, 0]], ids=["all", "each", "some"])
 @pytest.mark.parametrize("direction", ["load", "save"])
 def test_transfer_layers_matches_the_reference(backend, layers, direction):
-    """transfer_layers, and (prepared) copy_engine_layers as the issuer runs it: checked and
-    prepared first, then the library call given created events."""
-    if backend != "kernel":
+    if backend == "copy_engine":
         require_copy_engine()
     geo, caches, kv, pool, a, _ = setup()
     ids = torch.randperm(8)
@@ -250,17 +247,9 @@ def test_transfer_layers_matches_the_reference(backend, layers, direction):
         want = pool.buffer.clone()
         for layer in layers:
             save_ref(kv, a, want, ids, layer=layer)
-    if backend == "prepared":
-        run = copy_engine_layers(direction == "load", pool.buffer, ids, kv, a, layers)
-        created = [torch.cuda.Event() for _ in layers]
-        for event in created:
-            event.record()
-        used, events = run(created)
-        assert used == "copy_engine" and events == created
-    else:
-        used, events = transfer_layers(direction == "load", pool.buffer, ids, kv, a, layers,
-                                       backend=backend)  # fmt: skip
-        assert used == backend and len(events) == len(layers)
+    used, events = transfer_layers(direction == "load", pool.buffer, ids, kv, a, layers,
+                                   backend=backend)  # fmt: skip
+    assert used == backend and len(events) == len(layers)
     events[-1].synchronize()
     if direction == "load":
         assert all(bits_equal(t, w) for t, w in zip(caches, want))
@@ -329,50 +318,6 @@ def test_kernel_layers_in_one_call_match_the_reference(where, index_dtype, mla, 
                 assert all(bits_equal(a[lay], b[lay]) for a, b in zip(snap, want)), (i, lay)
             else:
                 assert bits_equal(snap.cpu()[:, lay], want[:, lay]), (i, lay)
-
-
-def test_the_issuers_events_are_created_ahead_on_its_thread(monkeypatch):
-    """take_events hands out events the issuer's thread created ahead (the caller's thread
-    records none: no GIL hand-off there), creates inline only what the pool lacks, and the
-    pool refills on the issuer's thread; a layer-by-layer kernel load through launch then
-    records only its two index uploads' events on the calling thread (one per layer more
-    without the pool)."""
-    monkeypatch.setattr(copy_issuer, "SPARE_EVENTS", 40)
-    recorded = []
-    record = torch.cuda.Event.record
-    monkeypatch.setattr(torch.cuda.Event, "record",
-                        lambda self, *a: recorded.append(threading.current_thread()) or
-                        record(self, *a))  # fmt: skip
-    issuer = CopyIssuer(DEV)
-    try:
-        first = issuer.take_events(3)  # an empty pool: created here, and a refill asked
-        assert len(first) == 3 and issuer.counters["events_created_inline"] == 3
-        assert recorded.count(threading.main_thread()) == 3
-        assert issuer.pool_full.wait(timeout=60)
-        assert all(t.name == "pagekv-copy-issuer" for t in recorded[3:]) and len(recorded) >= 43
-        recorded.clear()
-        taken = issuer.take_events(32)
-        assert len({id(e) for e in taken + first}) == 35  # each handed out once
-        assert threading.main_thread() not in recorded
-        assert issuer.counters["events_created_inline"] == 3
-        assert issuer.pool_full.wait(timeout=60)
-
-        geo, caches, kv, pool, a, _ = setup()
-        pool.buffer.copy_(random_tensor(pool.buffer.shape, geo.dtype))
-        for t in caches:
-            poison_(t)
-        want = [t.clone() for t in caches]
-        ids = torch.randperm(8)
-        load_ref(pool.buffer, ids, DeviceKV.from_caches(geo, *want), a)
-        monkeypatch.setenv("PAGEKV_COPY_BACKEND", "kernel")
-        recorded.clear()
-        out = launch(True, kv, pool.buffer, ids.tolist(), a, IndexStaging(), issuer,
-                     layers=range(geo.num_layers))  # fmt: skip
-        assert out.backend == "kernel" and recorded.count(threading.main_thread()) == 2
-        out.events[-1].synchronize()
-        assert all(bits_equal(t, w) for t, w in zip(caches, want))
-    finally:
-        issuer.close()
 
 
 def test_transfer_layers_refused_by_the_driver_runs_on_the_kernel(monkeypatch, caplog):
