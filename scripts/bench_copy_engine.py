@@ -80,8 +80,8 @@ def transfer_fns(st: Setup, n: int, layer: int | None) -> dict[str, Callable[[],
 
     fns["auto_load"] = lambda: auto(True)
     fns["auto_save"] = lambda: auto(False)
-    fns["connector_load"] = lambda: connector(True, st.kv, st.host, page_ids, slots, layer)
-    fns["connector_save"] = lambda: connector(False, st.kv, st.host, page_ids, slots, layer)
+    fns["connector_load"] = lambda: connector(True, st.kv, st.host, page_ids, slots, (layer,))
+    fns["connector_save"] = lambda: connector(False, st.kv, st.host, page_ids, slots, (layer,))
     return fns
 
 
@@ -89,19 +89,20 @@ _issuer: CopyIssuer | None = None
 _staging: IndexStaging | None = None
 
 
-def _submit(is_load: bool, kv, host, page_ids, slots, layer):
-    """The transfer as the connector's load_async, streaming loads and saves run it: the
-    table's choice, the copy engine enqueued by the issuer's thread (``deferred``)."""
+def _submit(is_load: bool, kv, host, page_ids, slots, layers):
+    """The transfer (once per entry of ``layers``) as the connector's load_async, streaming
+    loads and saves run it: the table's choice, the copy engine enqueued by the issuer's thread
+    (``deferred``)."""
     global _issuer, _staging
     if _issuer is None:
         _issuer = CopyIssuer(torch.device("cuda", torch.cuda.current_device()))
         _staging = IndexStaging()
-    return launch(is_load, kv, host, page_ids, slots, _staging, _issuer, layers=(layer,))
+    return launch(is_load, kv, host, page_ids, slots, _staging, _issuer, layers=layers)
 
 
-def connector(is_load: bool, kv, host, page_ids, slots, layer) -> str:
+def connector(is_load: bool, kv, host, page_ids, slots, layers) -> str:
     """:func:`_submit`, then the current stream waits on it (the host waits for the enqueue)."""
-    out = _submit(is_load, kv, host, page_ids, slots, layer)
+    out = _submit(is_load, kv, host, page_ids, slots, layers)
     out.events[-1].wait()
     return out.backend
 
@@ -114,7 +115,7 @@ def submit_us(is_load: bool, st: Setup, n: int, layer: int | None, reps: int = 5
     for _ in range(reps):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        out = _submit(is_load, st.kv, st.host, page_ids, slots, layer)
+        out = _submit(is_load, st.kv, st.host, page_ids, slots, (layer,))
         times.append(time.perf_counter() - t)
         out.events[-1].synchronize()
     return round(statistics.median(times) * 1e6, 1)
@@ -146,14 +147,8 @@ def layerwise(raw_host: torch.Tensor, st: Setup, n: int, nbytes: int, reps: int)
     took = []
 
     def run() -> str:
-        global _issuer, _staging
-        if _issuer is None:
-            _issuer = CopyIssuer(torch.device("cuda", torch.cuda.current_device()))
-            _staging = IndexStaging()
-        out = launch(True, st.kv, st.host, page_ids, slots, _staging, _issuer, layers=layers)
-        out.events[-1].wait()
-        took.append(out.backend)
-        return out.backend
+        took.append(connector(True, st.kv, st.host, page_ids, slots, layers))
+        return took[-1]
 
     fns = {"ceiling_lw": ceiling_fns(raw_host, nbytes)["ceiling_h2d"], "layerwise_load": run}
     plain, held = interleaved(fns, reps), held_interleaved(fns, reps)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .jit import layer_entries
 from .layout import DeviceKV, mean_run_bytes
 
 __all__ = [
@@ -142,8 +143,7 @@ def page_transfer_layers(
     many entries were issued and recorded; fewer than ``len(layers)`` (after one log line for the
     device) when the driver refused a call: the caller runs the rest on the kernel. The events
     must exist (torch creates a CUDA event at its first ``record``)."""
-    handles = (ctypes.c_void_p * len(events))(*(event.cuda_event for event in events))
-    which = (ctypes.c_int * len(layers))(*(-1 if layer is None else layer for layer in layers))
+    which, handles = layer_entries(layers, events)
     stats, done = (ctypes.c_int64 * 2)(), ctypes.c_int(0)
     err = lib.pagekv_ce_page_transfer_layers(
         *_transfer_args(load, host, kv, ids, slots), which, len(layers), handles, FLAGS, LANES,

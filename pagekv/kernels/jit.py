@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -156,6 +157,17 @@ _SIGNATURES["pagekv_ce_page_transfer_layers"] = (
     + [ctypes.POINTER(_L), ctypes.POINTER(_I)],
     ctypes.c_int,
 )  # fmt: skip
+
+
+def layer_entries(
+    layers: Sequence[int | None], events: Sequence[torch.cuda.Event]
+) -> tuple[ctypes.Array, ctypes.Array]:
+    """The arrays the layer-by-layer entries (``pagekv_*_transfer_layers``) take: each entry's
+    layer (-1: all layers) and the handle of the event recorded after it (the events must
+    exist: torch creates one at its first ``record``)."""
+    which = (ctypes.c_int * len(layers))(*(-1 if layer is None else layer for layer in layers))
+    handles = (ctypes.c_void_p * len(events))(*(event.cuda_event for event in events))
+    return which, handles
 
 
 class StoreKVPlan(ctypes.Structure):

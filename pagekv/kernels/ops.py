@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 
 from . import copy_engine, copy_table, reference
-from .jit import KernelsUnavailable, copy_backend_setting, load_library
+from .jit import KernelsUnavailable, copy_backend_setting, layer_entries, load_library
 from .layout import (
     DeviceKV,
     check_host,
@@ -223,6 +223,15 @@ def choose_backend(
     return _auto_backend(load, kv, ids, s, layer, deferred)
 
 
+def _launch_shape(load: bool, kv: DeviceKV, host_addr: int) -> tuple[int, int, int]:
+    """A page transfer kernel's access width, chunks in flight per thread and threads per
+    block, for ``kv`` and host pages at ``host_addr``."""
+    width = _vector_width(kv.geometry.item_bytes, kv.slot_stride_bytes, host_addr, *kv.layer_ptrs)
+    unroll = UNROLL_LOAD if load else UNROLL_SAVE
+    threads = THREADS if unroll == 4 else THREADS // 2  # unroll 8: 512-thread blocks
+    return width, unroll, threads
+
+
 def _page_transfer(
     load: bool,
     host: torch.Tensor,
@@ -288,9 +297,7 @@ def _page_transfer(
     else:
         ids_d, s_d = _device_indices(ids, dev), _device_indices(s, dev)
         host_addr = _device_address(host, dev)
-        width = _vector_width(geo.item_bytes, kv.slot_stride_bytes, host_addr, *kv.layer_ptrs)
-        unroll = UNROLL_LOAD if load else UNROLL_SAVE
-        threads = THREADS if unroll == 4 else THREADS // 2  # unroll 8: 512-thread blocks
+        width, unroll, threads = _launch_shape(load, kv, host_addr)
         chunks = ids_d.numel() * geo.num_kv * geo.page_size * nl * geo.item_bytes // width
         blocks = max(1, min(num_blocks, -(-chunks // (threads * unroll))))
         err = lib.pagekv_page_transfer(
@@ -371,28 +378,24 @@ def _kernel_layers(
     check_host(geo, host)
     host_ok = host.device == dev or (host.device.type == "cpu" and host.is_pinned())
     lib = _kernel_lib("kernel", dev.type == "cuda" and host_ok, "CUDA caches and a pinned host")
-    ids_d, s_d = _device_indices(ids, dev), _device_indices(s, dev)
-    host_addr = _device_address(host, dev)
-    width = _vector_width(geo.item_bytes, kv.slot_stride_bytes, host_addr, *kv.layer_ptrs)
-    unroll = UNROLL_LOAD if load else UNROLL_SAVE
-    threads = THREADS if unroll == 4 else THREADS // 2  # unroll 8: 512-thread blocks
-    blocks_all, blocks_one = (LOAD_BLOCKS, LAYER_LOAD_BLOCKS) if load else (SAVE_BLOCKS,) * 2
     if lib is None:  # _kernel_lib raises first for "kernel"; kept for the type checker
         raise KernelsUnavailable("CUDA kernels unavailable; see PAGEKV_KERNELS and the log")
+    ids_d, s_d = _device_indices(ids, dev), _device_indices(s, dev)
+    host_addr = _device_address(host, dev)
+    width, unroll, threads = _launch_shape(load, kv, host_addr)
+    blocks_all, blocks_one = (LOAD_BLOCKS, LAYER_LOAD_BLOCKS) if load else (SAVE_BLOCKS,) * 2
     table, stream = kv.pointer_table(dev).data_ptr(), current_stream(dev.index)
 
     def launch(first: int, end: int) -> None:
         for event in events[first:end]:  # created now: the library records it after its entry
             event.record()
-        part = layers[first:end]
-        which = (ctypes.c_int * len(part))(*(-1 if layer is None else layer for layer in part))
-        handles = (ctypes.c_void_p * len(part))(*(e.cuda_event for e in events[first:end]))
+        which, handles = layer_entries(layers[first:end], events[first:end])
         done = ctypes.c_int(0)
         err = lib.pagekv_page_transfer_layers(
             dev.index, int(load), host_addr, table, ids_d.data_ptr(),
             int(ids_d.dtype == torch.int64), s_d.data_ptr(), int(s_d.dtype == torch.int64),
             ids_d.numel(), host.shape[0], kv.num_slots, geo.page_bytes, kv.slot_stride_bytes,
-            geo.item_bytes, geo.page_size, geo.num_kv, geo.num_layers, which, len(part),
+            geo.item_bytes, geo.page_size, geo.num_kv, geo.num_layers, which, end - first,
             handles, width, blocks_all, blocks_one, threads, unroll, stream, ctypes.byref(done),
         )  # fmt: skip
         if err != 0:

@@ -12,7 +12,7 @@ import torch
 from pagekv.connector import KeyNamespace, KVConnector
 from pagekv.kernels import copy_engine, jit
 from pagekv.store.launch import NodeProcess
-from tests.gpu.test_kernels_gpu import ITEM_BYTES, device_caches, geometry
+from tests.gpu.test_kernels_gpu import ITEM_BYTES, device_caches, geometry, require_copy_engine
 from tests.helpers import bits_equal, poison_
 
 pytestmark = pytest.mark.cuda
@@ -23,11 +23,6 @@ def node():
     n = NodeProcess("--capacity", "1GiB").start()
     yield n
     n.stop()
-
-
-def require_copy_engine():
-    if not copy_engine.supported(0):
-        pytest.skip(f"copy engine unavailable here: {copy_engine.disabled_reason(0)}")
 
 
 def round_trip(node, geo, setting, monkeypatch, cuda_slots=False):

@@ -28,16 +28,11 @@ from pagekv.kernels import (
     transfer_layers,
 )
 from pagekv.store.launch import NodeProcess
-from tests.gpu.test_kernels_gpu import device_caches, geometry
+from tests.gpu.test_kernels_gpu import device_caches, geometry, require_copy_engine
 from tests.helpers import bits_equal, poison_, random_tensor
 
 pytestmark = pytest.mark.cuda
 DEV = torch.device("cuda", 0)
-
-
-def require_copy_engine():
-    if not copy_engine.supported(0):
-        pytest.skip(f"copy engine unavailable here: {copy_engine.disabled_reason(0)}")
 
 
 def setup(n_pages=8, page_size=16):
