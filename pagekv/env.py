@@ -35,7 +35,6 @@ __all__ = [
     "ENGINE_VENVS",
     "EXIT_FLUSH_S",
     "KERNELS",
-    "MALLOC_ARENAS",
     "MALLOC_TOP_PAD",
     "NATIVE_COPY",
     "OFFLINE",
@@ -191,10 +190,9 @@ CONFIG = _var("CONFIG", str, None,
               "TOML file of `pagekv serve`/`cluster` settings (as `--config`)", "path",
               "unset")  # fmt: skip
 TUNE_MALLOC = _var("TUNE_MALLOC", parse_bool, True,
-                   "nodes: keep blocks in an untrimmed glibc heap (`pagekv.store.node.memory`)",
+                   "nodes: keep blocks in one untrimmed glibc heap, warmed up to the capacity at "
+                   "start (`pagekv.store.node.memory`)",
                    "bool", "on")  # fmt: skip
-MALLOC_ARENAS = _var("MALLOC_ARENAS", parse_int, 2,
-                     "nodes with `PAGEKV_TUNE_MALLOC`: glibc malloc arenas", "int")  # fmt: skip
 MALLOC_TOP_PAD = _var("MALLOC_TOP_PAD", parse_size, 64 << 20,
                       "nodes with `PAGEKV_TUNE_MALLOC`: glibc top pad (bytes kept when a heap "
                       "shrinks)", "size", "64MiB")  # fmt: skip
@@ -218,7 +216,7 @@ REQUIRE_MOONCAKE = _var("REQUIRE_MOONCAKE", parse_bool, False,
 
 REGISTRY: tuple[EnvVar[Any], ...] = (KERNELS, COPY_BACKEND, NATIVE_COPY, CACHE_DIR, BULK_CLIENT,
                                      SHM_CLIENT, EXIT_FLUSH_S, CONFIG, TUNE_MALLOC,
-                                     MALLOC_ARENAS, MALLOC_TOP_PAD, ENGINE_VENVS, REQUIRE_VLLM,
+                                     MALLOC_TOP_PAD, ENGINE_VENVS, REQUIRE_VLLM,
                                      REQUIRE_SGLANG, REQUIRE_MOONCAKE, OFFLINE)  # fmt: skip
 
 

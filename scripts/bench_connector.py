@@ -65,6 +65,7 @@ def run(args, num_nodes: int) -> dict:
     cap = f"{int(n_pages * geo.page_bytes * 1.2 / num_nodes) + (256 << 20)}"
     nodes = start_nodes(num_nodes, "--capacity", cap, *(["--shm"] if args.shm else []))
     try:
+        warmed = sum(node.warmed() for node in nodes)  # as a node that has served a while
         cfg = ClientConfig(tuple(n.address for n in nodes), timeout_s=60, streams=args.streams)
         shape = (geo.num_layers, slots, *geo.device_layer_shape)
         src = [torch.randn(shape, device=device).to(geo.dtype) for _ in range(2)]
@@ -75,7 +76,8 @@ def run(args, num_nodes: int) -> dict:
         tokens = torch.randint(0, 128_000, (args.tokens,)).tolist()
         slot_ids = torch.randperm(slots, device=device)[: args.tokens]
         r: dict = dict(nodes=num_nodes, tokens=args.tokens, bytes=n_pages * geo.page_bytes,
-                       streams=cfg.streams, copy_threads=cfg.copy_threads)  # fmt: skip
+                       streams=cfg.streams, copy_threads=cfg.copy_threads,
+                       nodes_warmed_bytes=warmed)  # fmt: skip
         r["save_to_host_s"], _ = timed(lambda: a.save(tokens, slot_ids))
         r["writeback_s"], _ = timed(lambda: a.flush_sync(timeout=600))
         r["lookup_ms"] = timed(lambda: b.lookup(tokens), reps=20)[0] * 1e3

@@ -91,6 +91,21 @@ class NodeProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.kill(signal.SIGTERM)
 
+    def warmed(self, timeout: float = 60.0) -> int:
+        """Wait until the node has warmed its heap for blocks (``pagekv.store.node.memory``:
+        started once it serves); the resident memory that added (0: it warms nothing)."""
+        import time
+
+        from .client.blocking import StoreClient
+
+        deadline = time.monotonic() + timeout
+        with StoreClient(self.address, timeout_s=min(5.0, timeout)) as client:
+            while (stats := client.stats()[0]) is None or stats["heap_warming"]:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"node {self.address} still warming after {timeout:g} s")
+                time.sleep(0.01)
+        return stats["heap_warmed_bytes"]
+
     def rss_bytes(self) -> int:
         if self.proc is None:
             raise RuntimeError("node not started")

@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from pagekv import env
 from pagekv.errors import ConfigError
 
 from ..config import CurveClientKeys, NodeConfig
@@ -171,10 +172,13 @@ def run_serve(values: dict[str, Any]) -> int:
     from ..client.probe import probe
     from ..node.disk import DiskTierError
     from ..node.event_publisher import EventsBindError
+    from ..node.memory import tune_malloc_for_blocks
     from ..node.metrics import node_metrics, ping_health
     from ..node.server import StoreNode
     from .lifecycle import die_with_parent
 
+    # first: a thread keeps the malloc arena it first allocated in (node/memory.py's rules)
+    tuned = env.TUNE_MALLOC.get() and tune_malloc_for_blocks(arena_max=1)
     if values["parent_pid"] is not None:
         die_with_parent(values["parent_pid"])
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where it is stuck
@@ -216,6 +220,8 @@ def run_serve(values: dict[str, Any]) -> int:
              format_size(config.capacity), disk, os.getpid())  # fmt: skip
     extra = f" metrics {metrics.url}" if metrics else ""
     print(f"pagekv node ready {node.address}{extra}", file=sys.stderr, flush=True)
+    if tuned:  # after the ready line: the warmer's log line must not split it
+        node.warm_heap()
     try:
         node.serve_forever()
     finally:

@@ -26,6 +26,7 @@ from pagekv.env import parse_bool, parse_float, parse_int, parse_size
 from pagekv.errors import ConfigError
 
 from ..config import NodeConfig
+from ..node.memory import memory_limit
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -291,17 +292,3 @@ def resolve(
         except ValueError as e:
             raise ConfigError(f"{source}: {e}") from None
     return out
-
-
-def memory_limit() -> int:
-    """Bytes this process may use at most: physical RAM, or a smaller cgroup memory limit."""
-    limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            limit = min(limit, int(text))
-    return limit

@@ -32,8 +32,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import zmq
 
-from pagekv import env
-
 from ..config import NodeConfig
 from ..wire.copies import shared_pool
 from ..wire.protocol import (
@@ -56,7 +54,7 @@ from .event_publisher import EventPublisher
 from .events import DISK, MEMORY, NodeEvents
 from .guard import ConnectionGuard, source_fd, wire_bytes
 from .lane import BulkServer, LaneLimits, SendDone
-from .memory import tune_malloc_for_blocks
+from .memory import HeapWarmer
 from .monitor import EVENTS as MONITOR_EVENTS
 from .monitor import ConnectionMonitor
 from .outbox import Outbox
@@ -164,6 +162,7 @@ class StoreNode:
         else:
             self.connections = ConnectionMonitor(self.sock)
         self.segment: Segment | None = None
+        self._warmer: HeapWarmer | None = None
         self.shm_advert: dict[str, Any] = {}  # PING and LOCATE replies' ``shm``
         self.bulk: BulkServer | None = None
         self.events: NodeEvents | None = None
@@ -303,9 +302,16 @@ class StoreNode:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, handler)
 
+    def warm_heap(self) -> None:
+        """Warm this process's malloc heap for the blocks to come, up to the capacity, on a
+        thread (:class:`~.memory.HeapWarmer`). For a process whose malloc was tuned for blocks
+        before it started a thread (``pagekv serve``); a ``--shm`` node keeps its blocks in its
+        segment, not the heap: nothing to warm."""
+        if self.segment is None and self._warmer is None:
+            store = self.store
+            self._warmer = HeapWarmer(lambda: store.capacity - store.used).start()
+
     def serve_forever(self) -> None:
-        if env.TUNE_MALLOC.get():
-            tune_malloc_for_blocks()
         # Millions of long-lived blocks: collect the young generation far less often than the
         # default every 700 allocations (each pass costs; the index makes no reference cycles).
         gc.set_threshold(50_000, 20, 20)
@@ -346,6 +352,8 @@ class StoreNode:
             log.info("pagekv node %s stopped", self.address)
 
     def close(self) -> None:
+        if self._warmer is not None:
+            self._warmer.stop()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
@@ -730,4 +738,6 @@ class StoreNode:
                 "parked": self.outbox.parked, "stream_ports": self.stream_ports,
                 "bulk_port": self.bulk.port if self.bulk else 0,
                 "bulk_open": self.bulk.open_connections if self.bulk else 0,
+                "heap_warmed_bytes": self._warmer.warmed if self._warmer else 0,
+                "heap_warming": self._warmer is not None and not self._warmer.done,
                 **(self.bulk.counters if self.bulk else {}), **disk, **events}  # fmt: skip
