@@ -65,7 +65,7 @@ def run(args, num_nodes: int) -> dict:
     cap = f"{int(n_pages * geo.page_bytes * 1.2 / num_nodes) + (256 << 20)}"
     nodes = start_nodes(num_nodes, "--capacity", cap, *(["--shm"] if args.shm else []))
     try:
-        warmed = sum(node.warmed() for node in nodes)  # as a node that has served a while
+        warmed = sum(node.warmed() for node in nodes)  # as nodes that have served a while
         cfg = ClientConfig(tuple(n.address for n in nodes), timeout_s=60, streams=args.streams)
         shape = (geo.num_layers, slots, *geo.device_layer_shape)
         src = [torch.randn(shape, device=device).to(geo.dtype) for _ in range(2)]

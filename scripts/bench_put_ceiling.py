@@ -91,8 +91,8 @@ def main() -> None:
     sock = zmq.Context(io_threads=1).socket(zmq.DEALER)
     sock.connect(f"tcp://127.0.0.1:{int(server.stdout.readline())}")
     nodes = {
-        "verify": NodeProcess("--capacity", "2GiB").start(),
-        "no_verify": NodeProcess("--capacity", "2GiB", "--no-verify-puts").start(),
+        "verify": NodeProcess("--capacity", "2GiB").start(warm=True),
+        "no_verify": NodeProcess("--capacity", "2GiB", "--no-verify-puts").start(warm=True),
     }
     clients = {k: StoreClient(v.address, timeout_s=30, streams=1) for k, v in nodes.items()}
     rows = []

@@ -63,7 +63,7 @@ def put_get_round(client: StoreClient, blocks: list, into: list, tag: str) -> tu
 
 def headline(args) -> dict:
     size, n = 2 * MIB, 64
-    node = NodeProcess("--capacity", "2GiB").start()
+    node = NodeProcess("--capacity", "2GiB").start(warm=True)
     blocks = [os.urandom(size) for _ in range(n)]
     into = [bytearray(size) for _ in range(n)]
     rows = []
@@ -87,7 +87,7 @@ def user_rounds(args) -> dict:
     """A user's put_many/get_many of 32 x 2 MiB with the default client (its streams, copy
     pool and transports) and fresh buffers each round, against the 1-stream TCP ceiling."""
     size, n = 2 * MIB, 32
-    node = NodeProcess("--capacity", "1GiB").start()
+    node = NodeProcess("--capacity", "1GiB").start(warm=True)
     rows = []
     with StoreClient(node.address, timeout_s=30) as client:
         for r in range(args.rounds + 1):  # the first warms the links, the node and the pools
@@ -144,7 +144,7 @@ def streams_rows(args) -> dict:
         cold_put, cold_get = tcp_ceiling(k, size, max(1, n // k), args.rounds, cold=True)
         memcpy = memcpy_ceiling(k, 32 * MIB, 4)
         for path in args.paths:  # the same ceilings for each data path
-            node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k)).start()
+            node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k)).start(warm=True)
             cfg = ClientConfig((node.address,), timeout_s=30, streams=k, bulk=path == "bulk",
                                copy_threads=args.copy_threads)  # fmt: skip
             client = AsyncStoreClient(node.address, config=cfg)
@@ -190,7 +190,7 @@ def peer_rows(args) -> dict:
 
 
 def grid(args) -> list[dict]:
-    node = NodeProcess("--capacity", "2GiB").start()
+    node = NodeProcess("--capacity", "2GiB").start(warm=True)
     rows = []
     with StoreClient(node.address, timeout_s=60) as client:
         for size in args.block_sizes:
@@ -213,7 +213,7 @@ def grid(args) -> list[dict]:
 
 
 def exists_latency(args) -> dict:
-    node = NodeProcess("--capacity", "1GiB").start()
+    node = NodeProcess("--capacity", "1GiB").start(warm=True)
     with StoreClient(node.address, timeout_s=10) as client:
         keys = [i.to_bytes(16, "little") for i in range(1024)]
         client.put_many(keys[:512], [b"x" * 64] * 512)

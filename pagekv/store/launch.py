@@ -29,7 +29,9 @@ class NodeProcess:
         self.proc: subprocess.Popen | None = None
         self.log: collections.deque[str] = collections.deque(maxlen=200)
 
-    def start(self, timeout: float = 20.0) -> NodeProcess:
+    def start(self, timeout: float = 20.0, warm: bool = False) -> NodeProcess:
+        """Start the node and wait until it reports ready; with ``warm``, also until it has
+        warmed its heap for blocks (a node as it is once it has served a while: benchmarks)."""
         cmd = [
             sys.executable,
             "-X",
@@ -56,6 +58,8 @@ class NodeProcess:
         # wait on the reader's event, never on the pipe: a node that hangs before it reports
         # ready (or writes a partial line) must not block the caller past ``timeout``
         if self._ready.wait(timeout) and self.address:
+            if warm:
+                self.warmed()
             return self
         why = "exited" if self._ready.is_set() else f"did not report ready in {timeout:g} s"
         if self.proc.poll() is None:  # hung: its faulthandler writes every thread's stack
@@ -124,11 +128,12 @@ class NodeProcess:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_nodes(n: int, *args: str) -> list[NodeProcess]:
+def start_nodes(n: int, *args: str, warm: bool = False) -> list[NodeProcess]:
+    """Start ``n`` nodes of the same ``args`` (:meth:`NodeProcess.start`)."""
     nodes = []
     try:
         for _ in range(n):
-            nodes.append(NodeProcess(*args).start())
+            nodes.append(NodeProcess(*args).start(warm=warm))
     except BaseException:
         for node in nodes:
             node.stop()
