@@ -81,10 +81,12 @@ def run(args, num_nodes: int) -> dict:
         r["save_to_host_s"], _ = timed(lambda: a.save(tokens, slot_ids))
         r["writeback_s"], _ = timed(lambda: a.flush_sync(timeout=600))
         r["lookup_ms"] = timed(lambda: b.lookup(tokens), reps=20)[0] * 1e3
-        cold = []
+        cold, memcpy8 = [], []
         for _ in range(5):  # from the store each time: the host tier is emptied between rounds
-            # (the first two warm the processes' heaps: see docs/benchmarks.md)
+            # (the first two warm the processes' heaps: see docs/benchmarks.md); the 8-thread
+            # memcpy ceiling just before each (the host's memory bandwidth moves 2x in minutes)
             b.cache.evict(n_pages + 8)
+            memcpy8.append(memcpy_ceiling(8, 32 << 20, 4))
             seconds, handle = timed(lambda: asyncio.run(b.prefetch(tokens)))
             if handle.num_tokens != n_pages * geo.page_size or handle.fetched != n_pages:
                 raise RuntimeError(f"prefetched only {handle.num_tokens} tokens")
@@ -93,6 +95,9 @@ def run(args, num_nodes: int) -> dict:
                 b.release(handle)
         r["prefetch_first_s"] = cold[0]
         r["prefetch_s"] = statistics.median(cold[2:])
+        r["memcpy8_rounds_gbps"] = [round(g, 3) for g in memcpy8]
+        r["prefetch_vs_memcpy8_paired"] = round(statistics.median(
+            r["bytes"] / s / 1e9 / g for s, g in zip(cold[2:], memcpy8[2:])), 3)  # fmt: skip
         r["load_s"] = timed(lambda: b.load(handle, slot_ids), reps=5)[0]
         b.release(handle)
         # prefetch with device_slots (overlapped load): from the call until every chunk has

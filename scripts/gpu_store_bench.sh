@@ -67,6 +67,7 @@ for d in sorted(root.iterdir()):
         elif f.stem == "bench_connector_shm":
             for r in j["rows"]:
                 add("prefetch --shm / 8-thread memcpy (>= 0.85)", r["prefetch_vs_memcpy8"])
+                add("prefetch --shm / memcpy before each round (>= 0.85)", r["prefetch_vs_memcpy8_paired"])
                 add("write-back --shm s (<= 0.6)", r["writeback_s"])
         else:
             print(f"{f.stem}: {json.dumps(j.get('median'))}")

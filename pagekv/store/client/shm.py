@@ -56,12 +56,16 @@ __all__ = ["COUNTERS", "ShmTransport"]
 
 COUNTERS = ("shm_hits", "shm_evicted", "shm_puts")
 PARALLEL_BYTES = 4 << 20  # runs smaller than this are copied on the loop's thread
-CHUNK_BYTES = 64 << 20  # replies are handed on after each chunk of copies
+# Replies are handed on after each chunk of copies. Each native call ends with its threads
+# waiting for its last values, so smaller chunks are slower and larger ones announce later
+# (H100 host, 4 GiB of 2 MiB values, interleaved rounds: raw get_many medians 27.3 / 31.0 /
+# 25.7 GB/s for 64 / 128 / 256 MiB chunks; bench_connector --shm prefetch 27.5-28.0 /
+# 29.6-29.9 / 28.6-30.2 GB/s for 64 / 128 / 192 MiB, the load overlapped with it done 0.17-0.19
+# / 0.16-0.17 / 0.23 s after the call).
+CHUNK_BYTES = 128 << 20
 # Chunks copied at once (at least 2: the next chunk is copied while this one is handed on).
-# Each native call ends with its threads waiting for its last values: with one call at a time,
-# smaller chunks were slower (H100 host, bench_connector --shm, 4 GiB: 32 MiB chunks 15-16
-# GB/s, 64 MiB 18-20) and larger ones announce later. Two at once: prefetch 0.199-0.221 s
-# against 0.248-0.261 s one at a time; three were no better than two.
+# Two at once: prefetch 0.199-0.221 s against 0.248-0.261 s one at a time; three were no better
+# than two.
 PIPELINE = 2
 
 
