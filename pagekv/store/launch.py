@@ -97,7 +97,8 @@ class NodeProcess:
 
     def warmed(self, timeout: float = 60.0) -> int:
         """Wait until the node has warmed its heap for blocks (``pagekv.store.node.memory``:
-        started once it serves); the resident memory that added (0: it warms nothing)."""
+        started once it serves); the resident memory that added (0: it warms nothing). Asks the
+        node's STATS as a client without CURVE keys: not for a node with CURVE on."""
         import time
 
         from .client.blocking import StoreClient
