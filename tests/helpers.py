@@ -99,3 +99,36 @@ def kv_caches(geo, slots: int, device: str, poisoned: bool = False) -> list:
     if poisoned:
         return [poison_(torch.empty(shape, dtype=geo.dtype, device=device)) for _ in range(2)]
     return [random_tensor(shape, geo.dtype, device) for _ in range(2)]
+
+
+class StreamGate:
+    """Holds a CUDA stream back until :meth:`open` (or the end of a ``with`` block): the stream
+    waits (``cuStreamWaitValue32``, the driver API) for a device flag that a fill on a stream of
+    the gate's own sets. Unlike a timed hold (``torch.cuda._sleep``), nothing queued behind it
+    runs before the test says so, however slow the host is at that moment (parallel workers)."""
+
+    def __init__(self, stream):
+        import ctypes
+
+        driver = ctypes.CDLL("libcuda.so.1")
+        wait = getattr(driver, "cuStreamWaitValue32_v2", None) or driver.cuStreamWaitValue32
+        wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self.flag = torch.zeros(1, dtype=torch.int32, device=stream.device)
+        self.side = torch.cuda.Stream(stream.device)
+        torch.cuda.synchronize(stream.device)  # the flag is 0 before the stream reads it
+        rc = wait(stream.cuda_stream, self.flag.data_ptr(), 1, 0)  # 0: CU_STREAM_WAIT_VALUE_GEQ
+        if rc != 0:
+            raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {rc}")
+        self.is_open = False
+
+    def open(self):
+        if not self.is_open:
+            with torch.cuda.stream(self.side):
+                self.flag.fill_(1)
+            self.is_open = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.open()

@@ -1,6 +1,7 @@
 """Prefetch with device_slots on the CUDA kernels (contract 8 in kv_connector.py): chunks on the
 load stream while later pages still arrive, ordered after the caller's stream, and the slot
-reuse race of a short prefetch made deterministic with ``torch.cuda._sleep``."""
+reuse race of a short prefetch made deterministic by holding a stream back until the test
+opens it (``StreamGate``)."""
 
 import asyncio
 import concurrent.futures
@@ -10,14 +11,21 @@ import torch
 
 from pagekv.connector import KeyNamespace, KVConnector, KVGeometry
 from pagekv.store.launch import NodeProcess
-from tests.helpers import GatedStore, bits_equal, kv_caches, poison_, random_tensor, wait_until
+from tests.helpers import (
+    GatedStore,
+    StreamGate,
+    bits_equal,
+    kv_caches,
+    poison_,
+    random_tensor,
+    wait_until,
+)
 
 pytestmark = pytest.mark.cuda
 GEO = KVGeometry(4, 16, 8, 128, "bf16")  # 256 KiB pages: 64-page (16 MiB) chunks
 SLOTS = 8192
 PAGES = 200  # 3 chunks of 64, then 8 pages at the end
 N = PAGES * GEO.page_size
-SLEEP = 2_000_000_000  # GPU cycles: ~1 s on an H100, far longer than the prefetch here
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +85,6 @@ def same(kv, slots, expected):
     return all(bits_equal(c[:, slots], e) for c, e in zip(kv, expected))
 
 
-def busy(stream):
-    """Queue a long sleep on ``stream``; the event completes when it is over."""
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(SLEEP)
-    marker = torch.cuda.Event()
-    marker.record(stream)
-    return marker
-
-
 @pytest.mark.parametrize("where", ["cpu", "cuda"])
 def test_chunks_land_while_later_pages_arrive(stored, engine, where):
     tokens, kv = stored
@@ -119,13 +118,14 @@ def test_load_comes_after_the_callers_stream_and_reads_a_copy_of_its_slots(store
     old = [random_tensor(e.shape, e.dtype, "cuda") for e in kv]
     slots = torch.empty_like(perm)
     torch.cuda.synchronize()
-    marker = busy(torch.cuda.current_stream())
-    slots.copy_(perm)  # written late: after the sleep
-    for c, o in zip(dst, old):
-        c.index_copy_(1, perm, o)  # the slots' previous use, late too
-    h = b.prefetch_sync(tokens, device_slots=slots, timeout_s=60)
-    slots.copy_(other)  # the engine's next step reuses its tensor
-    assert not marker.query(), "prefetch waited for the engine's stream"
+    with StreamGate(torch.cuda.current_stream()):  # the engine's stream, held back
+        slots.copy_(perm)  # written late: once the gate opens
+        for c, o in zip(dst, old):
+            c.index_copy_(1, perm, o)  # the slots' previous use, late too
+        # returns with the engine's stream still held (a prefetch that waited on it would
+        # time out here)
+        h = b.prefetch_sync(tokens, device_slots=slots, timeout_s=30)
+        slots.copy_(other)  # the engine's next step reuses its tensor
     assert h.loaded_tokens == N
     h.wait_loaded()
     assert same(dst, perm, kv)
@@ -135,22 +135,24 @@ def test_load_comes_after_the_callers_stream_and_reads_a_copy_of_its_slots(store
 @pytest.mark.parametrize("engine_waits", [True, False])
 def test_engine_writes_after_a_short_prefetch_are_not_overwritten(stored, engine, engine_waits):
     """min_tokens out of reach: num_tokens is 0, but three chunks were launched into the slots
-    (held back on the load stream). The engine recomputes the prompt into the same slots at
-    once. After wait_loaded its values stay; without it (the control) the late chunks land on
-    top: the race is real, and wait_loaded is what orders it."""
+    (held back on the load stream until the test opens it). The engine recomputes the prompt
+    into the same slots at once. After wait_loaded its values stay; without it (the control,
+    the engine's writes done before the chunks may run) the late chunks land on top: the race
+    is real, and wait_loaded is what orders it."""
     tokens, kv = stored
     b, dst = engine
     slots = torch.arange(N, device="cuda")
     mine = [random_tensor(e.shape, e.dtype, "cuda") for e in kv]
     torch.cuda.synchronize()
-    marker = busy(b._load_stream)
-    h = asyncio.run(b.prefetch(tokens, device_slots=slots, min_tokens=N + GEO.page_size))
-    assert h.num_tokens == 0 and h.loaded_tokens == 0 and len(h.loads) == 3
-    if engine_waits:
-        h.wait_loaded()
-    for c, m in zip(dst, mine):  # the engine's recompute, on its stream
-        c.index_copy_(1, slots, m)
-    assert not marker.query(), "the chunks were not held back: no race to check"
+    with StreamGate(b._load_stream):
+        h = asyncio.run(b.prefetch(tokens, device_slots=slots, min_tokens=N + GEO.page_size))
+        assert h.num_tokens == 0 and h.loaded_tokens == 0 and len(h.loads) == 3
+        if engine_waits:
+            h.wait_loaded()
+        for c, m in zip(dst, mine):  # the engine's recompute, on its stream
+            c.index_copy_(1, slots, m)
+        if not engine_waits:
+            torch.cuda.current_stream().synchronize()
     if engine_waits:
         assert same(dst, slots, mine)
     else:  # the control: the late chunks overwrote the engine's values
