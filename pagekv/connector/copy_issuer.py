@@ -27,9 +27,10 @@ Rules:
   reads or publishes the bytes it did not copy. The thread goes on with the next job.
 * :meth:`close` runs the queued jobs, waits for their copies and stops the thread.
 * The issuer is a Python thread: between library calls it needs the GIL, and beside a thread
-  that holds it (a pure-Python loop; an engine's graph launches blocked on a full launch queue)
-  it waits for it (scripts/diag_ce_host_rate.py, scripts/diag_engine_issuer.py,
-  docs/benchmarks.md "Copy engine").
+  running pure Python it waits for it (scripts/diag_ce_host_rate.py). Its CUDA calls wait
+  while the device's submission queue is full of another thread's work: beside the reference
+  engine's burst of 48 graph replays its jobs are held until the decode has drained
+  (docs/benchmarks.md "Copy engine").
 """
 
 from __future__ import annotations
