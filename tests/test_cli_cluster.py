@@ -113,3 +113,23 @@ def test_nodes_started_by_launch_die_with_their_parent():
         parent.wait(timeout=10)
     wait_for(lambda: not any(map(pid_alive, pids)), 10, f"nodes {pids} to exit")
     wait_for(lambda: all(map(port_free, ports)), 10, f"ports {ports} to be free")
+
+
+def test_announcements_are_written_one_line_per_write(monkeypatch):
+    """The supervisor's lines share stderr with the threads forwarding its nodes' logs: each
+    goes out in one write, newline included, so no forwarded line can land inside one (a node's
+    log line once did, inside the ready line scripts parse)."""
+    from pagekv.store.cli import cluster
+
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    cluster._say("pagekv cluster ready: 2 nodes: tcp://127.0.0.1:1 tcp://127.0.0.1:2")
+    assert writes == ["pagekv cluster ready: 2 nodes: tcp://127.0.0.1:1 tcp://127.0.0.1:2\n"]

@@ -219,7 +219,9 @@ def run_serve(values: dict[str, Any]) -> int:
     log.info("pagekv node: %s, capacity %s%s, pid %d", _describe_curve(config),
              format_size(config.capacity), disk, os.getpid())  # fmt: skip
     extra = f" metrics {metrics.url}" if metrics else ""
-    print(f"pagekv node ready {node.address}{extra}", file=sys.stderr, flush=True)
+    # one write: a line and its newline apart could let another thread's log line in between
+    sys.stderr.write(f"pagekv node ready {node.address}{extra}\n")
+    sys.stderr.flush()
     if tuned:  # after the ready line: the warmer's log line must not split it
         node.warm_heap()
     try:
