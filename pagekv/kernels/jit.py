@@ -151,7 +151,6 @@ _SIGNATURES["pagekv_ce_page_transfer"] = (
     [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 8 + [_L, _P, ctypes.POINTER(_L)],
     ctypes.c_int,
 )
-
 _SIGNATURES["pagekv_ce_page_transfer_layers"] = (
     [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 4 + [_P, _I, _P, _I, _I, _L, _P]
     + [ctypes.POINTER(_L), ctypes.POINTER(_I)],

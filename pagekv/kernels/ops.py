@@ -232,6 +232,24 @@ def _launch_shape(load: bool, kv: DeviceKV, host_addr: int) -> tuple[int, int, i
     return width, unroll, threads
 
 
+def _kernel_args(
+    load: bool,
+    kv: DeviceKV,
+    host_addr: int,
+    host_pages: int,
+    ids_d: torch.Tensor,
+    s_d: torch.Tensor,
+) -> tuple[int, ...]:
+    """The arguments both kernel entries (``pagekv_page_transfer``, ``..._layers``) start with:
+    device, direction, buffers, index widths, geometry."""
+    geo = kv.geometry
+    return (kv.device.index, int(load), host_addr, kv.pointer_table(kv.device).data_ptr(),
+            ids_d.data_ptr(), int(ids_d.dtype == torch.int64), s_d.data_ptr(),
+            int(s_d.dtype == torch.int64), ids_d.numel(), host_pages, kv.num_slots,
+            geo.page_bytes, kv.slot_stride_bytes, geo.item_bytes, geo.page_size, geo.num_kv,
+            geo.num_layers)  # fmt: skip
+
+
 def _page_transfer(
     load: bool,
     host: torch.Tensor,
@@ -301,10 +319,7 @@ def _page_transfer(
         chunks = ids_d.numel() * geo.num_kv * geo.page_size * nl * geo.item_bytes // width
         blocks = max(1, min(num_blocks, -(-chunks // (threads * unroll))))
         err = lib.pagekv_page_transfer(
-            dev.index, int(load), host_addr, kv.pointer_table(dev).data_ptr(), ids_d.data_ptr(),
-            int(ids_d.dtype == torch.int64), s_d.data_ptr(), int(s_d.dtype == torch.int64),
-            ids_d.numel(), host.shape[0], kv.num_slots, geo.page_bytes, kv.slot_stride_bytes,
-            geo.item_bytes, geo.page_size, geo.num_kv, geo.num_layers, l0, nl, width, blocks,
+            *_kernel_args(load, kv, host_addr, host.shape[0], ids_d, s_d), l0, nl, width, blocks,
             threads, unroll, stream,
         )  # fmt: skip
     if err != 0:
@@ -384,7 +399,8 @@ def _kernel_layers(
     host_addr = _device_address(host, dev)
     width, unroll, threads = _launch_shape(load, kv, host_addr)
     blocks_all, blocks_one = (LOAD_BLOCKS, LAYER_LOAD_BLOCKS) if load else (SAVE_BLOCKS,) * 2
-    table, stream = kv.pointer_table(dev).data_ptr(), current_stream(dev.index)
+    args = _kernel_args(load, kv, host_addr, host.shape[0], ids_d, s_d)
+    stream = current_stream(dev.index)
 
     def launch(first: int, end: int) -> None:
         for event in events[first:end]:  # created now: the library records it after its entry
@@ -392,11 +408,8 @@ def _kernel_layers(
         which, handles = layer_entries(layers[first:end], events[first:end])
         done = ctypes.c_int(0)
         err = lib.pagekv_page_transfer_layers(
-            dev.index, int(load), host_addr, table, ids_d.data_ptr(),
-            int(ids_d.dtype == torch.int64), s_d.data_ptr(), int(s_d.dtype == torch.int64),
-            ids_d.numel(), host.shape[0], kv.num_slots, geo.page_bytes, kv.slot_stride_bytes,
-            geo.item_bytes, geo.page_size, geo.num_kv, geo.num_layers, which, end - first,
-            handles, width, blocks_all, blocks_one, threads, unroll, stream, ctypes.byref(done),
+            *args, which, end - first, handles, width, blocks_all, blocks_one, threads, unroll,
+            stream, ctypes.byref(done),
         )  # fmt: skip
         if err != 0:
             what = "load" if load else "save"
