@@ -119,7 +119,7 @@ def test_announcements_are_written_one_line_per_write(monkeypatch):
     """The supervisor's lines share stderr with the threads forwarding its nodes' logs: each
     goes out in one write, newline included, so no forwarded line can land inside one (a node's
     log line once did, inside the ready line scripts parse)."""
-    from pagekv.store.cli import cluster
+    from pagekv.store.cli import lifecycle
 
     writes = []
 
@@ -131,5 +131,5 @@ def test_announcements_are_written_one_line_per_write(monkeypatch):
             pass
 
     monkeypatch.setattr(sys, "stderr", Recorder())
-    cluster._say("pagekv cluster ready: 2 nodes: tcp://127.0.0.1:1 tcp://127.0.0.1:2")
+    lifecycle.announce("pagekv cluster ready: 2 nodes: tcp://127.0.0.1:1 tcp://127.0.0.1:2")
     assert writes == ["pagekv cluster ready: 2 nodes: tcp://127.0.0.1:1 tcp://127.0.0.1:2\n"]

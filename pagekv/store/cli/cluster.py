@@ -32,6 +32,7 @@ from typing import Any
 
 from pagekv.errors import ConfigError
 
+from .lifecycle import announce
 from .serve import check_node, node_config, serve_extras
 from .settings import Setting, node_settings
 
@@ -41,14 +42,6 @@ log = logging.getLogger("pagekv.store.cluster")
 READY = re.compile(r"pagekv node ready (\S+)(?: metrics (\S+))?")
 _START_TIMEOUT_S, _STOP_TIMEOUT_S, _STABLE_S = 30.0, 10.0, 60.0
 _BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.5, 10.0
-
-
-def _say(line: str) -> None:
-    """One whole line on stderr in one write: the threads forwarding the nodes' logs write
-    there too, and ``print`` writes the line and its newline separately (a node's log line
-    once landed between them, inside the ready line a script parses)."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
 
 
 def cluster_settings() -> list[Setting]:
@@ -189,7 +182,7 @@ class Supervisor:
             node.metrics_port = int(node.metrics.rsplit(":", 1)[1])
         node.ready = True
         extra = f" metrics {node.metrics}" if node.metrics else ""
-        _say(f"pagekv cluster {node.name} ready {node.address} pid {proc.pid}{extra}")
+        announce(f"pagekv cluster {node.name} ready {node.address} pid {proc.pid}{extra}")
 
     def _exit_text(self, code: int) -> str:
         if code < 0:
@@ -290,7 +283,7 @@ class Supervisor:
             if not self._startup():
                 return 0 if self.stopping else 1
             addresses = " ".join(n.address for n in self.nodes)
-            _say(f"pagekv cluster ready: {len(self.nodes)} nodes: {addresses}")
+            announce(f"pagekv cluster ready: {len(self.nodes)} nodes: {addresses}")
             return self._watch()
         finally:
             self._shutdown()

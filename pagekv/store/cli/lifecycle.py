@@ -4,6 +4,9 @@ demo, a benchmark or a test exits when that parent dies, even by SIGKILL.
 The child asks the kernel (Linux ``prctl(PR_SET_PDEATHSIG)``) for a signal when its parent
 dies, then checks that the parent it was started by is still its parent (it may have died
 before the request). Elsewhere the request is a no-op and says so.
+
+A child's lines its parent parses (``pagekv node ready ...``, ``pagekv cluster ready: ...``) go
+out with :func:`announce`: each in one write.
 """
 
 from __future__ import annotations
@@ -15,10 +18,19 @@ import os
 import signal
 import sys
 
-__all__ = ["die_with_parent"]
+__all__ = ["announce", "die_with_parent"]
 
 log = logging.getLogger("pagekv.store.cli.lifecycle")
 _PR_SET_PDEATHSIG = 1
+
+
+def announce(line: str) -> None:
+    """``line`` on stderr in one write, newline included: other threads write there too (log
+    lines, a supervisor's forwarded node logs), and ``print`` writes a line and its newline
+    apart, between which one of theirs can land (a node's log line once did, inside the ready
+    line a script parses)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _prctl_set_pdeathsig(sig: int) -> bool:

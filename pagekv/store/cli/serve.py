@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import signal
-import sys
 from typing import Any
 
 import zmq
@@ -175,7 +174,7 @@ def run_serve(values: dict[str, Any]) -> int:
     from ..node.memory import tune_malloc_for_blocks
     from ..node.metrics import node_metrics, ping_health
     from ..node.server import StoreNode
-    from .lifecycle import die_with_parent
+    from .lifecycle import announce, die_with_parent
 
     # first: a thread keeps the malloc arena it first allocated in (node/memory.py's rules)
     tuned = env.TUNE_MALLOC.get() and tune_malloc_for_blocks(arena_max=1)
@@ -219,9 +218,7 @@ def run_serve(values: dict[str, Any]) -> int:
     log.info("pagekv node: %s, capacity %s%s, pid %d", _describe_curve(config),
              format_size(config.capacity), disk, os.getpid())  # fmt: skip
     extra = f" metrics {metrics.url}" if metrics else ""
-    # one write: a line and its newline apart could let another thread's log line in between
-    sys.stderr.write(f"pagekv node ready {node.address}{extra}\n")
-    sys.stderr.flush()
+    announce(f"pagekv node ready {node.address}{extra}")
     if tuned:  # after the ready line: the warmer's log line must not split it
         node.warm_heap()
     try:
