@@ -112,13 +112,11 @@ class NodeProcess:
         return stats["heap_warmed_bytes"]
 
     def rss_bytes(self) -> int:
+        from .node.memory import rss_bytes
+
         if self.proc is None:
             raise RuntimeError("node not started")
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS")
+        return rss_bytes(self.proc.pid)
 
     def cpu_seconds(self) -> float:
         """User + system CPU time the node has used so far (all its threads)."""

@@ -197,11 +197,18 @@ def _populate(libc: ctypes.CDLL, ptr: int, size: int) -> None:
         ctypes.memset(ptr, 0, size)  # kernels before 5.14
 
 
+# cgroup v2, then v1: (the limit, the usage) of this process's memory cgroup
+_CGROUP_FILES = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+
+
 def memory_limit() -> int:
     """Bytes this process may use at most: physical RAM, or a smaller cgroup memory limit."""
     limit = os.sysconf("SC_PHYS_PAGES") * _PAGE
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        text = _read(path)
+    for limit_path, _ in _CGROUP_FILES:
+        text = _read(limit_path)
         if text.isdigit():
             limit = min(limit, int(text))
     return limit
@@ -214,9 +221,7 @@ def _spare_bytes() -> int:
     for line in _read("/proc/meminfo").splitlines():
         if line.startswith("MemAvailable:"):
             spare = (int(line.split()[1]) << 10) - int(_RESERVE_FRACTION * total)
-    for limit_path, used_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                   "/sys/fs/cgroup/memory/memory.usage_in_bytes")):  # fmt: skip
+    for limit_path, used_path in _CGROUP_FILES:
         limit, used = _read(limit_path), _read(used_path)
         if limit.isdigit() and used.isdigit() and int(limit) < total:
             spare = min(spare, int(limit) - int(used) - int(_RESERVE_FRACTION * int(limit)))
