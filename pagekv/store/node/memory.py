@@ -158,6 +158,10 @@ class HeapWarmer:
 
     def _run(self) -> None:
         libc, chunks, before = _libc(), [], rss_bytes()
+        try:  # background work: the lowest CPU priority, never ahead of serving (Linux: per thread)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (OSError, AttributeError):
+            pass
         try:
             if libc is None:
                 return
