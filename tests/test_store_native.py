@@ -69,6 +69,27 @@ def test_digest_and_bytes_match_xxhash_on_many_sizes(lib, rng):
         assert dst == src.tobytes(), n
 
 
+def test_copies_into_targets_at_every_alignment(lib, rng):
+    """Targets that start at any offset from a cache line and end mid-line, large enough to be
+    streamed through the bounce: exact bytes and digests, nothing written around them, on 1
+    and 3 threads and with blocks that do not divide the values."""
+    sizes = [int(n) for n in rng.choice(SIZES[5:], 8)] + [BLOCK + 4099, 64 << 10]
+    offsets = [int(o) for o in rng.integers(1, 64, len(sizes))]
+    sources = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    backing = [np.full(o + n + 64, POISON, np.uint8) for o, n in zip(offsets, sizes)]
+    targets = [b[o : o + n] for b, o, n in zip(backing, offsets, sizes)]
+    for threads, block in ((1, BLOCK), (3, 4097), (3, 100_003)):
+        for t in targets:
+            t[:] = POISON
+        values = [([t], [s]) for t, s in zip(targets, sources)]
+        assert lib.copy_verify(values, threads=threads, block_bytes=block) == [
+            xxh3(s) for s in sources
+        ]
+        assert all(np.array_equal(t, s) for t, s in zip(targets, sources))
+        for b, o, n in zip(backing, offsets, sizes):  # nothing before or after each target
+            assert not np.any(b[:o] != POISON) and not np.any(b[o + n :] != POISON)
+
+
 @pytest.mark.parametrize("block", [1, 7, 4096, BLOCK, 8 << 20])
 def test_multi_piece_values_any_block_size(lib, rng, block):
     values, expected = [], []

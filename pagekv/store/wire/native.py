@@ -2,12 +2,13 @@
 in C, without the GIL.
 
 ``csrc/copy_verify.c`` copies each value's pieces in cache-sized blocks and hashes each block
-from the destination right after writing it (XXH3-64, seed 0, streamed: the same digest as
-``xxhash.xxh3_64()`` fed the same bytes), one ctypes call for many values, optionally on
-several threads. It replaces numpy's copy plus xxhash's update per chunk, which hands the GIL
-over twice per chunk (see :mod:`.copies`, which uses it when it is available).
-:meth:`NativeCopy.recv_verify` does the same for a bulk-lane message's frames arriving on a
-socket (see :mod:`.bulk_wire`): one call, the GIL released, each chunk hashed as it lands.
+while it is in the core's cache (pieces of 64 KiB and more through a per-thread bounce,
+streamed into place): XXH3-64, seed 0, streamed, the same digest as ``xxhash.xxh3_64()`` fed
+the same bytes; one ctypes call for many values, optionally on several threads. It replaces
+numpy's copy plus xxhash's update per chunk, which hands the GIL over twice per chunk (see
+:mod:`.copies`, which uses it when it is available). :meth:`NativeCopy.recv_verify` does the
+same for a bulk-lane message's frames arriving on a socket (see :mod:`.bulk_wire`): one call,
+the GIL released, each chunk hashed as it lands.
 
 * Build: ``$CC`` (default ``cc``; may hold arguments, e.g. ``ccache gcc``) with ``CFLAGS``,
   on first use, into ``$PAGEKV_CACHE_DIR`` (default ``~/.cache/pagekv``). The library's name
@@ -217,6 +218,8 @@ class NativeCopy:
         pieces = (Piece * max(1, len(plan)))(*plan)
         out = (Value * max(1, len(spans)))(*((first, count, 0) for first, count in spans))
         rc = self._fn(pieces, len(plan), out, len(spans), block_bytes, threads)
+        if rc == -2:  # a thread's bounce (block_bytes) could not be allocated
+            raise MemoryError(f"pagekv_copy_verify: no memory for a {block_bytes}-byte bounce")
         if rc != 0:  # pragma: no cover - the plan above is always in range
             raise RuntimeError(f"pagekv_copy_verify returned {rc}")
         del keep

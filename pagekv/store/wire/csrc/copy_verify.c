@@ -2,12 +2,14 @@
  * or receive them from a socket piece by piece and hash what landed (pagekv_recv_verify).
  *
  * A value is a run of pieces (dst, src, nbytes). Each piece is copied in blocks of
- * `block_bytes` (cache-sized: 256 KiB by default), and each block is hashed right after it was
- * written, read back from dst while it is still in the core's cache: memory is read once, and
- * the digest is of what the destination holds, not of the source (a source that changes under
- * the copy, e.g. a shared segment being reused, gives a digest that does not match). The
- * digest is XXH3-64, seed 0, streamed over the value's pieces in order: the same number as
- * Python's xxhash.xxh3_64() fed the same bytes.
+ * `block_bytes` (cache-sized: 256 KiB by default), and each block is hashed while it is in the
+ * core's cache: a piece of at least BOUNCE_MIN_BYTES is copied into a per-thread bounce,
+ * hashed there and streamed into place (the destination written once, never read); a smaller
+ * one is copied into place and hashed from there. Either way the digest is of the bytes the
+ * destination was given, not of a second read of the source (a source that changes under the
+ * copy, e.g. a shared segment being reused, gives a digest that does not match). The digest is
+ * XXH3-64, seed 0, streamed over the value's pieces in order: the same number as Python's
+ * xxhash.xxh3_64() fed the same bytes.
  *
  * With threads > 1 the values are shared out between that many threads (whole values each,
  * taken in order from a shared counter). Nothing here touches Python: the caller (ctypes)
@@ -23,6 +25,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/types.h>
@@ -54,39 +57,106 @@ typedef struct {
     uint64_t nvalues;
     uint64_t block;
     atomic_uint_fast64_t next;
+    atomic_int failed; /* a thread could not allocate its bounce: the call fails */
 } job_t;
 
 int pagekv_copy_verify_abi(void) { return PAGEKV_COPY_VERIFY_ABI; }
 
-static void copy_value(const pagekv_piece *pieces, pagekv_value *value, uint64_t block) {
+/* Copy n bytes from a cached buffer to memory that usually is in no cache: on x86-64 whole
+ * 64-byte lines with streaming stores (written without being read first, past the cache;
+ * fenced before this returns), the unaligned head and the tail with memcpy; memcpy elsewhere
+ * and below 4 KiB. */
+static void copy_out(unsigned char *dst, const unsigned char *src, uint64_t n) {
+#if defined(__x86_64__)
+    uint64_t head = (64 - ((uintptr_t)dst & 63)) & 63;
+    if (n < 4096 || head >= n) {
+        memcpy(dst, src, n);
+        return;
+    }
+    memcpy(dst, src, head);
+    dst += head, src += head, n -= head;
+    uint64_t body = n & ~(uint64_t)63;
+    for (uint64_t i = 0; i < body; i += 64) {
+#if defined(__AVX2__)
+        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
+        _mm256_stream_si256((__m256i *)(dst + i), a);
+        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
+#else
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+#endif
+    }
+    _mm_sfence(); /* the streamed lines are in memory before anyone is told the bytes are */
+    memcpy(dst + body, src + body, n - body);
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+/* Copy one value's pieces and hash the bytes written. Pieces of at least BOUNCE_MIN_BYTES go
+ * through `bounce` (the thread's own, `block` bytes, allocated on first need; NULL until then):
+ * a block is copied into it (the source read once, the bounce staying in the core's cache),
+ * hashed there and streamed into place (copy_out): the destination is written once and never
+ * read, which a copy straight into it followed by hashing it would do (a read for ownership of
+ * each line before it is written; 3 memory transfers per byte instead of 2). What is hashed is
+ * exactly what is written: the bounce is touched by no one else. Smaller pieces are copied in
+ * place and hashed from the destination. Returns -1 when a bounce is needed and cannot be
+ * allocated (nothing of that piece is copied), else 0. */
+static int copy_value(const pagekv_piece *pieces, pagekv_value *value, uint64_t block,
+                      unsigned char **bounce) {
     XXH3_state_t state;
     XXH3_64bits_reset(&state);
     for (uint64_t p = value->first; p < value->first + value->count; p++) {
         unsigned char *dst = (unsigned char *)pieces[p].dst;
         const unsigned char *src = (const unsigned char *)pieces[p].src;
-        for (uint64_t off = 0; off < pieces[p].nbytes; off += block) {
-            uint64_t n = pieces[p].nbytes - off < block ? pieces[p].nbytes - off : block;
-            memcpy(dst + off, src + off, n);
-            /* the hash must read dst: no load of it may be replaced by what was copied */
-            __asm__ __volatile__("" ::: "memory");
-            XXH3_64bits_update(&state, dst + off, n);
+        uint64_t size = pieces[p].nbytes;
+        if (size >= BOUNCE_MIN_BYTES && *bounce == NULL) {
+            *bounce = (unsigned char *)malloc(block);
+            if (*bounce == NULL) return -1;
+        }
+        for (uint64_t off = 0; off < size; off += block) {
+            uint64_t n = size - off < block ? size - off : block;
+            if (size >= BOUNCE_MIN_BYTES) {
+                memcpy(*bounce, src + off, n);
+                XXH3_64bits_update(&state, *bounce, n);
+                copy_out(dst + off, *bounce, n);
+            } else {
+                memcpy(dst + off, src + off, n);
+                /* the hash must read dst: no load of it may be replaced by what was copied */
+                __asm__ __volatile__("" ::: "memory");
+                XXH3_64bits_update(&state, dst + off, n);
+            }
         }
     }
     value->digest = XXH3_64bits_digest(&state);
+    return 0;
 }
 
 static void *worker(void *arg) {
     job_t *job = (job_t *)arg;
+    unsigned char *bounce = NULL;
     for (;;) {
         uint64_t v = atomic_fetch_add(&job->next, 1);
-        if (v >= job->nvalues) return NULL;
-        copy_value(job->pieces, &job->values[v], job->block);
+        if (v >= job->nvalues) break;
+        if (copy_value(job->pieces, &job->values[v], job->block, &bounce) != 0) {
+            atomic_store(&job->failed, 1);
+            break;
+        }
     }
+    free(bounce);
+    return NULL;
 }
 
 /* Copy and hash `nvalues` values whose pieces are in `pieces[0..npieces)`.
- * Returns 0, or -1 when a value's pieces lie outside `pieces` or block_bytes is 0 (nothing is
- * copied then). Threads that cannot be started are not an error: the calling thread does
+ * Returns 0; -1 when a value's pieces lie outside `pieces` or block_bytes is 0 (nothing is
+ * copied then); -2 when a thread could not allocate its bounce (some values are not copied). Threads that cannot be started are not an error: the calling thread does
  * their share. */
 int pagekv_copy_verify(const pagekv_piece *pieces, uint64_t npieces, pagekv_value *values,
                        uint64_t nvalues, uint64_t block_bytes, int threads) {
@@ -94,7 +164,7 @@ int pagekv_copy_verify(const pagekv_piece *pieces, uint64_t npieces, pagekv_valu
     for (uint64_t v = 0; v < nvalues; v++) {
         if (values[v].first > npieces || values[v].count > npieces - values[v].first) return -1;
     }
-    job_t job = {pieces, values, nvalues, block_bytes, 0};
+    job_t job = {pieces, values, nvalues, block_bytes, 0, 0};
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if ((uint64_t)threads > nvalues) threads = (int)nvalues;
     pthread_t ids[MAX_THREADS];
@@ -105,7 +175,7 @@ int pagekv_copy_verify(const pagekv_piece *pieces, uint64_t npieces, pagekv_valu
     }
     worker(&job);
     for (int t = 0; t < started; t++) pthread_join(ids[t], NULL);
-    return 0;
+    return atomic_load(&job.failed) ? -2 : 0;
 }
 
 /* Digests of values (consecutive runs of pieces) over bytes that arrive piece by piece: both
@@ -162,44 +232,6 @@ static int recv_all(int fd, unsigned char *buf, uint64_t n, uint64_t *received) 
         *received += (uint64_t)r;
     }
     return 0;
-}
-
-/* Copy n bytes from a cached buffer to memory that usually is in no cache: on x86-64 whole
- * 64-byte lines with streaming stores (written without being read first, past the cache;
- * fenced before this returns), the unaligned head and the tail with memcpy; memcpy elsewhere
- * and below 4 KiB. */
-static void copy_out(unsigned char *dst, const unsigned char *src, uint64_t n) {
-#if defined(__x86_64__)
-    uint64_t head = (64 - ((uintptr_t)dst & 63)) & 63;
-    if (n < 4096 || head >= n) {
-        memcpy(dst, src, n);
-        return;
-    }
-    memcpy(dst, src, head);
-    dst += head, src += head, n -= head;
-    uint64_t body = n & ~(uint64_t)63;
-    for (uint64_t i = 0; i < body; i += 64) {
-#if defined(__AVX2__)
-        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
-        _mm256_stream_si256((__m256i *)(dst + i), a);
-        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
-#else
-        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
-        _mm_stream_si128((__m128i *)(dst + i), a);
-        _mm_stream_si128((__m128i *)(dst + i + 16), b);
-        _mm_stream_si128((__m128i *)(dst + i + 32), c);
-        _mm_stream_si128((__m128i *)(dst + i + 48), d);
-#endif
-    }
-    _mm_sfence(); /* the streamed lines are in memory before anyone is told the bytes are */
-    memcpy(dst + body, src + body, n - body);
-#else
-    memcpy(dst, src, n);
-#endif
 }
 
 /* Receive `npieces` pieces, in order, from the connected blocking socket `fd`, each into its
