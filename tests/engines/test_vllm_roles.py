@@ -157,20 +157,27 @@ def test_a_store_restarted_empty_is_repopulated(producer, node, model, reference
     """The node restarts empty; P gets its prompts again, which it holds in its local prefix
     cache: the lookup finds the store lacks those blocks and P saves them again, and a third
     engine then loads them. Fails on f1eb0b9: blocks of a local hit were never saved."""
+
+    def written() -> int:
+        return producer.call("stats")["workers"][0]["connector"]["writeback_written"]
+
     port = node[0].port
+    before = written()
     node[0].stop()
     node[0] = NodeProcess("--capacity", "256MiB", port=port).start()
     assert blocks_in(node[0]) == 0
 
     def saved_again() -> bool:
-        # a lookup made before P's client has reconnected to the new node learns nothing
-        # (a miss): P checks again with its next request
+        # P's clients reconnect to the new node on their own time: a lookup made before then
+        # learns nothing (a miss), and a re-save sent before then fails (the node does not
+        # get it); either way P checks again with its next request (resave_interval_s=0)
         producer.generate([PROMPTS["re"]])
-        return producer.call("stats")["scheduler"]["resave_blocks"] >= 4
+        assert producer.call("flush")["ok"]
+        return written() - before >= 4  # the 4 blocks of "re", confirmed by the new node
 
     wait_until(saved_again, timeout=60, what="P to save its local prefix again")
-    assert producer.call("flush")["ok"]
     p_stats = producer.call("stats")
+    assert p_stats["scheduler"]["resave_blocks"] >= 4  # from its local prefix cache
     # a generous lookup bound: a lookup past its bound is a miss, and on a loaded 2-core box
     # this engine's first lookup once took longer than 1 s
     c = Engine(model, store=[node[0].address], role="kv_consumer",
