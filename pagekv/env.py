@@ -157,7 +157,8 @@ KERNELS = _var("KERNELS", _choice("auto", "torch", "cuda"), "auto",
                "GPU transfer kernels: `auto` (CUDA kernels when nvcc and a GPU are there, else the "
                "torch reference with one warning), `torch` (always the reference), `cuda` (the "
                "kernels or an error saying why)", "auto, torch, cuda")  # fmt: skip
-COPY_BACKEND = _var("COPY_BACKEND", _choice("auto", "kernel", "copy_engine", "direct", "torch"),
+COPY_BACKEND = _var("COPY_BACKEND", _choice("auto", "kernel", "copy_engine", "direct", "staged",
+                                             "torch"),
                     "auto", "what GPU transfers with `backend=\"auto\"` use: `auto` (per transfer "
                     "shape, from a table measured once per GPU and cached: the copy engine, which "
                     "takes no SMs, for runs of at least 64 KiB where it is within 10% of the "
@@ -166,8 +167,9 @@ COPY_BACKEND = _var("COPY_BACKEND", _choice("auto", "kernel", "copy_engine", "di
                     "connector's issuer thread enqueues it, never on the caller's thread; the "
                     "kernel for CUDA index tensors and graph capture), or one of `kernel`, "
                     "`copy_engine` (the kernel where the driver lacks batched copies), `direct`, "
-                    "`torch` for every transfer",
-                    "auto, kernel, copy_engine, direct, torch")  # fmt: skip
+                    "`staged` (all-layer transfers as whole-page copies through a device buffer, "
+                    "the kernel for one layer), `torch` for every transfer",
+                    "auto, kernel, copy_engine, direct, staged, torch")  # fmt: skip
 NATIVE_COPY = _var("NATIVE_COPY", _choice("auto", "on", "off"), "auto",
                    "the native checked copy and receive (C, built with `$CC` on first use): "
                    "`auto` (when it builds, else numpy with one warning; clients then use no "

@@ -2,9 +2,11 @@
 
 For the issue's shapes (Llama-3-8B, its TP-8 slice, MLA-576; pages of 16-128 tokens; all-layer
 transfers of ``--mib`` and one-layer loads and saves of 4 and 16 MiB) the kernel (device
-indices), the copy engine (CPU indices) and ``auto`` (``PAGEKV_COPY_BACKEND=auto``, set here:
-the connector's path, :func:`~pagekv.connector.transfer_indices.transfer_indices` on CPU page
-ids and slots, then the transfer with what it returned) are timed in the same rounds as a
+indices), the copy engine (CPU indices), for all layers the staged backend (CPU indices:
+whole pages through a device buffer, :mod:`pagekv.kernels.staged`) and ``auto``
+(``PAGEKV_COPY_BACKEND=auto``, set here: the connector's path,
+:func:`~pagekv.connector.transfer_indices.transfer_indices` on CPU page ids and slots, then
+the transfer with what it returned) are timed in the same rounds as a
 contiguous pinned copy of the same bytes (the ceiling) and reported as ceiling time / their
 time, with the backend ``auto`` took. ``connector``: the same with an issuer thread
 (:mod:`pagekv.connector.copy_issuer`), as the connector's ``load_async``, streaming loads and
@@ -62,6 +64,11 @@ def transfer_fns(st: Setup, n: int, layer: int | None) -> dict[str, Callable[[],
                                        backend=backend)  # fmt: skip
         fns[f"{backend}_save"] = _call(save, st.kv, slots[:n], st.host, ids[:n], layer=layer,
                                        backend=backend)  # fmt: skip
+    if layer is None:  # whole pages through a device staging buffer (CPU indices)
+        fns["staged_load"] = _call(load, st.host, st.ids_cpu[:n], st.kv, st.slots_cpu[:n],
+                                   layer=None, backend="staged")  # fmt: skip
+        fns["staged_save"] = _call(save, st.kv, st.slots_cpu[:n], st.host, st.ids_cpu[:n],
+                                   layer=None, backend="staged")  # fmt: skip
     if layer is not None:  # what a layer-by-layer load with CPU indices pays for the upload
         fns["kernelcpu_load"] = _call(load, st.host, st.ids_cpu[:n], st.kv, st.slots_cpu[:n],
                                       layer=layer, backend="kernel")  # fmt: skip

@@ -10,7 +10,7 @@ sources: ``tests/test_kernels_build.py``), and launches on the stream torch hand
   ``torch`` (always the reference path), ``cuda`` (kernels or an error saying why not).
 * ``PAGEKV_COPY_BACKEND``: what ``backend="auto"`` transfers use: ``auto`` (the default: per
   transfer shape, from the table measured once per device, :mod:`.copy_table`), or always
-  ``kernel``, ``copy_engine``, ``direct`` or ``torch``.
+  ``kernel``, ``copy_engine``, ``direct``, ``staged`` or ``torch``.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 * ``"kernel"``: the CUDA kernels (:mod:`.jit`), host memory read/written in place, on 4-8 SMs;
 * ``"copy_engine"``: batched DMA copies (:mod:`.copy_engine`), no SMs; needs CUDA >= 12.8;
 * ``"direct"``: one ``cudaMemcpyAsync`` per run of consecutive slots (large pages);
+* ``"staged"``: all layers as whole-page DMA copies through a device staging buffer and a
+  device-side kernel (:mod:`.staged`); needs the copy engine; one layer takes the kernel;
 * ``"torch"``: the reference (:mod:`.reference`), used on CPU and when kernels are unavailable.
 
 ``backend="auto"`` picks: torch on CPU; else what ``PAGEKV_COPY_BACKEND`` (:mod:`.jit`) says.
@@ -31,7 +33,7 @@ from typing import Literal
 
 import torch
 
-from . import copy_engine, copy_table, reference
+from . import copy_engine, copy_table, reference, staged
 from .jit import KernelsUnavailable, copy_backend_setting, layer_entries, load_library
 from .layout import (
     DeviceKV,
@@ -52,9 +54,9 @@ __all__ = [
     "transfer_layers",
 ]
 
-Backend = Literal["auto", "kernel", "copy_engine", "direct", "torch"]
-_BACKENDS = ("auto", "kernel", "copy_engine", "direct", "torch")
-_CUDA_BACKENDS = ("kernel", "copy_engine", "direct")
+Backend = Literal["auto", "kernel", "copy_engine", "direct", "staged", "torch"]
+_BACKENDS = ("auto", "kernel", "copy_engine", "direct", "staged", "torch")
+_CUDA_BACKENDS = ("kernel", "copy_engine", "direct", "staged")
 # Thread blocks for host<->device transfers: enough to reach the bus, leaving the SMs to the
 # model (H100 measurements, docs/benchmarks.md). All-layer loads use 4: with 16 KiB page blocks
 # at random host addresses 8-16 blocks reading over PCIe lost ~15% (address-translation
@@ -305,6 +307,18 @@ def _page_transfer(
         else:
             copy_engine.fail(index, copy_engine.disabled_reason(index) or "unavailable")
         backend = "kernel"  # said once per device by copy_engine.fail
+    if backend == "staged" and layer is None:
+        ids_h, s_h = _host_indices(ids, s)
+
+        def kernel(load_: bool, pages: torch.Tensor, ids_d: torch.Tensor, s_d: torch.Tensor,
+                   blocks: int) -> None:  # fmt: skip
+            _kernel_launch(lib, load_, pages, kv, ids_d, s_d, 0, geo.num_layers,
+                           blocks or num_blocks, stream)  # fmt: skip
+
+        if staged.page_transfer(lib, load, host, kv, ids_h, s_h, kernel):
+            return "staged"
+    if backend == "staged":
+        backend = "kernel"  # one layer, a save with indices out of range, no copy engine
     if backend == "direct":
         ids_h, s_h = _direct_bounds(ids, s, host.shape[0], kv.num_slots)
         err = lib.pagekv_direct_page_transfer(
@@ -313,18 +327,39 @@ def _page_transfer(
             geo.page_size, geo.num_kv, geo.num_layers, l0, nl, stream,
         )  # fmt: skip
     else:
-        ids_d, s_d = _device_indices(ids, dev), _device_indices(s, dev)
-        host_addr = _device_address(host, dev)
-        width, unroll, threads = _launch_shape(load, kv, host_addr)
-        chunks = ids_d.numel() * geo.num_kv * geo.page_size * nl * geo.item_bytes // width
-        blocks = max(1, min(num_blocks, -(-chunks // (threads * unroll))))
-        err = lib.pagekv_page_transfer(
-            *_kernel_args(load, kv, host_addr, host.shape[0], ids_d, s_d), l0, nl, width, blocks,
-            threads, unroll, stream,
-        )  # fmt: skip
+        _kernel_launch(lib, load, host, kv, _device_indices(ids, dev), _device_indices(s, dev),
+                       l0, nl, num_blocks, stream)  # fmt: skip
+        return backend
     if err != 0:
         raise RuntimeError(f"pagekv {backend} {'load' if load else 'save'} failed: cudaError {err}")
     return backend
+
+
+def _kernel_launch(
+    lib: ctypes.CDLL,
+    load: bool,
+    host: torch.Tensor,
+    kv: DeviceKV,
+    ids_d: torch.Tensor,
+    s_d: torch.Tensor,
+    l0: int,
+    nl: int,
+    num_blocks: int,
+    stream: int,
+) -> None:
+    """The page kernel for layers ``[l0, l0 + nl)`` of pages ``ids_d`` of ``host`` (pinned, or
+    device memory) to/from slots ``s_d`` (device tensors), on ``num_blocks`` at most."""
+    geo, dev = kv.geometry, kv.device
+    host_addr = _device_address(host, dev)
+    width, unroll, threads = _launch_shape(load, kv, host_addr)
+    chunks = ids_d.numel() * geo.num_kv * geo.page_size * nl * geo.item_bytes // width
+    blocks = max(1, min(num_blocks, -(-chunks // (threads * unroll))))
+    err = lib.pagekv_page_transfer(
+        *_kernel_args(load, kv, host_addr, host.shape[0], ids_d, s_d), l0, nl, width, blocks,
+        threads, unroll, stream,
+    )  # fmt: skip
+    if err != 0:
+        raise RuntimeError(f"pagekv kernel {'load' if load else 'save'} failed: cudaError {err}")
 
 
 def transfer_layers(

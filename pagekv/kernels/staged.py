@@ -1,0 +1,206 @@
+"""The staged backend: an all-layer transfer as whole-page DMA copies between the host pages and
+a device staging buffer, and a kernel between that buffer and the layer-first caches.
+
+A host page is contiguous over all its layers (page-first), so each page is one DMA run of
+``page_bytes`` (256 KiB for a TP-8 slice of Llama-3-8B at 16 tokens, 1-40 MiB for the others),
+which the copy engines move at the bus's rate whatever the page size, where the copy engine on
+the caches' own runs (one per layer and K/V: 4-32 KiB for TP-8 pages) collapses and the kernel
+reading host memory over PCIe tops out at ~0.92. The kernel's part then runs device to device,
+on ``SCATTER_BLOCKS`` thread blocks, ~10x faster than the DMA, overlapped with the next chunk's.
+
+Measured (H100, 4 GiB loads, 2026-11-26, ``ab`` experiment recorded in docs/benchmarks.md):
+0.957-0.972 of the pinned contiguous copy for TP-8 pages of 16 and 64 tokens, MLA-576 and
+Llama-3-8B at 16 tokens, where the kernel moved 0.88-0.92 and the copy engine 0.07-0.10 (0.93
+for Llama-3-8B). Chunks of 64 MiB reached only 0.94: every chunk's copy call joins its lanes,
+so each chunk boundary idles the engines briefly; 128 MiB halves the boundaries.
+
+Per chunk ``k`` of pages (buffer ``b = k % 2``, DMA stream ``b``):
+
+* load: the DMA stream waits until buffer ``b`` is free, copies the chunk's host pages into it
+  and marks it ready; the caller's stream waits for that and scatters the buffer into the slots
+  (the kernel), then marks the buffer free. The caller's later work follows every scatter.
+* save: the caller's stream waits until buffer ``b`` is free and gathers the slots into it,
+  marking it ready; the DMA stream waits for that, copies the buffer into the host pages and
+  marks it free. The caller's stream finally waits for both buffers' last copies.
+
+Bounds are the kernels': a load skips pages whose id is out of range (their staging rows are
+never scattered) and tokens whose slot is; a save with any index out of range is not staged
+(the caller runs the kernel), because a whole-page copy would write the skipped tokens' host
+bytes. All layers only: one layer of a page is not contiguous on the host.
+
+Ownership: the staging buffers (``2 x CHUNK_BYTES`` of device memory per device, allocated on
+the first staged transfer and kept) belong to this module; transfers from several threads are
+issued one at a time (a lock), and the events order every use of a buffer on the GPU. The
+caller keeps the host pages, caches and index tensors valid until an event recorded on its
+stream after the call has completed, as for a kernel launch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from . import copy_engine
+from .layout import DeviceKV
+
+__all__ = ["CHUNK_BYTES", "SCATTER_BLOCKS", "page_transfer"]
+
+CHUNK_BYTES = 128 << 20
+SCATTER_BLOCKS = 32
+_MAX_PAGE_BYTES = (1 << 31) - 1  # the copy-engine entry takes a row's bytes as a C int
+
+# kernel(load, staging pages, ids_d, slots_d, num_blocks): the page kernel between the staging
+# buffer (as host pages) and the caches, on the current stream (given by ops)
+Kernel = Callable[[bool, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
+
+
+@dataclass
+class _Device:
+    """A device's staging buffers, DMA streams and the events between them."""
+
+    device: torch.device
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    streams: list[torch.cuda.Stream] = field(default_factory=list)
+    ready: list[torch.cuda.Event] = field(default_factory=list)
+    free: list[torch.cuda.Event] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def buffers_for(self, page_bytes: int) -> int:
+        """Pages per buffer for pages of ``page_bytes``; the buffers grow (after waiting for
+        their last uses: once per larger page size) when a page is larger than a chunk."""
+        want = max(CHUNK_BYTES, page_bytes)
+        if not self.buffers or self.buffers[0].numel() < want:
+            if self.buffers:
+                for stream in self.streams:
+                    stream.synchronize()
+                torch.cuda.current_stream(self.device).synchronize()
+            self.buffers = [torch.empty(want, dtype=torch.uint8, device=self.device)
+                            for _ in range(2)]  # fmt: skip
+            if not self.streams:
+                self.streams = [torch.cuda.Stream(self.device) for _ in range(2)]
+                self.ready = [torch.cuda.Event() for _ in range(2)]
+                self.free = [torch.cuda.Event() for _ in range(2)]
+        return self.buffers[0].numel() // page_bytes
+
+
+_devices: dict[int, _Device] = {}
+_devices_lock = threading.Lock()
+
+
+def _state(device: torch.device) -> _Device:
+    with _devices_lock:
+        state = _devices.get(device.index or 0)
+        if state is None:
+            state = _devices[device.index or 0] = _Device(device)
+        return state
+
+
+def _in_range(ids: torch.Tensor, slots: torch.Tensor, num_pages: int, num_slots: int) -> bool:
+    if not ids.numel():
+        return True
+    ok_ids = int(ids.min()) >= 0 and int(ids.max()) < num_pages
+    return ok_ids and int(slots.min()) >= 0 and int(slots.max()) < num_slots
+
+
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, copied on the current stream through pinned memory (torch's caching
+    host allocator keeps it until the copy is done), so the host does not wait for the stream."""
+    return t.contiguous().pin_memory().to(device, non_blocking=True)
+
+
+def _dma(
+    lib: ctypes.CDLL,
+    load: bool,
+    host: torch.Tensor,
+    page_bytes: int,
+    buffer: torch.Tensor,
+    ids: torch.Tensor,
+    rows: torch.Tensor,
+    stream: torch.cuda.Stream,
+) -> bool:
+    """Whole pages ``ids`` of ``host`` <-> rows ``rows`` of ``buffer`` on the copy engines,
+    ordered on ``stream``: the copy-engine entry with one "layer" whose token is a page."""
+    stats = (ctypes.c_int64 * 2)()
+    n_rows = buffer.numel() // page_bytes
+    err = lib.pagekv_ce_page_transfer(
+        buffer.device.index or 0, int(load), host.data_ptr(),
+        (ctypes.c_int64 * 1)(buffer.data_ptr()), ids.data_ptr(), rows.data_ptr(), ids.numel(),
+        host.shape[0], n_rows, page_bytes, page_bytes, page_bytes, 1, 1, 1, 0, 1,
+        copy_engine.FLAGS, copy_engine.LANES, copy_engine.MAX_OPS, stream.cuda_stream, stats,
+    )  # fmt: skip
+    if err == 0:
+        return True
+    copy_engine.fail(
+        buffer.device.index or 0,
+        f"staged {'load' if load else 'save'} DMA failed with cudaError {err}",
+    )
+    return False
+
+
+def page_transfer(
+    lib: ctypes.CDLL,
+    load: bool,
+    host: torch.Tensor,
+    kv: DeviceKV,
+    ids: torch.Tensor,
+    slots: torch.Tensor,
+    kernel: Kernel,
+) -> bool:
+    """All layers of pages ``ids`` (CPU int64 ``[n]``) of ``host`` to (``load``) or from the
+    caches' ``slots`` (CPU int64 ``[n, page_size]``), ordered on the current stream as a kernel
+    launch there would be. False when nothing was issued (no copy engine, a page too large, a
+    save with an index out of range): the caller runs the kernel. Where the driver refuses a
+    DMA midway, the chunks left go through ``kernel`` straight from the host pages."""
+    geo, dev = kv.geometry, kv.device
+    index = dev.index or 0
+    page_bytes = geo.page_bytes
+    if not copy_engine.supported(index) or page_bytes > _MAX_PAGE_BYTES:
+        return False
+    if not load and not _in_range(ids, slots, host.shape[0], kv.num_slots):
+        return False
+    n = ids.numel()
+    if n == 0:
+        return True
+    st = _state(dev)
+    with st.lock:
+        per = st.buffers_for(page_bytes)
+        main = torch.cuda.current_stream(dev)
+        order = main.record_event()
+        for stream in st.streams:
+            stream.wait_event(order)
+        rows = torch.arange(n, dtype=torch.int64) % per  # row of each page in its chunk's buffer
+        rows_d = _upload(rows.masked_fill((ids < 0) | (ids >= host.shape[0]), -1), dev)
+        slots_d = _upload(slots, dev)
+        shape = (per, *geo.host_page_shape)
+        for k, first in enumerate(range(0, n, per)):
+            b, end = k % 2, min(n, first + per)
+            staged = st.buffers[b][: per * page_bytes].view(geo.dtype).view(shape)
+            stream = st.streams[b]
+            if load:
+                stream.wait_event(st.free[b])
+                if not _dma(lib, True, host, page_bytes, st.buffers[b], ids[first:end],
+                            rows[first:end, None], stream):  # fmt: skip
+                    kernel(True, host, _upload(ids[first:], dev), slots_d[first:], 0)
+                    return True
+                st.ready[b].record(stream)
+                main.wait_event(st.ready[b])
+                kernel(True, staged, rows_d[first:end], slots_d[first:end], SCATTER_BLOCKS)
+                st.free[b].record(main)
+            else:
+                main.wait_event(st.free[b])
+                kernel(False, staged, rows_d[first:end], slots_d[first:end], SCATTER_BLOCKS)
+                st.ready[b].record(main)
+                stream.wait_event(st.ready[b])
+                if not _dma(lib, False, host, page_bytes, st.buffers[b], ids[first:end],
+                            rows[first:end, None], stream):  # fmt: skip
+                    kernel(False, host, _upload(ids[first:], dev), slots_d[first:], 0)
+                    break
+                st.free[b].record(stream)
+        if not load:
+            for b in range(2):
+                main.wait_event(st.free[b])
+    return True
