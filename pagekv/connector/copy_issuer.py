@@ -164,7 +164,7 @@ class CopyIssuer:
                 completion._set(None, e)
             return
         self.counters["transfers"] += len(done)
-        self.counters["kernel_fallbacks"] += len(done) * (backend != "copy_engine")
+        self.counters["kernel_fallbacks"] += len(done) * (backend == "kernel")
         for completion, event in zip(done, events):
             completion._set(event)
 

@@ -11,10 +11,10 @@ reads device tensors, uploaded on the current stream from the connector's pinned
 completes. A CUDA slot table (the engine's tensor) always goes to the kernel: reading it on
 the host would sync.
 
-:func:`launch` enqueues a transfer. Copy-engine transfers go to the connector's
-:class:`~.copy_issuer.CopyIssuer` where the caller passes one (the copy engine's host time then
-lands on the issuer's thread, so the table may give it shapes whose enqueue would hold the
-caller: ``deferred``); everything else is enqueued on the current stream by the caller.
+:func:`launch` enqueues a transfer. Copy-engine and staged transfers go to the connector's
+:class:`~.copy_issuer.CopyIssuer` where the caller passes one (their host time then lands on
+the issuer's thread, so the table may give them shapes whose enqueue would hold the caller:
+``deferred``); everything else is enqueued on the current stream by the caller.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from .staging import IndexStaging
 
 __all__ = ["HOST_INDEX_BACKENDS", "Indices", "Launched", "launch", "transfer_indices"]
 
-HOST_INDEX_BACKENDS = ("copy_engine", "direct")
+HOST_INDEX_BACKENDS = ("copy_engine", "direct", "staged")
+# backends an issuer thread enqueues (their host time grows with the transfer)
+ISSUED_BACKENDS = ("copy_engine", "staged")
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,8 @@ def transfer_indices(
 
 @dataclass(frozen=True)
 class Launched:
-    """What :func:`launch` enqueued: the backend (``copy_engine`` when queued on the issuer),
+    """What :func:`launch` enqueued: the backend (``copy_engine`` or ``staged`` when queued on
+    the issuer),
     one completion per layer asked for (a ``torch.cuda.Event`` recorded on the current stream,
     or the issuer's :class:`~.copy_issuer.Completion`), and the indices, which the caller keeps
     referenced until the last completion has completed."""
@@ -107,7 +110,7 @@ def launch(
     job = functools.partial(transfer_layers, load_, host, idx.ids, kv, idx.slots, list(layers),
                             backend=idx.backend)  # fmt: skip
     deferred = issuer is not None and copy_engine.supported(kv.device.index or 0)
-    if idx.backend == "copy_engine" and deferred:
-        return Launched("copy_engine", issuer.submit(job, len(layers)), idx)
+    if idx.backend in ISSUED_BACKENDS and deferred:
+        return Launched(idx.backend, issuer.submit(job, len(layers)), idx)
     backend, events = job()
     return Launched(backend, events, idx)

@@ -3,36 +3,41 @@ a device staging buffer, and a kernel between that buffer and the layer-first ca
 
 A host page is contiguous over all its layers (page-first), so each page is one DMA run of
 ``page_bytes`` (256 KiB for a TP-8 slice of Llama-3-8B at 16 tokens, 1-40 MiB for the others),
-which the copy engines move at the bus's rate whatever the page size, where the copy engine on
-the caches' own runs (one per layer and K/V: 4-32 KiB for TP-8 pages) collapses and the kernel
-reading host memory over PCIe tops out at ~0.92. The kernel's part then runs device to device,
-on ``SCATTER_BLOCKS`` thread blocks, ~10x faster than the DMA, overlapped with the next chunk's.
+which the copy engines move near the bus's rate whatever the page size, where the copy engine
+on the caches' own runs (one per layer and K/V: 4-32 KiB for TP-8 pages) collapses and the
+kernel reading host memory over PCIe tops out at ~0.92. The kernel's part runs device to
+device on ``SCATTER_BLOCKS`` thread blocks, overlapped with the next chunks' copies.
 
-Measured (H100, 4 GiB loads, 2026-11-26, ``ab`` experiment recorded in docs/benchmarks.md):
-0.957-0.972 of the pinned contiguous copy for TP-8 pages of 16 and 64 tokens, MLA-576 and
-Llama-3-8B at 16 tokens, where the kernel moved 0.88-0.92 and the copy engine 0.07-0.10 (0.93
-for Llama-3-8B). Chunks of 64 MiB reached only 0.94: every chunk's copy call joins its lanes,
-so each chunk boundary idles the engines briefly; 128 MiB halves the boundaries.
+Chunks of ``CHUNK_BYTES`` take turns over ``DMA_STREAMS`` streams (each chunk one copy call on
+its stream, no side lanes: the streams keep the copy engines busy, and no chunk boundary
+waits for every stream) and ``BUFFERS`` staging buffers. Measured (H100, 2026-11-26, all-layer
+loads / saves against the pinned contiguous copy, 16-token pages, 128 MiB / 1 GiB / 4 GiB):
+loads 0.947-0.983 (TP-8 0.96-0.98, MLA-576 0.95-0.98, Llama-3-8B 0.95-0.98; the kernel
+0.91-0.93); saves 0.92-0.97 for MLA-576 and Llama-3-8B but 0.85-0.88 for TP-8 (256 KiB
+device-to-host copies), where the kernel saves 0.93-0.95. Chunks of 4 or 8 MiB, 2 streams or
+128 blocks were no better; one 128 MiB chunk at a time, each copy call split over 16 lanes,
+0.94-0.97 and only for multi-GiB transfers (every call joined its lanes). ``auto`` measures
+it beside the others (:mod:`.copy_table`) and takes it where it is faster.
 
-Per chunk ``k`` of pages (buffer ``b = k % 2``, DMA stream ``b``):
+Per chunk ``k`` (buffer ``k % BUFFERS``, DMA stream ``k % DMA_STREAMS``):
 
-* load: the DMA stream waits until buffer ``b`` is free, copies the chunk's host pages into it
+* load: the DMA stream waits until the buffer is free, copies the chunk's host pages into it
   and marks it ready; the caller's stream waits for that and scatters the buffer into the slots
   (the kernel), then marks the buffer free. The caller's later work follows every scatter.
-* save: the caller's stream waits until buffer ``b`` is free and gathers the slots into it,
+* save: the caller's stream waits until the buffer is free and gathers the slots into it,
   marking it ready; the DMA stream waits for that, copies the buffer into the host pages and
-  marks it free. The caller's stream finally waits for both buffers' last copies.
+  marks it free. The caller's stream finally waits for every buffer's last copy.
 
 Bounds are the kernels': a load skips pages whose id is out of range (their staging rows are
 never scattered) and tokens whose slot is; a save with any index out of range is not staged
 (the caller runs the kernel), because a whole-page copy would write the skipped tokens' host
 bytes. All layers only: one layer of a page is not contiguous on the host.
 
-Ownership: the staging buffers (``2 x CHUNK_BYTES`` of device memory per device, allocated on
-the first staged transfer and kept) belong to this module; transfers from several threads are
-issued one at a time (a lock), and the events order every use of a buffer on the GPU. The
-caller keeps the host pages, caches and index tensors valid until an event recorded on its
-stream after the call has completed, as for a kernel launch.
+Ownership: the staging buffers (``BUFFERS x CHUNK_BYTES``, 64 MiB, of device memory per device,
+allocated on the first staged transfer and kept) belong to this module; transfers from several
+threads are issued one at a time (a lock), and the events order every use of a buffer on the
+GPU. The caller keeps the host pages, caches and index tensors valid until an event recorded on
+its stream after the call has completed, as for a kernel launch.
 """
 
 from __future__ import annotations
@@ -47,9 +52,12 @@ import torch
 from . import copy_engine
 from .layout import DeviceKV
 
-__all__ = ["CHUNK_BYTES", "SCATTER_BLOCKS", "page_transfer"]
+__all__ = ["BUFFERS", "CHUNK_BYTES", "DMA_STREAMS", "RING_BYTES", "SCATTER_BLOCKS", "page_transfer"]
 
-CHUNK_BYTES = 128 << 20
+CHUNK_BYTES = 16 << 20  # pages per DMA call and per kernel launch: at least one page
+BUFFERS = 4  # staging buffers of a chunk each, used in turn (at most RING_BYTES together)
+RING_BYTES = 64 << 20
+DMA_STREAMS = 4  # chunks in turn on these; the copy engines work on several at once
 SCATTER_BLOCKS = 32
 _MAX_PAGE_BYTES = (1 << 31) - 1  # the copy-engine entry takes a row's bytes as a C int
 
@@ -70,20 +78,22 @@ class _Device:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def buffers_for(self, page_bytes: int) -> int:
-        """Pages per buffer for pages of ``page_bytes``; the buffers grow (after waiting for
-        their last uses: once per larger page size) when a page is larger than a chunk."""
-        want = max(CHUNK_BYTES, page_bytes)
-        if not self.buffers or self.buffers[0].numel() < want:
+        """Pages per buffer for pages of ``page_bytes``. The buffers are made on first use and
+        remade (after waiting for their last uses) when a page does not fit."""
+        per = max(1, CHUNK_BYTES // page_bytes)
+        count = max(2, min(BUFFERS, RING_BYTES // (per * page_bytes)))
+        if not self.buffers or self.buffers[0].numel() < page_bytes:
             if self.buffers:
                 for stream in self.streams:
                     stream.synchronize()
                 torch.cuda.current_stream(self.device).synchronize()
-            self.buffers = [torch.empty(want, dtype=torch.uint8, device=self.device)
-                            for _ in range(2)]  # fmt: skip
-            if not self.streams:
-                self.streams = [torch.cuda.Stream(self.device) for _ in range(2)]
-                self.ready = [torch.cuda.Event() for _ in range(2)]
-                self.free = [torch.cuda.Event() for _ in range(2)]
+            size = max(CHUNK_BYTES, page_bytes)
+            self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device)
+                            for _ in range(count)]  # fmt: skip
+            self.ready = [torch.cuda.Event() for _ in range(count)]
+            self.free = [torch.cuda.Event() for _ in range(count)]
+        if not self.streams:
+            self.streams = [torch.cuda.Stream(self.device) for _ in range(DMA_STREAMS)]
         return self.buffers[0].numel() // page_bytes
 
 
@@ -123,14 +133,15 @@ def _dma(
     stream: torch.cuda.Stream,
 ) -> bool:
     """Whole pages ``ids`` of ``host`` <-> rows ``rows`` of ``buffer`` on the copy engines,
-    ordered on ``stream``: the copy-engine entry with one "layer" whose token is a page."""
+    ordered on ``stream`` alone (no side lanes: the chunks' streams take turns instead): the
+    copy-engine entry with one "layer" whose token is a page."""
     stats = (ctypes.c_int64 * 2)()
     n_rows = buffer.numel() // page_bytes
     err = lib.pagekv_ce_page_transfer(
         buffer.device.index or 0, int(load), host.data_ptr(),
         (ctypes.c_int64 * 1)(buffer.data_ptr()), ids.data_ptr(), rows.data_ptr(), ids.numel(),
         host.shape[0], n_rows, page_bytes, page_bytes, page_bytes, 1, 1, 1, 0, 1,
-        copy_engine.FLAGS, copy_engine.LANES, copy_engine.MAX_OPS, stream.cuda_stream, stats,
+        copy_engine.FLAGS, 1, copy_engine.MAX_OPS, stream.cuda_stream, stats,
     )  # fmt: skip
     if err == 0:
         return True
@@ -177,9 +188,9 @@ def page_transfer(
         slots_d = _upload(slots, dev)
         shape = (per, *geo.host_page_shape)
         for k, first in enumerate(range(0, n, per)):
-            b, end = k % 2, min(n, first + per)
+            b, end = k % len(st.buffers), min(n, first + per)
             staged = st.buffers[b][: per * page_bytes].view(geo.dtype).view(shape)
-            stream = st.streams[b]
+            stream = st.streams[k % len(st.streams)]
             if load:
                 stream.wait_event(st.free[b])
                 if not _dma(lib, True, host, page_bytes, st.buffers[b], ids[first:end],
@@ -201,6 +212,6 @@ def page_transfer(
                     break
                 st.free[b].record(stream)
         if not load:
-            for b in range(2):
-                main.wait_event(st.free[b])
+            for event in st.free:
+                main.wait_event(event)
     return True

@@ -111,11 +111,12 @@ def test_auto_uses_the_measured_table_and_the_setting(monkeypatch):
     assert table.entries and all(
         dict(e.seconds)["kernel"] > 0 for e in table.entries
     )  # every shape timed the kernel
-    allowed = ["kernel", "direct"] + (["copy_engine"] if copy_engine.supported(0) else [])
+    ce = copy_engine.supported(0)
+    allowed = ["kernel", "direct"] + (["copy_engine"] if ce else [])
     for load_, all_layers in ((False, True), (True, False)):
         rows = geo.num_layers * 2 if all_layers else 2
         shape = copy_table.Shape(load_, all_layers, 128 * geo.item_bytes, 8 * 128 * rows * 2048)
-        want = table.choose(shape, allowed)
+        want = table.choose(shape, allowed + (["staged"] if ce and all_layers else []))
         layer = None if all_layers else 1
         if load_:
             got = load(pool.buffer, list(range(8)), kv, contiguous, layer=layer)
@@ -124,9 +125,9 @@ def test_auto_uses_the_measured_table_and_the_setting(monkeypatch):
         assert got == want
     # CUDA index tensors: the kernel (no copy can be built on the host without a sync)
     assert save(kv, contiguous.to(DEV), pool.buffer, torch.arange(8, device=DEV)) == "kernel"
-    for setting in ("kernel", "direct", "copy_engine"):
+    for setting in ("kernel", "direct", "copy_engine", "staged"):
         monkeypatch.setenv("PAGEKV_COPY_BACKEND", setting)
-        expect = setting if setting != "copy_engine" or copy_engine.supported(0) else "kernel"
+        expect = setting if setting in ("kernel", "direct") or ce else "kernel"
         assert save(kv, contiguous, pool.buffer, list(range(8))) == expect
     torch.cuda.synchronize()
 

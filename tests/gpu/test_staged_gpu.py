@@ -25,9 +25,12 @@ DEV = torch.device("cuda", 0)
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Fresh staging state with buffers of 3 pages (at least one: a larger page gets one)."""
+    """Fresh staging state: chunks of 3 pages, 2 buffers taking turns over 3 DMA streams (so
+    buffers are reused while streams differ)."""
     require_copy_engine()
     monkeypatch.setattr(staged, "_devices", {})
+    monkeypatch.setattr(staged, "BUFFERS", 2)
+    monkeypatch.setattr(staged, "DMA_STREAMS", 3)
 
     def chunk_for(geo):
         monkeypatch.setattr(staged, "CHUNK_BYTES", 3 * geo.page_bytes)
