@@ -168,7 +168,8 @@ COPY_BACKEND = _var("COPY_BACKEND", _choice("auto", "kernel", "copy_engine", "di
                     "kernel for CUDA index tensors and graph capture), or one of `kernel`, "
                     "`copy_engine` (the kernel where the driver lacks batched copies), `direct`, "
                     "`staged` (all-layer transfers as whole-page copies through a device buffer, "
-                    "the kernel for one layer), `torch` for every transfer",
+                    "the kernel for one layer: the fastest transfer, which costs a model running "
+                    "beside it more; never taken by `auto`), `torch` for every transfer",
                     "auto, kernel, copy_engine, direct, staged, torch")  # fmt: skip
 NATIVE_COPY = _var("NATIVE_COPY", _choice("auto", "on", "off"), "auto",
                    "the native checked copy and receive (C, built with `$CC` on first use): "

@@ -4,7 +4,8 @@ Part 1, a decode-like step: Llama-3-8B-shaped bf16 matmuls at batch 8 (32 layers
 gate/up and down projections: 14 GB of weights read per step, as a decode reads them), captured
 in one CUDA graph and replayed on a stream of its own, each replay timed with events on that
 stream (never a device-wide sync). In each round and for each load -- a plain contiguous
-``cudaMemcpyAsync`` of the same bytes, the kernel, the copy engine, ``auto`` (with
+``cudaMemcpyAsync`` of the same bytes, the kernel, the copy engine, the staged backend (whole
+pages through a device buffer, a kernel device to device), ``auto`` (with
 ``PAGEKV_COPY_BACKEND=auto``, set here: what the measured table picks for CPU indices), the
 direct backend -- the
 step is timed alone, then beside a 4 GiB all-layer load on a side stream; only steps that start
@@ -156,6 +157,7 @@ def _ms(ref: torch.cuda.Event, ev: torch.cuda.Event) -> float:
 
 def decode_beside(args: argparse.Namespace, step: DecodeStep, loads: Loads) -> dict:
     ce = [f"copy_engine@{n}" for n in args.ce_lanes] if copy_engine.supported(0) else []
+    ce += ["staged"] if copy_engine.supported(0) else []
     backends = ["plain_copy", "kernel", *ce, "auto", "direct"]
     # warm-up, and each load's time alone (sizes the decode run beside it)
     load_ms = {}

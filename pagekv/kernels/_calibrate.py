@@ -51,10 +51,8 @@ def _shape_seconds(
     stream = torch.cuda.current_stream()
     seconds, enqueue = [], []
     for backend in BACKENDS:
-        if (
-            (backend in ("copy_engine", "staged") and not ce_ok)
-            or (backend == "direct" and n_pages * rows > DIRECT_MAX_COPIES)
-            or (backend == "staged" and not all_layers)
+        if (backend == "copy_engine" and not ce_ok) or (
+            backend == "direct" and n_pages * rows > DIRECT_MAX_COPIES
         ):
             seconds.append((backend, math.inf))
             enqueue.append((backend, math.inf))
@@ -66,7 +64,7 @@ def _shape_seconds(
             fn = functools.partial(ops.save, kv, slots, host, ids, layer=layer, backend=backend,
                                    validate=False)  # fmt: skip
         t, host_s = median_seconds(fn, stream.synchronize)
-        if backend in ("copy_engine", "staged") and not copy_engine.supported(dev.index or 0):
+        if backend == "copy_engine" and not copy_engine.supported(dev.index or 0):
             t = host_s = math.inf  # the driver refused it: the kernel ran in its place
         seconds.append((backend, t))
         enqueue.append((backend, host_s))

@@ -2,18 +2,18 @@
 measured once per device.
 
 For a grid of transfer shapes (direction, all layers or one, bytes per run of consecutive slots,
-bytes in all) the kernel, the copy engine, the direct memcpy backend and (all layers) the staged
-backend (:mod:`.staged`) are timed on this GPU: seconds per call of three calls back to back (a
-connector's chunks and layers follow one another, so a call's host time overlaps the copies
-before it) and the host time of one call (its *enqueue* time: what the calling thread waits). On
-the caller's thread (``deferred`` false) a backend is a candidate for a shape only when its
-enqueue time is at most the kernel's plus ``ENQUEUE_SLACK_S``: the copy engine's host cost grows
-with its copies (~0.5-1 us each, and the call blocks once the driver's queue is full: a 4 GiB
-load of 32 KiB runs held the host 580 of its 650 ms on the H200), and an engine's step never
-waits on a transfer. Where a thread of the connector's own enqueues the copy engine's and the
-staged backend's transfers (``deferred``: :mod:`pagekv.connector.copy_issuer`) their host time
-bars nothing. Among the candidates the copy engine wins unless it is more than
-``COPY_ENGINE_SLACK`` slower than the fastest: it leaves the SMs to the model.
+bytes in all) the kernel, the copy engine and the direct memcpy backend are timed on this GPU:
+seconds per call of three calls back to back (a connector's chunks and layers follow one
+another, so a call's host time overlaps the copies before it) and the host time of one call
+(its *enqueue* time: what the calling thread waits). On the caller's thread (``deferred``
+false) a backend is a candidate for a shape only when its enqueue time is at most the kernel's
+plus ``ENQUEUE_SLACK_S``: the copy engine's host cost grows with its copies (~0.5-1 us each, and
+the call blocks once the driver's queue is full: a 4 GiB load of 32 KiB runs held the host 580
+of its 650 ms on the H200), and an engine's step never waits on a transfer. Where a thread of
+the connector's own enqueues the copy engine's transfers (``deferred``:
+:mod:`pagekv.connector.copy_issuer`) its host time bars nothing. Among the candidates the copy
+engine wins unless it is more than ``COPY_ENGINE_SLACK`` slower than the fastest: it leaves the
+SMs to the model.
 
 A transfer takes a backend only when the measured shapes around it agree
 (:meth:`CopyTable.choose`: the nearest runs on both sides, each at the nearest totals on both
@@ -23,12 +23,12 @@ MLA-576 at 16-128 tokens), because the copy engine's rate is not monotonic in th
 runs 0.96 of the bus, 36 KiB (MLA, 32 tokens) 0.74 on the H200 in one run, 0.97 in another.
 
 Cache: ``$PAGEKV_CACHE_DIR/copy_table_<key>.json``, the key naming the GPU, the driver, the
-kernel library (its source hash) and the copy engine's and staged backend's settings, so a new
-driver, a changed kernel or other copy-engine defaults measure again. A file lock makes
-concurrent processes measure once. Measuring takes ~30 s, synchronises the device and uses up to
-256 MiB of device and of pinned host memory for the while; it happens on the first ``auto``
-transfer with CPU indices, or when :func:`calibrate` is called (``KVConnector.connect`` does: at
-start-up, off the serving path).
+kernel library (its source hash) and the copy engine's settings, so a new driver, a changed
+kernel or other copy-engine defaults measure again. A file lock makes concurrent processes
+measure once. Measuring takes ~30 s, synchronises the device and uses up to 256 MiB of device
+and of pinned host memory for the while; it happens on the first ``auto`` transfer with CPU
+indices, or when :func:`calibrate` is called (``KVConnector.connect`` does: at start-up, off
+the serving path).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-TABLE_VERSION = 6
+TABLE_VERSION = 5
 # The copy engine is chosen unless it takes more than this fraction longer than the fastest.
 COPY_ENGINE_SLACK = 0.10
 # A backend whose call holds the host longer than the kernel's plus this is never chosen.
@@ -73,7 +73,7 @@ ENQUEUE_SLACK_S = 25e-6
 # the large ones.
 RUN_BYTES = (4096, 8192, 16384, 18432, 32768, 36864, 65536, 73728, 131072, 147456, 262144)
 TOTAL_BYTES = (1 << 20, 16 << 20, 128 << 20)
-BACKENDS = ("kernel", "copy_engine", "direct", "staged")  # staged: all-layer shapes only
+BACKENDS = ("kernel", "copy_engine", "direct")
 DIRECT_MAX_COPIES = 4096  # the direct backend is not timed where it would issue more memcpys
 
 
@@ -94,14 +94,14 @@ class Entry:
     enqueue: tuple[tuple[str, float], ...]  # (backend, median host seconds of the call)
 
     def best(self, allowed: Collection[str], deferred: bool = False) -> str | None:
-        """The backend for this shape among ``allowed`` (None when none was measured): those whose
-        enqueue time is within ``ENQUEUE_SLACK_S`` of the kernel's (the copy engine and
-        the staged backend whatever their enqueue time when ``deferred``: a thread other
-        than the caller's enqueues them), then the copy engine unless it is more than
-        ``COPY_ENGINE_SLACK`` slower than the fastest."""
+        """The backend for this shape among ``allowed`` (None when none was measured): those
+        whose enqueue time is within ``ENQUEUE_SLACK_S`` of the kernel's (the copy engine
+        whatever its enqueue time when ``deferred``: a thread other than the caller's enqueues
+        it), then the copy engine unless it is more than ``COPY_ENGINE_SLACK`` slower than the
+        fastest."""
         host = dict(self.enqueue)
         bound = host.get("kernel", math.inf) + ENQUEUE_SLACK_S
-        free = ("kernel", "copy_engine", "staged") if deferred else ("kernel",)
+        free = ("kernel", "copy_engine") if deferred else ("kernel",)
         times = {b: s for b, s in self.seconds if b in allowed and math.isfinite(s)
                  and (b in free or host.get(b, math.inf) <= bound)}  # fmt: skip
         if not times:
@@ -285,7 +285,7 @@ def calibrate(device: int | None = None, *, force: bool = False) -> CopyTable:
     else measured now and cached. ``force`` measures again."""
     import torch
 
-    from . import copy_engine, staged
+    from . import copy_engine
     from .jit import cache_dir, load_library
 
     index = torch.cuda.current_device() if device is None else device
@@ -298,10 +298,7 @@ def calibrate(device: int | None = None, *, force: bool = False) -> CopyTable:
         name = torch.cuda.get_device_name(index)
         driver = copy_engine._support(index)
         library = Path(getattr(lib, "_name", "lib")).name
-        form = (
-            f"lanes={copy_engine.LANES},flags={copy_engine.FLAGS},staged="
-            f"{staged.CHUNK_BYTES}x{staged.BUFFERS}/{staged.DMA_STREAMS}/{staged.SCATTER_BLOCKS}"
-        )
+        form = f"lanes={copy_engine.LANES},flags={copy_engine.FLAGS}"
         key = table_key(name, driver, f"{library}|{form}")
         path = table_path(cache_dir(), key)
         if force and path.exists():

@@ -4,7 +4,8 @@
 * ``"copy_engine"``: batched DMA copies (:mod:`.copy_engine`), no SMs; needs CUDA >= 12.8;
 * ``"direct"``: one ``cudaMemcpyAsync`` per run of consecutive slots (large pages);
 * ``"staged"``: all layers as whole-page DMA copies through a device staging buffer and a
-  device-side kernel (:mod:`.staged`); needs the copy engine; one layer takes the kernel;
+  device-side kernel (:mod:`.staged`); needs the copy engine; one layer takes the kernel; only
+  when asked for (the setting or ``backend=``);
 * ``"torch"``: the reference (:mod:`.reference`), used on CPU and when kernels are unavailable.
 
 ``backend="auto"`` picks: torch on CPU; else what ``PAGEKV_COPY_BACKEND`` (:mod:`.jit`) says.
@@ -14,9 +15,10 @@ backend the measured shapes around this one agree on in the table measured once 
 (:mod:`.copy_table`): on the caller's thread only backends whose host time per call stays within
 the kernel's (the connector's issuer thread lifts that bar for the copy engine: ``deferred``),
 the copy engine for runs of at least ``COPY_ENGINE_MIN_RUN`` unless it is more than 10% slower
-than the fastest, the staged backend for all-layer transfers where it is the fastest. Launches
-go on torch's current stream and neither allocate nor synchronise, so kernel launches can be
-captured in a CUDA graph (pass device index tensors and ``validate=False`` inside a capture).
+than the fastest; never the staged backend (it costs a model running beside it more: see
+:mod:`.staged`). Launches go on torch's current stream and neither allocate nor synchronise, so
+kernel launches can be captured in a CUDA graph (pass device index tensors and
+``validate=False`` inside a capture).
 
 ``validate=True`` checks index values (range, repeats) before anything is written, which syncs
 when the indices are CUDA tensors. ``validate=False`` keeps the shape/dtype/device checks; every
@@ -191,8 +193,6 @@ def _auto_backend(
     allowed = ["kernel", "direct"]
     if copy_engine.supported(device) and run >= COPY_ENGINE_MIN_RUN:
         allowed.append("copy_engine")
-    if copy_engine.supported(device) and layer is None:
-        allowed.append("staged")
     rows = geo.num_layers * geo.num_kv if layer is None else geo.num_kv
     total = ids.numel() * geo.page_size * rows * geo.item_bytes
     shape = copy_table.Shape(load, layer is None, run, total)

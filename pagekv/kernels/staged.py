@@ -16,8 +16,15 @@ loads 0.947-0.983 (TP-8 0.96-0.98, MLA-576 0.95-0.98, Llama-3-8B 0.95-0.98; the 
 0.91-0.93); saves 0.92-0.97 for MLA-576 and Llama-3-8B but 0.85-0.88 for TP-8 (256 KiB
 device-to-host copies), where the kernel saves 0.93-0.95. Chunks of 4 or 8 MiB, 2 streams or
 128 blocks were no better; one 128 MiB chunk at a time, each copy call split over 16 lanes,
-0.94-0.97 and only for multi-GiB transfers (every call joined its lanes). ``auto`` measures
-it beside the others (:mod:`.copy_table`) and takes it where it is faster.
+0.94-0.97 and only for multi-GiB transfers (every call joined its lanes).
+
+The cost: every byte crosses device memory three times (the copy into the buffer, the kernel's
+read of it and its write into the caches) instead of once. Beside a graph-captured decode
+(memory-bound: 2.6 TB/s of weights) a 4 GiB load slowed each step x1.09, against x1.05 for a
+plain contiguous copy of the same bytes, x1.035-1.085 for the kernel and x1.004-1.04 for the
+copy engine (H100, scripts/bench_beside_compute.py, TP-8 and Llama-3-8B pages). So ``auto``
+never takes it: it is for a transfer that nothing runs beside (``backend="staged"`` or
+``PAGEKV_COPY_BACKEND=staged``).
 
 Per chunk ``k`` (buffer ``k % BUFFERS``, DMA stream ``k % DMA_STREAMS``):
 
