@@ -250,27 +250,47 @@ def test_mla_only_rank_zero_writes(node):
 def test_writeback_queue_is_bounded_and_drops_oldest():
     ns = KeyNamespace("m", GEO)
     dead = ClientConfig(("tcp://127.0.0.1:9",), timeout_s=0.5)
-    conn = KVConnector(GEO, caches(), dead, host_pages=64, namespace=ns, max_pending_writes=4)
+    unsaved: list[bytes] = []
+    conn = KVConnector(GEO, caches(), dead, host_pages=64, namespace=ns, max_pending_writes=4,
+                       on_unsaved=unsaved.extend)  # fmt: skip
     try:
+        keys = []
         for _ in range(6):  # 6 saves of 2 pages while the first write-back waits on a dead node
-            assert conn.save(prompt(8), torch.randperm(NUM_SLOTS)[:8]).pages == 2
+            tokens = prompt(8)
+            keys += conn.keys(tokens)
+            assert conn.save(tokens, torch.randperm(NUM_SLOTS)[:8]).pages == 2
         conn.flush_sync(timeout=30)
         st = conn.stats()
         assert st["writeback_dropped"] >= 4  # oldest queued pages dropped, not the engine blocked
         assert st["writeback_dropped"] + st["writeback_failed"] == 12
         assert st["host_held"] == 0 and st["host_cached"] == 12  # pages stay in the host tier
+        assert sorted(unsaved) == sorted(keys)  # each dropped or failed key reported once
     finally:
         conn.close()
 
 
-def test_on_stored_names_the_keys_the_store_confirmed_and_never_failed_ones(node):
+def test_on_unsaved_names_the_keys_a_full_pool_could_not_take(node):
+    unsaved: list[bytes] = []
+    conn = connector(node, caches(), host_pages=2, on_unsaved=unsaved.extend)
+    try:
+        tokens = prompt(4 * 3)
+        assert conn.save(tokens, torch.randperm(NUM_SLOTS)[:12]).pages == 0
+        assert conn.stats()["save_pool_full"] == 1 and unsaved == conn.keys(tokens)
+    finally:
+        conn.close()
+
+
+def test_on_stored_names_the_keys_the_store_confirmed_and_on_unsaved_the_refused_ones(node):
     told: list[bytes] = []
-    conn = connector(node, caches(), on_stored=told.extend)
+    unsaved: list[bytes] = []
+    conn = connector(node, caches(), on_stored=told.extend, on_unsaved=unsaved.extend)
     refusing = StoreNode(NodeConfig(port=0, capacity="64MiB", max_block_size=1024))
     thread = threading.Thread(target=refusing.serve_forever, daemon=True)
     thread.start()
     refused: list[bytes] = []
-    other = connector(refusing, caches(), on_stored=refused.extend)
+    refused_unsaved: list[bytes] = []
+    other = connector(refusing, caches(), on_stored=refused.extend,
+                      on_unsaved=refused_unsaved.extend)  # fmt: skip
     try:
         tokens = prompt(4 * 10)
         keys = conn.keys(tokens)
@@ -278,10 +298,11 @@ def test_on_stored_names_the_keys_the_store_confirmed_and_never_failed_ones(node
             assert c.put_many(keys[3:5], [bytes(GEO.page_bytes)] * 2) == [Status.OK] * 2
         assert conn.save(tokens, torch.randperm(NUM_SLOTS)[:40]).pages == 10
         conn.flush_sync(timeout=10)
-        assert sorted(told) == sorted(keys) and len(told) == 10
+        assert sorted(told) == sorted(keys) and len(told) == 10 and unsaved == []
         assert other.save(tokens, torch.randperm(NUM_SLOTS)[:40]).pages == 10
         other.flush_sync(timeout=10)
         assert other.stats()["writeback_failed"] == 10 and refused == []  # TOO_LARGE each
+        assert sorted(refused_unsaved) == sorted(keys)
     finally:
         conn.close()
         other.close()

@@ -74,7 +74,7 @@ from .page_cache import PageCache
 from .staging import IndexStaging
 from .streaming_load import StreamingLoad
 from .transfer_indices import launch
-from .writeback import WriteBack
+from .writeback import WriteBack, notify
 
 __all__ = ["KVConnector", "Prefetch", "SaveHandle"]
 
@@ -98,7 +98,10 @@ class KVConnector:
     zero-copy transfers). Raises ``ValueError``/``TypeError`` for bad arguments; a failed
     constructor leaves no thread behind. ``on_stored(keys)``: called on the connector's loop
     thread with the keys of each write-back the store confirmed holding (see
-    :class:`~.writeback.WriteBack`); it must be quick and must not raise.
+    :class:`~.writeback.WriteBack`); ``on_unsaved(keys)``: with the keys a :meth:`save` was
+    given that will not reach the store (a full pool, a host page evicted before its write
+    again, a write-back refused, failed or dropped), on the loop or on the caller's thread.
+    Both must be quick, thread-safe and must not raise.
     """
 
     def __init__(
@@ -113,6 +116,7 @@ class KVConnector:
         lookup_timeout_s: float = 0.05,
         close_timeout_s: float = 30.0,
         on_stored: Callable[[list[bytes]], Any] | None = None,
+        on_unsaved: Callable[[list[bytes]], Any] | None = None,
     ) -> None:
         if not isinstance(namespace, KeyNamespace):
             raise TypeError(f"namespace must be a KeyNamespace, got {type(namespace).__name__}")
@@ -136,7 +140,8 @@ class KVConnector:
             self.store.register(self.pool.address, self.pool.nbytes)
             self.fetcher = Fetcher(self.cache, self.pool, self.store, self.stats_counters)
             self.writeback = WriteBack(self.cache, self.pool, self.store, max_pending_writes,
-                                       self.stats_counters, on_stored)  # fmt: skip
+                                       self.stats_counters, on_stored, on_unsaved)  # fmt: skip
+            self.on_unsaved = on_unsaved
         except BaseException:
             self._loop.close()
             self.pool.close()
@@ -444,6 +449,8 @@ class KVConnector:
             pages = self.cache.allocate(len(new))
         except PoolExhausted:
             self.stats_counters["save_pool_full"] += 1
+            if self.writes_to_store:
+                notify(self.on_unsaved, [keys[i] for i in new])
             return SaveHandle(0)
         event = self._copy_out(table, new, pages, engine_waits)
         published, duplicates = [], []
@@ -463,7 +470,9 @@ class KVConnector:
     def _write_again(self, keys: list[bytes]) -> None:
         """Queue the write-back of host-tier pages (held until written, after the copies that
         filled them)."""
-        held = [(k, p) for k, p in zip(keys, self.cache.acquire_each(keys)) if p is not None]
+        pages = self.cache.acquire_each(keys)
+        notify(self.on_unsaved, [k for k, p in zip(keys, pages) if p is None])
+        held = [(k, p) for k, p in zip(keys, pages) if p is not None]
         if not held:
             return
         events = self.cache.ready_events([p for _, p in held])

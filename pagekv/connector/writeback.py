@@ -11,6 +11,10 @@ waiting for a worker that is gone.
 ``on_stored(keys)``, when given, is called (on the loop) with the keys of each write-back that
 the store confirmed holding: stored by this PUT (``OK``), or already there (``EXISTS``, or
 found by the EXISTS before it); never with a key whose PUT failed or was dropped.
+``on_unsaved(keys)``, when given, is called (on the loop) with the keys whose write-back did
+not reach the store: a PUT refused (any status but ``OK``/``EXISTS``), a call that failed, a
+write-back dropped. A queued key gets one of the two calls, except the keys of a write in
+progress when the worker stopped on an unexpected error or was cancelled.
 """
 
 from __future__ import annotations
@@ -28,21 +32,32 @@ from .host_pool import HostPagePool
 from .loop import RateLimitedLog
 from .page_cache import PageCache
 
-__all__ = ["WriteBack"]
+__all__ = ["WriteBack", "notify"]
 
 log = logging.getLogger("pagekv.connector")
+
+
+def notify(listener: Callable[[list[bytes]], Any] | None, keys: list[bytes]) -> None:
+    """Call ``listener(keys)`` (``on_stored`` / ``on_unsaved``) when there are keys; a listener
+    that raises is a bug: logged, and the caller goes on."""
+    if keys and listener is not None:
+        try:
+            listener(keys)
+        except Exception:
+            log.exception("pagekv: a save listener failed")
 
 
 class WriteBack:
     def __init__(
         self, cache: PageCache, pool: HostPagePool, store: Any, max_pages: int,
         counters: dict[str, float], on_stored: Callable[[list[bytes]], Any] | None = None,
+        on_unsaved: Callable[[list[bytes]], Any] | None = None,
     ) -> None:  # fmt: skip
         if isinstance(max_pages, bool) or not isinstance(max_pages, int) or max_pages <= 0:
             raise ValueError(f"max_pending_writes must be a positive int, got {max_pages!r}")
         self.cache, self.pool, self.store, self.max_pages = cache, pool, store, max_pages
         self.conn_counters = counters
-        self.on_stored = on_stored
+        self.on_stored, self.on_unsaved = on_stored, on_unsaved
         self.queue: collections.deque[tuple[list[tuple[bytes, int]], Any]] = collections.deque()
         self.queued_pages = 0
         self.counts = dict.fromkeys(("written", "skipped_present", "dropped", "failed"), 0)
@@ -74,6 +89,7 @@ class WriteBack:
         for pages, event in entries:
             self.counts["dropped"] += len(pages)
             self.cache.release([p for _, p in pages], after=event)
+            notify(self.on_unsaved, [k for k, _ in pages])
 
     async def _run(self) -> None:
         try:
@@ -115,7 +131,7 @@ class WriteBack:
             todo = [(k, p) for (k, p), found in zip(pages, present) if not found]
             self.counts["skipped_present"] += len(pages) - len(todo)
             if not todo:
-                self._stored(keys)
+                notify(self.on_stored, keys)
                 return
             status = await self.store.put_many(
                 [k for k, _ in todo], self.pool.page_views([p for _, p in todo])
@@ -124,21 +140,18 @@ class WriteBack:
             self.counts["failed"] += len(pages)
             self.conn_counters["store_errors"] += 1
             self._warn.warning("pagekv: write-back of %d pages failed: %s", len(pages), e)
+            notify(self.on_unsaved, keys)
             return
         held = [k for k, found in zip(keys, present) if found]
-        held += [k for (k, _), s in zip(todo, status) if s in (Status.OK, Status.EXISTS)]
+        refused = []
+        for (k, _), s in zip(todo, status):
+            (held if s in (Status.OK, Status.EXISTS) else refused).append(k)
         stored = len(held) - (len(pages) - len(todo))
-        self._stored(held)
+        notify(self.on_stored, held)
+        notify(self.on_unsaved, refused)
         self.counts["written"] += stored
-        self.counts["failed"] += len(todo) - stored
+        self.counts["failed"] += len(refused)
         self.conn_counters["bytes_out"] += stored * self.pool.page_bytes
-
-    def _stored(self, keys: list[bytes]) -> None:
-        if keys and self.on_stored is not None:
-            try:
-                self.on_stored(keys)
-            except Exception:  # a bug in the listener: said, the write-back goes on
-                log.exception("pagekv: the on_stored listener failed")
 
     async def drain(self) -> None:
         """Wait until every queued write-back has been written or dropped. Raises

@@ -9,6 +9,7 @@ whose weights the last test rewrites. Sequence (module fixtures, tests in file o
        requests while the node is stopped during a fetch
     P  again, after the node restarted empty: its local prefix cache repopulates the store
     C  third engine (kv_consumer): hits what P wrote again
+    an engine whose saves a node refused saves them again to the node that replaced it
     E  engine on the same path after its weights were rewritten: must miss
     an engine whose only store node is down at start-up
 
@@ -190,6 +191,49 @@ def test_a_store_restarted_empty_is_repopulated(producer, node, model, reference
     assert c_stats["scheduler"]["epoch"] == p_stats["scheduler"]["epoch"]
     assert got["metrics"]["external_prefix_cache_hits"] == 4 * BLOCK
     check("re_b", got["outputs"][0], reference["roles-re_b"])
+
+
+def test_a_save_the_store_refused_is_saved_again(models, reference):
+    """An engine with a long ``resave_interval_s`` saves to a node that refuses every block
+    (``--max-block-size`` under a block: TOO_LARGE); the node is replaced by one that takes them
+    (same port) and the engine gets the prompt again: the refused blocks are not taken for
+    stored, so its lookup checks them and it saves them, and a consumer then loads them.
+    Fails on bea8477: a planned save marked its blocks as seen stored for
+    ``resave_interval_s`` whatever the store answered."""
+    refusing = NodeProcess("--capacity", "64MiB", "--max-block-size", "64KiB").start()
+    port, node = refusing.port, None
+    p = Engine(models.good, store=[refusing.address], role="kv_producer",
+               extra=dict(EXTRA, resave_interval_s=600.0))  # fmt: skip
+    try:
+        p.generate([PROMPTS["re"]])
+        assert p.call("flush")["ok"]
+        worker = p.call("stats")["workers"][0]["connector"]
+        assert worker["writeback_failed"] >= 4 and worker["writeback_written"] == 0
+        refusing.stop()
+        node = NodeProcess("--capacity", "256MiB", port=port).start()
+
+        def saved() -> bool:
+            # the refusal reaches the scheduler with the step after it, and P's client
+            # reconnects to the new node on its own time: P asks again until both happened
+            p.generate([PROMPTS["re"]])
+            assert p.call("flush")["ok"]
+            return p.call("stats")["workers"][0]["connector"]["writeback_written"] >= 4
+
+        wait_until(saved, timeout=60, what="P to save the refused blocks again")
+        assert p.call("stats")["scheduler"]["unsaved_blocks"] >= 4
+        c = Engine(models.good, store=[node.address], role="kv_consumer",
+                   extra=dict(EXTRA, lookup_timeout_s=5.0))  # fmt: skip
+        try:
+            got = c.call("generate", prompts=[PROMPTS["re_b"]], max_tokens=8)
+        finally:
+            c.close()
+        assert got["metrics"]["external_prefix_cache_hits"] == 4 * BLOCK
+        check("re_b", got["outputs"][0], reference["roles-re_b"])
+    finally:
+        p.close()
+        refusing.stop()
+        if node is not None:
+            node.stop()
 
 
 def test_new_weights_under_the_same_path_miss(producer, consumer, model, node, reference_other):

@@ -16,7 +16,7 @@ Until then it looks nothing up and saves nothing.
 Left to vLLM's defaults: ``get_mem_pool_context``, ``set_host_xfer_buffer_ops``,
 ``handle_preemptions`` (saves are done or stream-ordered within their step),
 ``get_transfer_results`` (load failures go through ``get_block_ids_with_load_errors``, which
-keeps a partial hit, not ``failed_recving``), ``build_connector_worker_meta``, ``on_new_request``,
+keeps a partial hit, not ``failed_recving``), ``on_new_request``,
 ``get_external_cache_hit_sources`` (EXTERNAL_UNSPECIFIED), ``get_loaded_kv_cache_group_ids``,
 the push hooks, ``finish_forward``, ``reset_capture_state``. ``SupportsHMA`` is not
 implemented: vLLM turns its hybrid allocator off (one KV cache group; sliding-window layers
@@ -27,9 +27,14 @@ writer rank is a ``BlockStored`` (vLLM's hash, medium ``PAGEKV``) that vLLM's ow
 sends (``get_kv_connector_kv_cache_events`` -> ``update_connector_output`` -> ``take_events``;
 :mod:`.events`).
 
+Saves the store did not take: each rank reports their block hashes after a step
+(``build_connector_worker_meta`` -> ``update_connector_output``: :class:`PagekvWorkerMetadata`),
+and the scheduler no longer takes those blocks for stored (the next lookup holding them saves
+them again).
+
 Store trouble never reaches vLLM: lookups are bounded misses, failed loads are reported as
-load errors (vLLM recomputes those blocks), failed saves are counted. An unexpected error in a
-step is logged and handled the same way.
+load errors (vLLM recomputes those blocks), failed saves are counted and reported. An
+unexpected error in a step is logged and handled the same way.
 """
 
 from __future__ import annotations
@@ -53,11 +58,11 @@ from .engine import engine_layout, required_layout
 from .epoch import EpochRecord
 from .events import ConfirmedEvents, PagekvKVEvents, SaveEvents
 from .identity import attention_backends, model_identity
-from .metadata import PagekvHandshake, PagekvMetadata
+from .metadata import PagekvHandshake, PagekvMetadata, PagekvWorkerMetadata
 from .namespace import EngineLayout
 from .scheduler import SchedulerSide
 from .stats import PagekvStats, StatsDelta
-from .worker import WorkerSide
+from .worker import UnsavedBlocks, WorkerSide
 
 __all__ = ["PagekvConnector"]
 
@@ -137,19 +142,22 @@ class PagekvConnector(KVConnectorBase_V1):
                               f"expected {geo.num_layers}")  # fmt: skip
         views = block_views([kv_caches[n] for n in names], self._kv_cache_config.num_blocks, geo)
         events = SaveEvents(layout.block_size) if self.events_on and self.save_enabled else None
+        unsaved = UnsavedBlocks() if self.save_enabled else None
+        listeners = [x.stored for x in (events, unsaved) if x is not None]
         conn = KVConnector(
             geo, DeviceKV.from_caches(geo, views), self.cfg.client_config(),
             host_pages=max(1, self.cfg.host_bytes // geo.page_bytes), namespace=namespace,
             max_pending_writes=self.cfg.max_pending_writes,
             lookup_timeout_s=self.cfg.lookup_timeout_s, close_timeout_s=self.cfg.flush_timeout_s,
-            on_stored=events.stored if events is not None else None,
+            on_stored=(lambda keys: [f(keys) for f in listeners]) if listeners else None,
+            on_unsaved=unsaved.unsaved if unsaved is not None else None,
         )  # fmt: skip
         if self.cfg.stats_log_s:
             conn.log_stats_every(self.cfg.stats_log_s)
         self.worker = WorkerSide(
             conn, lambda epoch: layout.namespace(tp_rank, pp_rank, epoch),
             {n: i for i, n in enumerate(names)}, load_timeout_s=self.cfg.load_timeout_s,
-            save=self.save_enabled, layerwise=self.cfg.layerwise, events=events,
+            save=self.save_enabled, layerwise=self.cfg.layerwise, events=events, unsaved=unsaved,
         )  # fmt: skip
         if (self.save_enabled or self.load_enabled) and not conn.connect(self.cfg.store_timeout_s):
             log.debug("pagekv: worker tp=%d pp=%d: not every store node answered at start-up",
@@ -210,6 +218,12 @@ class PagekvConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> PagekvStats | None:
         side = self.worker or self.scheduler
         return self._stats.take(side.counters) if side is not None else None
+
+    def build_connector_worker_meta(self) -> PagekvWorkerMetadata | None:
+        if self.worker is None:
+            return None
+        unsaved = self.worker.take_unsaved()
+        return PagekvWorkerMetadata(unsaved) if unsaved else None
 
     def get_kv_connector_kv_cache_events(self) -> PagekvKVEvents | None:
         if self.worker is None or self.worker.events is None:
@@ -317,6 +331,9 @@ class PagekvConnector(KVConnectorBase_V1):
             self.scheduler.on_output(
                 connector_output.invalid_block_ids, connector_output.failed_recving
             )
+            report = connector_output.kv_connector_worker_meta
+            if isinstance(report, PagekvWorkerMetadata):
+                self.scheduler.unsaved(report.unsaved)
 
     def take_events(self) -> Any:
         return self._confirmed.take() if self._confirmed is not None else ()

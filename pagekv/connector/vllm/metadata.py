@@ -1,6 +1,6 @@
-"""What the scheduler-side connector tells the worker ranks each step. Crosses a process
-boundary (vLLM pickles it to every worker), so it holds only plain values: block ids and
-vLLM's block hashes; each rank derives its own keys from the hashes."""
+"""What the scheduler-side connector tells the worker ranks each step, and what each rank tells
+it back. Crosses a process boundary (vLLM pickles it), so it holds only plain values: block ids
+and vLLM's block hashes; each rank derives its own keys from the hashes."""
 
 from __future__ import annotations
 
@@ -10,12 +10,15 @@ try:  # the base classes are empty markers; without vLLM (unit tests) a plain ob
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorHandshakeMetadata,
         KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
     )
 except ImportError:  # pragma: no cover - exercised by the tests that run without vLLM
     KVConnectorMetadata = object  # type: ignore[assignment,misc]
     KVConnectorHandshakeMetadata = object  # type: ignore[assignment,misc]
+    KVConnectorWorkerMetadata = object  # type: ignore[assignment,misc]
 
-__all__ = ["BlockTransfer", "PagekvHandshake", "PagekvMetadata", "SavedBlock"]
+__all__ = ["BlockTransfer", "PagekvHandshake", "PagekvMetadata", "PagekvWorkerMetadata",
+           "SavedBlock"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -70,3 +73,18 @@ class PagekvHandshake(KVConnectorHandshakeMetadata):
 
     model_id: str
     attn_backend: str
+
+
+@dataclass
+class PagekvWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the worker ranks tell the scheduler after a step (vLLM merges the ranks' with
+    :meth:`aggregate`): ``unsaved``, the block hashes of saves the store did not take since the
+    rank's last report (a PUT refused or failed, a write-back dropped, a save skipped). The
+    scheduler then no longer takes those blocks for stored (:meth:`SchedulerSide.unsaved`)."""
+
+    unsaved: set[bytes] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> PagekvWorkerMetadata:
+        if isinstance(other, PagekvWorkerMetadata):
+            self.unsaved |= other.unsaved
+        return self

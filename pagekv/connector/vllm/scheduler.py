@@ -13,8 +13,11 @@ Rules (see vLLM's ``KVConnectorBase_V1``):
 * saves cover the prompt's full blocks (and the blocks of generated tokens with
   ``save_decode``): those this engine computes, and those it holds from its local prefix cache
   when the lookup finds the store lacks them (the store restarted empty, evicted them). A block
-  is checked or saved at most once per ``resave_interval_s`` (:class:`RecentBlocks`); a block
-  loaded from the store is known stored, unless its load failed.
+  is checked or saved at most once per ``resave_interval_s`` (:class:`RecentBlocks`), unless a
+  worker reports its save did not reach the store (:meth:`SchedulerSide.unsaved`: the report
+  comes with the step after the write-back ended, so the lookup of a request scheduled before
+  it still skips the block); a block loaded from the store is known stored, unless its load
+  failed.
 
 Per step the cost is proportional to the requests that still have blocks to save (prefills,
 and every running request only with ``save_decode``) and to the blocks saved, never to a
@@ -125,7 +128,7 @@ class SchedulerSide:
         self.pending_loads: list[BlockTransfer] = []
         self.counters = dict.fromkeys(
             ("lookups", "hit_tokens", "planned_load_blocks", "planned_save_blocks",
-             "resave_blocks", "failed_loads", "inert_lookups"), 0,
+             "resave_blocks", "failed_loads", "inert_lookups", "unsaved_blocks"), 0,
         )  # fmt: skip
         self.layout: EngineLayout | None = None
         self.index: KVIndex | None = None
@@ -377,6 +380,16 @@ class SchedulerSide:
             if st.next_save is not None and self.save_enabled:
                 st.next_save = min(st.next_save, first)
                 self._to_save[req_id] = st
+
+    def unsaved(self, block_hashes: Iterable[bytes]) -> None:
+        """Blocks a worker rank could not save (its report after a step): no longer taken for
+        stored, so the next lookup of a request holding them checks them and saves them again,
+        instead of waiting out ``resave_interval_s``."""
+        n = 0
+        for h in block_hashes:
+            self.recent.forget(h)
+            n += 1
+        self.counters["unsaved_blocks"] += n
 
     def reset(self) -> bool:
         """Forget every stored page: a new epoch for the namespace (:mod:`.epoch`), recorded in

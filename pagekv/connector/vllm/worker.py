@@ -26,8 +26,10 @@ Saves
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +41,7 @@ from pagekv.errors import PagekvError
 
 from .metadata import BlockTransfer, PagekvMetadata
 
-__all__ = ["WorkerSide"]
+__all__ = ["UnsavedBlocks", "WorkerSide"]
 
 log = logging.getLogger("vllm.pagekv")  # under vLLM's logger: its handlers and format
 
@@ -53,6 +55,49 @@ class _AsyncLoad:
 
 _DONE_EMPTY: concurrent.futures.Future = concurrent.futures.Future()
 _DONE_EMPTY.set_result(None)  # a load with nothing fetched: all its blocks are load errors
+
+
+class UnsavedBlocks:
+    """A rank's saves until the store took them or did not: key -> block hash from
+    :meth:`saved` (the worker thread, before the save); :meth:`stored` and :meth:`unsaved` (the
+    connector's ``on_stored`` / ``on_unsaved``: its loop or the worker thread) end each; the
+    hashes of those not taken wait for :meth:`take` (the worker's report after a step). At most
+    ``MAX_TRACKED`` saves are followed (the oldest go: their outcome is then not reported)."""
+
+    MAX_TRACKED = 1 << 16
+
+    def __init__(self) -> None:
+        self._hash_of: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+        self._unsaved: set[bytes] = set()
+        self._lock = threading.Lock()
+
+    def saved(self, keys: list[bytes], block_hashes: tuple[bytes, ...]) -> None:
+        with self._lock:
+            self._hash_of.update(zip(keys, block_hashes))
+            while len(self._hash_of) > self.MAX_TRACKED:
+                self._hash_of.popitem(last=False)
+
+    def stored(self, keys: list[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                self._hash_of.pop(key, None)
+
+    def unsaved(self, keys: list[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                block_hash = self._hash_of.pop(key, None)
+                if block_hash is not None:
+                    self._unsaved.add(block_hash)
+
+    def lost(self, block_hashes: tuple[bytes, ...]) -> None:
+        """Blocks whose save was not even made (the worker skipped it)."""
+        with self._lock:
+            self._unsaved.update(block_hashes)
+
+    def take(self) -> set[bytes]:
+        with self._lock:
+            out, self._unsaved = self._unsaved, set()
+        return out
 
 
 class WorkerSide:
@@ -70,9 +115,11 @@ class WorkerSide:
         save: bool,
         layerwise: bool = False,
         events: Any = None,
+        unsaved: UnsavedBlocks | None = None,
     ) -> None:
         self.conn, self.layer_index = conn, layer_index
         self.events = events  # .events.SaveEvents with vLLM's KV events on (its on_stored too)
+        self.unsaved = unsaved  # the connector's on_stored / on_unsaved report to it
         self._namespace_of = namespace_of
         self._namespaces: dict[str, KeyNamespace] = {}
         self.load_timeout_s = load_timeout_s
@@ -238,6 +285,8 @@ class WorkerSide:
         for spec in meta.saves:
             try:
                 keys = self.keys(meta.epoch, spec.block_hashes)
+                if self.unsaved is not None:
+                    self.unsaved.saved(keys, spec.block_hashes)
                 if self.events is not None and spec.described:
                     self.events.saved(keys, spec)
                 handle = self.conn.save(keys=keys, device_slots=list(spec.block_ids),
@@ -246,6 +295,13 @@ class WorkerSide:
             except (PagekvError, ValueError, RuntimeError) as e:
                 self.counters["saves_skipped"] += 1
                 self._warn.warning("pagekv: save of request %s skipped: %r", spec.req_id, e)
+                if self.unsaved is not None:
+                    self.unsaved.lost(spec.block_hashes)
+
+    def take_unsaved(self) -> set[bytes]:
+        """Block hashes of saves the store did not take since the last call (none without a
+        tracker)."""
+        return self.unsaved.take() if self.unsaved is not None else set()
 
     # ---- lifetime --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
