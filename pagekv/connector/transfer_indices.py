@@ -78,10 +78,9 @@ def transfer_indices(
 @dataclass(frozen=True)
 class Launched:
     """What :func:`launch` enqueued: the backend (``copy_engine`` or ``staged`` when queued on
-    the issuer),
-    one completion per layer asked for (a ``torch.cuda.Event`` recorded on the current stream,
-    or the issuer's :class:`~.copy_issuer.Completion`), and the indices, which the caller keeps
-    referenced until the last completion has completed."""
+    the issuer), one completion per layer asked for (a ``torch.cuda.Event`` recorded on the
+    current stream, or the issuer's :class:`~.copy_issuer.Completion`), and the indices, which
+    the caller keeps referenced until the last completion has completed."""
 
     backend: str
     events: list[Any]

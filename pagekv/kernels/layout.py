@@ -37,6 +37,7 @@ __all__ = [
     "check_page_ids",
     "check_slots",
     "check_unique_slots",
+    "device_indices",
     "mean_run_bytes",
 ]
 
@@ -259,6 +260,15 @@ def check_unique_slots(slots: torch.Tensor) -> None:
     valid = slots[slots >= 0]
     if torch.unique(valid).numel() != valid.numel():
         raise ValueError("slots repeat: a load would write two tokens into one slot")
+
+
+def device_indices(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, copied on the current stream without holding the host: a CPU
+    tensor goes through pinned memory (torch's caching host allocator, which keeps the block
+    until the copy is done), since a copy from pageable memory waits for the stream."""
+    if t.device.type == "cpu" and not t.is_pinned():
+        t = t.contiguous().pin_memory()
+    return t.to(device, non_blocking=True).contiguous()
 
 
 def mean_run_bytes(kv: DeviceKV, slots: torch.Tensor) -> float:

@@ -44,6 +44,7 @@ from .layout import (
     check_page_ids,
     check_slots,
     check_unique_slots,
+    device_indices,
 )
 
 __all__ = [
@@ -142,15 +143,6 @@ def _kernel_lib(backend: str, cuda_ok: bool, why_not: str) -> ctypes.CDLL | None
     return lib
 
 
-def _device_indices(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``, copied on the current stream without holding the host: a CPU
-    tensor goes through pinned memory (torch's caching host allocator, which keeps the block
-    until the copy is done), since a copy from pageable memory waits for the stream."""
-    if t.device.type == "cpu" and not t.is_pinned():
-        t = t.contiguous().pin_memory()
-    return t.to(device, non_blocking=True).contiguous()
-
-
 def _host_indices(ids: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU int64 contiguous ``ids``/``slots`` for the copy engine (which applies the kernels'
     bounds rule itself)."""
@@ -181,6 +173,8 @@ def _auto_backend(
 ) -> str:
     """See the module docstring: the setting, else the kernel or the measured table."""
     setting = copy_backend_setting()
+    if setting == "staged" and layer is not None:
+        return "kernel"  # the staged backend moves whole pages: one layer takes the kernel
     if setting != "auto":
         return setting
     if ids.device.type != "cpu" or s.device.type != "cpu" or not ids.numel():
@@ -329,7 +323,7 @@ def _page_transfer(
             geo.page_size, geo.num_kv, geo.num_layers, l0, nl, stream,
         )  # fmt: skip
     else:
-        _kernel_launch(lib, load, host, kv, _device_indices(ids, dev), _device_indices(s, dev),
+        _kernel_launch(lib, load, host, kv, device_indices(ids, dev), device_indices(s, dev),
                        l0, nl, num_blocks, stream)  # fmt: skip
         return backend
     if err != 0:
@@ -432,7 +426,7 @@ def _kernel_layers(
     lib = _kernel_lib("kernel", dev.type == "cuda" and host_ok, "CUDA caches and a pinned host")
     if lib is None:  # _kernel_lib raises first for "kernel"; kept for the type checker
         raise KernelsUnavailable("CUDA kernels unavailable; see PAGEKV_KERNELS and the log")
-    ids_d, s_d = _device_indices(ids, dev), _device_indices(s, dev)
+    ids_d, s_d = device_indices(ids, dev), device_indices(s, dev)
     host_addr = _device_address(host, dev)
     width, unroll, threads = _launch_shape(load, kv, host_addr)
     blocks_all, blocks_one = (LOAD_BLOCKS, LAYER_LOAD_BLOCKS) if load else (SAVE_BLOCKS,) * 2

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import copy_engine
-from .layout import DeviceKV
+from .layout import DeviceKV, device_indices
 
 __all__ = ["BUFFERS", "CHUNK_BYTES", "DMA_STREAMS", "RING_BYTES", "SCATTER_BLOCKS", "page_transfer"]
 
@@ -123,12 +123,6 @@ def _in_range(ids: torch.Tensor, slots: torch.Tensor, num_pages: int, num_slots:
     return ok_ids and int(slots.min()) >= 0 and int(slots.max()) < num_slots
 
 
-def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``, copied on the current stream through pinned memory (torch's caching
-    host allocator keeps it until the copy is done), so the host does not wait for the stream."""
-    return t.contiguous().pin_memory().to(device, non_blocking=True)
-
-
 def _dma(
     lib: ctypes.CDLL,
     load: bool,
@@ -191,8 +185,8 @@ def page_transfer(
         for stream in st.streams:
             stream.wait_event(order)
         rows = torch.arange(n, dtype=torch.int64) % per  # row of each page in its chunk's buffer
-        rows_d = _upload(rows.masked_fill((ids < 0) | (ids >= host.shape[0]), -1), dev)
-        slots_d = _upload(slots, dev)
+        rows_d = device_indices(rows.masked_fill((ids < 0) | (ids >= host.shape[0]), -1), dev)
+        slots_d = device_indices(slots, dev)
         shape = (per, *geo.host_page_shape)
         for k, first in enumerate(range(0, n, per)):
             b, end = k % len(st.buffers), min(n, first + per)
@@ -202,7 +196,7 @@ def page_transfer(
                 stream.wait_event(st.free[b])
                 if not _dma(lib, True, host, page_bytes, st.buffers[b], ids[first:end],
                             rows[first:end, None], stream):  # fmt: skip
-                    kernel(True, host, _upload(ids[first:], dev), slots_d[first:], 0)
+                    kernel(True, host, device_indices(ids[first:], dev), slots_d[first:], 0)
                     return True
                 st.ready[b].record(stream)
                 main.wait_event(st.ready[b])
@@ -215,7 +209,7 @@ def page_transfer(
                 stream.wait_event(st.ready[b])
                 if not _dma(lib, False, host, page_bytes, st.buffers[b], ids[first:end],
                             rows[first:end, None], stream):  # fmt: skip
-                    kernel(False, host, _upload(ids[first:], dev), slots_d[first:], 0)
+                    kernel(False, host, device_indices(ids[first:], dev), slots_d[first:], 0)
                     break
                 st.free[b].record(stream)
         if not load:

@@ -144,12 +144,17 @@ class PagekvConnector(KVConnectorBase_V1):
         events = SaveEvents(layout.block_size) if self.events_on and self.save_enabled else None
         unsaved = UnsavedBlocks() if self.save_enabled else None
         listeners = [x.stored for x in (events, unsaved) if x is not None]
+
+        def stored(keys: list[bytes]) -> None:  # the store confirmed them: each tracker hears
+            for listener in listeners:
+                listener(keys)
+
         conn = KVConnector(
             geo, DeviceKV.from_caches(geo, views), self.cfg.client_config(),
             host_pages=max(1, self.cfg.host_bytes // geo.page_bytes), namespace=namespace,
             max_pending_writes=self.cfg.max_pending_writes,
             lookup_timeout_s=self.cfg.lookup_timeout_s, close_timeout_s=self.cfg.flush_timeout_s,
-            on_stored=(lambda keys: [f(keys) for f in listeners]) if listeners else None,
+            on_stored=stored if listeners else None,
             on_unsaved=unsaved.unsaved if unsaved is not None else None,
         )  # fmt: skip
         if self.cfg.stats_log_s:

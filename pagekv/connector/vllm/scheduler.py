@@ -30,7 +30,7 @@ import collections
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -381,15 +381,13 @@ class SchedulerSide:
                 st.next_save = min(st.next_save, first)
                 self._to_save[req_id] = st
 
-    def unsaved(self, block_hashes: Iterable[bytes]) -> None:
+    def unsaved(self, block_hashes: Collection[bytes]) -> None:
         """Blocks a worker rank could not save (its report after a step): no longer taken for
         stored, so the next lookup of a request holding them checks them and saves them again,
         instead of waiting out ``resave_interval_s``."""
-        n = 0
         for h in block_hashes:
             self.recent.forget(h)
-            n += 1
-        self.counters["unsaved_blocks"] += n
+        self.counters["unsaved_blocks"] += len(block_hashes)
 
     def reset(self) -> bool:
         """Forget every stored page: a new epoch for the namespace (:mod:`.epoch`), recorded in
