@@ -25,6 +25,7 @@ from pagekv.store import (
     StoreClient,
     StoreNode,
 )
+from pagekv.store import config as store_config
 from pagekv.store.config import ClientConfig
 from pagekv.store.launch import NodeProcess
 from pagekv.store.wire import native
@@ -96,6 +97,31 @@ def test_values_round_trip_over_the_lane_into_place(served):
     assert counters["bulk_bytes_in"] >= sum(map(len, values))
     stats = node.stats()
     assert stats["bulk_requests"] >= 4 and stats["bulk_bytes_out"] >= sum(map(len, values))
+
+
+@pytest.mark.usefixtures("receive")
+@pytest.mark.parametrize("cores, slots", [(1, 1), (64, native.RECV_SLOTS)])
+def test_each_connection_receives_with_a_helper_where_the_cores_allow(
+    served, monkeypatch, cores, slots
+):
+    """Three threads per lane connection must fit the cores for its receives to get a helper
+    (a bounce of RECV_SLOTS chunks); else one chunk. Values exact either way, also values the
+    helper hands on chunk by chunk (several MiB, chunk starts not aligned to the values)."""
+    monkeypatch.setattr(store_config, "_usable_cores", lambda: cores)
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys = [rng.randbytes(16) for _ in range(6)]
+    values = [rng.randbytes(rng.randrange(1 << 20, 5 << 20)) for _ in keys]
+    values.append(rng.randbytes(1000))  # small frames land in place, in the same reply
+    keys.append(rng.randbytes(16))
+    cfg = ClientConfig((node.address,), streams=2)
+    with StoreClient(node.address, config=cfg) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        into = [bytearray([POISON]) * len(v) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert [bytes(b) for b in into] == values
+        conns = lane_of(client)._conns[0][1]
+        assert [len(c.bounce) for c in conns] == [slots * native.BLOCK_BYTES] * 2
 
 
 @pytest.mark.usefixtures("receive")

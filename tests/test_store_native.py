@@ -168,13 +168,14 @@ def _send_in_thread(sock: socket.socket, data: list[bytes]) -> threading.Thread:
     return thread
 
 
-@pytest.fixture
-def receive(lib):
-    """recv_verify with a fresh bounce of the chunk's size, poisoned (what it held must never
-    reach a frame)."""
+@pytest.fixture(params=[1, native.RECV_SLOTS], ids=["one-slot", "handed-over"])
+def receive(lib, request):
+    """recv_verify with a fresh bounce, poisoned (what it held must never reach a frame), of
+    one chunk (this thread does everything) or of RECV_SLOTS chunks (a helper hashes and
+    streams what this thread received)."""
 
     def call(fd, frames, counts, chunk_bytes=BLOCK):
-        return lib.recv_verify(fd, frames, counts, bounce=poisoned(chunk_bytes),
+        return lib.recv_verify(fd, frames, counts, bounce=poisoned(chunk_bytes * request.param),
                                chunk_bytes=chunk_bytes)  # fmt: skip
 
     return call

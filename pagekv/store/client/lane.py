@@ -5,14 +5,15 @@ each, when this process has the native receive (:mod:`..wire.native`).
 Each connection's thread sends a request and reads the reply's frames into the GET's
 destinations (``Call.sinks``) when their sizes match, all of a reply's frames in one native
 call without the GIL, each 256 KiB hashed right after it arrived (large frames through the
-connection's bounce buffer: :func:`..wire.lane.recv_values`),
-then runs the call's ``prepare`` there (which compares those digests). Up to ``DEPTH``
-requests are out on a connection, so the node starts the next reply while this thread checks
-the last. Each result goes back to the loop through a ``concurrent.futures.Future``:
-``(reply, frames)``; ``None`` when the node failed the request (no answer in time, a reset, a
-malformed reply: as any node failure, its keys move on); or :data:`.transport.MOVED` when the
-lane's port could not be connected to (the node restarted with its lane elsewhere, or is
-down: the client PINGs it, which tells).
+connection's bounce buffer: :func:`..wire.lane.recv_values`; by a helper thread while the next
+ones arrive, where the client's connections leave cores for it:
+:func:`..config.lane_receive_helpers`), then runs the call's ``prepare`` there (which compares
+those digests). Up to ``DEPTH`` requests are out on a connection, so the node starts the next
+reply while this thread checks the last. Each result goes back to the loop through a
+``concurrent.futures.Future``: ``(reply, frames)``; ``None`` when the node failed the request
+(no answer in time, a reset, a malformed reply: as any node failure, its keys move on); or
+:data:`.transport.MOVED` when the lane's port could not be connected to (the node restarted
+with its lane elsewhere, or is down: the client PINGs it, which tells).
 
 A kept connection the node closed while idle (a send that fails, or a reply that never starts)
 is replaced and the request sent once more: the node cannot have answered any of it.
@@ -36,7 +37,7 @@ from typing import Any
 
 from pagekv.errors import NativeCopyUnavailable, ProtocolError
 
-from ..config import ClientConfig
+from ..config import ClientConfig, lane_receive_helpers
 from ..wire import native
 from ..wire.lane import (
     ClosedBetweenMessages,
@@ -61,7 +62,7 @@ class _Conn:
     """One connection of a client to a node's bulk lane and the thread that works it."""
 
     def __init__(self, address: tuple[str, int], config: ClientConfig, router: Router,
-                 node: int, lib: native.NativeCopy) -> None:  # fmt: skip
+                 node: int, lib: native.NativeCopy, bounce_slots: int) -> None:  # fmt: skip
         self.address, self.config, self.router, self.node = address, config, router, node
         self.lib = lib  # the native receive
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -70,8 +71,9 @@ class _Conn:
         # send: a socket shut down while this thread was idle is replaced, not sent on
         self.aborts = self.aborts_seen = 0
         self.ahead: list[Any] = []  # the closing sentinel, taken early by _fail
-        # the receive's bounce buffer (see recv_values): this connection's thread's alone
-        self.bounce = bytearray(native.BLOCK_BYTES)
+        # the receive's bounce buffer (see recv_values): this connection's thread's alone;
+        # RECV_SLOTS chunks give its receives a helper thread, one chunk none
+        self.bounce = bytearray(native.BLOCK_BYTES * bounce_slots)
         self.thread = threading.Thread(target=self._run, name="pagekv-bulk-client", daemon=True)
         self.thread.start()
 
@@ -359,7 +361,9 @@ class LaneTransport(Transport):
                 for conn in have[1]:
                     conn.close()
             host = self.config.endpoints[node][len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-            conns = [_Conn((host, port), self.config, self.router, node, self._lib)
+            connections = self.config.streams * len(self.config.endpoints)
+            slots = native.RECV_SLOTS if lane_receive_helpers(connections) else 1
+            conns = [_Conn((host, port), self.config, self.router, node, self._lib, slots)
                      for _ in range(self.config.streams)]  # fmt: skip
             have = self._conns[node] = (port, conns)
         turn = self._turn.get(node, 0)

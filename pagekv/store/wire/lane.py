@@ -102,7 +102,7 @@ def recv_values(
     """Receive ``frames`` (writable buffers, in order) from the blocking ``sock`` with the native
     receive ``lib`` (:meth:`.native.NativeCopy.recv_verify`: one C call, the GIL released, each
     256 KiB hashed right after it lands, while it is still in the cache; ``bounce``: the calling
-    thread's buffer of ``native.BLOCK_BYTES``, see there) and, when ``counts``
+    thread's buffer of ``RECV_SLOTS`` chunks, see there) and, when ``counts``
     (frames per value, adding up to ``len(frames)``) is given, return the xxh3-64 of each value
     as it landed; else None. On the H100 host (a 4 GiB GET in 2 MiB blocks over K connections
     of one process) that moved 3.2-3.7 / 11.0-12.5 / 17.4-19.9 GB/s for K = 1 / 4 / 8, where

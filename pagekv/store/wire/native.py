@@ -46,7 +46,7 @@ from pagekv import env
 from pagekv.build_cache import build_once
 from pagekv.errors import NativeCopyUnavailable
 
-__all__ = ["BLOCK_BYTES", "NativeCopy", "NativeCopyUnavailable", "Piece", "Value",
+__all__ = ["BLOCK_BYTES", "RECV_SLOTS", "NativeCopy", "NativeCopyUnavailable", "Piece", "Value",
            "build_library", "load", "mode", "unavailable_reason"]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ HEADER = CSRC / "third_party" / "xxhash" / "xxhash.h"
 BASE_CFLAGS = ("-O3", "-fPIC", "-shared", "-pthread")  # no -march=native: runs on any host
 ABI = 5
 BLOCK_BYTES = 256 << 10  # copied then hashed while in L2
+RECV_SLOTS = 4  # chunks in a receive's bounce: received into while a helper hashes the last
 MAX_THREADS = 64  # the C side's cap
 
 
@@ -242,9 +243,10 @@ class NativeCopy:
         Frames of 64 KiB and more are received a chunk at a time into ``bounce`` (a writable
         C-contiguous buffer of at least ``chunk_bytes``, the caller's: one per thread, used by
         nothing else during the call), hashed there while it is in the cache and streamed into
-        place (stores that bypass the cache); smaller ones straight into place. On the H200 host
-        that lifted one lane stream from 0.71-0.73 to 0.79-0.98 of the 1-stream TCP ceiling and
-        8 streams from 0.59-0.64 to 0.63-0.68 of theirs (received in place and hashed there).
+        place (stores that bypass the cache); smaller ones straight into place. A bounce of
+        two chunks or more (``RECV_SLOTS`` chunks) is a ring: a helper thread, started for the
+        call when it has two chunks or more to bounce, hashes and streams each chunk while this
+        thread receives the next ones, so the receive never waits for the hash or the copy.
 
         Mutates the frames (those not reached when it raises keep what they held; the one it
         was in holds part of its bytes). The caller must keep ``fd`` open for the call: another

@@ -234,16 +234,123 @@ static int recv_all(int fd, unsigned char *buf, uint64_t n, uint64_t *received) 
     return 0;
 }
 
+/* The receive's hand-off (pagekv_recv_verify with a bounce of two chunks or more): the
+ * receiving thread only receives, chunk after chunk, each large piece's chunks into the bounce's
+ * slots in turn, and hands each chunk to a helper thread that hashes it and streams it into
+ * place, in order. A slot is received into again only once the helper is done with the chunk
+ * it held. The hasher is the helper's alone until it is joined. */
+#define HANDOFF_RING 64 /* chunks handed over and not yet done */
+#define MAX_SLOTS 64
+
+typedef struct {
+    unsigned char *at;  /* where the bytes landed: a bounce slot, or their place */
+    unsigned char *dst; /* their place when they landed in a slot, else NULL */
+    uint64_t n;
+    unsigned char begins, ends, hash; /* its piece's first / last chunk; hash its bytes */
+} chunk_t;
+
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t more; /* the helper waits: a chunk handed over, or the end */
+    pthread_cond_t room; /* the receiver waits: a chunk done */
+    chunk_t ring[HANDOFF_RING];
+    uint64_t given, done; /* chunks handed over / done, under lock */
+    int end;
+    hasher_t *h;
+} handoff_t;
+
+static void do_chunk(hasher_t *h, const chunk_t *c) {
+    if (c->begins) hasher_piece_begins(h);
+    if (c->hash) hasher_update(h, c->at, c->n);
+    if (c->dst != NULL) copy_out(c->dst, c->at, c->n);
+    if (c->ends) hasher_piece_ends(h);
+}
+
+static void *helper(void *arg) {
+    handoff_t *q = (handoff_t *)arg;
+    pthread_mutex_lock(&q->lock);
+    for (;;) {
+        while (q->done == q->given && !q->end) pthread_cond_wait(&q->more, &q->lock);
+        if (q->done == q->given) break; /* the end, and nothing left */
+        chunk_t c = q->ring[q->done % HANDOFF_RING];
+        pthread_mutex_unlock(&q->lock);
+        do_chunk(q->h, &c);
+        pthread_mutex_lock(&q->lock);
+        q->done++;
+        pthread_cond_signal(&q->room);
+    }
+    pthread_mutex_unlock(&q->lock);
+    return NULL;
+}
+
+/* Wait, under q->lock, until the first `upto` chunks handed over are done. */
+static void wait_done(handoff_t *q, uint64_t upto) {
+    while (q->done < upto) pthread_cond_wait(&q->room, &q->lock);
+}
+
+static void hand_over(handoff_t *q, chunk_t c) {
+    pthread_mutex_lock(&q->lock);
+    q->ring[q->given % HANDOFF_RING] = c;
+    q->given++;
+    pthread_cond_signal(&q->more);
+    pthread_mutex_unlock(&q->lock);
+}
+
+/* pagekv_recv_verify's receiving side with a helper (see handoff_t); `slots` bounce slots of
+ * `chunk` bytes. Returns as pagekv_recv_verify, once the helper has finished every chunk. */
+static int recv_handed_over(int fd, const pagekv_piece *pieces, uint64_t npieces,
+                            uint64_t chunk, unsigned char *bounce, uint64_t slots,
+                            uint64_t *received, pthread_t *id, handoff_t *q) {
+    uint64_t slot_user[MAX_SLOTS] = {0}; /* 1 + the chunk that last used each slot, 0: none */
+    uint64_t slot = 0;
+    int rc = 0;
+    for (uint64_t p = 0; p < npieces && rc == 0; p++) {
+        unsigned char *dst = (unsigned char *)pieces[p].dst;
+        uint64_t n = pieces[p].nbytes;
+        int bounced = n >= BOUNCE_MIN_BYTES;
+        if (n == 0) hand_over(q, (chunk_t){dst, NULL, 0, 1, 1, 1});
+        for (uint64_t off = 0; off < n; off += chunk) {
+            uint64_t want = n - off < chunk ? n - off : chunk, before = *received;
+            unsigned char *at = bounced ? bounce + slot * chunk : dst + off;
+            pthread_mutex_lock(&q->lock);
+            wait_done(q, bounced ? slot_user[slot] : 0);
+            wait_done(q, q->given + 1 > HANDOFF_RING ? q->given + 1 - HANDOFF_RING : 0);
+            uint64_t seq = q->given;
+            pthread_mutex_unlock(&q->lock);
+            rc = recv_all(fd, at, want, received);
+            if (rc != 0) { /* what arrived of this chunk still goes into place */
+                if (bounced && *received > before)
+                    hand_over(q, (chunk_t){at, dst + off, *received - before, 0, 0, 0});
+                break;
+            }
+            hand_over(q, (chunk_t){at, bounced ? dst + off : NULL, want, off == 0,
+                                   off + want == n, 1});
+            if (bounced) {
+                slot_user[slot] = seq + 1;
+                slot = (slot + 1) % slots;
+            }
+        }
+    }
+    pthread_mutex_lock(&q->lock);
+    q->end = 1;
+    pthread_cond_signal(&q->more);
+    pthread_mutex_unlock(&q->lock);
+    pthread_join(*id, NULL);
+    return rc;
+}
+
 /* Receive `npieces` pieces, in order, from the connected blocking socket `fd`, each into its
  * place (pieces[k].dst, pieces[k].nbytes; src is not used), `chunk_bytes` at a time (recv with
  * MSG_WAITALL). Pieces of at least BOUNCE_MIN_BYTES are received chunk by chunk into `bounce`
  * (at least `chunk_bytes`, the caller's, touched by no one else during the call), which stays
- * in the core's cache, hashed there and streamed into place (copy_out): the kernel's copy
- * out of the socket never waits on destination lines that are in no cache, and the
- * destination is written once, never read. Smaller pieces land in place and are hashed there.
- * With `nvalues` > 0 the values (consecutive runs of pieces that together cover all of them,
- * in order) are hashed as they arrive; digests as pagekv_copy_verify's. Without values
- * nothing is hashed.
+ * in the cache, hashed there and streamed into place (copy_out): the kernel's copy out of the
+ * socket never waits on destination lines that are in no cache, and the destination is
+ * written once, never read. Smaller pieces land in place and are hashed there. With a bounce
+ * of two chunks or more and at least two chunks to bounce, a helper thread, started for the
+ * call, hashes and streams while this thread receives the next chunks into the other slots
+ * (handoff_t); else this thread does all of it in turn. With `nvalues` > 0 the values
+ * (consecutive runs of pieces that together cover all of them, in order) are hashed as they
+ * arrive; digests as pagekv_copy_verify's. Without values nothing is hashed.
  *
  * Returns 0 when every byte arrived; 1 when the peer closed the connection (or it was shut
  * down) before; -errno for a failed receive (-EAGAIN / -EWOULDBLOCK: the socket's SO_RCVTIMEO
@@ -260,6 +367,28 @@ int pagekv_recv_verify(int fd, const pagekv_piece *pieces, uint64_t npieces,
     if (chunk_bytes == 0 || !values_cover(values, nvalues, npieces)) return -EINVAL;
     if (bounce == NULL || bounce_bytes < chunk_bytes) return -EINVAL;
     hasher_t h = {.values = values, .nvalues = nvalues};
+    uint64_t slots = bounce_bytes / chunk_bytes, to_bounce = 0;
+    if (slots > MAX_SLOTS) slots = MAX_SLOTS;
+    for (uint64_t p = 0; p < npieces; p++)
+        if (pieces[p].nbytes >= BOUNCE_MIN_BYTES) to_bounce += pieces[p].nbytes;
+    if (slots >= 2 && to_bounce >= 2 * chunk_bytes) {
+        handoff_t q = {.given = 0, .done = 0, .end = 0, .h = &h};
+        pthread_t id;
+        pthread_mutex_init(&q.lock, NULL);
+        pthread_cond_init(&q.more, NULL);
+        pthread_cond_init(&q.room, NULL);
+        int started = pthread_create(&id, NULL, helper, &q) == 0;
+        int rc = started ? recv_handed_over(fd, pieces, npieces, chunk_bytes, bounce, slots,
+                                            received, &id, &q)
+                         : 0;
+        pthread_cond_destroy(&q.room);
+        pthread_cond_destroy(&q.more);
+        pthread_mutex_destroy(&q.lock);
+        if (started) {
+            if (rc == 0) hasher_finish(&h);
+            return rc;
+        } /* no thread to be had: this one does all of it */
+    }
     for (uint64_t p = 0; p < npieces; p++) {
         hasher_piece_begins(&h);
         unsigned char *dst = (unsigned char *)pieces[p].dst;
