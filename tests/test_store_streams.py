@@ -41,19 +41,19 @@ def config(node: NodeProcess, **kw) -> ClientConfig:
 
 @pytest.mark.parametrize(
     "cores, by_nodes",
-    [(1, [1, 1, 1]), (2, [1, 1, 1]), (8, [4, 2, 2]), (16, [8, 4, 4]), (128, [8, 4, 4])],
-)
-def test_default_streams_per_node_minimum_and_a_total_shared_over_nodes(monkeypatch, cores,
-                                                                        by_nodes):  # fmt: skip
-    """One per 4 cores per node (1 to 4), and together at least one per 2 cores (up to 8):
-    a client of one node gets as many streams as one of several has in all."""
+    [(1, [1, 1, 1, 1]), (2, [1, 1, 1, 1]), (8, [4, 2, 2, 1]), (16, [8, 4, 3, 1]),
+     (128, [8, 4, 3, 1])],
+)  # fmt: skip
+def test_default_streams_share_one_per_two_cores_over_the_nodes(monkeypatch, cores, by_nodes):
+    """One stream per 2 cores (up to 8) in all, shared out over the nodes, rounded up: a
+    client of one node gets as many streams as one of several has in all."""
     from pagekv.store import config as store_config
 
     monkeypatch.setattr(store_config, "_usable_cores", lambda: cores)
-    assert [default_streams(n) for n in (1, 2, 3)] == by_nodes
+    assert [default_streams(n) for n in (1, 2, 3, 9)] == by_nodes
     eps = [f"tcp://127.0.0.1:{p}" for p in (1, 2, 3)]
-    assert [ClientConfig(tuple(eps[:n])).streams for n in (1, 2, 3)] == by_nodes
-    assert store_config.NodeConfig(port=0).io_threads == by_nodes[2]
+    assert [ClientConfig(tuple(eps[:n])).streams for n in (1, 2, 3)] == by_nodes[:3]
+    assert store_config.NodeConfig(port=0).io_threads == min(4, max(1, cores // 4))
 
 
 def test_streams_config_is_validated():
