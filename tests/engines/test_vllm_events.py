@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 
@@ -96,25 +97,31 @@ def test_vllm_decoder_rebuilds_a_nodes_contents(tmp_path):
 
 # ---- the connector's events --------------------------------------------------------------------
 def test_connector_events_need_every_writer_and_a_confirmed_save():
-    from pagekv.connector.vllm.events import MEDIUM, ConfirmedEvents, SaveEvents
+    from pagekv.connector.vllm.events import MEDIUM, ConfirmedEvents, PagekvKVEvents, stored_events
     from pagekv.connector.vllm.metadata import BlockTransfer, SavedBlock
+    from pagekv.connector.vllm.worker import SaveOutcomes
 
     hashes = [os.urandom(32) for _ in range(3)]
     spec = BlockTransfer("r", (4, 5, 6), tuple(hashes), described=tuple(
         SavedBlock(hashes[i - 1] if i else None, tuple(range(i * 4, i * 4 + 4)))
         for i in range(3)))  # fmt: skip
-    ranks = [SaveEvents(4), SaveEvents(4)]
+    ranks = [SaveOutcomes(functools.partial(stored_events, block_size=4)) for _ in range(2)]
     keys = [[os.urandom(16) for _ in range(3)] for _ in ranks]  # each rank's own keys
     for rank, k in zip(ranks, keys):
         rank.saved(k, spec)
     tally = ConfirmedEvents(writers=2)
-    ranks[0].stored(keys[0][:2])  # its third save failed: never confirmed
+    ranks[0].stored(keys[0][:2])
+    ranks[0].unsaved(keys[0][2:])  # its third save failed: never confirmed, reported unsaved
     ranks[1].stored([os.urandom(16)])  # a key it did not save: nothing
-    tally.add(ranks[0].take())
-    tally.add(ranks[1].take())
+    ranks[1].unsaved([os.urandom(16)])
+    assert ranks[0].take_unsaved() == {hashes[2]} and ranks[1].take_unsaved() == set()
+    tally.add(PagekvKVEvents(ranks[0].take_events()))
+    tally.add(PagekvKVEvents(ranks[1].take_events()))
     assert list(tally.take()) == []  # rank 1 has confirmed nothing yet
     ranks[1].stored(keys[1])
-    tally.add(ranks[1].take())
+    ranks[1].unsaved(keys[1])  # already stored: no longer followed
+    assert ranks[1].take_unsaved() == set()
+    tally.add(PagekvKVEvents(ranks[1].take_events()))
     events = list(tally.take())
     assert [e.block_hashes for e in events] == [[vllm_hash(hashes[0])], [vllm_hash(hashes[1])]]
     assert events[1].parent_block_hash == vllm_hash(hashes[0])

@@ -39,6 +39,7 @@ unexpected error in a step is logged and handled the same way.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -56,13 +57,13 @@ from .blocks import attention_layer_names, block_views
 from .config import VllmConnectorConfig, directions
 from .engine import engine_layout, required_layout
 from .epoch import EpochRecord
-from .events import ConfirmedEvents, PagekvKVEvents, SaveEvents
+from .events import ConfirmedEvents, PagekvKVEvents, stored_events
 from .identity import attention_backends, model_identity
 from .metadata import PagekvHandshake, PagekvMetadata, PagekvWorkerMetadata
 from .namespace import EngineLayout
 from .scheduler import SchedulerSide
 from .stats import PagekvStats, StatsDelta
-from .worker import UnsavedBlocks, WorkerSide
+from .worker import SaveOutcomes, WorkerSide
 
 __all__ = ["PagekvConnector"]
 
@@ -141,28 +142,22 @@ class PagekvConnector(KVConnectorBase_V1):
             raise ConfigError(f"pagekv: PP stage {pp_rank} has {len(names)} KV layers, "
                               f"expected {geo.num_layers}")  # fmt: skip
         views = block_views([kv_caches[n] for n in names], self._kv_cache_config.num_blocks, geo)
-        events = SaveEvents(layout.block_size) if self.events_on and self.save_enabled else None
-        unsaved = UnsavedBlocks() if self.save_enabled else None
-        listeners = [x.stored for x in (events, unsaved) if x is not None]
-
-        def stored(keys: list[bytes]) -> None:  # the store confirmed them: each tracker hears
-            for listener in listeners:
-                listener(keys)
-
+        describe = functools.partial(stored_events, block_size=layout.block_size)
+        outcomes = SaveOutcomes(describe if self.events_on else None) if self.save_enabled else None
         conn = KVConnector(
             geo, DeviceKV.from_caches(geo, views), self.cfg.client_config(),
             host_pages=max(1, self.cfg.host_bytes // geo.page_bytes), namespace=namespace,
             max_pending_writes=self.cfg.max_pending_writes,
             lookup_timeout_s=self.cfg.lookup_timeout_s, close_timeout_s=self.cfg.flush_timeout_s,
-            on_stored=stored if listeners else None,
-            on_unsaved=unsaved.unsaved if unsaved is not None else None,
+            on_stored=outcomes.stored if outcomes is not None else None,
+            on_unsaved=outcomes.unsaved if outcomes is not None else None,
         )  # fmt: skip
         if self.cfg.stats_log_s:
             conn.log_stats_every(self.cfg.stats_log_s)
         self.worker = WorkerSide(
             conn, lambda epoch: layout.namespace(tp_rank, pp_rank, epoch),
             {n: i for i, n in enumerate(names)}, load_timeout_s=self.cfg.load_timeout_s,
-            save=self.save_enabled, layerwise=self.cfg.layerwise, events=events, unsaved=unsaved,
+            save=self.save_enabled, layerwise=self.cfg.layerwise, outcomes=outcomes,
         )  # fmt: skip
         if (self.save_enabled or self.load_enabled) and not conn.connect(self.cfg.store_timeout_s):
             log.debug("pagekv: worker tp=%d pp=%d: not every store node answered at start-up",
@@ -231,9 +226,9 @@ class PagekvConnector(KVConnectorBase_V1):
         return PagekvWorkerMetadata(unsaved) if unsaved else None
 
     def get_kv_connector_kv_cache_events(self) -> PagekvKVEvents | None:
-        if self.worker is None or self.worker.events is None:
+        if self.worker is None or not (self.events_on and self.save_enabled):
             return None
-        return self.worker.events.take()
+        return PagekvKVEvents(self.worker.take_events())
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PagekvStats | None:

@@ -3,11 +3,12 @@
 store confirmed holding that block for every rank that writes it. Never for a failed save.
 
 Path: each writer rank's connector reports the keys its write-backs confirmed
-(``KVConnector(on_stored=...)``, the connector's loop thread) -> :class:`SaveEvents` turns those
-it saved into events -> ``get_kv_connector_kv_cache_events`` hands them to vLLM, which carries
-them to the scheduler (``KVConnectorOutput.kv_cache_events``) -> :class:`ConfirmedEvents`
-counts each event per rank and ``take_events`` yields it once all ``writers`` ranks reported
-it (TP ranks and PP stages each hold their part of a block; MLA: one rank per stage).
+(``KVConnector(on_stored=...)``, the connector's loop thread) -> the worker's
+:class:`.worker.SaveOutcomes` keeps the events (:func:`stored_events`) of those it saved ->
+``get_kv_connector_kv_cache_events`` hands them to vLLM, which carries them to the scheduler
+(``KVConnectorOutput.kv_cache_events``) -> :class:`ConfirmedEvents` counts each event per rank
+and ``take_events`` yields it once all ``writers`` ranks reported it (TP ranks and PP stages
+each hold their part of a block; MLA: one rank per stage).
 
 Hashes are vLLM's (``maybe_convert_block_hash``: the 64-bit ints vLLM publishes by default,
 or the bytes with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``), so they match vLLM's own GPU
@@ -18,7 +19,6 @@ pagekv nodes publish them, keyed by store keys (``--events-endpoint``).
 from __future__ import annotations
 
 import collections
-import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,10 +27,10 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from .metadata import BlockTransfer
 
-__all__ = ["MEDIUM", "ConfirmedEvents", "PagekvKVEvents", "SaveEvents"]
+__all__ = ["MEDIUM", "ConfirmedEvents", "PagekvKVEvents", "stored_events"]
 
 MEDIUM = "PAGEKV"  # the medium of the connector's events: stored in pagekv
-MAX_TRACKED = 1 << 16  # saves awaiting confirmation, events awaiting other ranks (oldest go)
+MAX_TRACKED = 1 << 16  # events awaiting other ranks (oldest go)
 
 
 class PagekvKVEvents(KVConnectorKVEvents):
@@ -58,40 +58,19 @@ class PagekvKVEvents(KVConnectorKVEvents):
         self.events = []
 
 
-class SaveEvents:
-    """A worker rank's saves awaiting the store's confirmation. :meth:`saved` (worker thread)
-    records a save's keys; :meth:`stored` (the connector's loop) the keys confirmed;
-    :meth:`take` (worker thread) the events of the confirmed ones."""
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self._saved: collections.OrderedDict[bytes, BlockStored] = collections.OrderedDict()
-        self._lock = threading.Lock()
-        self._confirmed: list[bytes] = []
-
-    def saved(self, keys: list[bytes], spec: BlockTransfer) -> None:
-        for key, block_hash, info in zip(keys, spec.block_hashes, spec.described):
-            parent = info.parent_hash
-            self._saved[key] = BlockStored(
-                block_hashes=[maybe_convert_block_hash(block_hash)],
-                parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
-                token_ids=list(info.token_ids), block_size=self.block_size,
-                lora_id=info.lora_id, medium=MEDIUM, lora_name=info.lora_name,
-            )  # fmt: skip
-        while len(self._saved) > MAX_TRACKED:
-            self._saved.popitem(last=False)
-
-    def stored(self, keys: list[bytes]) -> None:
-        with self._lock:
-            self._confirmed.extend(keys)
-
-    def take(self) -> PagekvKVEvents:
-        """The events of the saves confirmed since the last call (an empty container still
-        counts this rank)."""
-        with self._lock:
-            confirmed, self._confirmed = self._confirmed, []
-        pop = self._saved.pop
-        return PagekvKVEvents([ev for ev in (pop(k, None) for k in confirmed) if ev is not None])
+def stored_events(spec: BlockTransfer, block_size: int) -> list[BlockStored]:
+    """The ``BlockStored`` event of each block a save names (``spec.described``: vLLM's KV
+    events on), in order."""
+    events = []
+    for block_hash, info in zip(spec.block_hashes, spec.described):
+        parent = info.parent_hash
+        events.append(BlockStored(
+            block_hashes=[maybe_convert_block_hash(block_hash)],
+            parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+            token_ids=list(info.token_ids), block_size=block_size,
+            lora_id=info.lora_id, medium=MEDIUM, lora_name=info.lora_name,
+        ))  # fmt: skip
+    return events
 
 
 class ConfirmedEvents:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import logging
 import threading
 import time
@@ -41,7 +42,7 @@ from pagekv.errors import PagekvError
 
 from .metadata import BlockTransfer, PagekvMetadata
 
-__all__ = ["UnsavedBlocks", "WorkerSide"]
+__all__ = ["SaveOutcomes", "WorkerSide"]
 
 log = logging.getLogger("vllm.pagekv")  # under vLLM's logger: its handlers and format
 
@@ -57,46 +58,59 @@ _DONE_EMPTY: concurrent.futures.Future = concurrent.futures.Future()
 _DONE_EMPTY.set_result(None)  # a load with nothing fetched: all its blocks are load errors
 
 
-class UnsavedBlocks:
-    """A rank's saves until the store took them or did not: key -> block hash from
-    :meth:`saved` (the worker thread, before the save); :meth:`stored` and :meth:`unsaved` (the
-    connector's ``on_stored`` / ``on_unsaved``: its loop or the worker thread) end each; the
-    hashes of those not taken wait for :meth:`take` (the worker's report after a step). At most
-    ``MAX_TRACKED`` saves are followed (the oldest go: their outcome is then not reported)."""
+class SaveOutcomes:
+    """A rank's saves until the store took them or did not: key -> (block hash, the block's KV
+    event or None) from :meth:`saved` (the worker thread, before the save); :meth:`stored` and
+    :meth:`unsaved` (the connector's ``on_stored`` / ``on_unsaved``: its loop or the worker
+    thread) end each. A stored save's event waits for :meth:`take_events`, an unsaved one's
+    block hash for :meth:`take_unsaved` (the worker's reports after a step). ``describe``: a
+    save's KV events, one per block (vLLM's KV events on: :func:`.events.stored_events`), else
+    None. At most ``MAX_TRACKED`` saves are followed (the oldest go: their outcome is then not
+    reported)."""
 
     MAX_TRACKED = 1 << 16
 
-    def __init__(self) -> None:
-        self._hash_of: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+    def __init__(self, describe: Callable[[BlockTransfer], list[Any]] | None = None) -> None:
+        self._describe = describe
+        self._pending: collections.OrderedDict[bytes, tuple[bytes, Any]] = collections.OrderedDict()
+        self._events: list[Any] = []
         self._unsaved: set[bytes] = set()
         self._lock = threading.Lock()
 
-    def saved(self, keys: list[bytes], block_hashes: tuple[bytes, ...]) -> None:
-        with self._lock:
-            self._hash_of.update(zip(keys, block_hashes))
-            while len(self._hash_of) > self.MAX_TRACKED:
-                self._hash_of.popitem(last=False)
+    def saved(self, keys: list[bytes], spec: BlockTransfer) -> None:
+        events = self._describe(spec) if self._describe is not None and spec.described else []
+        with self._lock:  # a block without an event: None
+            self._pending.update(zip(keys, itertools.zip_longest(spec.block_hashes, events)))
+            while len(self._pending) > self.MAX_TRACKED:
+                self._pending.popitem(last=False)
 
     def stored(self, keys: list[bytes]) -> None:
         with self._lock:
             for key in keys:
-                self._hash_of.pop(key, None)
+                event = self._pending.pop(key, (None, None))[1]
+                if event is not None:
+                    self._events.append(event)
 
     def unsaved(self, keys: list[bytes]) -> None:
         with self._lock:
             for key in keys:
-                block_hash = self._hash_of.pop(key, None)
-                if block_hash is not None:
-                    self._unsaved.add(block_hash)
+                pending = self._pending.pop(key, None)
+                if pending is not None:
+                    self._unsaved.add(pending[0])
 
     def lost(self, block_hashes: tuple[bytes, ...]) -> None:
         """Blocks whose save was not even made (the worker skipped it)."""
         with self._lock:
             self._unsaved.update(block_hashes)
 
-    def take(self) -> set[bytes]:
+    def take_unsaved(self) -> set[bytes]:
         with self._lock:
             out, self._unsaved = self._unsaved, set()
+        return out
+
+    def take_events(self) -> list[Any]:
+        with self._lock:
+            out, self._events = self._events, []
         return out
 
 
@@ -114,12 +128,10 @@ class WorkerSide:
         load_timeout_s: float,
         save: bool,
         layerwise: bool = False,
-        events: Any = None,
-        unsaved: UnsavedBlocks | None = None,
+        outcomes: SaveOutcomes | None = None,
     ) -> None:
         self.conn, self.layer_index = conn, layer_index
-        self.events = events  # .events.SaveEvents with vLLM's KV events on (its on_stored too)
-        self.unsaved = unsaved  # the connector's on_stored / on_unsaved report to it
+        self.outcomes = outcomes  # the connector's on_stored / on_unsaved report to it
         self._namespace_of = namespace_of
         self._namespaces: dict[str, KeyNamespace] = {}
         self.load_timeout_s = load_timeout_s
@@ -285,23 +297,24 @@ class WorkerSide:
         for spec in meta.saves:
             try:
                 keys = self.keys(meta.epoch, spec.block_hashes)
-                if self.unsaved is not None:
-                    self.unsaved.saved(keys, spec.block_hashes)
-                if self.events is not None and spec.described:
-                    self.events.saved(keys, spec)
+                if self.outcomes is not None:
+                    self.outcomes.saved(keys, spec)
                 handle = self.conn.save(keys=keys, device_slots=list(spec.block_ids),
                                         write_through=True)  # fmt: skip
                 self.counters["save_blocks"] += handle.pages
             except (PagekvError, ValueError, RuntimeError) as e:
                 self.counters["saves_skipped"] += 1
                 self._warn.warning("pagekv: save of request %s skipped: %r", spec.req_id, e)
-                if self.unsaved is not None:
-                    self.unsaved.lost(spec.block_hashes)
+                if self.outcomes is not None:
+                    self.outcomes.lost(spec.block_hashes)
 
     def take_unsaved(self) -> set[bytes]:
-        """Block hashes of saves the store did not take since the last call (none without a
-        tracker)."""
-        return self.unsaved.take() if self.unsaved is not None else set()
+        """Block hashes of saves the store did not take since the last call."""
+        return self.outcomes.take_unsaved() if self.outcomes is not None else set()
+
+    def take_events(self) -> list[Any]:
+        """KV events of the saves the store confirmed since the last call."""
+        return self.outcomes.take_events() if self.outcomes is not None else []
 
     # ---- lifetime --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
