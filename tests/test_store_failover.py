@@ -134,7 +134,10 @@ async def test_async_client_fails_over_per_key(healthy, breakage):
         pair.check(into)
         assert (await client.exists_many(pair.keys)).leading == len(pair.keys)
         fresh = [os.urandom(16) for _ in range(6)]
-        assert await client.put_many(fresh, [b"f" * 100] * 6) == [Status.OK] * 6
+        # (both replicas are the one real node, as in the blocking test: the copy through the
+        # proxy may store a key before the direct copy, which then finds it there: EXISTS)
+        assert set(await client.put_many(fresh, [b"f" * 100] * 6)) <= {Status.OK, Status.EXISTS}
+        assert (await client.exists_many(fresh)).found == [True] * 6
     finally:
         client.close()
         pair.close()
