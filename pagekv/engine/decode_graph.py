@@ -39,6 +39,11 @@ from .model import Llama
 __all__ = ["DecodeGraphs"]
 
 MAX_GRAPHS = 4
+# Steps enqueued ahead of the one the host waits for: a serving engine reads each step's token
+# (stop conditions, streamed output) at most a step behind, so its decode never queues more. A
+# loop that enqueues every step at once holds every other thread's CUDA calls (the connector's
+# issuer among them) until the device has taken in the whole burst.
+STEPS_IN_FLIGHT = 2
 
 
 @dataclass
@@ -97,7 +102,8 @@ class DecodeGraphs:
 
     def decode(self, token: torch.Tensor, n: int, table: SlotTable, steps: int) -> list[int]:
         """``steps`` greedy tokens after ``token`` (``[1]`` on the device, at position ``n``),
-        as :meth:`pagekv.engine.Engine._decode` makes them; one host sync at the end.
+        as :meth:`pagekv.engine.Engine._decode` makes them: at most ``STEPS_IN_FLIGHT`` steps
+        enqueued ahead of the one the host waits for, as a serving engine reads its tokens.
 
         Mutates the cache rows of positions ``[n, n + steps)`` of ``table`` (zeroed, then
         written step by step). Raises ``ValueError`` when :meth:`usable` is False."""
@@ -118,8 +124,14 @@ class DecodeGraphs:
             self.graphs.move_to_end(key)
             remaining = steps
         graph = entry[0]
+        in_flight: list[torch.cuda.Event] = []
         for _ in range(remaining):
+            if len(in_flight) == STEPS_IN_FLIGHT:
+                in_flight.pop(0).synchronize()
             graph.replay()
+            done = torch.cuda.Event()
+            done.record()
+            in_flight.append(done)
         return st.out[:steps].tolist()
 
     def _static(self, base: int, length: int) -> _Static:
