@@ -109,6 +109,18 @@ def test_slack_is_relative_to_the_fastest():
     assert entry(True, True, 1, 1, kernel=INF, ce=INF).best(ALL) is None
 
 
+def test_deferred_transfers_take_the_copy_engine_with_a_wider_slack():
+    """Enqueued by the connector's issuer (beside the engine's compute), the copy engine is
+    taken unless more than DEFERRED_COPY_ENGINE_SLACK slower; on the caller's thread the narrow
+    slack holds."""
+    wide = copy_table.DEFERRED_COPY_ENGINE_SLACK
+    assert wide > copy_table.COPY_ENGINE_SLACK
+    within = entry(True, True, 1, 1, kernel=1.0, ce=1.0 + wide * 0.99)
+    assert within.best(ALL, deferred=True) == "copy_engine" and within.best(ALL) == "kernel"
+    beyond = entry(True, True, 1, 1, kernel=1.0, ce=1.0 + wide * 1.01)
+    assert beyond.best(ALL, deferred=True) == "kernel"
+
+
 def test_choices_are_remembered_and_bounded(monkeypatch):
     table = CopyTable("k", "GPU", TABLE.entries)
     calls = []

@@ -13,7 +13,8 @@ One form: on the H200 (docs/benchmarks.md, "copy engine") 1-D copies over 16 str
 once the driver's queue is full, so the calling thread is held for most of a transfer of 32 KiB
 runs: ``auto`` (:mod:`.copy_table`) takes it on the caller's thread only where its measured host
 time stays within the kernel's, and elsewhere only where a thread of the connector's own issues
-it (:mod:`pagekv.connector.copy_issuer`), never for runs under ``ops.COPY_ENGINE_MIN_RUN``.
+it (:mod:`pagekv.connector.copy_issuer`), never for runs under ``ops.COPY_ENGINE_MIN_RUN``
+(``ops.DEFERRED_COPY_ENGINE_MIN_RUN`` where the issuer enqueues it).
 
 Availability is found at run time: the library must be built with CUDA >= 12.8 and the driver
 must be >= 12.8 (:func:`supported`). A call the driver refuses is logged once and the device

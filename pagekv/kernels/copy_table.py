@@ -12,8 +12,9 @@ the call blocks once the driver's queue is full: a 4 GiB load of 32 KiB runs hel
 of its 650 ms on the H200), and an engine's step never waits on a transfer. Where a thread of
 the connector's own enqueues the copy engine's transfers (``deferred``:
 :mod:`pagekv.connector.copy_issuer`) its host time bars nothing. Among the candidates the copy
-engine wins unless it is more than ``COPY_ENGINE_SLACK`` slower than the fastest: it leaves the
-SMs to the model.
+engine wins unless it is more than ``COPY_ENGINE_SLACK`` slower than the fastest (deferred:
+``DEFERRED_COPY_ENGINE_SLACK``, as those transfers run beside the engine's compute, where the
+kernel slows both): it leaves the SMs to the model.
 
 A transfer takes a backend only when the measured shapes around it agree
 (:meth:`CopyTable.choose`: the nearest runs on both sides, each at the nearest totals on both
@@ -49,6 +50,7 @@ from pathlib import Path
 
 __all__ = [
     "COPY_ENGINE_SLACK",
+    "DEFERRED_COPY_ENGINE_SLACK",
     "ENQUEUE_SLACK_S",
     "CopyTable",
     "Entry",
@@ -63,6 +65,12 @@ log = logging.getLogger(__name__)
 TABLE_VERSION = 5
 # The copy engine is chosen unless it takes more than this fraction longer than the fastest.
 COPY_ENGINE_SLACK = 0.10
+# ... and for a transfer the connector's issuer enqueues (``deferred``: loads and saves that run
+# beside the engine's compute), unless more than this: beside the reference engine's decode
+# (serving-like, two steps in flight; H100, 4 GiB layer-by-layer loads of 32 KiB runs) the copy
+# engine loaded 38-43 GB/s at -4.0% decode tokens/s, the kernel 34-35 GB/s at -12.0/-12.5% (a
+# plain copy: -5.0%), although alone the copy engine moves such runs at 0.63-0.96 of the kernel.
+DEFERRED_COPY_ENGINE_SLACK = 0.50
 # A backend whose call holds the host longer than the kernel's plus this is never chosen.
 ENQUEUE_SLACK_S = 25e-6
 # The measured grid: bytes per run (page_size x row bytes when slots are consecutive) and bytes
@@ -97,8 +105,8 @@ class Entry:
         """The backend for this shape among ``allowed`` (None when none was measured): those
         whose enqueue time is within ``ENQUEUE_SLACK_S`` of the kernel's (the copy engine
         whatever its enqueue time when ``deferred``: a thread other than the caller's enqueues
-        it), then the copy engine unless it is more than ``COPY_ENGINE_SLACK`` slower than the
-        fastest."""
+        it), then the copy engine unless it is more than ``COPY_ENGINE_SLACK`` (deferred:
+        ``DEFERRED_COPY_ENGINE_SLACK``) slower than the fastest."""
         host = dict(self.enqueue)
         bound = host.get("kernel", math.inf) + ENQUEUE_SLACK_S
         free = ("kernel", "copy_engine") if deferred else ("kernel",)
@@ -108,7 +116,8 @@ class Entry:
             return None
         fastest = min(times, key=times.__getitem__)
         ce = times.get("copy_engine")
-        if ce is not None and ce <= times[fastest] * (1 + COPY_ENGINE_SLACK):
+        slack = DEFERRED_COPY_ENGINE_SLACK if deferred else COPY_ENGINE_SLACK
+        if ce is not None and ce <= times[fastest] * (1 + slack):
             return "copy_engine"
         return fastest
 

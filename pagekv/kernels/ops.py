@@ -12,13 +12,14 @@
 With the setting ``auto`` (the default): the kernel when the page ids or slots are CUDA tensors
 (the other two build their copies on the host) or a CUDA graph is being captured; else the
 backend the measured shapes around this one agree on in the table measured once for this GPU
-(:mod:`.copy_table`): on the caller's thread only backends whose host time per call stays within
-the kernel's (the connector's issuer thread lifts that bar for the copy engine: ``deferred``),
-the copy engine for runs of at least ``COPY_ENGINE_MIN_RUN`` unless it is more than 10% slower
-than the fastest; never the staged backend (it costs a model running beside it more: see
-:mod:`.staged`). Launches go on torch's current stream and neither allocate nor synchronise, so
-kernel launches can be captured in a CUDA graph (pass device index tensors and
-``validate=False`` inside a capture).
+(:mod:`.copy_table`): on the caller's thread only backends whose host time per call stays
+within the kernel's (the connector's issuer thread lifts that bar for the copy engine:
+``deferred``), the copy engine for runs of at least ``COPY_ENGINE_MIN_RUN`` unless it is more
+than 10% slower than the fastest (deferred: from ``DEFERRED_COPY_ENGINE_MIN_RUN``, unless more
+than 50% slower: those transfers run beside the engine's compute); never the staged backend (it
+costs a model running beside it more: see :mod:`.staged`). Launches go on torch's current
+stream and neither allocate nor synchronise, so kernel launches can be captured in a CUDA graph
+(pass device index tensors and ``validate=False`` inside a capture).
 
 ``validate=True`` checks index values (range, repeats) before anything is written, which syncs
 when the indices are CUDA tensors. ``validate=False`` keeps the shape/dtype/device checks; every
@@ -77,10 +78,14 @@ UNROLL_SAVE = 4
 # The direct memcpy backend beat the kernel from runs of this many bytes on the H100 (one
 # memcpy each; docs/benchmarks.md, "direct backend"); auto now decides from the measured table.
 DIRECT_MIN_RUN_BYTES = 4 << 20
-# ``auto`` gives the copy engine no run shorter than this: from 64 KiB its rate held 0.94-0.98 of
-# the copy in every H200 run; runs of 32-36 KiB moved 0.96 in some runs and 0.63-0.74 in others
-# (same shapes, other processes: docs/benchmarks.md), below 28 KiB 0.04-0.2.
+# ``auto`` gives the copy engine no run shorter than this on the caller's thread: from 64 KiB its
+# rate held 0.94-0.98 of the copy in every H200 run; runs of 32-36 KiB moved 0.96 in some runs
+# and 0.63-0.74 in others (same shapes, other processes: docs/benchmarks.md), below 28 KiB
+# 0.04-0.2. Transfers the connector's issuer enqueues (``deferred``) run beside the engine's
+# compute, where even at 32 KiB it is faster than the kernel and costs the model a third of
+# what the kernel does (copy_table.DEFERRED_COPY_ENGINE_SLACK): their floor is 32 KiB.
 COPY_ENGINE_MIN_RUN = 64 << 10
+DEFERRED_COPY_ENGINE_MIN_RUN = 32 << 10
 Index = torch.Tensor | Sequence[int]
 
 
@@ -185,7 +190,8 @@ def _auto_backend(
     geo = kv.geometry
     run = copy_engine.run_bytes(kv, s)
     allowed = ["kernel", "direct"]
-    if copy_engine.supported(device) and run >= COPY_ENGINE_MIN_RUN:
+    floor = DEFERRED_COPY_ENGINE_MIN_RUN if deferred else COPY_ENGINE_MIN_RUN
+    if copy_engine.supported(device) and run >= floor:
         allowed.append("copy_engine")
     rows = geo.num_layers * geo.num_kv if layer is None else geo.num_kv
     total = ids.numel() * geo.page_size * rows * geo.item_bytes

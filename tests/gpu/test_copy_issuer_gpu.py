@@ -23,6 +23,7 @@ from pagekv.kernels import (
     copy_table,
     jit,
     load_ref,
+    ops,
     save,
     save_ref,
     transfer_layers,
@@ -338,18 +339,20 @@ def test_transfer_layers_refused_by_the_driver_runs_on_the_kernel(monkeypatch, c
 
 
 def test_auto_never_gives_the_copy_engine_runs_under_its_floor(monkeypatch):
+    """64 KiB on the caller's thread, 32 KiB where the issuer enqueues it (deferred)."""
     require_copy_engine()
     monkeypatch.delenv("PAGEKV_COPY_BACKEND", raising=False)  # the default: auto
     table = calibrate(0)
     allowed = ["kernel", "direct", "copy_engine"]
-    for page_size, expect_floor in ((16, True), (128, False)):  # 32 KiB and 256 KiB runs
+    for page_size in (8, 16, 128):  # 16 KiB, 32 KiB and 256 KiB runs
         geo, _, kv, _, _, _ = setup(n_pages=8, page_size=page_size)
         a = torch.randperm(8)[:, None] * page_size + torch.arange(page_size)  # whole-page runs
         run = page_size * geo.item_bytes
         total = 8 * page_size * geo.num_layers * geo.num_kv * geo.item_bytes
         for deferred in (False, True):
             got = choose_backend(True, kv, list(range(8)), a, deferred=deferred)
-            if expect_floor:
+            floor = ops.DEFERRED_COPY_ENGINE_MIN_RUN if deferred else ops.COPY_ENGINE_MIN_RUN
+            if run < floor:
                 assert got != "copy_engine"
             else:
                 want = table.choose(copy_table.Shape(True, True, float(run), total), allowed,
