@@ -28,9 +28,10 @@ Rules:
 * :meth:`close` runs the queued jobs, waits for their copies and stops the thread.
 * The issuer is a Python thread: between library calls it needs the GIL, and beside a thread
   running pure Python it waits for it (scripts/diag_ce_host_rate.py). Its CUDA calls wait
-  while the device's submission queue is full of another thread's work: beside the reference
-  engine's burst of 48 graph replays its jobs are held until the decode has drained
-  (docs/benchmarks.md "Copy engine").
+  while another thread's enqueued work fills the device's submission queue: an engine that
+  enqueues many decode steps at once holds it until they drain; with a serving engine's one
+  or two steps in flight (the reference engine: ``decode_graph.STEPS_IN_FLIGHT``) it keeps
+  pace (docs/benchmarks.md "Copy engine").
 """
 
 from __future__ import annotations
