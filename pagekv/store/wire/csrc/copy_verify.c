@@ -234,11 +234,13 @@ static int recv_all(int fd, unsigned char *buf, uint64_t n, uint64_t *received) 
     return 0;
 }
 
-/* The receive's hand-off (pagekv_recv_verify with a bounce of two chunks or more): the
- * receiving thread only receives, chunk after chunk, each large piece's chunks into the bounce's
- * slots in turn, and hands each chunk to a helper thread that hashes it and streams it into
- * place, in order. A slot is received into again only once the helper is done with the chunk
- * it held. The hasher is the helper's alone until it is joined. */
+/* The receive's chunks: each large piece's chunks land in the bounce's slots in turn, small
+ * pieces' in place; each chunk received is handed on (hand_over) to be hashed and, from a slot,
+ * streamed into place (do_chunk), in order. With a helper (pagekv_recv_verify with a bounce of
+ * two chunks or more) the receiving thread only receives and a helper thread does the rest: a
+ * slot is received into again only once the helper is done with the chunk it held, and the
+ * hasher is the helper's alone until it is joined. Without one (q NULL, one slot) the
+ * receiving thread does each chunk itself before it receives the next. */
 #define HANDOFF_RING 64 /* chunks handed over and not yet done */
 #define MAX_SLOTS 64
 
@@ -283,12 +285,24 @@ static void *helper(void *arg) {
     return NULL;
 }
 
-/* Wait, under q->lock, until the first `upto` chunks handed over are done. */
-static void wait_done(handoff_t *q, uint64_t upto) {
+/* Before a receive: wait until the first `upto` chunks handed over are done and the ring has
+ * room; returns the sequence number the next chunk will get (0 without a helper). */
+static uint64_t make_room(handoff_t *q, uint64_t upto) {
+    if (q == NULL) return 0;
+    pthread_mutex_lock(&q->lock);
+    if (q->given + 1 > HANDOFF_RING && upto < q->given + 1 - HANDOFF_RING)
+        upto = q->given + 1 - HANDOFF_RING;
     while (q->done < upto) pthread_cond_wait(&q->room, &q->lock);
+    uint64_t seq = q->given;
+    pthread_mutex_unlock(&q->lock);
+    return seq;
 }
 
-static void hand_over(handoff_t *q, chunk_t c) {
+static void hand_over(handoff_t *q, hasher_t *h, chunk_t c) {
+    if (q == NULL) {
+        do_chunk(h, &c);
+        return;
+    }
     pthread_mutex_lock(&q->lock);
     q->ring[q->given % HANDOFF_RING] = c;
     q->given++;
@@ -296,47 +310,38 @@ static void hand_over(handoff_t *q, chunk_t c) {
     pthread_mutex_unlock(&q->lock);
 }
 
-/* pagekv_recv_verify's receiving side with a helper (see handoff_t); `slots` bounce slots of
- * `chunk` bytes. Returns as pagekv_recv_verify, once the helper has finished every chunk. */
-static int recv_handed_over(int fd, const pagekv_piece *pieces, uint64_t npieces,
-                            uint64_t chunk, unsigned char *bounce, uint64_t slots,
-                            uint64_t *received, pthread_t *id, handoff_t *q) {
+/* pagekv_recv_verify's receiving loop (see chunk_t above); `slots` bounce slots of `chunk`
+ * bytes (1 without a helper). Returns as pagekv_recv_verify; with a helper, what it was handed
+ * is done only once it is joined. */
+static int recv_chunks(int fd, const pagekv_piece *pieces, uint64_t npieces, uint64_t chunk,
+                       unsigned char *bounce, uint64_t slots, uint64_t *received, hasher_t *h,
+                       handoff_t *q) {
     uint64_t slot_user[MAX_SLOTS] = {0}; /* 1 + the chunk that last used each slot, 0: none */
     uint64_t slot = 0;
-    int rc = 0;
-    for (uint64_t p = 0; p < npieces && rc == 0; p++) {
+    for (uint64_t p = 0; p < npieces; p++) {
         unsigned char *dst = (unsigned char *)pieces[p].dst;
         uint64_t n = pieces[p].nbytes;
         int bounced = n >= BOUNCE_MIN_BYTES;
-        if (n == 0) hand_over(q, (chunk_t){dst, NULL, 0, 1, 1, 1});
+        if (n == 0) hand_over(q, h, (chunk_t){dst, NULL, 0, 1, 1, 1});
         for (uint64_t off = 0; off < n; off += chunk) {
             uint64_t want = n - off < chunk ? n - off : chunk, before = *received;
             unsigned char *at = bounced ? bounce + slot * chunk : dst + off;
-            pthread_mutex_lock(&q->lock);
-            wait_done(q, bounced ? slot_user[slot] : 0);
-            wait_done(q, q->given + 1 > HANDOFF_RING ? q->given + 1 - HANDOFF_RING : 0);
-            uint64_t seq = q->given;
-            pthread_mutex_unlock(&q->lock);
-            rc = recv_all(fd, at, want, received);
+            uint64_t seq = make_room(q, bounced ? slot_user[slot] : 0);
+            int rc = recv_all(fd, at, want, received);
             if (rc != 0) { /* what arrived of this chunk still goes into place */
                 if (bounced && *received > before)
-                    hand_over(q, (chunk_t){at, dst + off, *received - before, 0, 0, 0});
-                break;
+                    hand_over(q, h, (chunk_t){at, dst + off, *received - before, 0, 0, 0});
+                return rc;
             }
-            hand_over(q, (chunk_t){at, bounced ? dst + off : NULL, want, off == 0,
-                                   off + want == n, 1});
+            hand_over(q, h, (chunk_t){at, bounced ? dst + off : NULL, want, off == 0,
+                                      off + want == n, 1});
             if (bounced) {
                 slot_user[slot] = seq + 1;
                 slot = (slot + 1) % slots;
             }
         }
     }
-    pthread_mutex_lock(&q->lock);
-    q->end = 1;
-    pthread_cond_signal(&q->more);
-    pthread_mutex_unlock(&q->lock);
-    pthread_join(*id, NULL);
-    return rc;
+    return 0;
 }
 
 /* Receive `npieces` pieces, in order, from the connected blocking socket `fd`, each into its
@@ -371,42 +376,25 @@ int pagekv_recv_verify(int fd, const pagekv_piece *pieces, uint64_t npieces,
     if (slots > MAX_SLOTS) slots = MAX_SLOTS;
     for (uint64_t p = 0; p < npieces; p++)
         if (pieces[p].nbytes >= BOUNCE_MIN_BYTES) to_bounce += pieces[p].nbytes;
-    if (slots >= 2 && to_bounce >= 2 * chunk_bytes) {
-        handoff_t q = {.given = 0, .done = 0, .end = 0, .h = &h};
-        pthread_t id;
-        pthread_mutex_init(&q.lock, NULL);
-        pthread_cond_init(&q.more, NULL);
-        pthread_cond_init(&q.room, NULL);
-        int started = pthread_create(&id, NULL, helper, &q) == 0;
-        int rc = started ? recv_handed_over(fd, pieces, npieces, chunk_bytes, bounce, slots,
-                                            received, &id, &q)
-                         : 0;
-        pthread_cond_destroy(&q.room);
-        pthread_cond_destroy(&q.more);
-        pthread_mutex_destroy(&q.lock);
-        if (started) {
-            if (rc == 0) hasher_finish(&h);
-            return rc;
-        } /* no thread to be had: this one does all of it */
+    handoff_t q = {.given = 0, .done = 0, .end = 0, .h = &h};
+    pthread_mutex_init(&q.lock, NULL);
+    pthread_cond_init(&q.more, NULL);
+    pthread_cond_init(&q.room, NULL);
+    pthread_t id; /* no thread to be had: this one does all of it */
+    int helped = slots >= 2 && to_bounce >= 2 * chunk_bytes &&
+                 pthread_create(&id, NULL, helper, &q) == 0;
+    int rc = recv_chunks(fd, pieces, npieces, chunk_bytes, bounce, helped ? slots : 1, received,
+                         &h, helped ? &q : NULL);
+    if (helped) {
+        pthread_mutex_lock(&q.lock);
+        q.end = 1;
+        pthread_cond_signal(&q.more);
+        pthread_mutex_unlock(&q.lock);
+        pthread_join(id, NULL);
     }
-    for (uint64_t p = 0; p < npieces; p++) {
-        hasher_piece_begins(&h);
-        unsigned char *dst = (unsigned char *)pieces[p].dst;
-        uint64_t n = pieces[p].nbytes;
-        int bounced = n >= BOUNCE_MIN_BYTES;
-        for (uint64_t off = 0; off < n; off += chunk_bytes) {
-            uint64_t want = n - off < chunk_bytes ? n - off : chunk_bytes, before = *received;
-            unsigned char *at = bounced ? bounce : dst + off;
-            int rc = recv_all(fd, at, want, received);
-            if (rc != 0) {
-                if (bounced) memcpy(dst + off, bounce, *received - before);
-                return rc;
-            }
-            hasher_update(&h, at, want);
-            if (bounced) copy_out(dst + off, bounce, want);
-        }
-        hasher_piece_ends(&h);
-    }
-    hasher_finish(&h);
-    return 0;
+    pthread_cond_destroy(&q.room);
+    pthread_cond_destroy(&q.more);
+    pthread_mutex_destroy(&q.lock);
+    if (rc == 0) hasher_finish(&h);
+    return rc;
 }
