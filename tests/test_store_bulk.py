@@ -1,9 +1,9 @@
-"""The bulk lane (plain TCP for GET replies, received straight into place by the native receive):
-values exact on fresh random data, several clients at once, a node killed mid-transfer, an
-unreachable lane (ZeroMQ takes over), malformed and oversized input and anything but a GET
-refused, and a call that stops waiting early never leaving a transfer writing into the caller's
-buffers. Tests marked with the ``receive`` fixture check that the native call did the
-receiving."""
+"""The bulk lane (plain TCP for PUT and GET payloads, received straight into place by the native
+receive): values exact on fresh random data both ways, several clients at once, a node killed
+mid-transfer, a PUT cut off mid-payload, an unreachable lane (a node failure), malformed and
+oversized input and anything but a PUT or GET refused, and a call that stops waiting early never
+leaving a transfer writing into the caller's buffers. Tests marked with the ``receive`` fixture
+check that the native call did the receiving."""
 
 from __future__ import annotations
 
@@ -175,15 +175,17 @@ def test_several_clients_at_once_each_value_exact(served):
     assert node.stats()["bulk_requests"] >= 4 * 3
 
 
-def test_without_a_compiler_the_client_uses_no_lane(served, monkeypatch, tmp_path, caplog):
-    """``PAGEKV_NATIVE_COPY=auto``, a fresh cache and no compiler: the client says once why it
-    uses no lane and gets every value exactly over ZeroMQ; the node still offers its lane (it
-    only sends on it)."""
+def test_without_a_compiler_neither_end_uses_the_lane(served, monkeypatch, tmp_path, caplog):
+    """``PAGEKV_NATIVE_COPY=auto``, a fresh cache and no compiler: a client says once why it
+    uses no lane and puts and gets every value exactly over ZeroMQ, although its node offers
+    one; a node started so offers no lane (its PUT receive needs the library) and says why."""
+    if native.load() is None:
+        pytest.skip(f"native receive unavailable: {native.unavailable_reason()}")
+    node = served()  # with the library: it offers its lane
     monkeypatch.setenv("PAGEKV_NATIVE_COPY", "auto")
     monkeypatch.setenv("PAGEKV_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert native.load() is None
-    node = served()
     rng = random.Random(os.urandom(8))
     keys, values = rand_values(rng, 12, 3 << 18)
     with caplog.at_level("WARNING"):
@@ -193,9 +195,14 @@ def test_without_a_compiler_the_client_uses_no_lane(served, monkeypatch, tmp_pat
                 into = [bytearray([POISON]) * len(v) for v in values]
                 assert c.get_many(keys, into=into) == [True] * len(keys)
                 assert [bytes(b) for b in into] == values
-            assert c.counters["bulk_requests"] == 0
+            assert c.counters["bulk_requests"] == 0 and c.counters["bulk_failures"] == 0
     assert node.stats()["bulk_port"] > 0 and node.stats()["bulk_requests"] == 0
-    assert "no-such-cc" in caplog.text
+    assert "this client uses no bulk lane" in caplog.text and "no-such-cc" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        bare = served()
+    assert bare.stats()["bulk_port"] == 0
+    assert "no bulk lane" in caplog.text and "no-such-cc" in caplog.text
 
 
 def lane_of(client):
@@ -207,25 +214,31 @@ def lane_of(client):
 def test_a_lane_that_cannot_be_reached_is_a_node_failure(served):
     """The node advertises a lane that does not connect (as if firewalled): the client PINGs
     it once more (a restarted node's lane moves), finds the same port, and fails the node's
-    GETs as any node failure (misses with one node; nothing goes over ZeroMQ instead). Once
-    the lane is reachable and the node's back-off is over, the next PING gives the lane back
-    and every value comes back exactly over it."""
+    PUTs and GETs as any node failure (unavailable and misses with one node; nothing goes over
+    ZeroMQ instead). Once the lane is reachable and the node's back-off is over, the next PING
+    gives the lane back and every value comes back exactly over it."""
     node = served()
     rng = random.Random(os.urandom(8))
     keys, values = rand_values(rng, 6, 1 << 16)
+    with StoreClient(node.address) as client:  # stored while the lane is reachable
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
     cfg = ClientConfig((node.address,), streams=2, connect_timeout_s=1.0, backoff_min_s=0.01,
                        backoff_max_s=0.01)  # fmt: skip
     real = node.bulk.port
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         node.bulk.port = s.getsockname()[1]  # what its PING replies advertise
+    puts = node.stats()["op_put"]
     with StoreClient(node.address, config=cfg) as client:
-        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        other, more = rand_values(rng, 3, 1 << 16)
+        assert client.put_many(other, more) == [Status.UNAVAILABLE] * len(other)
+        assert client.counters["node_failures"] == 1 and client.counters["bulk_failures"] >= 2
+        assert node.stats()["op_put"] == puts and node.stats()["op_ping"] >= 2  # PINGed again
         into = [bytearray([POISON]) * len(v) for v in values]
         assert client.get_many(keys, into=into) == [False] * len(keys)
         assert all(bytes(b) == bytes([POISON]) * len(b) for b in into)
-        assert client.counters["node_failures"] == 1 and client.counters["bulk_failures"] >= 2
-        assert node.stats()["op_get"] == 0 and node.stats()["op_ping"] >= 2  # PINGed again
+        assert client.counters["node_failures"] == 2 and client.counters["bulk_failures"] >= 4
+        assert node.stats()["op_get"] == 0
         node.bulk.port = real
         deadline = time.monotonic() + 10
         while True:  # the back-off (10 ms) and the replaced links' handshake, bounded
@@ -497,40 +510,77 @@ def test_a_value_corrupted_on_the_lane_is_a_miss():
         thread.join(timeout=5)
 
 
-def test_the_lane_takes_gets_only(served):
-    """A PUT sent to the lane (its payload declared) is refused and the connection closed:
-    nothing stored. Any other op without payload gets ``BAD_OP`` and the connection serves the
-    next GET. A client's PUTs never touch the lane."""
+@pytest.mark.usefixtures("receive")
+def test_the_lane_stores_puts_checked_and_refuses_what_it_cannot_read(served):
+    """Over raw lane connections: a PUT (one-frame and two-frame values, one of them with a
+    flipped bit) stores exactly the good values, each read back exactly, the bad one
+    ``BAD_CHECKSUM`` and not stored; a PUT whose header declares other frames than the message
+    carries, or a GET with payload, is refused and the connection closed (nothing stored);
+    any other op gets ``BAD_OP`` and the connection serves the next request."""
     import xxhash
 
     from pagekv.store.wire.protocol import Op, Request, encode_request
 
     rng = random.Random(os.urandom(8))
     keys, values = rand_values(rng, 3, 1 << 19)
-    sums = [xxhash.xxh3_64_intdigest(v) for v in values]
+    halves = [rng.randbytes(3 << 16), rng.randbytes(100)]  # a two-frame value, one frame small
+    keys.append(rng.randbytes(16))
+    sums = [xxhash.xxh3_64_intdigest(v) for v in values] + [
+        xxhash.xxh3_64_intdigest(b"".join(halves))
+    ]
+    sent = [*values, *halves]
+    flipped = bytearray(values[1])
+    flipped[rng.randrange(len(flipped))] ^= 1 << rng.randrange(8)
+    sent[1] = bytes(flipped)
     node = served()
     port = node.stats()["bulk_port"]
-    req = Request(Op.PUT, 7, keys, [len(v) for v in values], sums, [1, 1, 1])
+    req = Request(Op.PUT, 7, keys, [len(f) for f in sent], sums, [1, 1, 1, 2])
     with _raw(port) as s:
-        send_message(s, encode_request(req), values)
+        send_message(s, encode_request(req), sent)
         reply = _answer(s)
-        assert reply.code == Code.TOO_LARGE and "GET requests only" in reply.error
-        assert _hung_up(s)
-    with _raw(port) as s:
-        for op in (Op.EXISTS, Op.DELETE, Op.PING, Op.STATS):
+        assert reply.id == 7 and reply.code == Code.OK
+        assert reply.status == [Status.OK, Status.BAD_CHECKSUM, Status.OK, Status.OK]
+        for op in (Op.EXISTS, Op.DELETE, Op.PING, Op.STATS):  # the connection serves on
             send_message(s, encode_request(Request(op, 8, keys[:1])), [])
             reply = _answer(s)
             assert reply.id == 8 and reply.code == Code.BAD_OP, op
-        send_message(s, encode_request(Request(Op.GET, 9, keys)), [])
-        reply = _answer(s)
-        assert reply.id == 9 and reply.status == [Status.NOT_FOUND] * 3
-    assert node.stats()["blocks"] == 0
+    assert node.stats()["bulk_puts"] == 1 and node.stats()["blocks"] == 3
     with StoreClient(node.address) as client:
-        assert client.put_many(keys, values) == [Status.OK] * 3
+        into = [bytearray([POISON]) * len(v) for v in values] + [
+            [bytearray([POISON]) * len(h) for h in halves]]  # fmt: skip
+        assert client.get_many(keys, into=into) == [True, False, True, True]
+        assert [bytes(into[0]), bytes(into[2])] == [values[0], values[2]]
+        assert [bytes(b) for b in into[3]] == halves
+    other = rand_values(rng, 2, 1 << 16)
+    wrong = [
+        # the header declares 2 frames of 64 KiB, the message carries one of 128 KiB
+        (Request(Op.PUT, 9, other[0], [1 << 16] * 2, [0, 0], [1, 1]), [b"".join(other[1])]),
+        (Request(Op.GET, 10, other[0]), other[1]),  # a GET with payload
+    ]
+    for bad, frames in wrong:
+        with _raw(port) as s:
+            send_message(s, encode_request(bad), frames)
+            reply = _answer(s)
+            assert reply.id == bad.id and reply.code == Code.BAD_FRAMES, reply
+            assert _hung_up(s)
+    assert node.stats()["blocks"] == 3 and node.stats()["bulk_puts"] == 1
+
+
+def test_a_clients_puts_and_gets_go_over_the_lane(served):
+    """A client's PUTs go over the lane of a node that offers one, are stored exactly (their
+    checksums taken as they landed) and read back exactly, over the lane too."""
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 24, 3 << 18)
+    with StoreClient(node.address, config=ClientConfig((node.address,), streams=2)) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        sent = client.counters["bulk_bytes_out"]
+        assert sent == sum(map(len, values)) and node.stats()["op_put"] >= 1
+        assert node.stats()["bulk_bytes_in"] == sent and node.stats()["bulk_puts"] >= 2
         into = [bytearray([POISON]) * len(v) for v in values]
-        assert client.get_many(keys, into=into) == [True] * 3
+        assert client.get_many(keys, into=into) == [True] * len(keys)
         assert [bytes(b) for b in into] == values
-    assert node.stats()["op_put"] >= 1
+        assert client.put_many(keys[:2], values[:2]) == [Status.EXISTS] * 2
 
 
 def test_a_batch_is_dealt_over_every_lane_connection(served):
@@ -575,3 +625,38 @@ def test_a_node_restarted_on_its_port_is_read_again_at_once(io_threads):
             assert client.counters["bulk_requests"] >= 2  # the new lane is used again
     finally:
         node.stop()
+
+
+@pytest.mark.usefixtures("receive")
+def test_a_put_cut_off_mid_payload_stores_nothing_and_gives_its_room_back(served):
+    """Connections that declare 8 MiB PUTs and close after half the payload: nothing of them is
+    stored, and the room the node kept for them while they arrived is given back (else the
+    next put would evict the blocks below: 3 x 8 MiB kept is more than the 16 MiB capacity)."""
+    import xxhash
+
+    from pagekv.store.wire.protocol import Op, Request, encode_request
+
+    node = served(capacity="16MiB")
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 4, 1 << 20)
+    with StoreClient(node.address) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+    port = node.stats()["bulk_port"]
+    big = rng.randbytes(8 << 20)
+    for n in range(3):
+        req = Request(Op.PUT, n + 1, [rng.randbytes(16)], [len(big)],
+                      [xxhash.xxh3_64_intdigest(big)], [1])  # fmt: skip
+        with _raw(port) as s:
+            header = encode_request(req)
+            prefix = PREFIX.pack(MAGIC, len(header), 1, len(big)) + struct.pack("<Q", len(big))
+            s.sendall(prefix + header + big[: len(big) // 2])
+            s.shutdown(socket.SHUT_WR)
+            assert _hung_up(s)  # the node ends the connection: nothing to answer
+    with StoreClient(node.address) as client:
+        more_keys, more = rand_values(rng, 1, 1 << 20)
+        assert client.put_many(more_keys, more) == [Status.OK]
+        into = [bytearray([POISON]) * len(v) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)  # none evicted
+        assert [bytes(b) for b in into] == values
+    stats = node.stats()
+    assert stats["blocks"] == 5 and stats["evictions"] == 0 and stats["bulk_puts"] == 2

@@ -9,8 +9,8 @@ verify each value's xxh3-64 checksum (a mismatch is a miss, counted) and either 
 frames into the caller's buffers (``into=``) or return read-only views of them.
 
 One path for every call: an operation (:mod:`.operations`) yields batches of calls; each call
-goes to its node's transport (:mod:`.transport`: ZeroMQ for everything but GETs, GETs over the
-transport chosen from the node's PING reply); the replies go back to the operation, which moves
+goes to its node's transport (:mod:`.transport`: PUT and GET payloads over the transports chosen
+from the node's PING reply, ZeroMQ for the rest); the replies go back to the operation, which moves
 a failed node's keys on to their next node. Requests are cut to each node's advertised limits
 (learned by that PING on first use), at most the node's ``window`` of them are in flight per
 connection, and a node that does not answer within ``ClientConfig.timeout_for(bytes in
@@ -122,6 +122,8 @@ class AsyncStoreClient(StoreBackend):
             return self._by_name[self._routes[call.node].get]
         if op is Op.PUT and self._shm is not None and self._shm.writes(call.node):
             return self._shm
+        if op is Op.PUT and self._lane is not None and self._lane.carries(call.node):
+            return self._lane
         return self._zmq
 
     async def _exchange(self, batch: Batch) -> Results:
@@ -141,11 +143,11 @@ class AsyncStoreClient(StoreBackend):
         for (transport, calls), part in zip(groups.items(), parts):
             results.update(part)
             if transport is not self._zmq:
-                self._after_get_transport(calls, part)
+                self._after_payload_transport(calls, part)
         return results
 
-    def _after_get_transport(self, calls: Batch, results: Results) -> None:
-        """A GET transport that failed a node's call: as after a ZeroMQ timeout, the node must
+    def _after_payload_transport(self, calls: Batch, results: Results) -> None:
+        """A payload transport that failed a node's call: as after a ZeroMQ timeout, the node must
         connect again (a handshake a stopped node cannot complete) before it is used even as a
         last resort, and it is PINGed again before its next use (its transports chosen
         again)."""
@@ -154,7 +156,7 @@ class AsyncStoreClient(StoreBackend):
             self.router.forget(node)
 
     async def _again(self, calls: Batch) -> Results:
-        """Calls whose node's GET transport found its address gone (a node restarted, its
+        """Calls whose node's payload transport found its address gone (a node restarted, its
         lane on another port, or down): PING each such node (its transports chosen again) and
         run the calls once more on what was chosen; a node that does not answer the PING fails
         them (None), as does one found moved again."""

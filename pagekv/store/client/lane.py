@@ -1,26 +1,31 @@
-"""The lane transport: a client's GETs to a node that advertises a bulk lane (PING ``bulk``,
-:mod:`..node.lane`) over plain TCP connections, ``ClientConfig.streams`` per node, one thread
-each, when this process has the native receive (:mod:`..wire.native`).
+"""The lane transport: a client's PUTs and GETs to a node that advertises a bulk lane (PING
+``bulk``, :mod:`..node.lane`) over plain TCP connections, ``ClientConfig.streams`` per node, one
+thread each, when this process has the native receive (:mod:`..wire.native`).
 
-Each connection's thread sends a request and reads the reply's frames into the GET's
-destinations (``Call.sinks``) when their sizes match, all of a reply's frames in one native
-call without the GIL, each 256 KiB hashed right after it arrived (large frames through the
-connection's bounce buffer: :func:`..wire.lane.recv_values`; by a helper thread while the next
-ones arrive, where the client's connections leave cores for it:
-:func:`..config.lane_receive_helpers`), then runs the call's ``prepare`` there (which compares
-those digests). Up to ``DEPTH`` requests are out on a connection, so the node starts the next
-reply while this thread checks the last. Each result goes back to the loop through a
-``concurrent.futures.Future``: ``(reply, frames)``; ``None`` when the node failed the request
-(no answer in time, a reset, a malformed reply: as any node failure, its keys move on); or
-:data:`.transport.MOVED` when the lane's port could not be connected to (the node restarted
-with its lane elsewhere, or is down: the client PINGs it, which tells).
+Each connection's thread sends a request (a PUT's values straight from the caller's buffers:
+``sendmsg``, no copy in user space) and reads the reply, a GET's frames into its destinations
+(``Call.sinks``) when their sizes match, all of a reply's frames in one native call without the
+GIL, each 256 KiB hashed right after it arrived (large frames through the connection's bounce
+buffer: :func:`..wire.lane.recv_values`; by a helper thread while the next ones arrive, where
+the client's connections leave cores for it: :func:`..config.lane_receive_helpers`), then runs
+the call's ``prepare`` there (which compares those digests). A PUT's checksums are computed on
+the loop's thread as its call is handed to the connection (:meth:`LaneTransport.run`), so the
+next request's values are hashed while this one is sent. Up to ``DEPTH`` requests are out on a
+connection, so the node starts the next while this thread checks the last reply. Each result
+goes back to the loop through a ``concurrent.futures.Future``: ``(reply, frames)``; ``None``
+when the node failed the request (no answer in time, a reset, a malformed reply: as any node
+failure, its keys move on); or :data:`.transport.MOVED` when the lane's port could not be
+connected to (the node restarted with its lane elsewhere, or is down: the client PINGs it,
+which tells).
 
 A kept connection the node closed while idle (a send that fails, or a reply that never starts)
-is replaced and the request sent once more: the node cannot have answered any of it.
+is replaced and the request sent once more: the node cannot have answered any of it (PUTs and
+GETs may be repeated: a value stored once is ``EXISTS`` the second time).
 
-Ownership: a call's ``sinks`` are written by its connection's thread until its future is done;
-:meth:`LaneTransport.run` stops the node's connections (:meth:`LaneTransport.abort`) and waits
-for the futures before it returns early (cancelled, or a callback raised).
+Ownership: a call's ``payloads`` are read and its ``sinks`` written by its connection's thread
+until its future is done; :meth:`LaneTransport.run` stops the node's connections
+(:meth:`LaneTransport.abort`) and waits for the futures before it returns early (cancelled, or
+a callback raised).
 """
 
 from __future__ import annotations
@@ -47,15 +52,15 @@ from ..wire.lane import (
     send_message,
     timeval,
 )
-from ..wire.protocol import Code, Status, decode_reply
-from .routing import FALLBACK_LIMITS, Call, Results, Router, request_header
+from ..wire.protocol import Code, Op, Status, decode_reply
+from .routing import FALLBACK_LIMITS, Call, Results, Router, ready, request_header
 from .transport import MOVED, Transport
 
 __all__ = ["COUNTERS", "DEPTH", "LaneTransport"]
 
 log = logging.getLogger("pagekv.store")
 DEPTH = 2  # requests out on one connection: the next reply streams while the last is checked
-COUNTERS = ("bulk_requests", "bulk_bytes_in", "bulk_failures")
+COUNTERS = ("bulk_requests", "bulk_bytes_in", "bulk_bytes_out", "bulk_failures")
 
 
 class _Conn:
@@ -127,8 +132,8 @@ class _Conn:
                 result = self._receive(call)
             except ClosedBetweenMessages:
                 # nothing of the reply came: the node may have restarted and never read the
-                # request. GETs are idempotent: send them again on a new connection (once;
-                # twice stale, e.g. a node at its connection cap, is a node failure)
+                # request. PUTs and GETs may be repeated: send them again on a new connection
+                # (once; twice stale, e.g. a node at its connection cap, is a node failure)
                 again = resent.isdisjoint({call.request.id})
                 resent.add(call.request.id)
                 self._resend([(call, fut), *out], out, again)
@@ -291,8 +296,8 @@ class LaneTransport(Transport):
             router.counters.setdefault(name, 0)
 
     def take(self, node: int, port: int) -> str | None:
-        """Carry ``node``'s GETs over its lane at ``port`` (its PING ``bulk``): "" when taken,
-        else why not (None: the node offers no lane)."""
+        """Carry ``node``'s PUTs and GETs over its lane at ``port`` (its PING ``bulk``): ""
+        when taken, else why not (None: the node offers no lane)."""
         self._ports.pop(node, None)
         if not port:
             return None
@@ -303,6 +308,10 @@ class LaneTransport(Transport):
             return why
         self._ports[node] = port
         return ""
+
+    def carries(self, node: int) -> bool:
+        """Whether ``node``'s lane was taken (its PUTs go over it)."""
+        return node in self._ports
 
     async def run(self, calls: list[Call]) -> Results:
         """Send each call on one of its node's connections (dealt round-robin) and hand each
@@ -321,7 +330,7 @@ class LaneTransport(Transport):
                 return  # the run ended (an error, or the caller was cancelled)
             try:
                 result = None if fut.cancelled() else fut.result()
-                self._count(result)
+                self._count(call, result)
                 results[call.request.id] = result
                 if result is not None and result is not MOVED and call.on_reply is not None:
                     call.on_reply(*result)
@@ -339,7 +348,8 @@ class LaneTransport(Transport):
                 return
 
         futures = []
-        for call in calls:
+        for call in calls:  # a PUT's checksums here: the calls handed on before it are sent
+            ready(call)
             fut = self._conn_for(call.node).submit(call)
             fut.add_done_callback(functools.partial(done, call=call))
             futures.append(fut)
@@ -370,13 +380,14 @@ class LaneTransport(Transport):
         self._turn[node] = (turn + 1) % len(have[1])
         return have[1][turn]
 
-    def _count(self, result: Any) -> None:
+    def _count(self, call: Call, result: Any) -> None:
         counters = self.router.counters
         if result is None or result is MOVED:
             counters["bulk_failures"] += 1
         else:
             counters["bulk_requests"] += 1
             counters["bulk_bytes_in"] += sum(memoryview(f).nbytes for f in result[1])
+            counters["bulk_bytes_out"] += call.nbytes if call.request.op is Op.PUT else 0
 
     def abort(self, nodes: set[int]) -> None:
         """End the calls on ``nodes``' connections now (each gets None)."""

@@ -89,11 +89,16 @@ class Call:
     answer_s: float | None = None
 
 
-def request_header(call: Call) -> bytes:
-    """``call``'s request encoded for the wire, after the call's ``before_send`` (run once)."""
+def ready(call: Call) -> None:
+    """Run ``call``'s ``before_send`` (once: later calls do nothing)."""
     if call.before_send is not None:
         prepare, call.before_send = call.before_send, None
         prepare()
+
+
+def request_header(call: Call) -> bytes:
+    """``call``'s request encoded for the wire, after the call's ``before_send`` (run once)."""
+    ready(call)
     return encode_request(call.request)
 
 

@@ -1,19 +1,21 @@
 """What carries a client's calls to its nodes: one interface, three adapters, one choice per node.
 
 * :class:`.zeromq.ZmqTransport`: ZeroMQ DEALER sockets, ``streams`` per node. Every node has it;
-  it carries PING, STATS, EXISTS, DELETE, PUT (and LOCATE for the shortcut below), and GETs
-  where nothing faster is chosen.
-* :class:`.lane.LaneTransport`: the node's bulk lane (plain TCP), GETs only, each reply received
-  straight into its destinations by the native receive.
+  it carries PING, STATS, EXISTS, DELETE (and LOCATE, RESERVE, COMMIT for the shortcut below),
+  and PUTs and GETs where nothing faster is chosen.
+* :class:`.lane.LaneTransport`: the node's bulk lane (plain TCP), PUTs and GETs: PUT values
+  sent straight from the caller's buffers and received by the node into new blocks, GET
+  replies received straight into their destinations, both by the native receive.
 * :class:`.shm.ShmTransport`: a ``--shm`` node on this host: GETs copied straight out of its
   segment (a LOCATE over ZeroMQ, then checked copies), and PUTs written straight into it
   (RESERVE, checked copies, COMMIT) where the node takes them.
 
-A node's GET transport is chosen from its PING reply and the client's settings
-(:func:`choose`), once per PING: never per call, never by a fallback in the middle of a batch. A
-GET transport that fails a node's call fails it as any node failure does (its keys move on to
-their next node or become misses); the client then replaces the node's ZeroMQ links and PINGs it
-again before its next use, which chooses its transports again.
+A node's transports are chosen from its PING reply and the client's settings (:func:`choose`
+for GETs: the shortcut, else the lane, else ZeroMQ; PUTs: the shortcut where the node takes
+its writes, else the lane, else ZeroMQ), once per PING: never per call, never by a fallback in
+the middle of a batch. A transport that fails a node's call fails it as any node failure does
+(its keys move on to their next node or become misses); the client then replaces the node's
+ZeroMQ links and PINGs it again before its next use, which chooses its transports again.
 """
 
 from __future__ import annotations
@@ -66,9 +68,10 @@ class Transport(abc.ABC):
 
 @dataclass(frozen=True)
 class Route:
-    """How one node's GETs travel (everything else goes over ZeroMQ): ``get`` is ``"zmq"``,
-    ``"lane"`` or ``"shm"``; ``why`` says why it is not a faster one (empty when it is the
-    fastest this node and client can have)."""
+    """How one node's GETs travel: ``get`` is ``"zmq"``, ``"lane"`` or ``"shm"``; ``why`` says
+    why it is not a faster one (empty when it is the fastest this node and client can have).
+    PUTs take the lane wherever GETs take the lane or the shortcut and the lane was taken too
+    (the shortcut's own writes first, where the node takes them)."""
 
     get: str
     why: str = ""

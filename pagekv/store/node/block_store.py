@@ -159,6 +159,13 @@ class BlockStore:
             self.on_stored(key)
         return Status.OK
 
+    def make_room(self) -> None:
+        """Evict down to the low watermark less :attr:`arriving` when blocks and arrivals
+        pass the high watermark (what :meth:`put` does before storing a value): room made
+        before a payload is received rather than after."""
+        if self.segment is None and self.used + self.arriving > self.high:
+            self._evict_to(max(0, self.low - self.arriving))
+
     def _put_shared(self, key: bytes, frames: tuple[Any, ...], size: int, checksum: int) -> Status:
         """Copy the value into the segment: evict (LRU) until a free run holds it."""
         place = self._room(key, size, len(frames))

@@ -181,7 +181,8 @@ class ConnectionGuard:
     def held_bytes(self) -> int:
         """Bytes of requests libzmq holds for the node's connections, unread, as of each
         connection's last check: memory the blocks they carry take before they are stored."""
-        return sum(conn.held for conn in self.conns.values())
+        # a copy first (atomic under the GIL): bulk lane threads ask while the loop adds
+        return sum(conn.held for conn in list(self.conns.values()))
 
     def held(self, fd: int, now: float | None = None) -> int | None:
         """Bytes libzmq holds for connection ``fd`` that the node has not read, beyond what

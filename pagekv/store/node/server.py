@@ -32,7 +32,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import zmq
 
+from pagekv.errors import NativeCopyUnavailable
+
 from ..config import NodeConfig
+from ..wire import native
 from ..wire.copies import shared_pool
 from ..wire.protocol import (
     MAX_HEADER_BYTES,
@@ -53,7 +56,7 @@ from .disk import DiskBlock, DiskConfig, DiskTier, FileOps
 from .event_publisher import EventPublisher
 from .events import DISK, MEMORY, NodeEvents
 from .guard import ConnectionGuard, source_fd, wire_bytes
-from .lane import BulkServer, LaneLimits, SendDone
+from .lane import BulkServer, LaneLimits, Receive, SendDone
 from .memory import HeapWarmer
 from .monitor import EVENTS as MONITOR_EVENTS
 from .monitor import ConnectionMonitor
@@ -151,6 +154,7 @@ class StoreNode:
         budget = config.max_message_size + MAX_HEADER_BYTES
         self.outbox = Outbox(self.sock, budget, config.window, self.counters)
         self._sent_blocks: list[Any] | None = None  # blocks whose views the next reply sends
+        self._lane_arriving = 0  # bytes of lane PUTs being received (under the lock)
         self.verify_pool = shared_pool(config.verify_threads)  # checksums of large PUTs
         # libzmq gives a socket one monitor: the guard owns it and feeds the connection
         # counts of the metrics; without a guard the counter watches the socket itself
@@ -262,14 +266,26 @@ class StoreNode:
         return [(MEMORY, memory), (DISK, self.disk.keys() if self.disk is not None else [])]
 
     def _make_bulk(self) -> BulkServer | None:
-        """The bulk lane (:mod:`.bulk_server`) on the node's TCP host, when it is on and safe:
-        never beside CURVE (the lane is neither encrypted nor authenticated) nor on ipc://."""
+        """The bulk lane (:mod:`.lane`) on the node's TCP host, when it is on and safe (never
+        beside CURVE: the lane is neither encrypted nor authenticated; not on ipc://) and the
+        native receive it needs is there (else said once: clients use ZeroMQ)."""
         cfg = self.config
         if not cfg.bulk or cfg.curve_secret_key or not self.address.startswith("tcp://"):
             return None
+        try:
+            lib = native.load()
+            why = "" if lib is not None else native.unavailable_reason() or "PAGEKV_NATIVE_COPY=off"
+        except (NativeCopyUnavailable, ValueError) as e:
+            lib, why = None, str(e)
+        if lib is None:
+            log.warning("pagekv node: no bulk lane (its receive needs the native library): %s",
+                        why.splitlines()[0])  # fmt: skip
+            return None
         host = self.address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-        limits = LaneLimits(cfg.bulk_connections, cfg.max_keys, cfg.handshake_s)
-        return BulkServer(self._answer_lane_get, limits, host, cfg.bulk_port)
+        limits = LaneLimits(cfg.bulk_connections, cfg.max_keys, cfg.handshake_s, cfg.max_frames,
+                            cfg.max_frame_size, cfg.max_message_size)  # fmt: skip
+        return BulkServer(self._answer_lane_get, self._answer_lane_put, lib, limits, host,
+                          cfg.bulk_port)  # fmt: skip
 
     def _setup_curve(self) -> None:
         from .auth import ZapAuthenticator, load_allowed_keys, load_secret_cert
@@ -567,9 +583,8 @@ class StoreNode:
         promotion is never worth a block); the keys of the others, left on disk only."""
         skipped = []
         put, room = self.store.put, self.disk.queue_room()
-        # room kept for what is on its way in: the requests libzmq holds unread (the last
-        # PUT's own size is no longer arriving)
-        self.store.arriving = self.guard.held_bytes if self.guard is not None else 0
+        # room kept for what is on its way in (the last PUT's own size is no longer arriving)
+        self.store.arriving = self._held_bytes()
         for key, block in zip(keys, blocks):
             if block is None:
                 continue
@@ -647,6 +662,40 @@ class StoreNode:
                 rep, out = self._error_reply(req.id, e), []
             return self._lane_reply(rep, out, done, start, "disk")
 
+    def _answer_lane_put(self, req: Request, receive: Receive) -> Reply:
+        """The bulk lane's answer to one PUT (:data:`.lane.StorePut`; any connection thread):
+        room is kept for its payload while it arrives (the store's lock released), then its
+        values are stored under the lock as the ZeroMQ loop's are, checked against the
+        digests taken as they landed."""
+        start, nbytes = time.perf_counter(), sum(req.sizes)
+        with self.lock:
+            self.counters["op_put"] += 1
+            self._lane_arriving += nbytes
+            self.store.arriving = self._held_bytes()
+            self.store.make_room()
+        try:
+            frames, digests = receive(self.config.verify_puts)
+        except BaseException:
+            with self.lock:
+                self._lane_arriving -= nbytes
+            raise
+        with self.lock:
+            self.counters["bytes_in"] += nbytes
+            self.store.arriving = self._held_bytes()
+            self._lane_arriving -= nbytes
+            try:
+                rep = handlers.put(self.store, self.config, req, frames, disk=self.disk,
+                                   digests=digests)  # fmt: skip
+            except Exception as e:
+                rep = self._error_reply(req.id, e)
+            self._observe(Op.PUT, rep, start)
+        return rep
+
+    def _held_bytes(self) -> int:
+        """Bytes of PUTs on their way in: received by libzmq and not read yet, and being
+        received on the bulk lane (under :attr:`lock`)."""
+        return (self.guard.held_bytes if self.guard is not None else 0) + self._lane_arriving
+
     def _lane_reply(self, rep: Reply, out: list[Any], done: SendDone | None, start: float,
                     tier: str) -> tuple[Reply, list[Any], SendDone | None]:  # fmt: skip
         self.counters["bytes_out"] += sum(len(p) for p in out)
@@ -685,8 +734,7 @@ class StoreNode:
             pool = self.verify_pool
             # room for what is on its way in: this request (its values are stored one by one,
             # each evicting as needed) and the requests libzmq holds unread
-            held = self.guard.held_bytes if self.guard is not None else 0
-            self.store.arriving = held + sum(req.sizes)
+            self.store.arriving = self._held_bytes() + sum(req.sizes)
             return handlers.put(self.store, self.config, req, payloads, pool, self.disk), []
         if req.op is Op.GET:
             return self._get(req, ident, start)
