@@ -181,8 +181,9 @@ CACHE_DIR = _var("CACHE_DIR", Path, _CACHE,
                  "where the CUDA kernels and the native library are built and cached",
                  "path", "~/.cache/pagekv")  # fmt: skip
 BULK_CLIENT = _var("BULK_CLIENT", parse_bool, True,
-                   "default of `ClientConfig.bulk`: GETs of a node that offers a bulk lane go over "
-                   "it, where the native library is (off: ZeroMQ only)", "bool", "on")  # fmt: skip
+                   "default of `ClientConfig.bulk`: PUTs and GETs of a node that offers a bulk "
+                   "lane go over it, where the native library is (off: ZeroMQ only)", "bool",
+                   "on")  # fmt: skip
 SHM_CLIENT = _var("SHM_CLIENT", parse_bool, True,
                   "default of `ClientConfig.shm`: GETs of `--shm` nodes on this host are read "
                   "straight out of their segment (off: over TCP)",

@@ -1,7 +1,6 @@
-"""PNG of the streams section of ``bench_store.py``: GB/s against streams per node, for GETs over
-the bulk lane and over ZeroMQ and for PUTs (ZeroMQ in both rows of a K), with the hot and
-cold K-stream TCP ceilings of the same run (left), and each as a fraction of the hot ceiling
-with the issue's targets (right).
+"""PNG of the streams section of ``bench_store.py``: GB/s against streams per node, for PUTs and
+GETs over the bulk lane and over ZeroMQ, with the hot and cold K-stream TCP ceilings of the
+same run (left), and each as a fraction of the hot ceiling with the issue's targets (right).
 
 python scripts/plot_streams.py [benchmarks/results/bench_store_streams.json] [out.png]
 """
@@ -28,7 +27,7 @@ def main() -> None:
                for path in ("bulk", "zmq")}  # fmt: skip
     ref = by_path["zmq"] or by_path["bulk"]  # the ceilings are the same for both paths
     ks = [r["streams"] for r in ref]
-    bulk_put = "put, ZeroMQ (run 2)"
+    bulk_put = "put, bulk lane"
     # (label, GB/s per K, style): each path's rows, the ones it has
     series = [
         ("TCP ceiling, hot (get)", [r["tcp_get_gbps"] for r in ref], "k--"),
@@ -57,8 +56,9 @@ def main() -> None:
     left.legend(fontsize=8)
     for label, ys, style in ratios:
         right.plot(ks, ys, style, label=label, markersize=5)
-    right.plot([1], [0.8], "r*", markersize=10, label="target: 1 stream 0.8")
-    right.plot([4], [0.6], "m*", markersize=10, label="target: 4 streams 0.6")
+    right.plot([1], [0.8], "r*", markersize=10, label="target: 1 stream, put 0.8")
+    right.plot([1], [0.85], "b*", markersize=10, label="target: 1 stream, get 0.85")
+    right.plot([8], [0.7], "m*", markersize=10, label="target: 8 streams, get 0.7")
     right.set_xlabel("streams (connections) per node")
     right.set_ylabel("fraction of the hot K-stream TCP ceiling (same run)")
     right.set_xscale("log", base=2)

@@ -63,8 +63,9 @@ def test_streams_config_is_validated():
 
 
 def test_removed_lane_switches_are_gone(capfd):
-    """Staged receives and lane PUTs were removed: their config fields and the node's flag are
-    refused, not ignored."""
+    """Staged receives and the switch for lane PUTs were removed (a node's PUTs take its lane
+    wherever its GETs can): their config fields and the node's flag are refused, not
+    ignored."""
     from pagekv.store import NodeConfig
     from pagekv.store.cli import main as cli_main
 

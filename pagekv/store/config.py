@@ -152,7 +152,7 @@ class NodeConfig:
     shm: bool = False  # keep blocks in a shared segment under /dev/shm (same-host shortcut)
     verify_threads: int = 0  # threads checking large PUTs; 0: default_copy_threads(); 1: none
     stream_ports: bool = True  # a TCP port per I/O thread, advertised to clients (see server)
-    bulk: bool = True  # the bulk lane (plain TCP for GET replies); never with CURVE
+    bulk: bool = True  # the bulk lane (plain TCP for PUTs and GETs); never with CURVE
     bulk_port: int = 0  # its TCP port; 0: any free port (clients learn it from PING)
     bulk_connections: int = 64  # bulk connections served at once; more are closed at once
     disk: str | None = None  # the disk tier's directory; None: memory only
@@ -329,7 +329,7 @@ class ClientConfig:
     connect_timeout_s: float | None = None  # None: timeout_s
     streams: int | None = None  # connections per node; None: default_streams(len(endpoints))
     copy_threads: int | None = None  # None: default_copy_threads(); 1: no pool
-    bulk: bool | None = None  # GETs over nodes' bulk lanes; None: PAGEKV_BULK_CLIENT (on)
+    bulk: bool | None = None  # PUTs and GETs over nodes' bulk lanes; None: PAGEKV_BULK_CLIENT (on)
     shm: bool | None = None  # GETs out of same-host --shm segments; None: PAGEKV_SHM_CLIENT (on)
 
     def __post_init__(self) -> None:

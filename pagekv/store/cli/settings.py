@@ -100,8 +100,9 @@ _NODE_HELP: dict[str, tuple[str, str]] = {
         "bool",
     ),
     "bulk": (
-        "serve GET replies on a second, plain TCP port too (the bulk lane: clients receive the "
-        "values straight into place; never with CURVE); off: ZeroMQ only",
+        "take PUTs and GETs on a second, plain TCP port too (the bulk lane: values received "
+        "straight into place at both ends; needs the native library; never with CURVE); off: "
+        "ZeroMQ only",
         "bool",
     ),
     "bulk_port": ("TCP port of the bulk lane (0: any free port, advertised by PING)", "int"),
