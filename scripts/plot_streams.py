@@ -35,13 +35,13 @@ def main() -> None:
         ("get, bulk lane", [r["get_gbps"] for r in by_path["bulk"]], "C0-o"),
         ("get, ZeroMQ", [r["get_gbps"] for r in by_path["zmq"]], "C1-s"),
         ("put, ZeroMQ", [r["put_gbps"] for r in by_path["zmq"]], "C2-^"),
-        (bulk_put, [r["put_gbps"] for r in by_path["bulk"]], "C3:v"),
+        (bulk_put, [r["put_gbps"] for r in by_path["bulk"]], "C3-v"),
     ]
     ratios = [
         ("get, bulk lane", [r["get_ratio"] for r in by_path["bulk"]], "C0-o"),
         ("get, ZeroMQ", [r["get_ratio"] for r in by_path["zmq"]], "C1-s"),
         ("put, ZeroMQ", [r["put_ratio"] for r in by_path["zmq"]], "C2-^"),
-        (bulk_put, [r["put_ratio"] for r in by_path["bulk"]], "C3:v"),
+        (bulk_put, [r["put_ratio"] for r in by_path["bulk"]], "C3-v"),
     ]
     series = [s for s in series if s[1]]
     ratios = [s for s in ratios if s[1]]
