@@ -38,6 +38,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from typing import Any
 
 from pagekv.errors import NativeCopyUnavailable, ProtocolError
@@ -60,6 +61,7 @@ __all__ = ["COUNTERS", "DEPTH", "LaneTransport"]
 
 log = logging.getLogger("pagekv.store")
 DEPTH = 2  # requests out on one connection: the next reply streams while the last is checked
+CLOSE_WAIT_S = 5.0  # close() waits this long for the connections' threads
 COUNTERS = ("bulk_requests", "bulk_bytes_in", "bulk_bytes_out", "bulk_failures")
 
 
@@ -101,6 +103,13 @@ class _Conn:
     def close(self) -> None:
         self.queue.put(None)
         self.abort()
+
+    def join(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for this connection's thread to end after :meth:`close`:
+        from then on nothing reads or writes a call's buffers, and no thread of the client is
+        left running when its process exits."""
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout_s)
 
     # ---- the connection's thread -----------------------------------------------------------
     def _run(self) -> None:
@@ -396,10 +405,18 @@ class LaneTransport(Transport):
                 conn.abort()
 
     def close(self) -> None:
-        for _, conns in self._conns.values():
-            for conn in conns:
-                conn.close()
+        """Close every connection and wait for their threads (each ends at once: its socket is
+        shut down), at most ``CLOSE_WAIT_S`` in all."""
+        conns = [conn for _, node_conns in self._conns.values() for conn in node_conns]
         self._conns.clear()
+        for conn in conns:
+            conn.close()
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for conn in conns:
+            conn.join(max(0.0, deadline - time.monotonic()))
+        if any(conn.thread.is_alive() for conn in conns):
+            log.warning("pagekv store: bulk lane threads still running %.0f s after close",
+                        CLOSE_WAIT_S)  # fmt: skip
 
 
 def _native_receive() -> tuple[native.NativeCopy | None, str]:
