@@ -325,7 +325,9 @@ class LaneTransport(Transport):
     async def run(self, calls: list[Call]) -> Results:
         """Send each call on one of its node's connections (dealt round-robin) and hand each
         result on as it comes: one loop callback per call, no task per call (what a prefetch
-        of thousands of pages spent its loop's time on)."""
+        of thousands of pages spent its loop's time on). A PUT's checksums are computed here,
+        on the loop, as its call is handed on, and the loop runs its other work before the
+        next PUT's."""
         loop = asyncio.get_running_loop()
         results: Results = {}
         if not calls:
@@ -357,12 +359,15 @@ class LaneTransport(Transport):
                 return
 
         futures = []
-        for call in calls:  # a PUT's checksums here: the calls handed on before it are sent
-            ready(call)
-            fut = self._conn_for(call.node).submit(call)
-            fut.add_done_callback(functools.partial(done, call=call))
-            futures.append(fut)
         try:
+            for call in calls:
+                hashed = call.before_send is not None
+                ready(call)  # a PUT's checksums: the calls handed on before it are being sent
+                fut = self._conn_for(call.node).submit(call)
+                fut.add_done_callback(functools.partial(done, call=call))
+                futures.append(fut)
+                if hashed:  # the loop's other work runs between one request's hashing and the next
+                    await asyncio.sleep(0)
             await ended
         finally:
             running = [fut for fut in futures if not fut.done()]
