@@ -41,6 +41,7 @@ from ..config import ClientConfig, CurveClientKeys
 from ..wire.copies import shared_pool
 from ..wire.protocol import Op, Reply, Request, Status
 from . import operations
+from . import shm as shm_transport
 from .lane import LaneTransport
 from .routing import Batch, Call, ExistsResult, OpGen, Results, Router, StoreUnavailable
 from .shm import ShmTransport
@@ -114,7 +115,9 @@ class AsyncStoreClient(StoreBackend):
         self._zmq.take(node, reply.ports)
         shm = self._shm.take(node, reply.shm) if self._shm is not None else None
         lane = self._lane.take(node, reply.bulk) if self._lane is not None else None
-        self._routes[node] = choose(shm, lane)
+        self._routes[node] = route = choose(shm, lane)
+        # a LOCATE's reply carries no values: one per chunk the shortcut copies at once
+        self.router.get_bytes[node] = shm_transport.CHUNK_BYTES if route.get == "shm" else None
 
     def _transport(self, call: Call) -> Transport:
         op = call.request.op

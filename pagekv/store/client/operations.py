@@ -296,7 +296,9 @@ def _lookup(
                 for i in idxs:
                     advance(i)
                 continue
-            for part in router.cut(keys, idxs, limits, nbytes=expected, most_keys=most):
+            most_bytes = router.get_bytes[node] if op is Op.GET else None
+            for part in router.cut(keys, idxs, limits, nbytes=expected, most_keys=most,
+                                   most_bytes=most_bytes):  # fmt: skip
                 req = Request(op, router.next_id(), [keys[i] for i in part])
                 nbytes = sum(expected[i] for i in part) if expected is not None else 0
                 call = Call(node, req, [], part, nbytes, answer_s=answer_s)

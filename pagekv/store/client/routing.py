@@ -193,6 +193,10 @@ class Router:
         self.link = link or (lambda node: Link.UP)
         self.health = [NodeHealth(*backoff) for _ in self.endpoints]
         self.limits: list[Limits | None] = [None] * len(self.endpoints)
+        # per node, the bytes of values one GET request may ask for when its transport moves
+        # them outside the request's reply (the same-host shortcut: a LOCATE's reply carries
+        # none); None: the message limits. Set by the client as it chooses transports.
+        self.get_bytes: list[int | None] = [None] * len(self.endpoints)
         self.pool: Executor | None = None  # the client's copy pool (see .copies); None: inline
         # called with each node's PING reply (on the client's loop): the client chooses the
         # node's transports from it
@@ -315,17 +319,19 @@ class Router:
         frames: Sequence[int] | None = None,
         nbytes: Sequence[int] | None = None,
         most_keys: int | None = None,
+        most_bytes: int | None = None,
     ) -> list[list[int]]:
         """Split ``idxs`` into requests within a node's limits: keys, header bytes (each key
         costs its length + ``key_extra`` + ``frame_extra`` per frame), frames and payload bytes
-        (one item over the byte limit goes alone; the caller refuses items that never fit)."""
+        (``most_bytes`` when given, else the message limits; one item over the byte limit goes
+        alone; the caller refuses items that never fit)."""
         max_keys = min(limits.max_keys, most_keys or limits.max_keys)
         max_head = limits.max_header_size - 1024
         if frames is None and nbytes is None:  # keys only: equal runs sized for the longest key
             longest = max((len(keys[i]) for i in idxs), default=1) + key_extra
             step = max(1, min(max_keys, max_head // longest))
             return [idxs[start : start + step] for start in range(0, len(idxs), step)]
-        max_bytes = min(limits.max_message_size, self.max_message_bytes)
+        max_bytes = most_bytes or min(limits.max_message_size, self.max_message_bytes)
         parts, part, head, nframes, total = [], [], 0, 0, 0
         for i in idxs:
             f = frames[i] if frames is not None else 0
