@@ -7,9 +7,10 @@ the same pattern over ZeroMQ (frames received into libzmq's buffers, then copied
 moved 0.57 and 0.38: every frame crossed memory once more, and the bytes of all streams met in
 a few threads. PUTs: ZeroMQ's I/O thread writes each frame into new, uncached memory; the
 lane's native receive lands each 256 KiB in a cached bounce and streams it into the new block
-(a helper thread doing that while the next chunk arrives, where the cores allow), so one
-stream's PUTs move 0.83-0.92 of the hot one-stream ceiling where ZeroMQ moves 0.67-0.79
-(docs/benchmarks.md). The lane is the node's second listener and carries PUT and GET only;
+(a helper thread doing that while the next chunk arrives, where the cores allow): a client's
+PUTs moved 1.04-1.15x (1 stream) and 1.11-1.16x (2 to 8 streams) what the same PUTs moved over
+ZeroMQ (one node, pairs taking turns, two H100 machines; docs/benchmarks.md). The lane is the
+node's second listener and carries PUT and GET only;
 ZeroMQ carries everything else (PING, EXISTS, DELETE, LOCATE, STATS, ...). The node offers
 a lane only with the native library (:mod:`..wire.native`), which its receive needs.
 
