@@ -181,18 +181,23 @@ def test_tcp_path_of_a_shm_node(node):
         assert "shm_hits" not in client.counters and client.routes()[0].get == "lane"
 
 
-def test_gets_from_the_segment_are_cut_by_the_copy_chunk_not_the_message_limit(node):
-    """A LOCATE's reply carries no values: a GET through the shortcut asks for up to a copy
-    chunk's worth at once (``shm.CHUNK_BYTES``), not the node's 8 MiB message limit. 20 values of
-    1 MiB: one LOCATE (three with the message limit); each value exact; over TCP the same GET is
-    cut by the message limit."""
+def test_the_segments_puts_and_gets_are_cut_by_the_copy_chunk_not_the_message_limit(node):
+    """A RESERVE, a COMMIT and a LOCATE's reply carry no values: PUTs and GETs through the
+    shortcut carry up to a copy chunk's worth at once (``shm.CHUNK_BYTES``), not the node's
+    8 MiB message limit. 20 values of 1 MiB: one RESERVE, one COMMIT, one LOCATE (three each
+    with the message limit); each value exact; over TCP the same GET is cut by the limit."""
     rng = random.Random(os.urandom(8))
     keys = [rng.randbytes(16) for _ in range(20)]
     values = [[rng.randbytes(MIB)] for _ in keys]
     with StoreClient(node.address) as client:
         segment_of(client)
+        before = client.stats()[0]
         assert client.put_many(keys, values) == [Status.OK] * len(keys)
-        locates = client.stats()[0]["op_locate"]
+        after = client.stats()[0]
+        assert client.counters["shm_puts"] == len(keys)
+        assert after["op_reserve"] - before["op_reserve"] == 1
+        assert after["op_commit"] - before["op_commit"] == 1
+        locates = after["op_locate"]
         into = [poisoned(v) for v in values]
         assert client.get_many(keys, into=into) == [True] * len(keys)
         assert [[bytes(f) for f in v] for v in into] == values

@@ -116,8 +116,11 @@ class AsyncStoreClient(StoreBackend):
         shm = self._shm.take(node, reply.shm) if self._shm is not None else None
         lane = self._lane.take(node, reply.bulk) if self._lane is not None else None
         self._routes[node] = route = choose(shm, lane)
-        # a LOCATE's reply carries no values: one per chunk the shortcut copies at once
-        self.router.get_bytes[node] = shm_transport.CHUNK_BYTES if route.get == "shm" else None
+        # a LOCATE's reply, a RESERVE and a COMMIT carry no values: one a chunk of copies
+        chunk = shm_transport.CHUNK_BYTES
+        self.router.get_bytes[node] = chunk if route.get == "shm" else None
+        writes = self._shm is not None and self._shm.writes(node)
+        self.router.put_bytes[node] = chunk if writes else None
 
     def _transport(self, call: Call) -> Transport:
         op = call.request.op

@@ -56,6 +56,7 @@ def put(router: Router, keys: Sequence[bytes], values: Sequence[list[memoryview]
                 frame_extra=PUT_FRAME_EXTRA,
                 frames=nframes,
                 nbytes=sizes,
+                most_bytes=router.put_bytes[node],
             ):
                 frames = [f for i in part for f in values[i]]
                 req = Request(Op.PUT, router.next_id(), [keys[i] for i in part],

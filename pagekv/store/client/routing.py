@@ -193,10 +193,12 @@ class Router:
         self.link = link or (lambda node: Link.UP)
         self.health = [NodeHealth(*backoff) for _ in self.endpoints]
         self.limits: list[Limits | None] = [None] * len(self.endpoints)
-        # per node, the bytes of values one GET request may ask for when its transport moves
-        # them outside the request's reply (the same-host shortcut: a LOCATE's reply carries
-        # none); None: the message limits. Set by the client as it chooses transports.
+        # per node, the bytes of values one GET / PUT request may carry when its transport moves
+        # them outside the request's messages (the same-host shortcut: a LOCATE's reply, a
+        # RESERVE and a COMMIT carry none); None: the message limits. Set by the client as it
+        # chooses transports.
         self.get_bytes: list[int | None] = [None] * len(self.endpoints)
+        self.put_bytes: list[int | None] = [None] * len(self.endpoints)
         self.pool: Executor | None = None  # the client's copy pool (see .copies); None: inline
         # called with each node's PING reply (on the client's loop): the client chooses the
         # node's transports from it

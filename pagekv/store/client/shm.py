@@ -63,11 +63,12 @@ PARALLEL_BYTES = 4 << 20  # runs smaller than this are copied on the loop's thre
 # 29.6-29.9 / 28.6-30.2 GB/s for 64 / 128 / 192 MiB, the load overlapped with it done 0.17-0.19
 # / 0.16-0.17 / 0.23 s after the call).
 CHUNK_BYTES = 128 << 20
-# A GET call to a node this transport took asks for at most CHUNK_BYTES of values (the client
-# sets Router.get_bytes): its LOCATE's reply carries none, so the message limits do not bound
-# it, and each LOCATE's reply and hand-on cost the loop once per chunk instead of once per
-# 16 MiB (4 GiB of 2 MiB values from a --shm node, H100, two clients taking turns, 14 pairs
-# twice: 32.6 / 31.8 against 27.4 / 26.4 GB/s with 8-key LOCATEs, ahead in 12 and 14 pairs).
+# A GET or PUT call to a node this transport took carries at most CHUNK_BYTES of values (the
+# client sets Router.get_bytes / put_bytes): its LOCATE's reply, RESERVE and COMMIT carry none,
+# so the message limits do not bound it, and their round trips and replies cost the loop once
+# per chunk instead of once per 16 MiB. 4 GiB of 2 MiB values, one --shm node, H100, two
+# clients taking turns: GETs 32.6 / 31.8 against 27.4 / 26.4 GB/s with 16 MiB calls (14 pairs
+# twice, ahead in 12 and 14), PUTs 15.6 against 10.5 GB/s (12 pairs, ahead in all).
 # Chunks copied at once (at least 2: the next chunk is copied while this one is handed on).
 # Two at once: prefetch 0.199-0.221 s against 0.248-0.261 s one at a time; three were no better
 # than two.
