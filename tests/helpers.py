@@ -1,5 +1,5 @@
 """Test helpers: fresh random bytes of any dtype, poisoning, bitwise comparison, waiting on a
-condition, a store client whose pages arrive when a test allows."""
+condition, stopping a process for sure, a store client whose pages arrive when a test allows."""
 
 import asyncio
 
@@ -44,6 +44,27 @@ def wait_until(predicate, timeout=10.0, what="condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.005)
+
+
+def sigstop(pid: int, timeout: float = 5.0) -> None:
+    """Stop process ``pid`` (SIGSTOP) and return once every one of its threads is stopped: a
+    signal is delivered asynchronously, and a thread already at work (a node's bulk lane answering
+    a request on a warm connection) could otherwise still answer after ``kill`` returned."""
+    import os
+    import signal
+    from pathlib import Path
+
+    def all_stopped() -> bool:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # the thread ended meanwhile
+        return bool(states) and all(state in "Tt" for state in states)
+
+    os.kill(pid, signal.SIGSTOP)
+    wait_until(all_stopped, timeout, f"every thread of process {pid} to stop")
 
 
 class GatedStore:

@@ -17,7 +17,7 @@ from pagekv.connector.host_pool import HostPagePool
 from pagekv.errors import ConnectorClosed, PagekvError, WriteBackFailed
 from pagekv.store import ClientConfig, Status, StoreClient
 from pagekv.store.launch import NodeProcess
-from tests.helpers import bits_equal, poison_, random_tensor, wait_until
+from tests.helpers import bits_equal, poison_, random_tensor, sigstop, wait_until
 
 GEO = KVGeometry(2, 4, 2, 16, "bf16")
 NUM_SLOTS = 512
@@ -241,7 +241,7 @@ def test_a_stopped_node_is_backed_off_alone():
             keys = index.keys(tokens)[0]
             assert set(client.put_many(keys, [b"v" * 32] * len(keys))) == {Status.OK}
         assert index.lookup(tokens) == len(tokens)
-        os.kill(nodes[0].proc.pid, signal.SIGSTOP)
+        sigstop(nodes[0].proc.pid)
         try:
             for _ in range(4):
                 start = time.monotonic()

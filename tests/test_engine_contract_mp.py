@@ -17,7 +17,7 @@ import torch
 from pagekv.connector import KeyNamespace, KVConnector, KVGeometry, page_keys
 from pagekv.store import ClientConfig, StoreClient
 from pagekv.store.launch import NodeProcess
-from tests.helpers import random_tensor, wait_until
+from tests.helpers import random_tensor, sigstop, wait_until
 
 pytestmark = pytest.mark.slow
 GEO = KVGeometry(2, 4, 2, 16, "bf16")
@@ -39,7 +39,7 @@ def test_sigstopped_node_costs_at_most_the_bound_and_comes_back():
         conn.flush_sync(timeout=30)
         conn.cache.evict(1 << 30)  # only the store has the pages now
         assert conn.lookup(tokens) == 40
-        node.proc.send_signal(signal.SIGSTOP)
+        sigstop(node.proc.pid)
         try:
             for _ in range(3):
                 t = time.monotonic()
@@ -79,7 +79,7 @@ def test_prefetch_deadline_keeps_leading_pages_from_healthy_nodes():
         if stopped not in owners:
             pytest.skip("every page landed on one node")  # 2**-31
         leading = owners.index(stopped)  # pages before the first one on the stopped node
-        nodes[stopped].proc.send_signal(signal.SIGSTOP)
+        sigstop(nodes[stopped].proc.pid)
         try:
             t = time.monotonic()
             h = asyncio.run(conn.prefetch(tokens, deadline=time.monotonic() + 1.0))

@@ -9,6 +9,7 @@ import pytest
 
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
 from pagekv.store.launch import NodeProcess
+from tests.helpers import sigstop
 from tests.store_fakes import ThrottledProxy
 from tests.test_store_node import Running
 
@@ -112,7 +113,7 @@ def test_backed_off_node_is_read_as_last_resort_once_it_is_back():
             keys = [os.urandom(16) for _ in range(40)]
             on_first = [k for k in keys if client.router.ranking(k)[0] == 0]
             assert client.put_many(keys, [k * 10 for k in keys]) == [Status.OK] * len(keys)
-            nodes[0].proc.send_signal(signal.SIGSTOP)
+            sigstop(nodes[0].proc.pid)
             assert client.get_many(on_first[:1]) == [None]  # times out: node 0 backed off
             assert not client.router.health[0].is_up(time.monotonic())
             nodes[0].proc.send_signal(signal.SIGCONT)
@@ -133,7 +134,7 @@ async def test_async_stopped_node_then_resumed():
         client = AsyncStoreClient(node.address, timeout_s=0.5)
         key = os.urandom(16)
         assert await client.put_many([key], [b"x" * 1000]) == [Status.OK]
-        node.proc.send_signal(signal.SIGSTOP)
+        sigstop(node.proc.pid)
         loop = asyncio.get_running_loop()
         start = loop.time()
         assert await client.get_many([key]) == [None]
