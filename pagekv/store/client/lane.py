@@ -41,7 +41,7 @@ import threading
 import time
 from typing import Any
 
-from pagekv.errors import NativeCopyUnavailable, ProtocolError
+from pagekv.errors import ProtocolError
 
 from ..config import ClientConfig, lane_receive_helpers
 from ..wire import native
@@ -427,13 +427,9 @@ class LaneTransport(Transport):
 def _native_receive() -> tuple[native.NativeCopy | None, str]:
     """The native receive the lane needs (built or found in the cache on first use), or None
     and why not (said once)."""
-    try:
-        lib = native.load()
-        if lib is not None:
-            return lib, ""
-        why = native.unavailable_reason() or "PAGEKV_NATIVE_COPY=off"
-    except (NativeCopyUnavailable, ValueError) as e:
-        why = str(e)
+    lib, why = native.load_or_reason()
+    if lib is not None:
+        return lib, ""
     _say_no_lane(why)
     return None, f"no native receive: {why.splitlines()[0]}"
 

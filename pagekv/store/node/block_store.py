@@ -150,8 +150,7 @@ class BlockStore:
             need += held - size
         if need > self.capacity:
             return Status.NO_SPACE
-        if self.used + need + self.arriving > self.high:
-            self._evict_to(max(0, min(self.low, self.capacity - need) - self.arriving))
+        self._keep_room(need)
         self._blocks[key] = _new_block(Block, (tuple(frames), size, checksum, need, None, 0))
         self.used += need
         self.payload += size + len(key)
@@ -160,11 +159,17 @@ class BlockStore:
         return Status.OK
 
     def make_room(self) -> None:
-        """Evict down to the low watermark less :attr:`arriving` when blocks and arrivals
-        pass the high watermark (what :meth:`put` does before storing a value): room made
-        before a payload is received rather than after."""
-        if self.segment is None and self.used + self.arriving > self.high:
-            self._evict_to(max(0, self.low - self.arriving))
+        """What :meth:`put` does before storing a value, for :attr:`arriving` alone: room made
+        before a payload is received rather than after (no segment: its space is found per
+        value)."""
+        if self.segment is None:
+            self._keep_room(0)
+
+    def _keep_room(self, need: int) -> None:
+        """Evict down to the low watermark (or to what leaves ``need``) less :attr:`arriving`
+        when blocks, ``need`` and arrivals pass the high watermark."""
+        if self.used + need + self.arriving > self.high:
+            self._evict_to(max(0, min(self.low, self.capacity - need) - self.arriving))
 
     def _put_shared(self, key: bytes, frames: tuple[Any, ...], size: int, checksum: int) -> Status:
         """Copy the value into the segment: evict (LRU) until a free run holds it."""

@@ -281,10 +281,11 @@ def _known(digest: int) -> Callable[[Any], int]:
 
 def own(frame: Any) -> Any:
     """A stored frame: small ones as bytes, never a view into libzmq's shared receive buffer
-    (a 512-byte frame kept by reference would pin the whole ~18 KiB buffer it arrived in)."""
+    (a 512-byte frame kept by reference would pin the whole ~18 KiB buffer it arrived in) nor a
+    mutable buffer (the bulk lane's receive buffers)."""
     if isinstance(frame, bytes) or len(frame) > SHARED_BUFFER_BYTES:
         return frame
-    return frame.bytes
+    return bytes(frame)
 
 
 def best_effort_id(header: zmq.Frame) -> int:

@@ -51,15 +51,7 @@ from pagekv.errors import ProtocolError
 from ..config import lane_receive_helpers
 from ..wire import native
 from ..wire.lane import Head, PeerClosed, new_buffer, read_head, recv_values, send_message, timeval
-from ..wire.protocol import (
-    SHARED_BUFFER_BYTES,
-    Code,
-    Op,
-    Reply,
-    Request,
-    decode_request,
-    encode_reply,
-)
+from ..wire.protocol import Code, Op, Reply, Request, decode_request, encode_reply
 
 __all__ = ["Answer", "BulkServer", "LaneLimits", "Receive", "SendDone", "StorePut"]
 
@@ -242,15 +234,13 @@ class BulkServer:
                  hashed: bool) -> tuple[list[Any], list[int] | None]:  # fmt: skip
         """A PUT's frames (:data:`Receive`): each into a new buffer, by the native receive
         through this connection's bounce (with a helper thread where the node's open
-        connections leave cores for it); small frames end as bytes."""
+        connections leave cores for it)."""
         frames = [new_buffer(size) for size in head.sizes]
         if not bounce:
             bounce.append(bytearray(native.BLOCK_BYTES * native.RECV_SLOTS))
         ring = bounce[0] if lane_receive_helpers(self.open_connections) else (
             memoryview(bounce[0])[: native.BLOCK_BYTES])  # fmt: skip
-        digests = recv_values(conn, frames, req.counts if hashed else None, self.lib, ring)
-        frames = [bytes(f) if len(f) <= SHARED_BUFFER_BYTES else f for f in frames]
-        return frames, digests
+        return frames, recv_values(conn, frames, req.counts if hashed else None, self.lib, ring)
 
     def _count(self, **amounts: int) -> None:
         with self._conns_lock:  # several connection threads count: += is not atomic

@@ -32,8 +32,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import zmq
 
-from pagekv.errors import NativeCopyUnavailable
-
 from ..config import NodeConfig
 from ..wire import native
 from ..wire.copies import shared_pool
@@ -272,11 +270,7 @@ class StoreNode:
         cfg = self.config
         if not cfg.bulk or cfg.curve_secret_key or not self.address.startswith("tcp://"):
             return None
-        try:
-            lib = native.load()
-            why = "" if lib is not None else native.unavailable_reason() or "PAGEKV_NATIVE_COPY=off"
-        except (NativeCopyUnavailable, ValueError) as e:
-            lib, why = None, str(e)
+        lib, why = native.load_or_reason()
         if lib is None:
             log.warning("pagekv node: no bulk lane (its receive needs the native library): %s",
                         why.splitlines()[0])  # fmt: skip

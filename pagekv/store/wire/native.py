@@ -47,7 +47,7 @@ from pagekv.build_cache import build_once
 from pagekv.errors import NativeCopyUnavailable
 
 __all__ = ["BLOCK_BYTES", "RECV_SLOTS", "NativeCopy", "NativeCopyUnavailable", "Piece", "Value",
-           "build_library", "load", "mode", "unavailable_reason"]  # fmt: skip
+           "build_library", "load", "load_or_reason", "mode", "unavailable_reason"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -340,6 +340,16 @@ def load() -> NativeCopy | None:
         if how == "auto":
             _log_once(reason.splitlines()[0])
     return lib
+
+
+def load_or_reason() -> tuple[NativeCopy | None, str]:
+    """:func:`load` for a caller that goes on without the library (the bulk lane, which needs
+    it): the library and "", or None and why not (what :func:`load` would raise included)."""
+    try:
+        lib = load()
+    except (NativeCopyUnavailable, ValueError) as e:
+        return None, str(e)
+    return lib, "" if lib is not None else unavailable_reason() or ""
 
 
 def unavailable_reason() -> str | None:
