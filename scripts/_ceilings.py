@@ -1,9 +1,10 @@
 """Ceilings of the host a store benchmark runs on, measured in the same run as pagekv.
 
-* :func:`tcp_ceiling`: raw loopback TCP with K streams, one server process and one client
-  process per stream (so no stream shares a Python interpreter or a core's GIL with another);
-  each round moves ``block * blocks`` bytes per stream each way, all streams started together
-  (told through their stdin); GB/s is the bytes of all streams over the slowest stream's time.
+* :class:`TcpCeiling` (:func:`tcp_ceiling`: a median of rounds): raw loopback TCP with K
+  streams, one server process and one client process per stream (so no stream shares a Python
+  interpreter or a core's GIL with another); each round moves ``block * blocks`` bytes per
+  stream each way, all streams started together (told through their stdin); GB/s is the
+  bytes of all streams over the slowest stream's time.
 * :func:`memcpy_ceiling`: numpy copies in K threads (numpy releases the GIL while it copies).
 
 Servers bind port 0 and report the port they got: no fixed ports.
@@ -89,35 +90,65 @@ def _spawn(*args: object) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
-def tcp_ceiling(
-    streams: int, block: int, blocks: int, rounds: int, cold: bool = False
-) -> tuple[float, float]:
-    """Median over rounds of (put, get) GB/s with ``streams`` parallel TCP streams; ``cold``:
-    every block sent from and received into its own memory on both sides (as a store moves
-    blocks), instead of one buffer per side that stays in the cache."""
-    servers = [_spawn("serve", int(cold)) for _ in range(streams)]
-    procs = list(servers)
-    try:
-        ports = [int(server.stdout.readline()) for server in servers]
-        clients = [_spawn("client", port, block, blocks, int(cold)) for port in ports]
-        procs += clients
-        gb, put, get = streams * block * blocks / 1e9, [], []
-        for _ in range(rounds):
-            for phase, out in (("P", put), ("G", get)):
-                for client in clients:  # started together (a pipe write each)
-                    client.stdin.write(phase + "\n")
-                    client.stdin.flush()
-                out.append(gb / max(float(client.stdout.readline()) for client in clients))
-        for client in clients:
-            client.stdin.close()
-    finally:
-        for proc in procs:
+class TcpCeiling:
+    """``streams`` raw TCP streams kept for several rounds: one server and one client process
+    per stream, a first round run at once (connections made, every buffer's pages faulted in
+    on both sides), then :meth:`round` as often as wanted, between other work. ``cold``: every
+    block sent from and received into its own memory on both sides (as a store moves blocks),
+    instead of one buffer per side that stays in the cache."""
+
+    def __init__(self, streams: int, block: int, blocks: int, cold: bool = False) -> None:
+        self.gb = streams * block * blocks / 1e9
+        servers = [_spawn("serve", int(cold)) for _ in range(streams)]
+        self.procs, self.clients = list(servers), []
+        try:
+            ports = [int(server.stdout.readline()) for server in servers]
+            self.clients = [_spawn("client", port, block, blocks, int(cold)) for port in ports]
+            self.procs += self.clients
+            self.round()
+        except BaseException:
+            self.close()
+            raise
+
+    def round(self) -> tuple[float, float]:
+        """(put, get) GB/s of one round: all streams started together (a pipe write each),
+        the bytes of all streams over the slowest stream's time."""
+        out = []
+        for phase in ("P", "G"):
+            for client in self.clients:
+                client.stdin.write(phase + "\n")
+                client.stdin.flush()
+            out.append(self.gb / max(float(client.stdout.readline()) for client in self.clients))
+        return out[0], out[1]
+
+    def close(self) -> None:
+        for client in self.clients:
+            try:
+                client.stdin.close()
+            except OSError:
+                pass  # it ended already
+        for proc in self.procs:
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    return statistics.median(put), statistics.median(get)
+
+    def __enter__(self) -> TcpCeiling:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def tcp_ceiling(
+    streams: int, block: int, blocks: int, rounds: int, cold: bool = False
+) -> tuple[float, float]:
+    """Median over ``rounds`` (after the first, see :class:`TcpCeiling`) of (put, get) GB/s
+    with ``streams`` parallel TCP streams."""
+    with TcpCeiling(streams, block, blocks, cold) as ceiling:
+        times = [ceiling.round() for _ in range(rounds)]
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
 def memcpy_ceiling(threads: int, nbytes: int = 64 << 20, repeats: int = 8) -> float:

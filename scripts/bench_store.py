@@ -9,7 +9,8 @@
 * streams: the host's K-stream TCP ceilings (K process pairs) and K-thread memcpy ceilings for
   K = 1, 2, 4, 8, and ``AsyncStoreClient(streams=K)`` (the connector's client) put/get GB/s of
   the same 64 x 2 MiB against a node with K I/O threads; ratios to the K-stream and 1-stream
-  ceilings of the same run, the host's core count next to them; the ceilings also "cold"
+  ceilings, each the median of per-round ratios (a round: the ceilings, then each path once),
+  the host's core count next to them; the ceilings also "cold"
   (each block from / into its own memory on both sides, as a store's blocks are, instead of
   one buffer per side that stays in the cache);
 * peers (Redis, Mooncake Store TCP, a naive ZeroMQ store) on the same workload, in the same run,
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 
 from _bench_util import environment, parse_args, write_result
-from _ceilings import memcpy_ceiling, tcp_ceiling
+from _ceilings import TcpCeiling, memcpy_ceiling, tcp_ceiling
 
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
 from pagekv.store.launch import NodeProcess
@@ -112,63 +113,86 @@ def user_rounds(args) -> dict:
     return dict(median=med, rounds=rows)
 
 
-async def _async_rounds(client, blocks: list, into: list, rounds: int, warmed=None) -> list[tuple]:
-    """(put s, get s) of each round after a first that warms the links and the node;
-    ``warmed`` (if given) is called once that first round is done."""
-    times = []
-    for r in range(rounds + 1):
-        if r == 1 and warmed is not None:
-            warmed()
-        keys = [f"s{r}-{i}".encode().ljust(16, b".") for i in range(len(blocks))]
-        t = time.perf_counter()
-        status = await client.put_many(keys, blocks)
-        put = time.perf_counter() - t
-        t = time.perf_counter()
-        ok = await client.get_many(keys, into=into)
-        get = time.perf_counter() - t
-        if set(status) - {Status.OK} or not all(ok) or into[-1][-64:] != blocks[-1][-64:]:
-            raise RuntimeError(f"streams round failed: {set(status)}, {ok.count(False)} misses")
-        await client.delete_many(keys)
-        times.append((put, get))
-    return times[1:]
+async def _timed_round(client, blocks: list, into: list, tag: str) -> tuple[float, float]:
+    """(put s, get s) of ``blocks`` under fresh keys, checked, then deleted."""
+    keys = [f"{tag}-{i}".encode().ljust(16, b".") for i in range(len(blocks))]
+    t = time.perf_counter()
+    status = await client.put_many(keys, blocks)
+    put = time.perf_counter() - t
+    t = time.perf_counter()
+    ok = await client.get_many(keys, into=into)
+    get = time.perf_counter() - t
+    if set(status) - {Status.OK} or not all(ok) or into[-1][-64:] != blocks[-1][-64:]:
+        raise RuntimeError(f"streams round failed: {set(status)}, {ok.count(False)} misses")
+    await client.delete_many(keys)
+    return put, get
 
 
 def streams_rows(args) -> dict:
-    """K-stream TCP and K-thread memcpy ceilings and pagekv with K streams, same bytes."""
+    """K-stream TCP and K-thread memcpy ceilings and pagekv with K streams, same bytes. Each
+    round times the ceilings (hot, cold) and then each path once, and every ratio is the median
+    of the rounds' own ratios: the host drifts between minutes, a round takes seconds."""
     size, n, cores = 2 * MIB, args.stream_blocks, os.cpu_count()
     blocks = [os.urandom(size) for _ in range(n)]
     into = [bytearray(size) for _ in range(n)]
     gb, rows = size * n / 1e9, []
     for k in args.streams:
-        tcp_put, tcp_get = tcp_ceiling(k, size, max(1, n // k), args.rounds)
-        cold_put, cold_get = tcp_ceiling(k, size, max(1, n // k), args.rounds, cold=True)
         memcpy = memcpy_ceiling(k, 32 * MIB, 4)
-        for path in args.paths:  # the same ceilings for each data path
-            node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k)).start(warm=True)
-            cfg = ClientConfig((node.address,), timeout_s=30, streams=k, bulk=path == "bulk",
-                               copy_threads=args.copy_threads)  # fmt: skip
-            client = AsyncStoreClient(node.address, config=cfg)
-            copy_threads = client.config.copy_threads
-            times = asyncio.run(_async_rounds(client, blocks, into, args.rounds))
-            client.close()
-            node.stop()
-            put = gb / statistics.median(t[0] for t in times)
-            get = gb / statistics.median(t[1] for t in times)
-            rows.append(dict(streams=k, path=path, cores=cores,
-                             copy_threads=copy_threads,
-                             put_gbps=round(put, 3), get_gbps=round(get, 3),
-                             tcp_put_gbps=round(tcp_put, 3), tcp_get_gbps=round(tcp_get, 3),
-                             tcp_cold_put_gbps=round(cold_put, 3),
-                             tcp_cold_get_gbps=round(cold_get, 3),
-                             memcpy_gbps=round(memcpy, 3), put_ratio=round(put / tcp_put, 3),
-                             get_ratio=round(get / tcp_get, 3),
-                             put_ratio_cold=round(put / cold_put, 3),
-                             get_ratio_cold=round(get / cold_get, 3)))  # fmt: skip
-            first = rows[0]
-            rows[-1]["put_ratio_1stream"] = round(put / first["tcp_put_gbps"], 3)
-            rows[-1]["get_ratio_1stream"] = round(get / first["tcp_get_gbps"], 3)
+        loop = asyncio.new_event_loop()
+        nodes, clients = [], {}
+        per_stream = max(1, n // k)
+        hot, cold = TcpCeiling(k, size, per_stream), TcpCeiling(k, size, per_stream, cold=True)
+        try:
+            for path in args.paths:  # the same ceilings for each data path
+                node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k)).start(warm=True)
+                nodes.append(node)
+                cfg = ClientConfig((node.address,), timeout_s=30, streams=k,
+                                   bulk=path == "bulk", copy_threads=args.copy_threads)  # fmt: skip
+                clients[path] = AsyncStoreClient(node.address, config=cfg)
+                loop.run_until_complete(_timed_round(clients[path], blocks, into, "warm"))
+            rounds: dict[str, list[dict]] = {path: [] for path in args.paths}
+            for r in range(args.rounds):
+                (tcp_put, tcp_get), (cold_put, cold_get) = hot.round(), cold.round()
+                for path, client in clients.items():
+                    put, get = loop.run_until_complete(_timed_round(client, blocks, into, f"s{r}"))
+                    rounds[path].append(dict(put_gbps=gb / put, get_gbps=gb / get,
+                                             tcp_put_gbps=tcp_put, tcp_get_gbps=tcp_get,
+                                             tcp_cold_put_gbps=cold_put,
+                                             tcp_cold_get_gbps=cold_get))  # fmt: skip
+        finally:
+            for client in clients.values():
+                client.close()
+            for node in nodes:
+                node.stop()
+            for ceiling in (hot, cold):
+                ceiling.close()
+            loop.close()
+        for path in args.paths:
+            rows.append(_streams_row(rounds[path], rows[0] if rows else None,
+                                     streams=k, path=path, cores=cores,
+                                     copy_threads=clients[path].config.copy_threads,
+                                     memcpy_gbps=round(memcpy, 3)))  # fmt: skip
             print(f"streams {rows[-1]}", flush=True)
     return dict(rows=rows)
+
+
+def _streams_row(rounds: list[dict], first: dict | None, **row) -> dict:
+    """One path's row: the medians of its rounds' figures and of their per-round ratios (to
+    the hot and cold K-stream ceilings, and to the 1-stream hot ceiling of ``first``'s row)."""
+
+    def ratio(a: str, b: str) -> float:
+        return round(statistics.median(r[a] / r[b] for r in rounds), 3)
+
+    for name in rounds[0]:
+        row[name] = round(statistics.median(r[name] for r in rounds), 3)
+    row.update(put_ratio=ratio("put_gbps", "tcp_put_gbps"),
+               get_ratio=ratio("get_gbps", "tcp_get_gbps"),
+               put_ratio_cold=ratio("put_gbps", "tcp_cold_put_gbps"),
+               get_ratio_cold=ratio("get_gbps", "tcp_cold_get_gbps"))  # fmt: skip
+    first = first or row
+    row["put_ratio_1stream"] = round(row["put_gbps"] / first["tcp_put_gbps"], 3)
+    row["get_ratio_1stream"] = round(row["get_gbps"] / first["tcp_get_gbps"], 3)
+    return row
 
 
 def peer_rows(args) -> dict:
