@@ -26,12 +26,15 @@ from pagekv.store import (
     StoreNode,
 )
 from pagekv.store import config as store_config
+from pagekv.store.client.client import INLINE_PUT_BYTES
 from pagekv.store.config import ClientConfig
 from pagekv.store.launch import NodeProcess
 from pagekv.store.wire import native
 from pagekv.store.wire.lane import MAGIC, PREFIX, read_head, send_message
 from pagekv.store.wire.protocol import Reply, decode_request, encode_reply
 from tests.helpers import POISON
+
+MIB = 1 << 20
 
 
 def rand_values(rng: random.Random, n: int, size: int) -> tuple[list[bytes], list[bytes]]:
@@ -581,6 +584,26 @@ def test_a_clients_puts_and_gets_go_over_the_lane(served):
         assert client.get_many(keys, into=into) == [True] * len(keys)
         assert [bytes(b) for b in into] == values
         assert client.put_many(keys[:2], values[:2]) == [Status.EXISTS] * 2
+
+
+@pytest.mark.parametrize("copy_threads", [1, 2])
+def test_a_client_hashing_on_its_loop_cuts_puts_smaller(served, copy_threads):
+    """A client without a copy pool hashes each PUT request on its loop before sending it, and
+    cuts its PUTs at INLINE_PUT_BYTES (4 MiB: two requests for 8 values of 1 MiB); one with a
+    pool at the message limit (one request). Either way every value is stored exactly."""
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 8, MIB)
+    cfg = ClientConfig((node.address,), streams=1, copy_threads=copy_threads)
+    with StoreClient(node.address, config=cfg) as client:
+        before = node.stats()["op_put"]
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        requests = node.stats()["op_put"] - before
+        assert requests == (8 * MIB // INLINE_PUT_BYTES if copy_threads == 1 else 1)
+        assert client.counters["bulk_bytes_out"] == 8 * MIB  # over the lane either way
+        into = [bytearray([POISON]) * MIB for _ in keys]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert [bytes(b) for b in into] == values
 
 
 def test_a_batch_is_dealt_over_every_lane_connection(served):

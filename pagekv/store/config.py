@@ -307,7 +307,8 @@ class ClientConfig:
     zmq context gets as many I/O threads (see docs/protocol.md, "Streams"). ``copy_threads``
     (default :func:`default_copy_threads`) check and copy the values of GET replies into the
     caller's buffers and checksum large put batches, on a pool shared by the process's
-    clients; 1 does that work on the client's own thread.
+    clients; 1 does that work on the client's own thread, and then PUT requests carry at most
+    4 MiB (``client.client.INLINE_PUT_BYTES``: each is hashed before it is sent).
 
     Transports (:mod:`.client.transport`; each node's chosen from its PING reply): ``shm``
     (default ``PAGEKV_SHM_CLIENT``, on): GETs of a ``--shm`` node on this host are copied
