@@ -87,7 +87,6 @@ class AsyncStoreClient(StoreBackend):
         self.router = Router(cfg.endpoints, cfg.replicas, (cfg.backoff_min_s, cfg.backoff_max_s),
                              cfg.max_message_bytes)  # fmt: skip
         self.router.pool = shared_pool(cfg.copy_threads)  # None: copies on the loop's thread
-        self._inline_hashing = self.router.pool is None
         self.router.on_ping = self._choose
         self._zmq = ZmqTransport(cfg, self.router)
         self.router.link = self._zmq.link_state
@@ -134,12 +133,12 @@ class AsyncStoreClient(StoreBackend):
         self.router.put_bytes[node] = chunk if writes else self._put_bytes(node)
 
     def _put_bytes(self, node: int) -> int | None:
-        """The most a PUT request to ``node`` carries over the wire: the message limits (None),
-        or INLINE_PUT_BYTES within them where this client hashes on its loop."""
-        limits = self.router.limits[node]
-        if not self._inline_hashing or limits is None:
+        """The most a PUT request to ``node`` (its limits known: PING sets them before it
+        calls :meth:`_choose`) carries over the wire: the message limits (None), or
+        INLINE_PUT_BYTES within them where this client hashes on its loop (no copy pool)."""
+        if self.router.pool is not None:
             return None
-        return min(INLINE_PUT_BYTES, limits.max_message_size, self.router.max_message_bytes)
+        return min(INLINE_PUT_BYTES, self.router.message_bytes(self.router.limits[node]))
 
     def _transport(self, call: Call) -> Transport:
         op = call.request.op

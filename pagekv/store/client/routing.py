@@ -310,6 +310,10 @@ class Router:
         have changed: it restarted, or refused a request as too large)."""
         self.limits[node] = None
 
+    def message_bytes(self, limits: Limits) -> int:
+        """The most payload one request message to a node with ``limits`` carries."""
+        return min(limits.max_message_size, self.max_message_bytes)
+
     def cut(
         self,
         keys: Sequence[bytes],
@@ -333,7 +337,7 @@ class Router:
             longest = max((len(keys[i]) for i in idxs), default=1) + key_extra
             step = max(1, min(max_keys, max_head // longest))
             return [idxs[start : start + step] for start in range(0, len(idxs), step)]
-        max_bytes = most_bytes or min(limits.max_message_size, self.max_message_bytes)
+        max_bytes = most_bytes or self.message_bytes(limits)
         parts, part, head, nframes, total = [], [], 0, 0, 0
         for i in idxs:
             f = frames[i] if frames is not None else 0
