@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from _bench_util import environment, parse_args, write_result
-from _ceilings import TcpCeiling, memcpy_ceiling, tcp_ceiling
+from _ceilings import TcpCeiling, memcpy_ceiling
 
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
 from pagekv.store.launch import NodeProcess
@@ -68,18 +68,14 @@ def headline(args) -> dict:
     blocks = [os.urandom(size) for _ in range(n)]
     into = [bytearray(size) for _ in range(n)]
     rows = []
-    with StoreClient(node.address, timeout_s=30, streams=1) as client:
+    with StoreClient(node.address, timeout_s=30, streams=1) as client, \
+            TcpCeiling(1, size, n) as ceiling:  # fmt: skip
         put_get_round(client, blocks, into, "warm")
         for r in range(args.rounds):
             put, get = put_get_round(client, blocks, into, f"r{r}")
-            tcp_put, tcp_get = tcp_ceiling(1, size, n, 1)
-            gb = size * n / 1e9
-            rows.append(dict(put_gbps=gb / put, get_gbps=gb / get, tcp_put_gbps=tcp_put,
-                             tcp_get_gbps=tcp_get))  # fmt: skip
+            rows.append(_paired_round(size * n, put, get, ceiling))
     node.stop()
-    med = {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
-    med["put_ratio"] = round(statistics.median(r["put_gbps"] / r["tcp_put_gbps"] for r in rows), 3)
-    med["get_ratio"] = round(statistics.median(r["get_gbps"] / r["tcp_get_gbps"] for r in rows), 3)
+    med = _paired_medians(rows)
     print(f"headline 2 MiB x 64: {med}", flush=True)
     return dict(median=med, rounds=rows)
 
@@ -90,7 +86,7 @@ def user_rounds(args) -> dict:
     size, n = 2 * MIB, 32
     node = NodeProcess("--capacity", "1GiB").start(warm=True)
     rows = []
-    with StoreClient(node.address, timeout_s=30) as client:
+    with StoreClient(node.address, timeout_s=30) as client, TcpCeiling(1, size, n) as ceiling:
         for r in range(args.rounds + 1):  # the first warms the links, the node and the pools
             blocks = [os.urandom(size) for _ in range(n)]
             into = [bytearray(size) for _ in range(n)]
@@ -99,18 +95,29 @@ def user_rounds(args) -> dict:
                 raise RuntimeError("user round: the last value came back wrong")
             if r == 0:
                 continue
-            tcp_put, tcp_get = tcp_ceiling(1, size, n, 1)
-            gb = size * n / 1e9
-            rows.append(dict(put_gbps=gb / put, get_gbps=gb / get, tcp_put_gbps=tcp_put,
-                             tcp_get_gbps=tcp_get))  # fmt: skip
+            rows.append(_paired_round(size * n, put, get, ceiling))
         config = client.config
     node.stop()
-    med = {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
-    med["put_ratio"] = round(statistics.median(r["put_gbps"] / r["tcp_put_gbps"] for r in rows), 3)
-    med["get_ratio"] = round(statistics.median(r["get_gbps"] / r["tcp_get_gbps"] for r in rows), 3)
+    med = _paired_medians(rows)
     med.update(streams=config.streams, copy_threads=config.copy_threads, cores=os.cpu_count())
     print(f"user 32 x 2 MiB, fresh buffers: {med}", flush=True)
     return dict(median=med, rounds=rows)
+
+
+def _paired_round(nbytes: int, put_s: float, get_s: float, ceiling: TcpCeiling) -> dict:
+    """One round's GB/s and the 1-stream ceiling's, timed right after it."""
+    tcp_put, tcp_get = ceiling.round()
+    gb = nbytes / 1e9
+    return dict(put_gbps=gb / put_s, get_gbps=gb / get_s, tcp_put_gbps=tcp_put,
+                tcp_get_gbps=tcp_get)  # fmt: skip
+
+
+def _paired_medians(rows: list[dict]) -> dict:
+    """Medians of the rounds' figures, and of their per-round ratios to the ceiling."""
+    med = {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
+    med["put_ratio"] = round(statistics.median(r["put_gbps"] / r["tcp_put_gbps"] for r in rows), 3)
+    med["get_ratio"] = round(statistics.median(r["get_gbps"] / r["tcp_get_gbps"] for r in rows), 3)
+    return med
 
 
 async def _timed_round(client, blocks: list, into: list, tag: str) -> tuple[float, float]:
@@ -135,45 +142,53 @@ def streams_rows(args) -> dict:
     size, n, cores = 2 * MIB, args.stream_blocks, os.cpu_count()
     blocks = [os.urandom(size) for _ in range(n)]
     into = [bytearray(size) for _ in range(n)]
-    gb, rows = size * n / 1e9, []
+    rows: list[dict] = []
     for k in args.streams:
         memcpy = memcpy_ceiling(k, 32 * MIB, 4)
-        loop = asyncio.new_event_loop()
-        nodes, clients = [], {}
         per_stream = max(1, n // k)
-        hot, cold = TcpCeiling(k, size, per_stream), TcpCeiling(k, size, per_stream, cold=True)
-        try:
-            for path in args.paths:  # the same ceilings for each data path
-                node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k)).start(warm=True)
-                nodes.append(node)
-                cfg = ClientConfig((node.address,), timeout_s=30, streams=k,
-                                   bulk=path == "bulk", copy_threads=args.copy_threads)  # fmt: skip
-                clients[path] = AsyncStoreClient(node.address, config=cfg)
-                loop.run_until_complete(_timed_round(clients[path], blocks, into, "warm"))
-            rounds: dict[str, list[dict]] = {path: [] for path in args.paths}
-            for r in range(args.rounds):
-                (tcp_put, tcp_get), (cold_put, cold_get) = hot.round(), cold.round()
-                for path, client in clients.items():
-                    put, get = loop.run_until_complete(_timed_round(client, blocks, into, f"s{r}"))
-                    rounds[path].append(dict(put_gbps=gb / put, get_gbps=gb / get,
-                                             tcp_put_gbps=tcp_put, tcp_get_gbps=tcp_get,
-                                             tcp_cold_put_gbps=cold_put,
-                                             tcp_cold_get_gbps=cold_get))  # fmt: skip
-        finally:
-            for client in clients.values():
-                client.close()
-            for node in nodes:
-                node.stop()
-            for ceiling in (hot, cold):
-                ceiling.close()
-            loop.close()
+        with TcpCeiling(k, size, per_stream) as hot, \
+                TcpCeiling(k, size, per_stream, cold=True) as cold:  # fmt: skip
+            rounds, copy_threads = _paths_rounds(args, k, hot, cold, blocks, into)
         for path in args.paths:
             rows.append(_streams_row(rounds[path], rows[0] if rows else None,
                                      streams=k, path=path, cores=cores,
-                                     copy_threads=clients[path].config.copy_threads,
+                                     copy_threads=copy_threads[path],
                                      memcpy_gbps=round(memcpy, 3)))  # fmt: skip
             print(f"streams {rows[-1]}", flush=True)
     return dict(rows=rows)
+
+
+def _paths_rounds(args, k: int, hot: TcpCeiling, cold: TcpCeiling, blocks: list,
+                  into: list) -> tuple[dict[str, list[dict]], dict[str, int]]:  # fmt: skip
+    """Per path, its rounds with K streams (a node with K I/O threads each), each round after
+    the ceilings' own; and each path's client's copy threads."""
+    gb = sum(map(len, blocks)) / 1e9
+    loop = asyncio.new_event_loop()
+    nodes, clients = [], {}
+    try:
+        for path in args.paths:  # the same ceilings for each data path
+            node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k)).start(warm=True)
+            nodes.append(node)
+            cfg = ClientConfig((node.address,), timeout_s=30, streams=k,
+                               bulk=path == "bulk", copy_threads=args.copy_threads)  # fmt: skip
+            clients[path] = AsyncStoreClient(node.address, config=cfg)
+            loop.run_until_complete(_timed_round(clients[path], blocks, into, "warm"))
+        rounds: dict[str, list[dict]] = {path: [] for path in args.paths}
+        for r in range(args.rounds):
+            (tcp_put, tcp_get), (cold_put, cold_get) = hot.round(), cold.round()
+            for path, client in clients.items():
+                put, get = loop.run_until_complete(_timed_round(client, blocks, into, f"s{r}"))
+                rounds[path].append(dict(put_gbps=gb / put, get_gbps=gb / get,
+                                         tcp_put_gbps=tcp_put, tcp_get_gbps=tcp_get,
+                                         tcp_cold_put_gbps=cold_put,
+                                         tcp_cold_get_gbps=cold_get))  # fmt: skip
+    finally:
+        for client in clients.values():
+            client.close()
+        for node in nodes:
+            node.stop()
+        loop.close()
+    return rounds, {path: client.config.copy_threads for path, client in clients.items()}
 
 
 def _streams_row(rounds: list[dict], first: dict | None, **row) -> dict:
