@@ -1,0 +1,128 @@
+"""Where the connector's copy-engine path loses against the copy engine called directly (GPU).
+
+For all-layer loads of runs >= 36 KiB the copy engine called on the caller's thread moves
+0.96-0.98 of a pinned contiguous copy, the same transfer through the connector (CPU page ids,
+the table's choice, the issuer thread) 0.92-0.95 (docs/benchmarks.md, "copy engine"). This
+times one call from an idle device, on the host's clock, in phases:
+
+  prep     the caller's Python before the job is queued (indices, choice, submit)
+  handoff  queued -> the issuer's thread starts the job
+  enqueue  the job's library call (descriptors, driver calls)
+  tail     enqueued -> the transfer is done
+  total    call -> done; against the pinned copy's own call -> done, and the copy engine
+           called directly
+
+and the bench's own figure (3 calls back to back, CUDA-event time) for both paths, at 256 MiB
+and 1 GiB.
+
+    python scripts/diag_issuer_overhead.py [--reps 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from _bench_util import environment, parse_args, write_result
+from bench_kernels import GEOMETRIES, Setup, ceiling_fns, interleaved, ratio
+
+from pagekv.connector import KVGeometry
+from pagekv.connector.copy_issuer import CopyIssuer
+from pagekv.connector.staging import IndexStaging
+from pagekv.connector.transfer_indices import launch
+from pagekv.kernels import calibrate, load
+
+CASES = [("llama3-8b", 32), ("llama3-8b", 64), ("llama3-8b", 128), ("mla-576", 64)]
+
+
+def phases(st: Setup, issuer: CopyIssuer, staging: IndexStaging, reps: int) -> dict:
+    page_ids, slots = st.ids_cpu.tolist(), st.slots_cpu
+    marks: dict[str, float] = {}
+    orig_submit = issuer.submit
+
+    def submit(job, transfers):
+        def timed_job():
+            marks["job"] = time.perf_counter()
+            out = job()
+            marks["enqueued"] = time.perf_counter()
+            return out
+
+        marks["submit"] = time.perf_counter()
+        return orig_submit(timed_job, transfers)
+
+    issuer.submit = submit  # type: ignore[method-assign]
+    rows = []
+    try:
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = launch(True, st.kv, st.host, page_ids, slots, staging, issuer)
+            out.events[-1].synchronize()
+            t1 = time.perf_counter()
+            rows.append({"prep": marks["submit"] - t0, "handoff": marks["job"] - marks["submit"],
+                         "enqueue": marks["enqueued"] - marks["job"],
+                         "tail": t1 - marks["enqueued"], "total": t1 - t0,
+                         "backend": out.backend})  # fmt: skip
+    finally:
+        issuer.submit = orig_submit  # type: ignore[method-assign]
+    return {k: round(statistics.median(r[k] for r in rows) * 1e6, 1)
+            for k in ("prep", "handoff", "enqueue", "tail", "total")} | {"backend": rows[-1]["backend"]}  # fmt: skip
+
+
+def wall_us(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return round(statistics.median(times) * 1e6, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--mib", default="256,1024")
+    args = parse_args(ap)
+    calibrate(0)
+    sizes = [int(x) << 20 for x in args.mib.split(",")]
+    raw = torch.empty(max(sizes), dtype=torch.uint8).pin_memory()
+    raw.random_()
+    issuer, staging = CopyIssuer(torch.device("cuda", 0)), IndexStaging()
+    result: dict = {"env": environment(), "rows": []}
+    for nbytes in sizes:
+        for name, page in CASES:
+            geo = KVGeometry(page_size=page, **GEOMETRIES[name])
+            st = Setup(raw, geo, nbytes)
+            page_ids, slots = st.ids_cpu.tolist(), st.slots_cpu
+            ceil = ceiling_fns(raw, st.nbytes)["ceiling_h2d"]
+            ce = lambda: load(st.host, st.ids_cpu, st.kv, st.slots_cpu,  # noqa: E731
+                              backend="copy_engine", validate=False)
+
+            def conn():
+                launch(True, st.kv, st.host, page_ids, slots, staging, issuer).events[-1].wait()
+
+            for fn in (ceil, ce, conn):
+                fn()
+            torch.cuda.synchronize()
+            t = interleaved({"ceiling": ceil, "ce": ce, "connector": conn}, args.reps)
+            row = {"geometry": name, "page": page, "mib": st.nbytes >> 20,
+                   "run_kib": page * geo.item_bytes // 1024,
+                   "bench_ce": ratio(t, "ceiling", "ce"),
+                   "bench_connector": ratio(t, "ceiling", "connector"),
+                   "wall_us_ceiling": wall_us(ceil, args.reps), "wall_us_ce": wall_us(ce, args.reps),
+                   "connector": phases(st, issuer, staging, args.reps)}  # fmt: skip
+            result["rows"].append(row)
+            print(row, flush=True)
+            del st
+            torch.cuda.empty_cache()
+    issuer.close()
+    write_result("diag_issuer_overhead", result)
+
+
+if __name__ == "__main__":
+    main()
