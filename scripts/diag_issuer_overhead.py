@@ -67,8 +67,9 @@ def phases(st: Setup, issuer: CopyIssuer, staging: IndexStaging, reps: int) -> d
                          "backend": out.backend})  # fmt: skip
     finally:
         issuer.submit = orig_submit  # type: ignore[method-assign]
-    return {k: round(statistics.median(r[k] for r in rows) * 1e6, 1)
-            for k in ("prep", "handoff", "enqueue", "tail", "total")} | {"backend": rows[-1]["backend"]}  # fmt: skip
+    med = {k: round(statistics.median(r[k] for r in rows) * 1e6, 1)
+           for k in ("prep", "handoff", "enqueue", "tail", "total")}  # fmt: skip
+    return med | {"backend": rows[-1]["backend"]}
 
 
 def wall_us(fn, reps: int) -> float:
@@ -80,6 +81,30 @@ def wall_us(fn, reps: int) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     return round(statistics.median(times) * 1e6, 1)
+
+
+def case(raw, name: str, page: int, nbytes: int, issuer, staging, reps: int) -> dict:
+    geo = KVGeometry(page_size=page, **GEOMETRIES[name])
+    st = Setup(raw, geo, nbytes)
+    page_ids, slots = st.ids_cpu.tolist(), st.slots_cpu
+    ceil = ceiling_fns(raw, st.nbytes)["ceiling_h2d"]
+
+    def ce():
+        load(st.host, st.ids_cpu, st.kv, st.slots_cpu, backend="copy_engine", validate=False)
+
+    def conn():
+        launch(True, st.kv, st.host, page_ids, slots, staging, issuer).events[-1].wait()
+
+    for fn in (ceil, ce, conn):
+        fn()
+    torch.cuda.synchronize()
+    t = interleaved({"ceiling": ceil, "ce": ce, "connector": conn}, reps)
+    return {"geometry": name, "page": page, "mib": st.nbytes >> 20,
+            "run_kib": page * geo.item_bytes // 1024,
+            "bench_ce": ratio(t, "ceiling", "ce"),
+            "bench_connector": ratio(t, "ceiling", "connector"),
+            "wall_us_ceiling": wall_us(ceil, reps), "wall_us_ce": wall_us(ce, reps),
+            "connector": phases(st, issuer, staging, reps)}  # fmt: skip
 
 
 def main() -> None:
@@ -96,29 +121,9 @@ def main() -> None:
     result: dict = {"env": environment(), "rows": []}
     for nbytes in sizes:
         for name, page in CASES:
-            geo = KVGeometry(page_size=page, **GEOMETRIES[name])
-            st = Setup(raw, geo, nbytes)
-            page_ids, slots = st.ids_cpu.tolist(), st.slots_cpu
-            ceil = ceiling_fns(raw, st.nbytes)["ceiling_h2d"]
-            ce = lambda: load(st.host, st.ids_cpu, st.kv, st.slots_cpu,  # noqa: E731
-                              backend="copy_engine", validate=False)
-
-            def conn():
-                launch(True, st.kv, st.host, page_ids, slots, staging, issuer).events[-1].wait()
-
-            for fn in (ceil, ce, conn):
-                fn()
-            torch.cuda.synchronize()
-            t = interleaved({"ceiling": ceil, "ce": ce, "connector": conn}, args.reps)
-            row = {"geometry": name, "page": page, "mib": st.nbytes >> 20,
-                   "run_kib": page * geo.item_bytes // 1024,
-                   "bench_ce": ratio(t, "ceiling", "ce"),
-                   "bench_connector": ratio(t, "ceiling", "connector"),
-                   "wall_us_ceiling": wall_us(ceil, args.reps), "wall_us_ce": wall_us(ce, args.reps),
-                   "connector": phases(st, issuer, staging, args.reps)}  # fmt: skip
+            row = case(raw, name, page, nbytes, issuer, staging, args.reps)
             result["rows"].append(row)
             print(row, flush=True)
-            del st
             torch.cuda.empty_cache()
     issuer.close()
     write_result("diag_issuer_overhead", result)
