@@ -107,17 +107,59 @@ def case(raw, name: str, page: int, nbytes: int, issuer, staging, reps: int) -> 
             "connector": phases(st, issuer, staging, reps)}  # fmt: skip
 
 
+def profile_prep(raw, issuer, staging, calls: int = 50) -> None:
+    """cProfile of ``calls`` connector launches (the caller's part) and the bare hand-off
+    latency of a queue to a waiting thread (no CUDA)."""
+    import cProfile
+    import pstats
+    import queue
+    import threading
+
+    geo = KVGeometry(page_size=64, **GEOMETRIES["llama3-8b"])
+    st = Setup(raw, geo, 256 << 20)
+    page_ids, slots = st.ids_cpu.tolist(), st.slots_cpu
+    prof = cProfile.Profile()
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        prof.enable()
+        out = launch(True, st.kv, st.host, page_ids, slots, staging, issuer)
+        prof.disable()
+        out.events[-1].synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    got: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=lambda: [got.put(time.perf_counter()) for _ in iter(todo.get, None)],
+                     daemon=True).start()  # fmt: skip
+    lat = []
+    for _ in range(50):
+        time.sleep(0.002)  # the thread idle, as the issuer between jobs
+        t = time.perf_counter()
+        todo.put(1)
+        lat.append(got.get() - t)
+    todo.put(None)
+    print(
+        f"bare hand-off us: median {statistics.median(lat) * 1e6:.1f} "
+        f"p90 {sorted(lat)[44] * 1e6:.1f}",
+        flush=True,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--mib", default="256,1024")
+    ap.add_argument("--profile", action="store_true", help="profile the caller's part only")
     args = parse_args(ap)
     calibrate(0)
     sizes = [int(x) << 20 for x in args.mib.split(",")]
     raw = torch.empty(max(sizes), dtype=torch.uint8).pin_memory()
     raw.random_()
     issuer, staging = CopyIssuer(torch.device("cuda", 0)), IndexStaging()
+    if args.profile:
+        profile_prep(raw, issuer, staging)
+        issuer.close()
+        return
     result: dict = {"env": environment(), "rows": []}
     for nbytes in sizes:
         for name, page in CASES:
