@@ -21,7 +21,10 @@ and 1 GiB.
 from __future__ import annotations
 
 import argparse
+import functools
+import queue
 import statistics
+import threading
 import time
 
 import torch
@@ -31,8 +34,8 @@ from bench_kernels import GEOMETRIES, Setup, ceiling_fns, interleaved, ratio
 from pagekv.connector import KVGeometry
 from pagekv.connector.copy_issuer import CopyIssuer
 from pagekv.connector.staging import IndexStaging
-from pagekv.connector.transfer_indices import launch
-from pagekv.kernels import calibrate, load
+from pagekv.connector.transfer_indices import launch, transfer_indices
+from pagekv.kernels import calibrate, load, transfer_layers
 
 CASES = [("llama3-8b", 32), ("llama3-8b", 64), ("llama3-8b", 128), ("mla-576", 64)]
 
@@ -112,8 +115,6 @@ def profile_prep(raw, issuer, staging, calls: int = 50) -> None:
     latency of a queue to a waiting thread (no CUDA)."""
     import cProfile
     import pstats
-    import queue
-    import threading
 
     geo = KVGeometry(page_size=64, **GEOMETRIES["llama3-8b"])
     st = Setup(raw, geo, 256 << 20)
@@ -142,6 +143,57 @@ def profile_prep(raw, issuer, staging, calls: int = 50) -> None:
         f"p90 {sorted(lat)[44] * 1e6:.1f}",
         flush=True,
     )
+    handoff_split(st, staging)
+
+
+class _MarkedQueue:
+    """A SimpleQueue that notes when each item was put and when the issuer got it."""
+
+    def __init__(self) -> None:
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.marks: dict[str, float] = {}
+
+    def put(self, item) -> None:
+        self.marks["put"] = time.perf_counter()
+        self.q.put(item)
+
+    def get(self):
+        item = self.q.get()
+        self.marks["got"] = time.perf_counter()
+        return item
+
+
+def handoff_split(st: Setup, staging: IndexStaging, reps: int = 15) -> None:
+    """Caller: indices and choice, then submit; issuer: woken, then its fork wait and the job's
+    start (a fresh issuer whose queue notes the times)."""
+    issuer = CopyIssuer(torch.device("cuda", 0))
+    marked = _MarkedQueue()
+    issuer._queue = marked  # a diagnostic's reach-in: the issuer reads it at each get
+    page_ids, slots = st.ids_cpu.tolist(), st.slots_cpu
+    rows = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        time.sleep(0.002)
+        t0 = time.perf_counter()
+        idx = transfer_indices(True, st.kv, page_ids, slots, staging, deferred=True)
+        t1 = time.perf_counter()
+        job = functools.partial(transfer_layers, True, st.host, idx.ids, st.kv, idx.slots,
+                                [None], backend=idx.backend)  # fmt: skip
+        started: list[float] = []
+
+        def timed(job=job, started=started):
+            started.append(time.perf_counter())
+            return job()
+
+        done = issuer.submit(timed, 1)
+        t2 = time.perf_counter()
+        done[-1].synchronize()
+        rows.append((t1 - t0, t2 - t1, marked.marks["got"] - marked.marks["put"],
+                     started[0] - marked.marks["got"]))  # fmt: skip
+    names = ("indices+choice", "submit", "wake", "fork wait")
+    med = {n: round(statistics.median(r[i] for r in rows) * 1e6, 1) for i, n in enumerate(names)}
+    print(f"hand-off split us (median of {reps}): {med}", flush=True)
+    issuer.close()
 
 
 def main() -> None:
