@@ -144,6 +144,45 @@ def profile_prep(raw, issuer, staging, calls: int = 50) -> None:
         flush=True,
     )
     handoff_split(st, staging)
+    prep_pieces(st)
+
+
+def prep_pieces(st: Setup, reps: int = 300) -> None:
+    """Median us of each piece of the caller's indices-and-choice step."""
+    from pagekv.kernels import copy_engine, copy_table, ops
+    from pagekv.kernels.jit import copy_backend_setting, load_library
+
+    page_ids, slots = st.ids_cpu.tolist(), st.slots_cpu
+    ids = torch.tensor(page_ids, dtype=torch.int64)
+    geo = st.kv.geometry
+    shape = copy_table.Shape(True, True, 65536.0, 256 << 20)
+    table = copy_table.calibrate(0)
+    pieces = {
+        "torch.tensor(ids)": lambda: torch.tensor(page_ids, dtype=torch.int64),
+        "check_page_ids": lambda: ops.check_page_ids(ids, 0, unique=False, check_values=False),
+        "check_slots": lambda: ops.check_slots(
+            slots, ids.numel(), geo.page_size, st.kv.num_slots, check_values=False
+        ),
+        "load_library": load_library,
+        "copy_backend_setting": copy_backend_setting,
+        "is_capturing": torch.cuda.is_current_stream_capturing,
+        "run_bytes": lambda: copy_engine.run_bytes(st.kv, slots),
+        "supported": lambda: copy_engine.supported(0),
+        "calibrate": lambda: copy_table.calibrate(0),
+        "choose": lambda: table.choose(shape, ["kernel", "direct", "copy_engine"], True),
+        "choose_backend": lambda: ops.choose_backend(True, st.kv, ids, slots, deferred=True),
+        "slots.contiguous": slots.contiguous,
+        "Event+record": lambda: torch.cuda.Event().record(),
+    }
+    out = {}
+    for name, fn in pieces.items():
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        out[name] = round(statistics.median(times) * 1e6, 2)
+    print(f"prep pieces us: {out}", flush=True)
 
 
 class _MarkedQueue:
