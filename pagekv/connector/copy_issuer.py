@@ -13,7 +13,7 @@ Rules:
   call is ordered after the copies: consumers order themselves on the job's completions.
 * The issuer's thread runs jobs in submission order on the issuer's own stream: it waits on the
   job's fork event and runs the job, which enqueues its transfers (a layer-by-layer load is one
-  job: one library call, :func:`pagekv.kernels.transfer_layers`; what the driver refuses falls
+  job: :func:`pagekv.kernels.transfer_layers`, two library calls; what the driver refuses falls
   back to the kernel, once logged) with one event recorded after each.
 * A :class:`Completion` stands for one transfer's event, with the part of ``torch.cuda.Event``
   its consumers use: ``wait(stream)`` (what ``stream.wait_event`` calls) blocks the host only

@@ -377,9 +377,10 @@ def transfer_layers(
     """:func:`load` (or :func:`save`) once per entry of ``layers`` (a layer, or None for all
     layers), in order on the current stream, with ``validate=False``; a CUDA event recorded
     after each. Returns the backend of the last entry and the events. The copy engine and the
-    kernel issue every entry in one library call (the copy engine's host time, ~0.5-1 us a
-    copy, spent without the GIL; the kernel's ~5 us a layer); where the driver refuses the copy
-    engine, the entries left run on the kernel. CUDA only."""
+    kernel issue the entries in two library calls, the first entry and then the rest (the copy
+    engine's host time, ~0.5-1 us a copy, spent without the GIL; the kernel's ~5 us a layer),
+    so the first entry's copies start before the host creates the others' events; where the
+    driver refuses the copy engine, the entries left run on the kernel. CUDA only."""
     if not layers:
         return "none", []
     geo = kv.geometry
@@ -393,14 +394,23 @@ def transfer_layers(
     done = 0
     index = kv.device.index or 0
     if backend == "copy_engine" and copy_engine.supported(index):
-        for event in events:  # created now: the library records it again after its entry
-            event.record()
         lib = _kernel_lib(backend, True, "")
         ids_h, s_h = _host_indices(ids, s)
         check_host(geo, host)
-        stream = current_stream(kv.device.index)
-        done = copy_engine.page_transfer_layers(lib, load, host, kv, ids_h, s_h, list(layers),
-                                                events, stream)  # fmt: skip
+        stream = torch.cuda.current_stream(kv.device)
+        # the first entry's copies run while the host creates the other entries' events (each
+        # created by a record here, recorded again by the library after its entry)
+        for first, end in ((0, 1), (1, len(layers))):
+            if first >= end:
+                break
+            for event in events[first:end]:
+                event.record(stream)
+            issued = copy_engine.page_transfer_layers(lib, load, host, kv, ids_h, s_h,
+                                                      list(layers[first:end]), events[first:end],
+                                                      stream.cuda_stream)  # fmt: skip
+            done += issued
+            if issued < end - first:
+                break
         if done == len(layers):
             return "copy_engine", events
         backend = "kernel"  # said once per device by copy_engine.fail
@@ -437,11 +447,12 @@ def _kernel_layers(
     width, unroll, threads = _launch_shape(load, kv, host_addr)
     blocks_all, blocks_one = (LOAD_BLOCKS, LAYER_LOAD_BLOCKS) if load else (SAVE_BLOCKS,) * 2
     args = _kernel_args(load, kv, host_addr, host.shape[0], ids_d, s_d)
-    stream = current_stream(dev.index)
+    stream_obj = torch.cuda.current_stream(dev)
+    stream = stream_obj.cuda_stream
 
     def launch(first: int, end: int) -> None:
         for event in events[first:end]:  # created now: the library records it after its entry
-            event.record()
+            event.record(stream_obj)
         which, handles = layer_entries(layers[first:end], events[first:end])
         done = ctypes.c_int(0)
         err = lib.pagekv_page_transfer_layers(
