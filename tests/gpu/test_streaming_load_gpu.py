@@ -40,8 +40,11 @@ def caches(poisoned=False):
 
 
 def connector(node, kv):
+    """A connector whose lookups wait up to 5 s (the default's 50 ms is an engine's step
+    budget: a host busy with 8 test workers missed it and the prefetch found nothing)."""
     ns = KeyNamespace("gpu-streaming", GEO)
-    return KVConnector(GEO, kv, node.address, host_pages=PAGES + 8, namespace=ns)
+    return KVConnector(GEO, kv, node.address, host_pages=PAGES + 8, namespace=ns,
+                       lookup_timeout_s=5)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
