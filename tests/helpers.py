@@ -124,9 +124,12 @@ def kv_caches(geo, slots: int, device: str, poisoned: bool = False) -> list:
 
 class StreamGate:
     """Holds a CUDA stream back until :meth:`open` (or the end of a ``with`` block): the stream
-    waits (``cuStreamWaitValue32``, the driver API) for a device flag that a fill on a stream of
-    the gate's own sets. Unlike a timed hold (``torch.cuda._sleep``), nothing queued behind it
-    runs before the test says so, however slow the host is at that moment (parallel workers)."""
+    waits (``cuStreamWaitValue32``, the driver API) for a flag in pinned host memory that
+    :meth:`open` sets with a plain store from the host. Unlike a timed hold
+    (``torch.cuda._sleep``), nothing queued behind it runs before the test says so, however slow
+    the host is at that moment (parallel workers). The flag is set from the host, not by a GPU
+    write on another stream: streams share the device's few hardware queues, and a write queued
+    behind the wait on the same queue would never run (a hang seen on an H100)."""
 
     def __init__(self, stream):
         import ctypes
@@ -134,9 +137,8 @@ class StreamGate:
         driver = ctypes.CDLL("libcuda.so.1")
         wait = getattr(driver, "cuStreamWaitValue32_v2", None) or driver.cuStreamWaitValue32
         wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        self.flag = torch.zeros(1, dtype=torch.int32, device=stream.device)
-        self.side = torch.cuda.Stream(stream.device)
-        torch.cuda.synchronize(stream.device)  # the flag is 0 before the stream reads it
+        # pinned host memory is mapped at the same address on the device (unified addressing)
+        self.flag = torch.zeros(1, dtype=torch.int32).pin_memory()
         rc = wait(stream.cuda_stream, self.flag.data_ptr(), 1, 0)  # 0: CU_STREAM_WAIT_VALUE_GEQ
         if rc != 0:
             raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {rc}")
@@ -144,8 +146,7 @@ class StreamGate:
 
     def open(self):
         if not self.is_open:
-            with torch.cuda.stream(self.side):
-                self.flag.fill_(1)
+            self.flag[0] = 1
             self.is_open = True
 
     def __enter__(self):
