@@ -13,9 +13,9 @@ times one call from an idle device, on the host's clock, in phases:
            called directly
 
 and the bench's own figure (3 calls back to back, CUDA-event time) for both paths, at 256 MiB
-and 1 GiB.
+and 1 GiB. ``--profile``: only the caller's part and the hand-off, in pieces.
 
-    python scripts/diag_issuer_overhead.py [--reps 7]
+    python scripts/diag_issuer_overhead.py [--reps 7] [--profile]
 """
 
 from __future__ import annotations
@@ -110,23 +110,12 @@ def case(raw, name: str, page: int, nbytes: int, issuer, staging, reps: int) -> 
             "connector": phases(st, issuer, staging, reps)}  # fmt: skip
 
 
-def profile_prep(raw, issuer, staging, calls: int = 50) -> None:
-    """cProfile of ``calls`` connector launches (the caller's part) and the bare hand-off
-    latency of a queue to a waiting thread (no CUDA)."""
-    import cProfile
-    import pstats
-
+def caller_costs(raw, staging) -> None:
+    """The caller's part and the hand-off in pieces (Llama-3-8B, 64-token pages, 256 MiB): the
+    bare hand-off latency of a queue to a waiting thread (no CUDA), the hand-off split
+    (:func:`handoff_split`) and the prep piece by piece (:func:`prep_pieces`)."""
     geo = KVGeometry(page_size=64, **GEOMETRIES["llama3-8b"])
     st = Setup(raw, geo, 256 << 20)
-    page_ids, slots = st.ids_cpu.tolist(), st.slots_cpu
-    prof = cProfile.Profile()
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        prof.enable()
-        out = launch(True, st.kv, st.host, page_ids, slots, staging, issuer)
-        prof.disable()
-        out.events[-1].synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     todo: queue.SimpleQueue = queue.SimpleQueue()
     got: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=lambda: [got.put(time.perf_counter()) for _ in iter(todo.get, None)],
@@ -240,17 +229,17 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--mib", default="256,1024")
-    ap.add_argument("--profile", action="store_true", help="profile the caller's part only")
+    ap.add_argument("--profile", action="store_true",
+                    help="only the caller's part and the hand-off, in pieces")  # fmt: skip
     args = parse_args(ap)
     calibrate(0)
     sizes = [int(x) << 20 for x in args.mib.split(",")]
     raw = torch.empty(max(sizes), dtype=torch.uint8).pin_memory()
     raw.random_()
-    issuer, staging = CopyIssuer(torch.device("cuda", 0)), IndexStaging()
     if args.profile:
-        profile_prep(raw, issuer, staging)
-        issuer.close()
+        caller_costs(raw, IndexStaging())
         return
+    issuer, staging = CopyIssuer(torch.device("cuda", 0)), IndexStaging()
     result: dict = {"env": environment(), "rows": []}
     for nbytes in sizes:
         for name, page in CASES:
