@@ -19,6 +19,7 @@ if os.environ.get("PAGEKV_REQUIRE_SGLANG") != "1":
     pytest.importorskip("sglang", reason="SGLang lives in its own venv: make test-sglang")
 
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -79,6 +80,9 @@ class Server:
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited {self.proc.returncode}: {self.tail()}")
+            if "error while attempting to bind" in self.log.read_text(errors="replace"):
+                # uvicorn logs a failed bind and lingers: fail now, not at the deadline
+                raise RuntimeError(f"{self.name} could not bind port {self.port}: {self.tail()}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
                     return
@@ -111,10 +115,26 @@ class Server:
                 self.proc.wait()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_TAKEN: set[int] = set()
+
+
+def _free_port(low: int = 15000, high: int = 21999) -> int:
+    """A free port that only an explicit bind can take: below the kernel's ephemeral range
+    (where ``bind(0)`` and every outgoing connection of the three servers draw theirs: one of
+    those took a server's port between this choice and uvicorn's bind) and below the
+    22000-29999 that SGLang draws its own ports from (``get_free_port_below_ephemeral``)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    candidates = [p for p in range(low, min(high, ephemeral_low - 1) + 1) if p not in _TAKEN]
+    for port in random.sample(candidates, min(64, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _TAKEN.add(port)
+        return port
+    raise RuntimeError(f"no free port in {low}-{high} below the ephemeral range")
 
 
 def test_two_servers_share_a_prefix_through_pagekv(tmp_path):
