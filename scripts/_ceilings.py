@@ -8,10 +8,16 @@
 * :func:`memcpy_ceiling`: numpy copies in K threads (numpy releases the GIL while it copies).
 
 Servers bind port 0 and report the port they got: no fixed ports.
+
+Sides (:func:`split_cores`): a benchmark may give the sending side (TCP servers, store nodes)
+and the receiving side (TCP clients, store clients) CPUs of their own, whole cores each, the
+same for the ceilings as for pagekv; unpinned, where the scheduler put each process moved a
+one-stream ratio by up to 30% between fresh runs on the GPU host (0.79-1.11).
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 import subprocess
@@ -22,6 +28,47 @@ import time
 import numpy as np
 
 _HEADER = 16  # b"P" or b"G" then the byte count, space-padded
+
+
+def split_cores() -> tuple[frozenset[int], frozenset[int]]:
+    """This process's CPUs as (send, receive): whole cores (hyperthread siblings together), the
+    first half of them for the sending side, the rest for the receiving side; both sides all
+    of them where there is only one core."""
+    cores: dict[str, list[int]] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+        try:
+            with open(path) as f:
+                core = f.read().strip()
+        except OSError:  # no topology: each CPU a core of its own
+            core = str(cpu)
+        cores.setdefault(core, []).append(cpu)
+    groups = list(cores.values())
+    if len(groups) < 2:
+        every = frozenset(cpu for group in groups for cpu in group)
+        return every, every
+    half = len(groups) // 2
+    return (frozenset(cpu for group in groups[:half] for cpu in group),
+            frozenset(cpu for group in groups[half:] for cpu in group))  # fmt: skip
+
+
+def pin_process(cpus: frozenset[int] | set[int]) -> None:
+    """Run every thread of this process, and the threads it starts later, on ``cpus``
+    (``sched_setaffinity`` is per thread: each of /proc/self/task)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
+def _cpus_arg(cpus: frozenset[int] | None) -> str:
+    return ",".join(map(str, sorted(cpus))) if cpus else "-"
+
+
+def _pin_from_arg(arg: str) -> None:
+    if arg != "-":
+        os.sched_setaffinity(0, {int(cpu) for cpu in arg.split(",")})
 
 
 def _touched(nbytes: int) -> memoryview:
@@ -95,15 +142,19 @@ class TcpCeiling:
     per stream, a first round run at once (connections made, every buffer's pages faulted in
     on both sides), then :meth:`round` as often as wanted, between other work. ``cold``: every
     block sent from and received into its own memory on both sides (as a store moves blocks),
-    instead of one buffer per side that stays in the cache."""
+    instead of one buffer per side that stays in the cache. ``sides``: (send, receive) CPUs
+    that the servers and the clients run on (:func:`split_cores`); None: anywhere."""
 
-    def __init__(self, streams: int, block: int, blocks: int, cold: bool = False) -> None:
+    def __init__(self, streams: int, block: int, blocks: int, cold: bool = False,
+                 sides: tuple[frozenset[int], frozenset[int]] | None = None) -> None:  # fmt: skip
         self.gb = streams * block * blocks / 1e9
-        servers = [_spawn("serve", int(cold)) for _ in range(streams)]
+        send, receive = (_cpus_arg(side) for side in sides) if sides else ("-", "-")
+        servers = [_spawn("serve", send, int(cold)) for _ in range(streams)]
         self.procs, self.clients = list(servers), []
         try:
             ports = [int(server.stdout.readline()) for server in servers]
-            self.clients = [_spawn("client", port, block, blocks, int(cold)) for port in ports]
+            self.clients = [_spawn("client", receive, port, block, blocks, int(cold))
+                            for port in ports]  # fmt: skip
             self.procs += self.clients
             self.round()
         except BaseException:
@@ -174,7 +225,8 @@ def memcpy_ceiling(threads: int, nbytes: int = 64 << 20, repeats: int = 8) -> fl
 
 
 if __name__ == "__main__":
+    _pin_from_arg(sys.argv[2])  # first thing: before any thread
     if sys.argv[1] == "serve":
-        _serve(bool(int(sys.argv[2])))
+        _serve(bool(int(sys.argv[3])))
     else:
-        _client(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), bool(int(sys.argv[5])))
+        _client(int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), bool(int(sys.argv[6])))

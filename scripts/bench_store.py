@@ -12,7 +12,9 @@
   ceilings, each the median of per-round ratios (a round: the ceilings, then each path once),
   the host's core count next to them; the ceilings also "cold"
   (each block from / into its own memory on both sides, as a store's blocks are, instead of
-  one buffer per side that stays in the cache);
+  one buffer per side that stays in the cache); senders (TCP servers, the node) on half the
+  cores and receivers (TCP clients, this process) on the other half, the same for the
+  ceilings as for pagekv (``--no-pin``: wherever the scheduler puts them);
 * peers (Redis, Mooncake Store TCP, a naive ZeroMQ store) on the same workload, in the same run,
   when ../shared/peers/setup.sh has installed them;
 * put/get GB/s over block sizes 256 KiB-8 MiB and batches 1-128;
@@ -36,7 +38,7 @@ import time
 from pathlib import Path
 
 from _bench_util import environment, parse_args, write_result
-from _ceilings import TcpCeiling, memcpy_ceiling
+from _ceilings import TcpCeiling, memcpy_ceiling, pin_process, split_cores
 
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
 from pagekv.store.launch import NodeProcess
@@ -143,31 +145,42 @@ def streams_rows(args) -> dict:
     blocks = [os.urandom(size) for _ in range(n)]
     into = [bytearray(size) for _ in range(n)]
     rows: list[dict] = []
-    for k in args.streams:
-        memcpy = memcpy_ceiling(k, 32 * MIB, 4)
-        per_stream = max(1, n // k)
-        with TcpCeiling(k, size, per_stream) as hot, \
-                TcpCeiling(k, size, per_stream, cold=True) as cold:  # fmt: skip
-            rounds, copy_threads = _paths_rounds(args, k, hot, cold, blocks, into)
-        for path in args.paths:
-            rows.append(_streams_row(rounds[path], rows[0] if rows else None,
-                                     streams=k, path=path, cores=cores,
-                                     copy_threads=copy_threads[path],
-                                     memcpy_gbps=round(memcpy, 3)))  # fmt: skip
-            print(f"streams {rows[-1]}", flush=True)
-    return dict(rows=rows)
+    before = os.sched_getaffinity(0)
+    sides = split_cores() if args.pin else None
+    try:
+        for k in args.streams:
+            memcpy = memcpy_ceiling(k, 32 * MIB, 4)
+            if sides:  # this process is pagekv's receiving side from here on
+                pin_process(sides[1])
+            per_stream = max(1, n // k)
+            with TcpCeiling(k, size, per_stream, sides=sides) as hot, \
+                    TcpCeiling(k, size, per_stream, cold=True, sides=sides) as cold:  # fmt: skip
+                rounds, copy_threads = _paths_rounds(args, k, hot, cold, blocks, into, sides)
+            pin_process(before)
+            for path in args.paths:
+                rows.append(_streams_row(rounds[path], rows[0] if rows else None,
+                                         streams=k, path=path, cores=cores,
+                                         copy_threads=copy_threads[path],
+                                         memcpy_gbps=round(memcpy, 3)))  # fmt: skip
+                print(f"streams {rows[-1]}", flush=True)
+    finally:
+        pin_process(before)
+    pinned = {"send": sorted(sides[0]), "receive": sorted(sides[1])} if sides else None
+    return dict(rows=rows, pinned=pinned)
 
 
-def _paths_rounds(args, k: int, hot: TcpCeiling, cold: TcpCeiling, blocks: list,
-                  into: list) -> tuple[dict[str, list[dict]], dict[str, int]]:  # fmt: skip
-    """Per path, its rounds with K streams (a node with K I/O threads each), each round after
-    the ceilings' own; and each path's client's copy threads."""
+def _paths_rounds(args, k: int, hot: TcpCeiling, cold: TcpCeiling, blocks: list, into: list,
+                  sides: tuple | None) -> tuple[dict[str, list[dict]], dict[str, int]]:  # fmt: skip
+    """Per path, its rounds with K streams (a node with K I/O threads each, on the sending
+    side's CPUs when ``sides``), each round after the ceilings' own; and each path's client's
+    copy threads."""
     gb = sum(map(len, blocks)) / 1e9
     loop = asyncio.new_event_loop()
     nodes, clients = [], {}
     try:
         for path in args.paths:  # the same ceilings for each data path
-            node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k)).start(warm=True)
+            node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k),
+                               cpus=sides[0] if sides else None).start(warm=True)  # fmt: skip
             nodes.append(node)
             cfg = ClientConfig((node.address,), timeout_s=30, streams=k,
                                bulk=path == "bulk", copy_threads=args.copy_threads)  # fmt: skip
@@ -321,6 +334,9 @@ def main() -> None:
         help="client data paths the streams section compares (bulk lane, ZeroMQ)",
     )
     ap.add_argument("--copy-threads", type=int, default=None, help="client copy pool (streams)")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="streams: senders (TCP servers, the node) and receivers (TCP clients, "
+                    "this process) on cores of their own, the same for both")  # fmt: skip
     ap.add_argument("--only", type=lambda s: s.split(","),
                     default=["headline", "user", "streams", "peers", "exists", "rss", "grid"],
                     help="sections to run, comma-separated")  # fmt: skip

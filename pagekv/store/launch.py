@@ -19,12 +19,15 @@ READY = re.compile(r"pagekv node ready (tcp://\S+)")
 
 
 class NodeProcess:
-    """One ``pagekv serve`` child. ``nofile`` caps its descriptors (soft and hard limit)."""
+    """One ``pagekv serve`` child. ``nofile`` caps its descriptors (soft and hard limit);
+    ``cpus``: the CPUs its threads run on (benchmarks: the sending side's cores)."""
 
-    def __init__(self, *args: str, port: int = 0, nofile: int | None = None) -> None:
+    def __init__(self, *args: str, port: int = 0, nofile: int | None = None,
+                 cpus: frozenset[int] | None = None) -> None:  # fmt: skip
         self.args = list(args)
         self.port = port
         self.nofile = nofile
+        self.cpus = cpus
         self.address = ""
         self.proc: subprocess.Popen | None = None
         self.log: collections.deque[str] = collections.deque(maxlen=200)
@@ -45,12 +48,15 @@ class NodeProcess:
         ]
         if threading.current_thread() is threading.main_thread():  # it outlives the node
             cmd += ["--parent-pid", str(os.getpid())]  # the node dies with this process
-        limit = self.nofile
+        limit, cpus = self.nofile, self.cpus
 
-        def cap_descriptors() -> None:  # runs in the child, before exec
-            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+        def before_exec() -> None:  # runs in the child, before exec
+            if limit is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+            if cpus:
+                os.sched_setaffinity(0, cpus)
 
-        preexec = cap_descriptors if limit is not None else None
+        preexec = before_exec if limit is not None or cpus else None
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
         self._ready = threading.Event()
         drain = threading.Thread(target=self._drain, daemon=True)
