@@ -133,3 +133,24 @@ def test_announcements_are_written_one_line_per_write(monkeypatch):
     monkeypatch.setattr(sys, "stderr", Recorder())
     lifecycle.announce("pagekv cluster ready: 2 nodes: tcp://127.0.0.1:1 tcp://127.0.0.1:2")
     assert writes == ["pagekv cluster ready: 2 nodes: tcp://127.0.0.1:1 tcp://127.0.0.1:2\n"]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: any set is all of them")
+def test_a_node_started_on_given_cpus_runs_every_thread_there():
+    """``NodeProcess(cpus=)`` (benchmarks pin senders and receivers apart): the node's threads,
+    its I/O threads and those it starts once it serves included, run on those CPUs only."""
+    from pagekv.store.launch import NodeProcess
+
+    cpu = max(os.sched_getaffinity(0))
+    node = NodeProcess("--capacity", "8MiB", cpus=frozenset({cpu})).start(warm=True)
+    try:
+        with StoreClient(node.address, timeout_s=5) as client:
+            key, value = os.urandom(16), os.urandom(4 << 20)
+            assert client.put_many([key], [value]) == [Status.OK]
+            assert bytes(client.get_many([key])[0]) == value
+        tasks = os.listdir(f"/proc/{node.proc.pid}/task")
+        assert len(tasks) > 2
+        for tid in tasks:
+            assert os.sched_getaffinity(int(tid)) == {cpu}, tid
+    finally:
+        node.stop()
