@@ -12,9 +12,10 @@
   ceilings, each the median of per-round ratios (a round: the ceilings, then each path once),
   the host's core count next to them; the ceilings also "cold"
   (each block from / into its own memory on both sides, as a store's blocks are, instead of
-  one buffer per side that stays in the cache); senders (TCP servers, the node) on half the
-  cores and receivers (TCP clients, this process) on the other half, the same for the
-  ceilings as for pagekv (``--no-pin``: wherever the scheduler puts them);
+  one buffer per side that stays in the cache); where each half of the cores has 2 CPUs a
+  stream, senders (TCP servers, the node) on one half and receivers (TCP clients, this
+  process) on the other, the same for the ceilings as for pagekv (row ``pinned``;
+  ``--no-pin``: wherever the scheduler puts them);
 * peers (Redis, Mooncake Store TCP, a naive ZeroMQ store) on the same workload, in the same run,
   when ../shared/peers/setup.sh has installed them;
 * put/get GB/s over block sizes 256 KiB-8 MiB and batches 1-128;
@@ -146,10 +147,14 @@ def streams_rows(args) -> dict:
     into = [bytearray(size) for _ in range(n)]
     rows: list[dict] = []
     before = os.sched_getaffinity(0)
-    sides = split_cores() if args.pin else None
+    split = split_cores() if args.pin else None
     try:
         for k in args.streams:
             memcpy = memcpy_ceiling(k, 32 * MIB, 4)
+            # pinned where each side has 2 CPUs a stream (pagekv's receive: a thread and its
+            # helper); with fewer, halving the cores would take from pagekv what the ceiling's
+            # one thread a stream does not need
+            sides = split if split and min(map(len, split)) >= 2 * k else None
             if sides:  # this process is pagekv's receiving side from here on
                 pin_process(sides[1])
             per_stream = max(1, n // k)
@@ -161,11 +166,12 @@ def streams_rows(args) -> dict:
                 rows.append(_streams_row(rounds[path], rows[0] if rows else None,
                                          streams=k, path=path, cores=cores,
                                          copy_threads=copy_threads[path],
-                                         memcpy_gbps=round(memcpy, 3)))  # fmt: skip
+                                         memcpy_gbps=round(memcpy, 3),
+                                         pinned=bool(sides)))  # fmt: skip
                 print(f"streams {rows[-1]}", flush=True)
     finally:
         pin_process(before)
-    pinned = {"send": sorted(sides[0]), "receive": sorted(sides[1])} if sides else None
+    pinned = {"send": sorted(split[0]), "receive": sorted(split[1])} if split else None
     return dict(rows=rows, pinned=pinned)
 
 
@@ -335,8 +341,8 @@ def main() -> None:
     )
     ap.add_argument("--copy-threads", type=int, default=None, help="client copy pool (streams)")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
-                    help="streams: senders (TCP servers, the node) and receivers (TCP clients, "
-                    "this process) on cores of their own, the same for both")  # fmt: skip
+                    help="streams: senders (TCP servers, the node) and receivers (TCP "
+                    "clients, this process) on cores of their own, 2 a stream a side")  # fmt: skip
     ap.add_argument("--only", type=lambda s: s.split(","),
                     default=["headline", "user", "streams", "peers", "exists", "rss", "grid"],
                     help="sections to run, comma-separated")  # fmt: skip

@@ -2,9 +2,10 @@
 # The store's figures on a GPU host (issue 29's table, docs/benchmarks.md), in about 5 minutes:
 # ROUNDS (3) interleaved rounds of
 #   bench_store        streams 1 and 8 (one-stream GET/PUT and 8-stream GET against the
-#                      K-stream TCP ceilings; senders and receivers on cores of their own,
-#                      the same for the ceilings as for pagekv), user (put_many/get_many of 32 x 2 MiB, fresh
-#                      buffers, against one TCP stream), rss (node RSS under the put stream)
+#                      K-stream TCP ceilings; one stream with senders and receivers on
+#                      cores of their own, the same for the ceilings as for pagekv), user
+#                      (put_many/get_many of 32 x 2 MiB, fresh buffers, against one TCP
+#                      stream), rss (node RSS under the put stream)
 #   bench_connector    4 GiB prompt from 1 and 3 TCP nodes: prefetch GB/s, write-back seconds
 #   bench_connector    the same from one --shm node (prefetch against 8-thread memcpy)
 # then bench_put_ceiling once (one-stream PUT beside raw ZeroMQ and the TCP ceilings).
@@ -49,7 +50,7 @@ $PY - "$R" <<'PYEOF' | tee "$OUT/summary.txt"
 import json, pathlib, statistics, sys
 root = pathlib.Path(sys.argv[1])
 rows: dict[str, list[float]] = {}
-pinned = None
+pinned, pinned_streams = None, set()
 targets: dict[str, tuple[str, float]] = {}
 def add(name, value, target=None):  # target: (">=" or "<=", bound), or None for a side figure
     rows.setdefault(name, []).append(round(value, 3))
@@ -62,6 +63,8 @@ for d in sorted(root.iterdir()):
             pinned = j.get("streams", {}).get("pinned")
             for r in j.get("streams", {}).get("rows", []):
                 k = r["streams"]
+                if r.get("pinned"):
+                    pinned_streams.add(k)
                 add(f"{k}-stream GET / hot ceiling", r["get_ratio"], (">=", 0.85 if k == 1 else 0.7))
                 add(f"{k}-stream PUT / hot ceiling", r["put_ratio"], (">=", 0.8) if k == 1 else None)
             for k, v in j.get("user", {}).get("median", {}).items():
@@ -81,7 +84,8 @@ for d in sorted(root.iterdir()):
                 add("write-back --shm s", r["writeback_s"], ("<=", 0.6))
         else:
             print(f"{f.stem}: {json.dumps(j.get('median'))}")
-print(f"streams: senders and receivers on CPUs {pinned}" if pinned else "streams: unpinned")
+print(f"streams {sorted(pinned_streams)}: senders and receivers on CPUs {pinned}"
+      if pinned_streams else "streams: unpinned")
 print(f"{'figure':44s} {'median':>7s}  target  met  rounds")
 for name, values in sorted(rows.items()):
     med = statistics.median(values)
