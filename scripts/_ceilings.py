@@ -11,8 +11,9 @@ Servers bind port 0 and report the port they got: no fixed ports.
 
 Sides (:func:`split_cores`): a benchmark may give the sending side (TCP servers, store nodes)
 and the receiving side (TCP clients, store clients) CPUs of their own, whole cores each, the
-same for the ceilings as for pagekv; unpinned, where the scheduler put each process moved a
-one-stream ratio by up to 30% between fresh runs on the GPU host (0.79-1.11).
+same for the ceilings as for pagekv, so that where the scheduler puts each process (apart, on
+one core's siblings, on one CPU) is the same for both; unpinned, a one-stream ratio moved
+0.79-1.11 between fresh runs on the GPU host.
 """
 
 from __future__ import annotations
