@@ -171,7 +171,8 @@ def streams_rows(args) -> dict:
                 print(f"streams {rows[-1]}", flush=True)
     finally:
         pin_process(before)
-    pinned = {"send": sorted(split[0]), "receive": sorted(split[1])} if split else None
+    used = split and any(row["pinned"] for row in rows)  # the sides, where a row ran on them
+    pinned = {"send": sorted(split[0]), "receive": sorted(split[1])} if used else None
     return dict(rows=rows, pinned=pinned)
 
 

@@ -20,7 +20,6 @@ if os.environ.get("PAGEKV_REQUIRE_SGLANG") != "1":
 
 import json
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import torch
 
 from pagekv.store import StoreClient
 from pagekv.store.launch import start_nodes
+from tests.cli_helpers import port_free
 from tests.engines import sglang_stack as st
 
 pytestmark = pytest.mark.slow
@@ -127,13 +127,9 @@ def _free_port(low: int = 15000, high: int = 21999) -> int:
         ephemeral_low = int(f.read().split()[0])
     candidates = [p for p in range(low, min(high, ephemeral_low - 1) + 1) if p not in _TAKEN]
     for port in random.sample(candidates, min(64, len(candidates))):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _TAKEN.add(port)
-        return port
+        if port_free(port):  # uvicorn binds with SO_REUSEADDR, as port_free tries it
+            _TAKEN.add(port)
+            return port
     raise RuntimeError(f"no free port in {low}-{high} below the ephemeral range")
 
 
