@@ -683,3 +683,80 @@ def test_a_put_cut_off_mid_payload_stores_nothing_and_gives_its_room_back(served
         assert [bytes(b) for b in into] == values
     stats = node.stats()
     assert stats["blocks"] == 5 and stats["evictions"] == 0 and stats["bulk_puts"] == 2
+
+
+def _lane_get(sock: socket.socket, rid: int, keys: list[bytes]) -> None:
+    from pagekv.store.wire.protocol import Op, Request, encode_request
+
+    send_message(sock, encode_request(Request(Op.GET, rid, keys)), [])
+
+
+def _lane_reply(sock: socket.socket) -> tuple[Reply, list[bytes]]:
+    """A GET reply read whole off a raw lane connection: the reply and its frames."""
+    from pagekv.store.wire.lane import recv_exact
+    from pagekv.store.wire.protocol import decode_reply
+
+    head = read_head(sock, max_frames=64, max_frame_bytes=64 << 20, max_payload_bytes=64 << 20)
+    frames = []
+    for size in head.sizes:
+        buf = bytearray(size)
+        recv_exact(sock, memoryview(buf))
+        frames.append(bytes(buf))
+    return decode_reply(head.header), frames
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["heap", "shm"])
+def test_a_spliced_reply_keeps_its_blocks_until_the_client_has_read_it(served, shm):
+    """A large GET reply is spliced (the kernel reads the stored blocks' pages until the client
+    reads them). The client asks, and reads nothing; meanwhile the value is deleted and new
+    values are put, as many as the node holds, onto the memory it freed. The reply, read after,
+    is still the value's bytes, exactly: the node kept the blocks until the client's request
+    two after it (then it releases them, and the new values are all stored)."""
+    from pagekv.store.wire import splice
+
+    if not splice.available():
+        pytest.skip("no vmsplice/splice in this process: replies are copied")
+    rng = random.Random(os.urandom(8))
+    size = 4 << 20
+    node = served(shm=shm, capacity=48 << 20)
+    key, value = rng.randbytes(16), rng.randbytes(size)
+    with StoreClient(node.address) as client:
+        assert client.put_many([key], [value]) == [Status.OK]
+        with _raw(node.stats()["bulk_port"]) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+            _lane_get(s, 1, [key])
+            assert s.recv(1, socket.MSG_PEEK)  # the reply started: the node has answered
+            assert client.delete_many([key]) == [True]
+            for _ in range(3):  # more than the node holds: the freed memory is reused
+                keys, values = rand_values(rng, 10, size)
+                status = client.put_many(keys, values)
+                assert set(status) <= {Status.OK, Status.NO_SPACE}
+            later = [(k, v) for k, v, st in zip(keys, values, status) if st == Status.OK][-1]
+            reply, frames = _lane_reply(s)
+            assert reply.id == 1 and reply.status == [Status.OK]
+            assert b"".join(frames) == value
+            assert node.stats()["bulk_spliced"] >= 1
+            for rid in (2, 3):  # the client reads on: the first reply's blocks are released
+                _lane_get(s, rid, [later[0]])
+                reply, frames = _lane_reply(s)
+                assert reply.id == rid and b"".join(frames) == later[1]
+
+
+def test_a_connection_keeps_each_spliced_reply_until_the_request_two_after_it():
+    from pagekv.store.node.lane import SendDone, _Spliced
+
+    spliced = _Spliced()
+    try:
+        trackers = [SendDone() for _ in range(3)]
+        spliced.arrived()  # request 1
+        spliced.keep([b"a"], trackers[0])
+        spliced.arrived()  # request 2: reply 1 may still be in the client's socket
+        spliced.keep([b"b"], trackers[1])
+        assert [t.done for t in trackers] == [False, False, False]
+        spliced.arrived()  # request 3: the client read reply 1 whole before sending it
+        assert [t.done for t in trackers] == [True, False, False]
+        spliced.keep([b"c"], trackers[2])
+        assert len(spliced.kept) == 2
+    finally:
+        spliced.close()  # the connection ends: nothing more is read
+    assert [t.done for t in trackers] == [True, True, True] and not spliced.kept

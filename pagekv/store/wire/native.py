@@ -47,7 +47,8 @@ from pagekv.build_cache import build_once
 from pagekv.errors import NativeCopyUnavailable
 
 __all__ = ["BLOCK_BYTES", "RECV_SLOTS", "NativeCopy", "NativeCopyUnavailable", "Piece", "Value",
-           "build_library", "load", "load_or_reason", "mode", "unavailable_reason"]  # fmt: skip
+           "buffer_address", "build_library", "load", "load_or_reason", "mode",
+           "unavailable_reason"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -211,8 +212,8 @@ class NativeCopy:
                 raise ValueError(f"value {v}: {len(sources)} sources for {len(targets)} targets")
             spans.append((len(plan), len(targets)))
             for k, (target, source) in enumerate(zip(targets, sources)):
-                dst, n = _address(target, True, f"value {v} target {k}", keep)
-                src, m = _address(source, False, f"value {v} source {k}", keep)
+                dst, n = buffer_address(target, True, f"value {v} target {k}", keep)
+                src, m = buffer_address(source, False, f"value {v} source {k}", keep)
                 if n != m:
                     raise ValueError(f"value {v}: source {k} has {m} bytes, its target {n}")
                 plan.append((dst, src, n))
@@ -265,7 +266,7 @@ class NativeCopy:
         keep: list[Any] = []  # the numpy views: they hold each buffer's export until we return
         plan: list[tuple[int, None, int]] = []
         for k, frame in enumerate(frames):
-            dst, n = _address(frame, True, f"frame {k}", keep)
+            dst, n = buffer_address(frame, True, f"frame {k}", keep)
             plan.append((dst, None, n))
         pieces = (Piece * max(1, len(plan)))(*plan)
         spans, first = [], 0
@@ -273,7 +274,7 @@ class NativeCopy:
             spans.append((first, count, 0))
             first += count
         out = (Value * max(1, len(spans)))(*spans)
-        at, size = _address(bounce, True, "bounce", keep)
+        at, size = buffer_address(bounce, True, "bounce", keep)
         if size < chunk_bytes:
             raise ValueError(f"bounce of {size} bytes is smaller than a chunk ({chunk_bytes})")
         received = ctypes.c_uint64(0)
@@ -288,7 +289,7 @@ class NativeCopy:
         return None if counts is None else [out[v].digest for v in range(len(spans))]
 
 
-def _address(obj: Any, writable: bool, what: str, keep: list[Any]) -> tuple[int, int]:
+def buffer_address(obj: Any, writable: bool, what: str, keep: list[Any]) -> tuple[int, int]:
     """(address, byte size) of a buffer; its numpy view (holding the export) goes to keep."""
     try:
         view = memoryview(obj)
