@@ -3,12 +3,14 @@
  * send()s them (issue 29's 8-stream GET)? K process pairs, each sender with 256 MiB of blocks
  * of its own (cold: every byte read once a round), each receiver into one 2 MiB buffer that
  * stays in cache (as pagekv's bounce) or into 256 MiB of its own (cold). Modes interleaved,
- * 3 rounds of each, GB/s of all K together.
- *   gcc -O2 -o /tmp/diag_splice_send scripts/diag_splice_send.c && /tmp/diag_splice_send */
+ * 3 rounds of each, GB/s of all K together. With the argument "threads" the K senders are
+ * threads of one process (as a node's lane connections), else K processes.
+ *   gcc -O2 -pthread -o /tmp/diag_splice_send scripts/diag_splice_send.c && /tmp/diag_splice_send [threads] */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,7 +29,7 @@ static double now(void) {
   return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-static void sender(int s, int splice_mode, int reps) {
+static void send_rounds(int s, int splice_mode, int reps) {
   char* src = aligned_alloc(4096, TOTAL);
   memset(src, 7, TOTAL);
   int pp[2];
@@ -53,7 +55,16 @@ static void sender(int s, int splice_mode, int reps) {
       off += n;
     }
   }
-  exit(0);
+  free(src);
+  close(pp[0]);
+  close(pp[1]);
+}
+
+struct send_args { int s, splice_mode, reps; };
+static void* sender_thread(void* p) {
+  struct send_args* a = p;
+  send_rounds(a->s, a->splice_mode, a->reps);
+  return NULL;
 }
 
 static void receiver(int c, int cold, int reps, int go_fd, int done_fd) {
@@ -76,12 +87,13 @@ static void receiver(int c, int cold, int reps, int go_fd, int done_fd) {
 
 /* K pairs, `reps` rounds started together; GB/s of all K, the mean of the rounds after the
    first (which touches the buffers) */
-static double run(int k, int splice_mode, int cold) {
+static double run(int k, int splice_mode, int cold, int threads) {
   const int reps = 4;
   int done[2], go[2];
   if (pipe(done) || pipe(go)) exit(1);
   fflush(stdout);
   pid_t pids[128];
+  int socks[64];
   int n = 0;
   for (int i = 0; i < k; ++i) {
     int ls = socket(AF_INET, SOCK_STREAM, 0);
@@ -93,11 +105,24 @@ static double run(int k, int splice_mode, int cold) {
       if (connect(c, (void*)&a, sizeof a)) exit(1);
       receiver(c, cold, reps, go[0], done[1]);
     }
-    int s = accept(ls, NULL, NULL);
-    if (!(pids[n++] = fork())) sender(s, splice_mode, reps);
-    close(s);
+    socks[i] = accept(ls, NULL, NULL);
     close(ls);
+    if (!threads && !(pids[n++] = fork())) {
+      send_rounds(socks[i], splice_mode, reps);
+      exit(0);
+    }
   }
+  if (threads && !(pids[n++] = fork())) { /* one process, a thread per connection (a node) */
+    pthread_t t[64];
+    struct send_args args[64];
+    for (int i = 0; i < k; ++i) {
+      args[i] = (struct send_args){socks[i], splice_mode, reps};
+      pthread_create(&t[i], NULL, sender_thread, &args[i]);
+    }
+    for (int i = 0; i < k; ++i) pthread_join(t[i], NULL);
+    exit(0);
+  }
+  for (int i = 0; i < k; ++i) close(socks[i]);
   double gbps = 0;
   char b = 1;
   for (int r = 0; r < reps; ++r) {
@@ -116,13 +141,15 @@ static double run(int k, int splice_mode, int cold) {
   return gbps;
 }
 
-int main(void) {
+int main(int argc, char** argv) {
+  /* "threads": the senders are threads of one process, as a node's connections are */
+  int threads = argc > 1 && !strcmp(argv[1], "threads");
   for (int round = 0; round < 3; ++round)
     for (int k = 1; k <= 8; k *= 8) {
-      printf("round %d, %d stream(s):", round, k);
+      printf("round %d, %d stream(s)%s:", round, k, threads ? ", sender threads of one process" : "");
       for (int cold = 0; cold < 2; ++cold)
         for (int mode = 0; mode < 2; ++mode)
-          printf(" %s into %s %.2f |", mode ? "vmsplice" : "send", cold ? "cold" : "cached", run(k, mode, cold));
+          printf(" %s into %s %.2f |", mode ? "vmsplice" : "send", cold ? "cold" : "cached", run(k, mode, cold, threads));
       printf("\n");
       fflush(stdout);
     }

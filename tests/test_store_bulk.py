@@ -714,8 +714,9 @@ def test_a_spliced_reply_keeps_its_blocks_until_the_client_has_read_it(served, s
     two after it (then it releases them, and the new values are all stored)."""
     from pagekv.store.wire import splice
 
-    if not splice.available():
-        pytest.skip("no vmsplice/splice in this process: replies are copied")
+    lib = native.load()
+    if lib is None or not splice.available(lib):
+        pytest.skip("no native library or no splice in this process: replies are copied")
     rng = random.Random(os.urandom(8))
     size = 4 << 20
     node = served(shm=shm, capacity=48 << 20)
@@ -745,17 +746,20 @@ def test_a_spliced_reply_keeps_its_blocks_until_the_client_has_read_it(served, s
 def test_a_connection_keeps_each_spliced_reply_until_the_request_two_after_it():
     from pagekv.store.node.lane import SendDone, _Spliced
 
+    lib = native.load()
+    if lib is None:
+        pytest.skip(f"native library unavailable: {native.unavailable_reason()}")
     spliced = _Spliced()
     try:
         trackers = [SendDone() for _ in range(3)]
         spliced.arrived()  # request 1
-        spliced.keep([b"a"], trackers[0])
+        spliced.keep([b"a"], trackers[0], lib)
         spliced.arrived()  # request 2: reply 1 may still be in the client's socket
-        spliced.keep([b"b"], trackers[1])
+        spliced.keep([b"b"], trackers[1], lib)
         assert [t.done for t in trackers] == [False, False, False]
         spliced.arrived()  # request 3: the client read reply 1 whole before sending it
         assert [t.done for t in trackers] == [True, False, False]
-        spliced.keep([b"c"], trackers[2])
+        spliced.keep([b"c"], trackers[2], lib)
         assert len(spliced.kept) == 2
     finally:
         spliced.close()  # the connection ends: nothing more is read

@@ -438,3 +438,50 @@ def test_two_processes_building_at_once_end_with_one_library(fresh_cache, monkey
     libs = list(fresh_cache.glob("*.so"))
     assert [str(p) for p in libs] == [outs[0][0]]
     assert not list(fresh_cache.glob("tmp*"))  # no half-built leftovers
+
+
+@pytest.mark.parametrize("pipe_bytes", [1 << 20, 4096])
+def test_splice_send_delivers_every_frame_in_order(lib, pipe_bytes):
+    """Frames of odd sizes and offsets (empty ones, one byte, a page less one, several pipes'
+    worth; read-only bytes and a numpy view at an odd offset) spliced into a loopback TCP
+    socket arrive whole and in order, through a pipe of 1 MiB or of one page."""
+    import fcntl
+
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    backing = rng.integers(0, 256, (3 << 20) + 11, dtype=np.uint8)
+    frames = [b"", os.urandom(1), os.urandom(4095), backing[7 : (2 << 20) + 9], b"",
+              os.urandom(300_001)]  # fmt: skip
+    want = b"".join(bytes(memoryview(f)) for f in frames)
+    pipe = os.pipe()
+    try:
+        fcntl.fcntl(pipe[1], fcntl.F_SETPIPE_SZ, pipe_bytes)
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            with socket.create_connection(server.getsockname()[:2], timeout=10) as out:
+                peer, _ = server.accept()
+                got = bytearray([POISON]) * len(want)
+                whole = (got, len(want), socket.MSG_WAITALL)
+                reader = threading.Thread(target=peer.recv_into, args=whole)
+                reader.start()
+                size = fcntl.fcntl(pipe[1], fcntl.F_GETPIPE_SZ)
+                lib.splice_send(out.fileno(), pipe, size, frames)
+                reader.join(10)
+                peer.close()
+    finally:
+        for fd in pipe:
+            os.close(fd)
+    assert bytes(got) == want
+
+
+def test_splice_send_into_a_closed_connection_raises(lib):
+    import fcntl
+
+    pipe = os.pipe()
+    try:
+        a, b = socket.socketpair()
+        b.close()
+        with a, pytest.raises(OSError):
+            lib.splice_send(a.fileno(), pipe, fcntl.fcntl(pipe[1], fcntl.F_GETPIPE_SZ),
+                            [os.urandom(1 << 20)])  # fmt: skip
+    finally:
+        for fd in pipe:
+            os.close(fd)

@@ -96,11 +96,11 @@ class _Spliced:
         while self.kept and self.kept[0][0] <= self.requests - 2:
             self._release(self.kept.popleft())
 
-    def keep(self, frames: list[Any], done: SendDone | None) -> Splicer:
+    def keep(self, frames: list[Any], done: SendDone | None, lib: native.NativeCopy) -> Splicer:
         """Keep the reply to the latest request until it is read; the pipe to splice it with."""
         self.kept.append((self.requests, frames, done))
         if self.splicer is None:
-            self.splicer = Splicer()
+            self.splicer = Splicer(lib)
         return self.splicer
 
     def close(self) -> None:
@@ -160,7 +160,7 @@ class BulkServer:
     def __init__(self, answer: Answer, store: StorePut, lib: native.NativeCopy,
                  limits: LaneLimits, host: str, port: int = 0) -> None:  # fmt: skip
         self.answer, self.store, self.lib, self.limits = answer, store, lib, limits
-        self.splice = splice.available()  # large GET replies zero-copy (else sendmsg copies)
+        self.splice = splice.available(lib)  # large GET replies zero-copy (else sendmsg copies)
         self.listener = socket.create_server((host, port), backlog=128)
         self.port: int = self.listener.getsockname()[1]
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
@@ -268,7 +268,7 @@ class BulkServer:
         else:
             rep, out, done = self._answer(req)
         if self.splice and sum(memoryview(f).nbytes for f in out) >= SPLICE_MIN_BYTES:
-            splicer = spliced.keep(out, done)  # kept until read: released by spliced
+            splicer = spliced.keep(out, done, self.lib)  # kept until read: released by spliced
             sent = send_message(conn, encode_reply(rep), out, splicer)
             self._count(bulk_requests=1, bulk_bytes_out=sent, bulk_spliced=1)
             return True

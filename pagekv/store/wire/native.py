@@ -26,6 +26,7 @@ the GIL released, each chunk hashed as it lands.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import hashlib
 import logging
@@ -55,7 +56,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "copy_verify.c"
 HEADER = CSRC / "third_party" / "xxhash" / "xxhash.h"
 BASE_CFLAGS = ("-O3", "-fPIC", "-shared", "-pthread")  # no -march=native: runs on any host
-ABI = 5
+ABI = 6
 BLOCK_BYTES = 256 << 10  # copied then hashed while in L2
 RECV_SLOTS = 4  # chunks in a receive's bounce: received into while a helper hashes the last
 MAX_THREADS = 64  # the C side's cap
@@ -178,7 +179,12 @@ class NativeCopy:
                          ctypes.c_void_p, ctypes.c_uint64,
                          ctypes.POINTER(ctypes.c_uint64)]  # fmt: skip
         recv.restype = ctypes.c_int
-        self._lib, self._fn, self._recv = lib, fn, recv
+        splice = lib.pagekv_splice_send
+        splice.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64,
+                           ctypes.POINTER(Piece), ctypes.c_uint64,
+                           ctypes.POINTER(ctypes.c_uint64)]  # fmt: skip
+        splice.restype = ctypes.c_int
+        self._lib, self._fn, self._recv, self._splice = lib, fn, recv, splice
 
     def copy_verify(
         self,
@@ -287,6 +293,25 @@ class NativeCopy:
         if rc < 0:
             raise OSError(-rc, f"{os.strerror(-rc)} after {received.value} of {total} bytes")
         return None if counts is None else [out[v].digest for v in range(len(spans))]
+
+    def splice_send(self, fd: int, pipe: tuple[int, int], pipe_bytes: int,
+                    frames: Sequence[Any]) -> None:  # fmt: skip
+        """Send ``frames`` (any C-contiguous buffers, read and never written) in order into the
+        socket ``fd`` without copying them: their pages go through ``pipe`` (read end, write
+        end; empty, ``pipe_bytes`` in size) into the socket (:mod:`.splice` says who keeps
+        them, and until when). Raises ``OSError`` (``TimeoutError`` when the socket's
+        ``SO_SNDTIMEO`` passed), after which the pipe may hold bytes: close it."""
+        keep: list[Any] = []
+        spans = [buffer_address(f, False, f"frame {k}", keep) for k, f in enumerate(frames)]
+        pieces = (Piece * max(1, len(spans)))()
+        for k, (address, size) in enumerate(spans):
+            pieces[k].src, pieces[k].nbytes = address, size
+        sent = ctypes.c_uint64(0)
+        rc = self._splice(fd, pipe[0], pipe[1], pipe_bytes, pieces, len(spans), ctypes.byref(sent))
+        if rc == -errno.EAGAIN:
+            raise TimeoutError("the peer did not read for the socket's send timeout")
+        if rc < 0:
+            raise OSError(-rc, f"splice: {os.strerror(-rc)} after {sent.value} bytes")
 
 
 def buffer_address(obj: Any, writable: bool, what: str, keep: list[Any]) -> tuple[int, int]:

@@ -24,7 +24,6 @@ stream into memory of its own 4.7-4.9 against 2.8-3.2.
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import functools
 import logging
@@ -40,85 +39,38 @@ __all__ = ["SPLICE_MIN_BYTES", "Splicer", "available"]
 log = logging.getLogger("pagekv.store")
 PIPE_BYTES = 1 << 20  # the pipe's size asked for: up to this much is spliced per pair of calls
 SPLICE_MIN_BYTES = 256 << 10  # a reply's payload from which its frames are spliced
-_MAX_SEGMENTS = 64  # iovecs per vmsplice call
-
-
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-def _libc_vmsplice() -> Any:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).vmsplice  # a CDLL's calls release the GIL
-    except (AttributeError, OSError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_size_t, ctypes.c_uint]
-    fn.restype = ctypes.c_ssize_t
-    return fn
-
-
-_vmsplice = _libc_vmsplice()
 
 
 class Splicer:
-    """One connection's pipe, used by that connection's thread alone; :meth:`close` it when the
+    """One connection's pipe, used by that connection's thread alone, and the native call that
+    splices through it (one call per message, the GIL released); :meth:`close` it when the
     connection ends. After :meth:`send` raised, the pipe may hold bytes of the failed message:
     the connection is over (close both)."""
 
-    def __init__(self) -> None:
-        self.r, self.w = os.pipe()
+    def __init__(self, lib: native.NativeCopy) -> None:
+        self.lib = lib
+        self.pipe = os.pipe()
         try:
-            fcntl.fcntl(self.w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+            fcntl.fcntl(self.pipe[1], fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         except OSError:
             pass  # over this user's pipe quota: the default size, more calls per frame
-        self.capacity = fcntl.fcntl(self.w, fcntl.F_GETPIPE_SZ)
+        self.capacity = fcntl.fcntl(self.pipe[1], fcntl.F_GETPIPE_SZ)
 
     def close(self) -> None:
-        os.close(self.r)
-        os.close(self.w)
+        for fd in self.pipe:
+            os.close(fd)
 
     def send(self, sock: socket.socket, frames: Sequence[Any]) -> None:
         """Splice ``frames`` (buffers; read, never written) into ``sock`` in order. Raises
         ``OSError`` (``TimeoutError`` when the socket's ``SO_SNDTIMEO`` passed)."""
-        keep: list[Any] = []
-        spans = [native.buffer_address(f, False, f"frame {k}", keep) for k, f in enumerate(frames)]
-        spans = [span for span in spans if span[1]]
-        fd, at, off = sock.fileno(), 0, 0  # the next byte to splice: spans[at], offset off
-        while at < len(spans):
-            iov = (_Iovec * _MAX_SEGMENTS)()
-            count, room, j, o = 0, self.capacity, at, off
-            while j < len(spans) and count < _MAX_SEGMENTS and room:
-                address, size = spans[j]
-                take = min(size - o, room)
-                iov[count].base, iov[count].len = address + o, take
-                count, room = count + 1, room - take
-                j, o = (j + 1, 0) if o + take == size else (j, o + take)
-            moved = _vmsplice(self.w, iov, count, 0)
-            if moved < 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"vmsplice: {os.strerror(err)}")
-            left = moved
-            while left:  # advance past what the pipe took (possibly less than offered)
-                take = min(spans[at][1] - off, left)
-                left -= take
-                at, off = (at + 1, 0) if off + take == spans[at][1] else (at, off + take)
-            more = os.SPLICE_F_MORE if at < len(spans) else 0
-            while moved:
-                try:
-                    sent = os.splice(self.r, fd, moved, flags=more)
-                except BlockingIOError:
-                    raise TimeoutError("the peer did not read for the socket's send timeout") \
-                        from None  # fmt: skip
-                if sent == 0:
-                    raise ConnectionError("splice moved nothing: the connection is closed")
-                moved -= sent
+        self.lib.splice_send(sock.fileno(), self.pipe, self.capacity, frames)
 
 
 @functools.cache
-def available() -> bool:
-    """Whether this process can splice into a TCP socket (Linux, a libc with ``vmsplice``, no
-    filter refusing the calls): tried once, on a loopback connection of its own."""
-    if _vmsplice is None or not hasattr(os, "splice"):
+def available(lib: native.NativeCopy) -> bool:
+    """Whether this process can splice into a TCP socket (Linux, no filter refusing the calls):
+    tried once, on a loopback connection of its own."""
+    if not hasattr(fcntl, "F_SETPIPE_SZ"):
         return False
     payload = os.urandom(3 << 16)
     try:
@@ -127,7 +79,7 @@ def available() -> bool:
                 peer, _ = server.accept()
                 with peer:
                     peer.settimeout(5)
-                    splicer = Splicer()
+                    splicer = Splicer(lib)
                     try:
                         splicer.send(out, [payload])
                     finally:
