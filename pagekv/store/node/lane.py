@@ -17,22 +17,17 @@ a lane only with the native library (:mod:`..wire.native`), which its receive ne
 One thread per connection runs a loop: read a message's head (:mod:`..wire.lane`), then
 
 * a GET (no payload): have the node answer it (:data:`Answer`: under the node's store lock,
-  with the same dispatch as its ZeroMQ loop) and send the reply. One of ``SPLICE_MIN_BYTES``
-  of payload or more is spliced (:mod:`..wire.splice`: the kernel takes references to the
-  stored frames' pages, copying nothing) and its frames kept until the client has read it:
-  until the request two after it arrives, or the connection ends; a smaller one is copied into
-  the socket (``sendmsg`` straight from the stored frames). Only then is the send marked done
-  (a ``--shm`` node frees or reuses the blocks' space only after that; see
-  :meth:`.block_store.BlockStore.sent`);
+  with the same dispatch as its ZeroMQ loop), send the reply (``sendmsg`` straight from the
+  stored frames), and only then mark the send done (a ``--shm`` node frees or reuses the
+  blocks' space only after that; see :meth:`.block_store.BlockStore.sent`);
 * a PUT whose header declares exactly the frames that follow: hand the node the request and
   this connection's receive (:data:`StorePut`): the node keeps room for the bytes on their way
   in, the receive puts each frame into a new buffer of its own (hashed as it lands when the
   node verifies PUTs), and the node stores those buffers as the blocks, checked against the
   request's checksums; then send the reply.
 
-A connection holds at most one request (its payload: ``max_message_size``) and two replies
-(views of stored blocks: the one being sent, and a spliced one the client may not have read
-yet; docs/protocol.md, "Node memory"). Connections over ``bulk_connections`` are
+A connection holds at most one request (its payload: ``max_message_size``) and one reply (views
+of stored blocks; docs/protocol.md, "Node memory"). Connections over ``bulk_connections`` are
 closed at once. A message over the limits or not in the lane's framing, payload frames with
 anything but such a PUT, or a receive that fails mid-payload is answered with an error (when
 the connection still carries one) and the connection closed: nothing of it is stored. Any op
@@ -42,7 +37,6 @@ Never raises into the node: every failure ends one connection.
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import socket
@@ -55,67 +49,25 @@ from typing import Any
 from pagekv.errors import ProtocolError
 
 from ..config import lane_receive_helpers
-from ..wire import native, splice
+from ..wire import native
 from ..wire.lane import Head, PeerClosed, new_buffer, read_head, recv_values, send_message, timeval
 from ..wire.protocol import Code, Op, Reply, Request, decode_request, encode_reply
-from ..wire.splice import SPLICE_MIN_BYTES, Splicer
 
 __all__ = ["Answer", "BulkServer", "LaneLimits", "Receive", "SendDone", "StorePut"]
 
 log = logging.getLogger("pagekv.store")
 COUNTERS = ("bulk_connections", "bulk_refused", "bulk_requests", "bulk_puts", "bulk_bad_messages",
-            "bulk_bytes_in", "bulk_bytes_out", "bulk_dropped", "bulk_spliced")  # fmt: skip
+            "bulk_bytes_in", "bulk_bytes_out", "bulk_dropped")  # fmt: skip
 
 
 class SendDone:
     """A reply's send, as :meth:`.block_store.BlockStore.sent` tracks it: ``done`` is set once
-    the kernel holds a copy of every byte (``sendmsg`` returned), once a spliced reply has been
-    read by the client (:class:`_Spliced`), or once the send failed."""
+    the kernel holds every byte (``sendmsg`` returned) or the send failed."""
 
     __slots__ = ("done",)
 
     def __init__(self) -> None:
         self.done = False
-
-
-class _Spliced:
-    """A connection's spliced GET replies (:mod:`..wire.splice`): the kernel may read their
-    blocks' pages until the client has read them, so each is kept (its frames referenced, its
-    tracker not done) until the request two after it arrives, when the client has read it
-    whole (the lane's rule for clients, docs/protocol.md), or until the connection ends.
-    The connection's thread alone uses it."""
-
-    def __init__(self) -> None:
-        self.splicer: Splicer | None = None  # the connection's pipe, made for its first splice
-        self.requests = 0  # requests arrived on the connection
-        self.kept: collections.deque[tuple[int, list[Any], SendDone | None]] = collections.deque()
-
-    def arrived(self) -> None:
-        """A request arrived: the replies to those two or more before it have been read."""
-        self.requests += 1
-        while self.kept and self.kept[0][0] <= self.requests - 2:
-            self._release(self.kept.popleft())
-
-    def keep(self, frames: list[Any], done: SendDone | None, lib: native.NativeCopy) -> Splicer:
-        """Keep the reply to the latest request until it is read; the pipe to splice it with."""
-        self.kept.append((self.requests, frames, done))
-        if self.splicer is None:
-            self.splicer = Splicer(lib)
-        return self.splicer
-
-    def close(self) -> None:
-        """The connection ended: nothing more is read from its replies."""
-        while self.kept:
-            self._release(self.kept.popleft())
-        if self.splicer is not None:
-            self.splicer.close()
-            self.splicer = None
-
-    @staticmethod
-    def _release(entry: tuple[int, list[Any], SendDone | None]) -> None:
-        done = entry[2]
-        if done is not None:
-            done.done = True  # the blocks' space may be reused from now on
 
 
 # The node's answer to one GET (called on a connection's thread, any number at once): the reply,
@@ -160,7 +112,6 @@ class BulkServer:
     def __init__(self, answer: Answer, store: StorePut, lib: native.NativeCopy,
                  limits: LaneLimits, host: str, port: int = 0) -> None:  # fmt: skip
         self.answer, self.store, self.lib, self.limits = answer, store, lib, limits
-        self.splice = splice.available(lib)  # large GET replies zero-copy (else sendmsg copies)
         self.listener = socket.create_server((host, port), backlog=128)
         self.port: int = self.listener.getsockname()[1]
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
@@ -216,13 +167,12 @@ class BulkServer:
     def _serve(self, conn: socket.socket) -> None:
         stall = timeval(self.limits.stall_s)
         bounce: list[Any] = []  # this connection's receive bounce, made for its first PUT
-        spliced = _Spliced()
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, stall)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, stall)
-            while not self._closed and self._one(conn, bounce, spliced):
+            while not self._closed and self._one(conn, bounce):
                 pass
         except (PeerClosed, OSError):
             pass  # the client went, stalled, or the node is stopping: this connection ends
@@ -233,9 +183,8 @@ class BulkServer:
             with self._conns_lock:
                 self._conns.discard(conn)
             conn.close()
-            spliced.close()
 
-    def _one(self, conn: socket.socket, bounce: list[Any], spliced: _Spliced) -> bool:
+    def _one(self, conn: socket.socket, bounce: list[Any]) -> bool:
         """Read one request and answer it; False when the connection must be closed."""
         lim = self.limits
         try:
@@ -245,7 +194,6 @@ class BulkServer:
             return self._refuse(conn, Reply(0, code=e.code, error=str(e)))
         if head is None:
             return True  # idle: wait on
-        spliced.arrived()
         try:
             req: Request | ProtocolError = decode_request(head.header)
         except ProtocolError as e:
@@ -267,16 +215,11 @@ class BulkServer:
             rep, out, done = Reply(req.id, code=Code.BAD_OP, error=error), [], None
         else:
             rep, out, done = self._answer(req)
-        if self.splice and sum(memoryview(f).nbytes for f in out) >= SPLICE_MIN_BYTES:
-            splicer = spliced.keep(out, done, self.lib)  # kept until read: released by spliced
-            sent = send_message(conn, encode_reply(rep), out, splicer)
-            self._count(bulk_requests=1, bulk_bytes_out=sent, bulk_spliced=1)
-            return True
         try:
             sent = send_message(conn, encode_reply(rep), out)
         finally:
             if done is not None:
-                done.done = True  # copied into the socket: the blocks' space may be reused
+                done.done = True  # the blocks' space may be reused from now on
         self._count(bulk_requests=1, bulk_bytes_out=sent)
         return True
 

@@ -37,7 +37,6 @@ except ImportError:  # pragma: no cover - a store-only install
 
 from . import native
 from .protocol import MAX_HEADER_BYTES, SHARED_BUFFER_BYTES, Code
-from .splice import Splicer
 
 __all__ = ["MAGIC", "Head", "PeerClosed", "new_buffer", "read_head", "recv_exact", "recv_values",
            "send_message", "timeval"]  # fmt: skip
@@ -123,24 +122,18 @@ def recv_values(
         raise TimeoutError("no data for the socket's receive timeout") from None
 
 
-def send_message(sock: socket.socket, header: bytes, frames: Sequence[Any],
-                 splicer: Splicer | None = None) -> int:  # fmt: skip
+def send_message(sock: socket.socket, header: bytes, frames: Sequence[Any]) -> int:
     """Send one message (prefix, sizes, header, frames) with as few system calls as the kernel
-    allows (``sendmsg`` gathers the frames straight from their memory: no copy in user space;
-    with ``splicer``, the frames' pages are handed to the kernel instead, which then reads them
-    until the peer has read them: see :mod:`.splice` for who keeps them); returns the payload
-    bytes sent. Raises ``OSError`` (``TimeoutError`` on ``SO_SNDTIMEO``)."""
+    allows (``sendmsg`` gathers the frames straight from their memory: no copy in user space);
+    returns the payload bytes sent. Raises ``OSError`` (``TimeoutError`` on ``SO_SNDTIMEO``)."""
     views = [memoryview(f).cast("B") for f in frames]
     sizes = [v.nbytes for v in views]
     total = sum(sizes)
     head = PREFIX.pack(MAGIC, len(header), len(sizes), total)
-    parts = [memoryview(head + struct.pack(f"<{len(sizes)}Q", *sizes) + header)]
-    if splicer is None:
-        parts += views
-    more = socket.MSG_MORE if splicer is not None and total else 0
+    parts = [memoryview(head + struct.pack(f"<{len(sizes)}Q", *sizes) + header), *views]
     while parts:
         try:
-            sent = sock.sendmsg(parts[:64], (), more)  # IOV_MAX is 1024; fewer: shorter calls
+            sent = sock.sendmsg(parts[:64])  # IOV_MAX is 1024; fewer keeps each call short
         except BlockingIOError:
             raise TimeoutError("the peer did not read for the socket's send timeout") from None
         while sent:  # drop what went out; a part sent in part is kept from where it stopped
@@ -148,8 +141,6 @@ def send_message(sock: socket.socket, header: bytes, frames: Sequence[Any],
                 sent -= parts.pop(0).nbytes
             else:
                 parts[0], sent = parts[0][sent:], 0
-    if splicer is not None:
-        splicer.send(sock, views)
     return total
 
 

@@ -26,7 +26,6 @@ the GIL released, each chunk hashed as it lands.
 from __future__ import annotations
 
 import ctypes
-import errno
 import functools
 import hashlib
 import logging
@@ -48,15 +47,14 @@ from pagekv.build_cache import build_once
 from pagekv.errors import NativeCopyUnavailable
 
 __all__ = ["BLOCK_BYTES", "RECV_SLOTS", "NativeCopy", "NativeCopyUnavailable", "Piece", "Value",
-           "buffer_address", "build_library", "load", "load_or_reason", "mode",
-           "unavailable_reason"]  # fmt: skip
+           "build_library", "load", "load_or_reason", "mode", "unavailable_reason"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "copy_verify.c"
 HEADER = CSRC / "third_party" / "xxhash" / "xxhash.h"
 BASE_CFLAGS = ("-O3", "-fPIC", "-shared", "-pthread")  # no -march=native: runs on any host
-ABI = 6
+ABI = 5
 BLOCK_BYTES = 256 << 10  # copied then hashed while in L2
 RECV_SLOTS = 4  # chunks in a receive's bounce: received into while a helper hashes the last
 MAX_THREADS = 64  # the C side's cap
@@ -179,12 +177,7 @@ class NativeCopy:
                          ctypes.c_void_p, ctypes.c_uint64,
                          ctypes.POINTER(ctypes.c_uint64)]  # fmt: skip
         recv.restype = ctypes.c_int
-        splice = lib.pagekv_splice_send
-        splice.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64,
-                           ctypes.POINTER(Piece), ctypes.c_uint64,
-                           ctypes.POINTER(ctypes.c_uint64)]  # fmt: skip
-        splice.restype = ctypes.c_int
-        self._lib, self._fn, self._recv, self._splice = lib, fn, recv, splice
+        self._lib, self._fn, self._recv = lib, fn, recv
 
     def copy_verify(
         self,
@@ -218,8 +211,8 @@ class NativeCopy:
                 raise ValueError(f"value {v}: {len(sources)} sources for {len(targets)} targets")
             spans.append((len(plan), len(targets)))
             for k, (target, source) in enumerate(zip(targets, sources)):
-                dst, n = buffer_address(target, True, f"value {v} target {k}", keep)
-                src, m = buffer_address(source, False, f"value {v} source {k}", keep)
+                dst, n = _address(target, True, f"value {v} target {k}", keep)
+                src, m = _address(source, False, f"value {v} source {k}", keep)
                 if n != m:
                     raise ValueError(f"value {v}: source {k} has {m} bytes, its target {n}")
                 plan.append((dst, src, n))
@@ -272,7 +265,7 @@ class NativeCopy:
         keep: list[Any] = []  # the numpy views: they hold each buffer's export until we return
         plan: list[tuple[int, None, int]] = []
         for k, frame in enumerate(frames):
-            dst, n = buffer_address(frame, True, f"frame {k}", keep)
+            dst, n = _address(frame, True, f"frame {k}", keep)
             plan.append((dst, None, n))
         pieces = (Piece * max(1, len(plan)))(*plan)
         spans, first = [], 0
@@ -280,7 +273,7 @@ class NativeCopy:
             spans.append((first, count, 0))
             first += count
         out = (Value * max(1, len(spans)))(*spans)
-        at, size = buffer_address(bounce, True, "bounce", keep)
+        at, size = _address(bounce, True, "bounce", keep)
         if size < chunk_bytes:
             raise ValueError(f"bounce of {size} bytes is smaller than a chunk ({chunk_bytes})")
         received = ctypes.c_uint64(0)
@@ -294,27 +287,8 @@ class NativeCopy:
             raise OSError(-rc, f"{os.strerror(-rc)} after {received.value} of {total} bytes")
         return None if counts is None else [out[v].digest for v in range(len(spans))]
 
-    def splice_send(self, fd: int, pipe: tuple[int, int], pipe_bytes: int,
-                    frames: Sequence[Any]) -> None:  # fmt: skip
-        """Send ``frames`` (any C-contiguous buffers, read and never written) in order into the
-        socket ``fd`` without copying them: their pages go through ``pipe`` (read end, write
-        end; empty, ``pipe_bytes`` in size) into the socket (:mod:`.splice` says who keeps
-        them, and until when). Raises ``OSError`` (``TimeoutError`` when the socket's
-        ``SO_SNDTIMEO`` passed), after which the pipe may hold bytes: close it."""
-        keep: list[Any] = []
-        spans = [buffer_address(f, False, f"frame {k}", keep) for k, f in enumerate(frames)]
-        pieces = (Piece * max(1, len(spans)))()
-        for k, (address, size) in enumerate(spans):
-            pieces[k].src, pieces[k].nbytes = address, size
-        sent = ctypes.c_uint64(0)
-        rc = self._splice(fd, pipe[0], pipe[1], pipe_bytes, pieces, len(spans), ctypes.byref(sent))
-        if rc == -errno.EAGAIN:
-            raise TimeoutError("the peer did not read for the socket's send timeout")
-        if rc < 0:
-            raise OSError(-rc, f"splice: {os.strerror(-rc)} after {sent.value} bytes")
 
-
-def buffer_address(obj: Any, writable: bool, what: str, keep: list[Any]) -> tuple[int, int]:
+def _address(obj: Any, writable: bool, what: str, keep: list[Any]) -> tuple[int, int]:
     """(address, byte size) of a buffer; its numpy view (holding the export) goes to keep."""
     try:
         view = memoryview(obj)

@@ -15,19 +15,13 @@
  * taken in order from a shared counter). Nothing here touches Python: the caller (ctypes)
  * releases the GIL around the call and keeps the buffers alive.
  *
- * pagekv_splice_send sends bytes without copying them: their pages go into a pipe (vmsplice)
- * and from there into a socket (splice); see pagekv/store/wire/splice.py for the rule that
- * comes with it (the pages are read until the peer has read the bytes).
- *
  * Build: cc -O3 -fPIC -shared -pthread [-mavx2] copy_verify.c -o libpagekv_copy_verify.so
  * (XXH3 picks its vector code at compile time: -mavx2 where the CPU has it, see native.py).
  */
-#define _GNU_SOURCE /* vmsplice, splice */
 #define XXH_INLINE_ALL
 #include "third_party/xxhash/xxhash.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -35,12 +29,11 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/types.h>
-#include <sys/uio.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
-#define PAGEKV_COPY_VERIFY_ABI 6
+#define PAGEKV_COPY_VERIFY_ABI 5
 #define MAX_THREADS 64
 /* pagekv_recv_verify: pieces from this size are received through the caller's bounce buffer
  * (see there); smaller ones straight into place. */
@@ -404,62 +397,4 @@ int pagekv_recv_verify(int fd, const pagekv_piece *pieces, uint64_t npieces,
     pthread_mutex_destroy(&q.lock);
     if (rc == 0) hasher_finish(&h);
     return rc;
-}
-
-/* Send the pieces' src bytes (dst is not used), in order, into the socket fd without copying
- * them: up to pipe_bytes of their pages at a time go into the pipe (vmsplice into pipe_w, the
- * pipe empty before each), then from the pipe into the socket (splice from pipe_r). Returns 0,
- * or -errno (-EAGAIN: the socket's SO_SNDTIMEO passed); *sent counts the bytes spliced into the
- * socket. After a failure the pipe may hold bytes of the message: the caller closes it. */
-#define SPLICE_SEGMENTS 64
-int pagekv_splice_send(int fd, int pipe_r, int pipe_w, uint64_t pipe_bytes,
-                       const pagekv_piece *pieces, uint64_t npieces, uint64_t *sent) {
-    uint64_t at = 0, off = 0; /* the next byte: pieces[at], offset off */
-    for (;;) {
-        struct iovec iov[SPLICE_SEGMENTS];
-        int count = 0;
-        uint64_t room = pipe_bytes, j = at, o = off;
-        while (j < npieces && count < SPLICE_SEGMENTS && room) {
-            uint64_t size = pieces[j].nbytes, take = size - o < room ? size - o : room;
-            if (take) {
-                iov[count].iov_base = (char *)pieces[j].src + o;
-                iov[count].iov_len = (size_t)take;
-                count++;
-                room -= take;
-            }
-            if (o + take == size) {
-                j++;
-                o = 0;
-            } else {
-                o += take;
-            }
-        }
-        if (!count) return 0;
-        ssize_t moved = vmsplice(pipe_w, iov, (unsigned long)count, 0);
-        if (moved < 0) {
-            if (errno == EINTR) continue;
-            return -errno;
-        }
-        for (uint64_t left = (uint64_t)moved; left;) { /* past what the pipe took */
-            uint64_t size = pieces[at].nbytes, take = size - off < left ? size - off : left;
-            left -= take;
-            if (off + take == size) {
-                at++;
-                off = 0;
-            } else {
-                off += take;
-            }
-        }
-        unsigned int more = at < npieces ? SPLICE_F_MORE : 0;
-        while (moved) {
-            ssize_t k = splice(pipe_r, NULL, fd, NULL, (size_t)moved, more);
-            if (k < 0) {
-                if (errno == EINTR) continue;
-                return -errno;
-            }
-            if (k == 0) return -EPIPE;
-            moved -= k;
-            *sent += (uint64_t)k;
-        }
-    }
 }
