@@ -10,18 +10,13 @@
 // rows (one process of a series, e.g. under each CUDA_DEVICE_MAX_CONNECTIONS).
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/diag_ce_hostmem scripts/diag_ce_hostmem.cu
 //   /tmp/diag_ce_hostmem; /tmp/diag_ce_hostmem spread
-#include <cuda_runtime.h>
 #include <stdint.h>
 #include <sys/mman.h>
 
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <random>
-#include <vector>
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("ERR %s line %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
-static double med(std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
+
+#include "diag_ce.h"
 
 static char* pool(int kind, size_t bytes) {
   if (kind == 0) { char* p; CK(cudaHostAlloc(&p, bytes, 0)); return p; }
@@ -67,15 +62,7 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&dev, TOTAL));
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  const int lanes = 16;
-  std::vector<cudaStream_t> side(lanes);
-  std::vector<cudaEvent_t> join(lanes);
-  for (auto& s : side) CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  for (auto& e : join) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  cudaEvent_t fork, e0, e1;
-  CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
+  Lanes lanes(16);
   std::mt19937_64 rng(7);
   std::vector<size_t> runs = {8192ul, 16384ul, 32768ul, 36864ul, 65536ul};
   if (spread) runs = {32768ul, 36864ul, 65536ul};
@@ -98,33 +85,9 @@ int main(int argc, char** argv) {
       printf("R=%zu KiB trial %d:", R / 1024, trial);
       for (size_t k = 0; k < pools.size(); ++k) {
         for (size_t i = 0; i < rows; ++i) { src[i] = pools[k] + hp[k][i] * R; dst[i] = dev + dp[i] * R; }
-        auto issue = [&]() {
-          CK(cudaEventRecord(fork, st));
-          for (int i = 0; i < lanes; ++i) CK(cudaStreamWaitEvent(side[i], fork, 0));
-          cudaMemcpyAttributes attr = {};
-          attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-          attr.flags = 1;
-          size_t first = 0;
-          for (int i = 0; i < lanes; ++i) {
-            size_t b = rows * i / lanes, e = rows * (i + 1) / lanes;
-            CK(cudaMemcpyBatchAsync(dst.data() + b, src.data() + b, size.data() + b, e - b, &attr, &first, 1, side[i]));
-          }
-          for (int i = 0; i < lanes; ++i) { CK(cudaEventRecord(join[i], side[i])); CK(cudaStreamWaitEvent(st, join[i], 0)); }
-        };
-        std::vector<double> tc, tg;
-        for (int round = 0; round < 6; ++round) {
-          for (int c = 0; c < 2; ++c) {
-            CK(cudaStreamSynchronize(st));
-            CK(cudaEventRecord(e0, st));
-            if (c == 0) CK(cudaMemcpyAsync(dev, pools[k], TOTAL, cudaMemcpyHostToDevice, st)); else issue();
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            if (round) (c ? tg : tc).push_back(ms);
-          }
-        }
-        printf(" %s %.3f (copy %.1f GB/s) |", names[k], med(tc) / med(tg), TOTAL / med(tc) / 1e6);
+        double copy_ms;
+        double ratio = copy_over(st, dev, pools[k], TOTAL, [&]() { lanes.gather(st, dst, src, size); }, &copy_ms);
+        printf(" %s %.3f (copy %.1f GB/s) |", names[k], ratio, TOTAL / copy_ms / 1e6);
       }
       printf("\n");
       fflush(stdout);

@@ -5,16 +5,11 @@
 // each of 4 trials and destroyed after it. Ratio: one contiguous cudaMemcpyAsync of the same
 // bytes / the gather (medians of 5 after one, alternated).
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/diag_ce_lanes scripts/diag_ce_lanes.cu
-#include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <random>
-#include <vector>
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("ERR %s line %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
-static double med(std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
+
+#include "diag_ce.h"
 
 int main() {
   const size_t TOTAL = 256ull << 20;
@@ -23,10 +18,6 @@ int main() {
   CK(cudaMalloc(&dev, TOTAL));
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  cudaEvent_t fork, e0, e1;
-  CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
   std::mt19937_64 rng(11);
   for (size_t R : {32768ul, 36864ul}) {
     const size_t rows = TOTAL / R;
@@ -41,39 +32,8 @@ int main() {
     for (int trial = 0; trial < 4; ++trial) {
       printf("R=%zu KiB trial %d:", R / 1024, trial);
       for (int lanes : {8, 16, 32, 64}) {
-        std::vector<cudaStream_t> side(lanes);
-        std::vector<cudaEvent_t> join(lanes);
-        for (auto& s : side) CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-        for (auto& e : join) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-        auto issue = [&]() {
-          CK(cudaEventRecord(fork, st));
-          for (int i = 0; i < lanes; ++i) CK(cudaStreamWaitEvent(side[i], fork, 0));
-          cudaMemcpyAttributes attr = {};
-          attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-          attr.flags = 1;
-          size_t first = 0;
-          for (int i = 0; i < lanes; ++i) {
-            size_t b = rows * i / lanes, e = rows * (i + 1) / lanes;
-            CK(cudaMemcpyBatchAsync(dst.data() + b, src.data() + b, size.data() + b, e - b, &attr, &first, 1, side[i]));
-          }
-          for (int i = 0; i < lanes; ++i) { CK(cudaEventRecord(join[i], side[i])); CK(cudaStreamWaitEvent(st, join[i], 0)); }
-        };
-        std::vector<double> tc, tg;
-        for (int round = 0; round < 6; ++round) {
-          for (int k = 0; k < 2; ++k) {
-            CK(cudaStreamSynchronize(st));
-            CK(cudaEventRecord(e0, st));
-            if (k == 0) CK(cudaMemcpyAsync(dev, host, TOTAL, cudaMemcpyHostToDevice, st)); else issue();
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            if (round) (k ? tg : tc).push_back(ms);
-          }
-        }
-        printf(" %d streams %.3f |", lanes, med(tc) / med(tg));
-        for (auto& s : side) CK(cudaStreamDestroy(s));
-        for (auto& e : join) CK(cudaEventDestroy(e));
+        Lanes set(lanes);  // made fresh for each trial, destroyed after it
+        printf(" %d streams %.3f |", lanes, copy_over(st, dev, host, TOTAL, [&]() { set.gather(st, dst, src, size); }));
       }
       printf("\n");
       fflush(stdout);

@@ -7,31 +7,19 @@
 // against the source first, the destination poisoned.
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/diag_ce_threads scripts/diag_ce_threads.cu -lpthread
 //   /tmp/diag_ce_threads
-#include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <algorithm>
 #include <chrono>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <thread>
-#include <vector>
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("ERR %s line %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
+
+#include "diag_ce.h"
+
 static double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-static double med(std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
 
 constexpr int LANES = 16;
 constexpr size_t MAX_OPS = 16384;
-
-static cudaError_t batch(void** d, const void** s, size_t* n, size_t count, cudaStream_t st) {
-  cudaMemcpyAttributes attr = {};
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  attr.flags = 1;
-  size_t first = 0;
-  return cudaMemcpyBatchAsync(d, s, n, count, &attr, &first, 1, st);
-}
 
 int main() {
   const size_t TOTAL = 256ull << 20;
