@@ -135,7 +135,7 @@ class KVGeometry:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def row_elems(self) -> int:

@@ -150,3 +150,38 @@ def test_store_kv_errors_write_nothing(mutate, exc, match):
     with pytest.raises(exc, match=match):
         store_kv(args["k"], args["v"], args["kc"], args["v_cache"], args["loc"])
     assert bits_equal(args["kc"], kc0)
+
+
+@pytest.mark.parametrize(
+    "offset, stride_elems, want",
+    [(0, 64, 16), (8, 64, 8), (4, 64, 4), (0, 68, 8), (0, 66, 4)],
+    ids=["all-16", "layer-at-8", "layer-at-4", "stride-136B", "stride-132B"],
+)
+def test_access_width_is_the_widest_dividing_rows_strides_and_addresses(offset, stride_elems, want):
+    """The kernels read 16, 8 or 4 bytes at a time: the widest that divides the row size, the
+    slot stride, every layer's address and the host buffer's address."""
+    from pagekv.kernels import ops
+
+    geo = KVGeometry(2, 4, 1, 32, "bf16")  # 64-byte rows
+    raw = torch.empty(4096 + 64, dtype=torch.uint8)
+    base = (-raw.data_ptr()) % 16 + offset  # the layers start `offset` past a 16-byte line
+    layers = []
+    for i in range(geo.num_layers * geo.num_kv):
+        at = base + i * 1024
+        rows = raw[at : at + 8 * stride_elems * 2].view(torch.bfloat16).view(8, stride_elems)
+        layers.append(rows[:, : geo.row_elems])
+    kv = DeviceKV(geo, (tuple(layers[:2]), tuple(layers[2:])))
+    assert kv.alignment % want == 0
+    assert want == 16 or kv.alignment % (2 * want) != 0
+    aligned_host = raw.data_ptr() + (-raw.data_ptr()) % 16
+    assert ops._launch_shape(True, kv, aligned_host)[0] == want
+    assert ops._launch_shape(True, kv, aligned_host + 4)[0] == 4
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        ops._vector_width(kv.alignment, aligned_host + 2)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_geometry_element_size_is_the_dtypes(dtype):
+    geo = KVGeometry(1, 1, 1, 4, dtype)
+    assert geo.element_size == torch.empty((), dtype=dtype).element_size()
+    assert geo.item_bytes == 4 * geo.element_size

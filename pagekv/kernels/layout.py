@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -150,6 +151,22 @@ class DeviceKV:
         return tuple(t.data_ptr() for group in self.layers for t in group)
 
     @functools.cached_property
+    def alignment(self) -> int:
+        """The greatest common divisor of the row size, the slot stride and every layer's
+        address: an access width divides it iff it suits every row of the cache."""
+        geo = self.geometry
+        return math.gcd(geo.item_bytes, self.slot_stride_bytes, *self.layer_ptrs)
+
+    @functools.cached_property
+    def launch_constants(self) -> tuple[int, ...]:
+        """What every page-transfer launch passes about this cache, after the host pages and
+        indices (made once: a launch's host time is what a one-layer load waits on): slots,
+        page bytes, slot stride, row bytes, page size, K/V count, layers."""
+        geo = self.geometry
+        return (self.num_slots, geo.page_bytes, self.slot_stride_bytes, geo.item_bytes,
+                geo.page_size, geo.num_kv, geo.num_layers)  # fmt: skip
+
+    @functools.cached_property
     def layer_ptr_array(self) -> ctypes.Array:
         """``layer_ptrs`` as a ctypes int64 array (made once: host-side copies read it)."""
         return (ctypes.c_int64 * len(self.layer_ptrs))(*self.layer_ptrs)
@@ -266,6 +283,8 @@ def device_indices(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device``, copied on the current stream without holding the host: a CPU
     tensor goes through pinned memory (torch's caching host allocator, which keeps the block
     until the copy is done), since a copy from pageable memory waits for the stream."""
+    if t.device == device and t.is_contiguous():
+        return t
     if t.device.type == "cpu" and not t.is_pinned():
         t = t.contiguous().pin_memory()
     return t.to(device, non_blocking=True).contiguous()

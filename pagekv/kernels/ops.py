@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -90,8 +91,10 @@ Index = torch.Tensor | Sequence[int]
 
 
 def _vector_width(*values: int) -> int:
+    """The widest access (16, 8 or 4 bytes) that divides every address and size in ``values``."""
+    common = math.gcd(*values)
     for width in (16, 8, 4):
-        if all(v % width == 0 for v in values):
+        if common % width == 0:
             return width
     raise ValueError(f"addresses/sizes {values} are not 4-byte aligned")
 
@@ -230,7 +233,7 @@ def choose_backend(
 def _launch_shape(load: bool, kv: DeviceKV, host_addr: int) -> tuple[int, int, int]:
     """A page transfer kernel's access width, chunks in flight per thread and threads per
     block, for ``kv`` and host pages at ``host_addr``."""
-    width = _vector_width(kv.geometry.item_bytes, kv.slot_stride_bytes, host_addr, *kv.layer_ptrs)
+    width = _vector_width(kv.alignment, host_addr)
     unroll = UNROLL_LOAD if load else UNROLL_SAVE
     threads = THREADS if unroll == 4 else THREADS // 2  # unroll 8: 512-thread blocks
     return width, unroll, threads
@@ -246,12 +249,11 @@ def _kernel_args(
 ) -> tuple[int, ...]:
     """The arguments both kernel entries (``pagekv_page_transfer``, ``..._layers``) start with:
     device, direction, buffers, index widths, geometry."""
-    geo = kv.geometry
-    return (kv.device.index, int(load), host_addr, kv.pointer_table(kv.device).data_ptr(),
+    dev = kv.device
+    return (dev.index, int(load), host_addr, kv.pointer_table(dev).data_ptr(),
             ids_d.data_ptr(), int(ids_d.dtype == torch.int64), s_d.data_ptr(),
-            int(s_d.dtype == torch.int64), ids_d.numel(), host_pages, kv.num_slots,
-            geo.page_bytes, kv.slot_stride_bytes, geo.item_bytes, geo.page_size, geo.num_kv,
-            geo.num_layers)  # fmt: skip
+            int(s_d.dtype == torch.int64), ids_d.numel(), host_pages,
+            *kv.launch_constants)  # fmt: skip
 
 
 def _page_transfer(

@@ -1,0 +1,161 @@
+"""Where a transfer call's host time goes (issue 32's one-layer target: from an idle device the
+host's time before the first copy counts). For the kernel backend with device indices and
+``validate=False`` (what a capturable caller passes), one layer of Llama-3-8B at 4 MiB, and
+for a whole layer-by-layer load (``transfer_layers``, CPU indices), prints:
+
+* the median host time per call (the device synchronised every 50 calls, so the driver's
+  queue never fills and holds the host; before each layer-by-layer load);
+* the pieces a call is made of, each timed alone over the same number of calls;
+* from an idle device, the device time to the end of each of 3 back-to-back calls, for the
+  kernel and for one contiguous copy of the same bytes (what the benchmarks' plain ratio is
+  made of);
+* cProfile's top entries by own time.
+
+    python scripts/diag_launch_host.py [--calls 2000] [--save]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from _bench_util import parse_args, write_result
+from bench_kernels import GEOMETRIES, Setup
+
+from pagekv.connector import KVGeometry
+from pagekv.kernels import load, ops, transfer_layers
+from pagekv.kernels.layout import check_host, check_page_ids, check_slots, device_indices
+
+LAYER = 5
+
+
+def host_us(fn: Callable[[], object], calls: int, every: int = 50) -> float:
+    """Median host microseconds of one call of ``fn``, the device synchronised every
+    ``every`` calls."""
+    times = []
+    for i in range(calls):
+        if i % every == 0:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return round(statistics.median(times) * 1e6, 2)
+
+
+def profile(fn: Callable[[], object], calls: int, every: int = 50, top: int = 25) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(calls):
+        if i % every == 0:
+            torch.cuda.synchronize()
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def timeline(fn: Callable[[], object], reps: int = 21, inner: int = 3) -> list[float]:
+    """Median device microseconds from an event recorded on the idle device to the end of the
+    first of ``inner`` back-to-back calls, then of each next call (the bench's plain timing,
+    taken apart)."""
+    spans: list[list[float]] = [[] for _ in range(inner)]
+    for _ in range(reps):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(inner + 1)]
+        torch.cuda.synchronize()
+        events[0].record()
+        for k in range(inner):
+            fn()
+            events[k + 1].record()
+        events[-1].synchronize()
+        for k in range(inner):
+            spans[k].append(events[k].elapsed_time(events[k + 1]) * 1e3)
+    return [round(statistics.median(span), 1) for span in spans]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--mib", type=int, default=4, help="one layer's bytes per call")
+    args = parse_args(ap)
+    dev = torch.device("cuda", 0)
+    geo = KVGeometry(page_size=16, **GEOMETRIES["llama3-8b"])
+    per_page = geo.page_bytes // geo.num_layers
+    n = (args.mib << 20) // per_page
+    raw = torch.empty(geo.page_bytes * n, dtype=torch.uint8).pin_memory()
+    st = Setup(raw, geo, raw.numel())
+    ids, slots = st.ids[:n], st.slots[:n]
+    kv, host = st.kv, st.host
+
+    def one_layer() -> object:
+        return load(host, ids, kv, slots, layer=LAYER, backend="kernel", validate=False)
+
+    def layerwise() -> object:
+        return transfer_layers(
+            True,
+            host,
+            st.ids_cpu[:n],
+            kv,
+            st.slots_cpu[:n],
+            list(range(geo.num_layers)),
+            backend="kernel",
+        )
+
+    pieces: dict[str, Callable[[], object]] = {
+        "load(): one layer, kernel": one_layer,
+        "check_host": lambda: check_host(geo, host),
+        "check_page_ids (no values)": lambda: check_page_ids(
+            ids, host.shape[0], unique=False, check_values=False
+        ),
+        "check_slots (no values)": lambda: check_slots(
+            slots, n, geo.page_size, kv.num_slots, check_values=False
+        ),
+        "host.is_pinned()": host.is_pinned,
+        "host.device == dev": lambda: host.device == dev,
+        "kv.device": lambda: kv.device,
+        "device_indices(ids)": lambda: device_indices(ids, dev),
+        "current_stream": lambda: ops.current_stream(0),
+        "_device_address(host)": lambda: ops._device_address(host, dev),
+        "_launch_shape": lambda: ops._launch_shape(True, kv, host.data_ptr()),
+        "kv.pointer_table": lambda: kv.pointer_table(dev),
+        "_kernel_args": lambda: ops._kernel_args(
+            True, kv, host.data_ptr(), host.shape[0], ids, slots
+        ),
+    }
+    for _ in range(3):
+        one_layer()
+        layerwise()
+    torch.cuda.synchronize()
+    result: dict = {"calls": args.calls, "mib": args.mib, "us": {}}
+    for name, fn in pieces.items():
+        result["us"][name] = host_us(fn, args.calls)
+        print(f"{name:32s} {result['us'][name]:8.2f} us", flush=True)
+    dev_flat = torch.empty(n * per_page, dtype=torch.uint8, device=dev)
+    host_flat = raw[: n * per_page]
+    plain = {
+        "copy": lambda: dev_flat.copy_(host_flat, non_blocking=True),
+        "kernel": one_layer,
+    }
+    for name, fn in plain.items():
+        result[f"timeline_us_{name}"] = timeline(fn)
+        print(f"from idle, each of 3 calls, device us: {name} {result[f'timeline_us_{name}']}")
+    key = "transfer_layers: 32 layers, CPU indices"
+    result["us"][key] = host_us(layerwise, args.calls // 20, every=1)
+    print(f"{key:32s} {result['us'][key]:8.2f} us", flush=True)
+    result["profile_one_layer"] = profile(one_layer, args.calls)
+    result["profile_layerwise"] = profile(layerwise, args.calls // 20, every=1)
+    print(result["profile_one_layer"])
+    print(result["profile_layerwise"])
+    print(f"wrote {write_result('diag_launch_host', result)}")
+
+
+if __name__ == "__main__":
+    main()
