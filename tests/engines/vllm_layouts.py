@@ -65,8 +65,10 @@ def fake_kv_cache_config(layer_lists: list[list[str]], *, groups: int = 1, num_b
 
 
 def worker_over(views, num_blocks: int, geometry, endpoint: str, *, model: str = "test-model",
-                load_timeout_s: float = 2.0, host_pages: int = 64):  # fmt: skip
-    """A vLLM-connector worker half (TP rank 0 of 1) over vLLM-shaped cache views."""
+                load_timeout_s: float = 2.0, host_pages: int = 64,
+                store_timeout_s: float = 1.0):  # fmt: skip
+    """A vLLM-connector worker half (TP rank 0 of 1) over vLLM-shaped cache views; its store
+    client gives a node ``store_timeout_s`` to answer."""
     from pagekv.connector import KVConnector
     from pagekv.connector.vllm.blocks import block_views
     from pagekv.connector.vllm.namespace import EngineLayout
@@ -77,7 +79,7 @@ def worker_over(views, num_blocks: int, geometry, endpoint: str, *, model: str =
     block = views[0].shape[2] * (views[0].shape[0] // num_blocks)
     layout = EngineLayout(model, "vllm-v1|test", (geometry,), block, 1, 1, False)
     kv = DeviceKV.from_caches(geometry, block_views(views, num_blocks, geometry))
-    conn = KVConnector(geometry, kv, ClientConfig((endpoint,), timeout_s=1.0),
+    conn = KVConnector(geometry, kv, ClientConfig((endpoint,), timeout_s=store_timeout_s),
                        host_pages=host_pages, namespace=layout.namespace(0, 0))  # fmt: skip
     names = {f"model.layers.{i}.self_attn.attn": i for i in range(geometry.num_layers)}
     return WorkerSide(conn, lambda epoch: layout.namespace(0, 0, epoch), names,
