@@ -5,7 +5,8 @@ for a whole layer-by-layer load (``transfer_layers``, CPU indices), prints:
 
 * the median host time per call (the device synchronised every 50 calls, so the driver's
   queue never fills and holds the host; before each layer-by-layer load);
-* the pieces a call is made of, each timed alone over the same number of calls;
+* the pieces a call is made of, each timed alone over the same number of calls, and again
+  each right after the host waited for the device (as the first call of the plain timing);
 * from an idle device, the device time to the end of each of 3 back-to-back calls, for the
   kernel and for one contiguous copy of the same bytes (what the benchmarks' plain ratio is
   made of);
@@ -35,12 +36,14 @@ from pagekv.kernels.layout import check_host, check_page_ids, check_slots, devic
 LAYER = 5
 
 
-def host_us(fn: Callable[[], object], calls: int, every: int = 50) -> float:
+def host_us(fn: Callable[[], object], calls: int, every: int = 50, wait: bool = False) -> float:
     """Median host microseconds of one call of ``fn``, the device synchronised every
-    ``every`` calls."""
+    ``every`` calls (with ``wait``, after ~0.1 ms of GPU work: the host has waited)."""
     times = []
     for i in range(calls):
         if i % every == 0:
+            if wait:
+                torch.cuda._sleep(200_000)
             torch.cuda.synchronize()
         t = time.perf_counter()
         fn()
@@ -135,9 +138,12 @@ def main() -> None:
         layerwise()
     torch.cuda.synchronize()
     result: dict = {"calls": args.calls, "mib": args.mib, "us": {}}
+    result["us_after_a_wait"] = {}
     for name, fn in pieces.items():
         result["us"][name] = host_us(fn, args.calls)
-        print(f"{name:32s} {result['us'][name]:8.2f} us", flush=True)
+        after = result["us_after_a_wait"][name] = host_us(fn, args.calls // 5, every=1, wait=True)
+        print(f"{name:32s} {result['us'][name]:8.2f} us, {after:8.2f} after a device wait",
+              flush=True)  # fmt: skip
     dev_flat = torch.empty(n * per_page, dtype=torch.uint8, device=dev)
     host_flat = raw[: n * per_page]
     plain = {
