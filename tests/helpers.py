@@ -13,7 +13,7 @@ _INT_VIEW = {1: (torch.uint8, 0xA5), 2: (torch.int16, -0x5A5B), 4: (torch.int32,
 
 def random_tensor(shape, dtype, device="cpu"):
     """Fresh random bytes of any dtype (fp8 included): all bit patterns, NaNs too."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     n = torch.Size(shape).numel()
     raw = torch.randint(0, 256, (n * size,), dtype=torch.uint8)
     return raw.view(dtype).view(shape).to(device)

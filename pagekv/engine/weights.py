@@ -48,7 +48,7 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
             raise ConfigError(f"{path}: tensor {name} has unsupported dtype {meta['dtype']}")
         begin, end = meta["data_offsets"]
         raw = data[begin:end]
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if begin % itemsize:
             raw = raw.clone()  # a view of another dtype needs an aligned start
         out[name] = raw.view(dtype).reshape(meta["shape"])

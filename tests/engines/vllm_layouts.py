@@ -41,10 +41,10 @@ def vllm_layer_views(
         step *= sizes[axis]
     g = torch.Generator().manual_seed(seed)
     total = math.prod(sizes.values())
-    if dtype.is_floating_point and torch.empty((), dtype=dtype).element_size() >= 2:
+    if dtype.is_floating_point and dtype.itemsize >= 2:
         raw = torch.randn(total, generator=g).to(dtype)
     else:
-        raw = torch.randint(0, 256, (total * torch.empty((), dtype=dtype).element_size(),),
+        raw = torch.randint(0, 256, (total * dtype.itemsize,),
                             generator=g, dtype=torch.uint8).view(dtype)  # fmt: skip
     raw = raw.to(device)
     shape = tuple(sizes[a] for a in "BHNC")

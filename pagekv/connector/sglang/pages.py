@@ -144,7 +144,7 @@ def _kv_geometry(pool: Any, kind: str, page: int) -> KVGeometry | None:
     if not isinstance(dtype, torch.dtype) or not hasattr(pool, "layer_num"):
         return None
     stand_in = dtype if dtype in SUPPORTED_DTYPES.values() else None
-    stand_in = stand_in or _STAND_IN.get(torch.empty((), dtype=dtype).element_size())
+    stand_in = stand_in or _STAND_IN.get(dtype.itemsize)
     if stand_in is None:
         raise ConfigError(f"pagekv: SGLang host pool dtype {dtype} is not supported")
     if kind == "mla":

@@ -33,7 +33,7 @@ def carrier_dtype(dtype: torch.dtype) -> torch.dtype:
     supported dtype of the same element size (bytes are copied, never converted)."""
     if dtype in SUPPORTED_DTYPES.values():
         return dtype
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     name = _CARRIERS.get(size)
     if name is None or name not in SUPPORTED_DTYPES:
         raise ConfigError(f"KV cache dtype {dtype} ({size} bytes) has no pagekv carrier dtype")
@@ -44,7 +44,7 @@ def block_geometry(num_layers: int, block_bytes: int, dtype: torch.dtype) -> KVG
     """The page geometry of ``num_layers`` layers whose blocks hold ``block_bytes`` bytes of
     ``dtype`` each. Raises ``ConfigError`` when the bytes do not split into whole elements."""
     carrier = carrier_dtype(dtype)
-    size = torch.empty((), dtype=carrier).element_size()
+    size = carrier.itemsize
     if block_bytes <= 0 or block_bytes % size or block_bytes % 4:
         raise ConfigError(f"a KV block of {block_bytes} bytes is not a whole number of words")
     return KVGeometry.mla(num_layers, page_size=1, latent_dim=block_bytes // size, dtype=carrier)
@@ -87,7 +87,7 @@ def block_views(
                 f"layer {i}: cache of shape {tuple(t.shape)} is not [num_blocks * r, ...] "
                 f"with num_blocks={num_blocks}"
             )
-        if t.element_size() != torch.empty((), dtype=carrier).element_size():
+        if t.element_size() != carrier.itemsize:
             raise ConfigError(f"layer {i}: dtype {t.dtype} does not match the page dtype")
         grouped = t.view(carrier).unflatten(0, (num_blocks, -1))  # manager blocks first
         # inside a block, memory order (LBNHC keeps N outside H): the row is the block's bytes
