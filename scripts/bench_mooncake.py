@@ -41,7 +41,7 @@ def sync() -> None:
 
 def random_cache(shape: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
     """Random bytes as a cache of ``dtype`` (no float temporaries: 4 GiB fits a small box)."""
-    last = shape[-1] * torch.empty((), dtype=dtype).element_size()
+    last = shape[-1] * dtype.itemsize
     raw = torch.randint(0, 256, (*shape[:-1], last), dtype=torch.uint8, device=device)
     return raw.view(dtype)
 

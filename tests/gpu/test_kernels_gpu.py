@@ -32,12 +32,8 @@ DEV = torch.device("cuda", 0)
 ITEM_BYTES = [256, 264, 260, 1152, 2048, 4096]  # 264/260: 8- and 4-byte accesses
 
 
-def element_size(dtype):
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def geometry(dtype, mla, item_bytes, page_size, num_layers=3):
-    elems = item_bytes // element_size(dtype)
+    elems = item_bytes // dtype.itemsize
     if mla:
         return KVGeometry.mla(num_layers, page_size, elems, dtype)
     heads = 2 if elems % 2 == 0 and elems >= 128 else 1
@@ -63,7 +59,7 @@ def slot_table(n_pages, page_size, num_slots, index_dtype, skip=0.1):
 @pytest.mark.parametrize("item_bytes", ITEM_BYTES)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
 def test_page_transfers_match_reference(dtype, mla, page_size, item_bytes, index_dtype):
-    if item_bytes % element_size(dtype):
+    if item_bytes % dtype.itemsize:
         pytest.skip("row is not a whole number of elements")
     geo = geometry(dtype, mla, item_bytes, page_size)
     n_pages = max(1, 384 // page_size)
@@ -317,8 +313,8 @@ def test_copy_slots_matches_reference(dtype, mla, where):
 @pytest.mark.parametrize("tokens", [1, 7, 64, 3000])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
 def test_store_kv_matches_index_put(dtype, row_bytes, tokens, index_dtype):
-    elems = row_bytes // element_size(dtype)
-    if elems == 0 or row_bytes % element_size(dtype):
+    elems = row_bytes // dtype.itemsize
+    if elems == 0 or row_bytes % dtype.itemsize:
         pytest.skip("row is not a whole number of elements")
     slots = 4096
     # k and v as strided views of one fused output, as engines produce them

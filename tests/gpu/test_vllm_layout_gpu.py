@@ -45,7 +45,7 @@ def engine(case: str, device: str, node, seed: int, poison: bool = False):
                                   ratio=ratio, device=device, seed=seed)  # fmt: skip
     if poison:
         raw.view(torch.uint8).fill_(0x5A)
-    block_bytes = heads * block * cell * torch.empty((), dtype=dtype).element_size()
+    block_bytes = heads * block * cell * dtype.itemsize
     geo = block_geometry(LAYERS, block_bytes, dtype)
     # these tests are about layouts: a node slow to answer on a loaded host (8 test workers
     # beside GPU tests) is not a failure of theirs, so the store gets seconds, not the 1 s
