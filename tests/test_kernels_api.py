@@ -163,11 +163,11 @@ def test_access_width_is_the_widest_dividing_rows_strides_and_addresses(offset, 
     from pagekv.kernels import ops
 
     geo = KVGeometry(2, 4, 1, 32, "bf16")  # 64-byte rows
-    raw = torch.empty(4096 + 64, dtype=torch.uint8)
+    raw = torch.empty(4 * 2048 + 32, dtype=torch.uint8)
     base = (-raw.data_ptr()) % 16 + offset  # the layers start `offset` past a 16-byte line
     layers = []
-    for i in range(geo.num_layers * geo.num_kv):
-        at = base + i * 1024
+    for i in range(geo.num_layers * geo.num_kv):  # 2 KiB apart: 8 rows of <= 136 B each fit
+        at = base + i * 2048
         rows = raw[at : at + 8 * stride_elems * 2].view(torch.bfloat16).view(8, stride_elems)
         layers.append(rows[:, : geo.row_elems])
     kv = DeviceKV(geo, (tuple(layers[:2]), tuple(layers[2:])))
