@@ -8,6 +8,7 @@ Tests that fail on f1eb0b9 say so (the reason in their docstring)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import pickle
 import socket
@@ -414,6 +415,47 @@ def test_an_unknown_epoch_reads_and_writes_nothing_until_the_store_answers():
         assert sched.epoch
     finally:
         node.stop()
+
+
+class _HeldLoop:
+    """An index loop whose checks the test answers: each coroutine handed over is closed
+    unrun, and the future it returns stays pending until the test sets it."""
+
+    def __init__(self) -> None:
+        self.sent: list[concurrent.futures.Future] = []
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        coro.close()
+        self.sent.append(concurrent.futures.Future())
+        return self.sent[-1]
+
+    def call(self, coro, timeout_s: float):
+        coro.close()
+        raise TimeoutError("the store is down")
+
+
+def test_a_check_asked_for_while_one_is_in_flight_is_not_lost():
+    """A lookup finds the store lacks blocks (it restarted empty) while a check of the record,
+    sent while the store was down, is still on its way. That check fails; the one asked for must
+    still go out a second after it, not after the failures' backoff: else the engine re-saves
+    its blocks under an epoch no record names, and an engine starting meanwhile writes another
+    (seen once in test_vllm_roles' restarted store). Failed before 2026-11-27: the failed
+    check's backoff overwrote the request."""
+    loop = _HeldLoop()
+    record = EpochRecord(SimpleNamespace(loop=loop, store=None), b"record", timeout_s=0.3)
+    for _ in range(3):  # the store down: each failure doubles the wait, now 8 s
+        assert record.establish() is None
+    assert record.poll(None, time.monotonic() + 60) is None  # a check goes out
+    assert len(loop.sent) == 1
+    record.check_soon()  # the lookup's sign of a restarted store
+    loop.sent[0].set_result(None)  # the check sent while the store was down fails
+    assert record.poll(None, time.monotonic()) is None  # its failure taken in
+    assert record.poll(None, time.monotonic() + 1.5) is None
+    assert len(loop.sent) == 2  # the check asked for, a second after the failed one
+    loop.sent[1].set_result(None)  # it fails too: from here the backoff holds again
+    assert record.poll(None, time.monotonic()) is None
+    assert record.poll(None, time.monotonic() + 1.5) is None
+    assert len(loop.sent) == 2
 
 
 # ---- worker ----------------------------------------------------------------------------------

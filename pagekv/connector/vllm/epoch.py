@@ -69,6 +69,7 @@ class EpochRecord:
         self._pending: str | None = None  # a reset's epoch not yet recorded
         self._check: concurrent.futures.Future | None = None
         self._next_check = self._last_check = 0.0
+        self._soon = False  # a check asked for by check_soon, not yet sent
         self._retry_s = 1.0
 
     # ---- store operations (coroutines on the index's loop) ---------------------------------
@@ -148,20 +149,25 @@ class EpochRecord:
             pending = self._pending
             coro = self._write(pending, replace=True) if pending else self._establish(current)
             self._check = self.index.loop.submit(coro)
+            self._soon = False
             self._next_check = now + 1.0  # (until the check's answer sets the next one)
         return current
 
     def check_soon(self) -> None:
         """Read the record at the next poll (at most one check a second): the store may have
-        lost it (a lookup found it lacks blocks this engine holds)."""
+        lost it (a lookup found it lacks blocks this engine holds). A check already on its way
+        may have read the store before it lost the record: the one asked for is still sent."""
+        self._soon = True
         self._next_check = min(self._next_check, self._last_check + 1.0)
 
     def _schedule(self, found: str | None) -> str | None:
         self._last_check = time.monotonic()
         if found is None:
-            self._next_check = time.monotonic() + self._retry_s
+            self._next_check = self._last_check + self._retry_s
             self._retry_s = min(CHECK_S, self._retry_s * 2)
         else:
-            self._next_check = time.monotonic() + CHECK_S
+            self._next_check = self._last_check + CHECK_S
             self._retry_s = 1.0
+        if self._soon:
+            self._next_check = min(self._next_check, self._last_check + 1.0)
         return found
