@@ -14,6 +14,7 @@ Throughout pagekv an *item* is one token's row of one layer of one of K, V or th
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 import xxhash
@@ -123,7 +124,7 @@ class KVGeometry:
         """An MLA geometry: one latent of ``latent_dim`` elements per token and layer."""
         return cls(num_layers, page_size, 1, latent_dim, dtype, KVKind.MLA)  # type: ignore[arg-type]
 
-    # ---- derived sizes -------------------------------------------------------------------
+    # ---- derived sizes (the ones every transfer call reads are cached: the fields are frozen)
     @property
     def is_mla(self) -> bool:
         return self.kind is KVKind.MLA
@@ -142,7 +143,7 @@ class KVGeometry:
         """Elements in one token's row of one layer of K, V or latent."""
         return self.num_kv_heads * self.head_dim
 
-    @property
+    @functools.cached_property
     def item_bytes(self) -> int:
         """Bytes of one token's row of one layer of K, V or latent (the unit the kernels move)."""
         return self.row_elems * self.element_size
@@ -155,19 +156,19 @@ class KVGeometry:
     def bytes_per_token(self) -> int:
         return self.num_layers * self.bytes_per_token_per_layer
 
-    @property
+    @functools.cached_property
     def page_bytes(self) -> int:
         """Bytes of one page block: all layers, K and V (or the latent), ``page_size`` tokens."""
         return self.page_size * self.bytes_per_token
 
-    @property
+    @functools.cached_property
     def host_page_shape(self) -> tuple[int, ...]:
         """Shape of one page block in the host pool (see module docstring)."""
         if self.is_mla:
             return (self.num_layers, self.page_size, self.head_dim)
         return (self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
 
-    @property
+    @functools.cached_property
     def device_layer_shape(self) -> tuple[int, ...]:
         """Per-slot shape of one layer of the device cache: ``(heads, dim)`` or ``(dim,)``."""
         return (self.head_dim,) if self.is_mla else (self.num_kv_heads, self.head_dim)

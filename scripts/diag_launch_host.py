@@ -6,7 +6,10 @@ for a whole layer-by-layer load (``transfer_layers``, CPU indices), prints:
 * the median host time per call (the device synchronised every 50 calls, so the driver's
   queue never fills and holds the host; before each layer-by-layer load);
 * the pieces a call is made of, each timed alone over the same number of calls, and again
-  each right after the host waited for the device (as the first call of the plain timing);
+  each right after the host waited for the device (as the first call of the plain timing):
+  the checks, the library call with its arguments made beforehand (with no pages: ctypes
+  alone; with the real ones: and the launch), ``load()`` with that call a Python no-op (its
+  Python alone), and the ceiling's ``copy_`` of the same bytes;
 * from an idle device, the device time to the end of each of 3 back-to-back calls, for the
   kernel and for one contiguous copy of the same bytes (what the benchmarks' plain ratio is
   made of);
@@ -31,6 +34,7 @@ from bench_kernels import GEOMETRIES, Setup
 
 from pagekv.connector import KVGeometry
 from pagekv.kernels import load, ops, transfer_layers
+from pagekv.kernels.jit import load_library
 from pagekv.kernels.layout import check_host, check_page_ids, check_slots, device_indices
 
 LAYER = 5
@@ -84,6 +88,20 @@ def timeline(fn: Callable[[], object], reps: int = 21, inner: int = 3) -> list[f
     return [round(statistics.median(span), 1) for span in spans]
 
 
+class _NoLaunch:
+    """The kernel library with ``pagekv_page_plan_transfer`` a Python no-op."""
+
+    def __init__(self, lib: object) -> None:
+        self._lib = lib
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._lib, name)
+
+    @staticmethod
+    def pagekv_page_plan_transfer(*args: object) -> int:
+        return 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calls", type=int, default=2000)
@@ -128,11 +146,27 @@ def main() -> None:
         "current_stream": lambda: ops.current_stream(0),
         "_device_address(host)": lambda: ops._device_address(host, dev),
         "_launch_shape": lambda: ops._launch_shape(True, kv, host.data_ptr()),
-        "kv.pointer_table": lambda: kv.pointer_table(dev),
-        "_kernel_args": lambda: ops._kernel_args(
-            True, kv, host.data_ptr(), host.shape[0], ids, slots
-        ),
+        "kv.page_plan": lambda: kv.page_plan,
+        "_page_flags": lambda: ops._page_flags(True, ids, slots, ops.UNROLL_LOAD),
     }
+    # the library call alone: its arguments made beforehand, with no pages (ctypes converts
+    # them and the entry returns before any CUDA call) and with the real ones (and the launch)
+    lib = load_library()
+    width, unroll, threads = ops._launch_shape(True, kv, host.data_ptr())
+    call = [kv.page_plan[1], ops._page_flags(True, ids, slots, unroll), host.data_ptr(),
+            host.shape[0], ids.data_ptr(), slots.data_ptr(), n, LAYER, width,
+            ops.LAYER_LOAD_BLOCKS, threads, ops.current_stream(0)]  # fmt: skip
+    no_pages = list(call)
+    no_pages[6] = 0
+    dev_flat = torch.empty(n * per_page, dtype=torch.uint8, device=dev)
+    host_flat = raw[: n * per_page]
+    pieces["library call, no pages (ctypes alone)"] = lambda: lib.pagekv_page_plan_transfer(
+        *no_pages
+    )
+    pieces["library call and launch"] = lambda: lib.pagekv_page_plan_transfer(*call)
+    pieces["copy_ of the same bytes (the ceiling's call)"] = lambda: dev_flat.copy_(
+        host_flat, non_blocking=True
+    )
     for _ in range(3):
         one_layer()
         layerwise()
@@ -142,10 +176,18 @@ def main() -> None:
     for name, fn in pieces.items():
         result["us"][name] = host_us(fn, args.calls)
         after = result["us_after_a_wait"][name] = host_us(fn, args.calls // 5, every=1, wait=True)
-        print(f"{name:32s} {result['us'][name]:8.2f} us, {after:8.2f} after a device wait",
+        print(f"{name:44s} {result['us'][name]:8.2f} us, {after:8.2f} after a device wait",
               flush=True)  # fmt: skip
-    dev_flat = torch.empty(n * per_page, dtype=torch.uint8, device=dev)
-    host_flat = raw[: n * per_page]
+    # load()'s Python alone: the same call with a library whose entry launches nothing
+    name = "load(), the library call a no-op (Python alone)"
+    ops.load_library = lambda: _NoLaunch(lib)
+    try:
+        result["us"][name] = host_us(one_layer, args.calls)
+        result["us_after_a_wait"][name] = host_us(one_layer, args.calls // 5, every=1, wait=True)
+    finally:
+        ops.load_library = load_library
+    print(f"{name:44s} {result['us'][name]:8.2f} us, {result['us_after_a_wait'][name]:8.2f} "
+          "after a device wait", flush=True)  # fmt: skip
     plain = {
         "copy": lambda: dev_flat.copy_(host_flat, non_blocking=True),
         "kernel": one_layer,

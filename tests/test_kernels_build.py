@@ -36,14 +36,24 @@ def test_sources_compile_and_library_loads(tmp_path):
     assert lib_path.exists() and lib_path.stat().st_size > 10_000
     assert jit.build_library("90", directory=tmp_path) == lib_path  # cached
     lib = jit._open(lib_path)
-    assert lib.pagekv_abi_version() == jit._ABI_VERSION == 6
+    assert lib.pagekv_abi_version() == jit._ABI_VERSION == 7
     # Bad launch parameters are refused before any CUDA call (cudaErrorInvalidValue == 1).
-    err = lib.pagekv_page_transfer(0, 1, None, None, None, 0, None, 0, 1, 1, 1, 1, 1,
-                                   256, 16, 2, 4, 0, 1, 3, 8, 1024, 4, None)  # fmt: skip
-    assert err == 1  # width 3
-    err = lib.pagekv_page_transfer(0, 1, None, None, None, 0, None, 0, 1, 1, 1, 1, 1,
-                                   256, 16, 2, 4, 0, 1, 16, 8, 1024, 5, None)  # fmt: skip
-    assert err == 1  # unroll 5
+    plan = jit.PagePlan(device=0, layer_ptrs=0, num_slots=1, page_bytes=1 << 14, slot_stride=256,
+                        item_bytes=256, page_size=16, num_kv=2, num_layers=4)  # fmt: skip
+    good = dict(layer=0, width=16, blocks=8, threads=1024, unroll8=0)
+    bad = [dict(width=3), dict(blocks=0), dict(threads=1056), dict(unroll8=1),  # 8 needs <= 512
+           dict(layer=4), dict(layer=-2)]  # fmt: skip
+
+    def page_transfer(n_pages: int, **change) -> int:
+        a = {**good, **change}
+        return lib.pagekv_page_plan_transfer(
+            ctypes.addressof(plan), jit.PAGE_LOAD | (jit.PAGE_UNROLL8 * a["unroll8"]), None, 1,
+            None, None, n_pages, a["layer"], a["width"], a["blocks"], a["threads"], None,
+        )  # fmt: skip
+
+    assert page_transfer(0) == 0  # good parameters, no pages: nothing to launch
+    for change in bad:
+        assert page_transfer(0, **change) == 1, change
     err = lib.pagekv_store_kv(0, None, None, None, None, None, 0, 1, 1, 0, 0, 0, 0,
                               256, 16, 1, 2000, None)  # fmt: skip
     assert err == 1  # 2000 threads

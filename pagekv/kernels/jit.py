@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "pagekv_kernels.cu", CSRC / "copy_engine.cu")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
-_ABI_VERSION = 6
+_ABI_VERSION = 7
 
 
 def backend_mode() -> str:
@@ -123,15 +123,14 @@ _SIGNATURES = {
     ),
 }
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-_SIGNATURES["pagekv_page_transfer"] = (
-    [_I, _I, _P, _P, _P, _I, _P, _I] + [_L] * 5 + [_I] * 10 + [_P],
+_SIGNATURES["pagekv_page_plan_transfer"] = (
+    [_P, _I, _P, _L, _P, _P, _L] + [_I] * 4 + [_P],
     ctypes.c_int,
 )
-_SIGNATURES["pagekv_page_transfer_layers"] = (
-    [_I, _I, _P, _P, _P, _I, _P, _I] + [_L] * 5 + [_I] * 4 + [_P, _I, _P] + [_I] * 5
-    + [_P, ctypes.POINTER(_I)],
+_SIGNATURES["pagekv_page_plan_transfer_layers"] = (
+    [_P, _I, _P, _L, _P, _P, _L, _P, _I, _P] + [_I] * 4 + [_P, ctypes.POINTER(_I)],
     ctypes.c_int,
-)  # fmt: skip
+)
 _SIGNATURES["pagekv_slot_copy"] = (
     [_I, _P, _P, _P, _I, _P, _I] + [_L] * 5 + [_I] * 8 + [_P],
     ctypes.c_int,
@@ -167,6 +166,22 @@ def layer_entries(
     which = (ctypes.c_int * len(layers))(*(-1 if layer is None else layer for layer in layers))
     handles = (ctypes.c_void_p * len(events))(*(event.cuda_event for event in events))
     return which, handles
+
+
+class PagePlan(ctypes.Structure):
+    """Mirror of ``PagePlan`` in csrc/pagekv_kernels.cu (all int64: no padding to match)."""
+
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in (
+            "device", "layer_ptrs", "num_slots", "page_bytes", "slot_stride", "item_bytes",
+            "page_size", "num_kv", "num_layers",
+        )
+    ]  # fmt: skip
+
+
+# ``flags`` of the page entries (csrc/pagekv_kernels.cu ``PageFlags``)
+PAGE_LOAD, PAGE_IDS64, PAGE_SLOTS64, PAGE_UNROLL8 = 1, 2, 4, 8
 
 
 class StoreKVPlan(ctypes.Structure):

@@ -31,6 +31,8 @@ import torch
 from pagekv.errors import InvalidPageError, InvalidSlotError
 from pagekv.geometry import KVGeometry
 
+from .jit import PagePlan
+
 __all__ = [
     "DeviceKV",
     "check_host",
@@ -132,15 +134,17 @@ class DeviceKV:
             v.append(t[1].flatten(0, 1))
         return cls.from_caches(geometry, k, v)
 
-    @property
+    # read on every transfer call: cached (the layers are fixed, and torch makes a new device
+    # object on each ``Tensor.device``)
+    @functools.cached_property
     def num_slots(self) -> int:
         return self.layers[0][0].shape[0]
 
-    @property
+    @functools.cached_property
     def device(self) -> torch.device:
         return self.layers[0][0].device
 
-    @property
+    @functools.cached_property
     def slot_stride_bytes(self) -> int:
         t = self.layers[0][0]
         return t.stride(0) * t.element_size()
@@ -158,13 +162,18 @@ class DeviceKV:
         return math.gcd(geo.item_bytes, self.slot_stride_bytes, *self.layer_ptrs)
 
     @functools.cached_property
-    def launch_constants(self) -> tuple[int, ...]:
-        """What every page-transfer launch passes about this cache, after the host pages and
-        indices (made once: a launch's host time is what a one-layer load waits on): slots,
-        page bytes, slot stride, row bytes, page size, K/V count, layers."""
+    def page_plan(self) -> tuple[PagePlan, int]:
+        """What every page-transfer launch passes about this cache (device, the pointer table on
+        it, slots, sizes, layers), and its address: made once, as a lone one-layer load waits
+        on its launch's host time. CUDA caches only."""
         geo = self.geometry
-        return (self.num_slots, geo.page_bytes, self.slot_stride_bytes, geo.item_bytes,
-                geo.page_size, geo.num_kv, geo.num_layers)  # fmt: skip
+        plan = PagePlan(
+            device=self.device.index or 0, layer_ptrs=self.pointer_table(self.device).data_ptr(),
+            num_slots=self.num_slots, page_bytes=geo.page_bytes,
+            slot_stride=self.slot_stride_bytes, item_bytes=geo.item_bytes,
+            page_size=geo.page_size, num_kv=geo.num_kv, num_layers=geo.num_layers,
+        )  # fmt: skip
+        return plan, ctypes.addressof(plan)  # the plan keeps the memory the address names
 
     @functools.cached_property
     def layer_ptr_array(self) -> ctypes.Array:
@@ -191,7 +200,7 @@ def check_host(geometry: KVGeometry, host: torch.Tensor) -> None:
         raise TypeError(f"host must be a tensor, got {type(host).__name__}")
     if host.dtype != geometry.dtype:
         raise TypeError(f"host has dtype {host.dtype}, geometry says {geometry.dtype}")
-    if host.dim() < 1 or tuple(host.shape[1:]) != geometry.host_page_shape:
+    if host.shape[1:] != geometry.host_page_shape:  # a 0-d tensor's () differs too
         raise ValueError(
             f"host has shape {tuple(host.shape)}, expected [num_pages, "
             f"{', '.join(map(str, geometry.host_page_shape))}]"
@@ -253,7 +262,7 @@ def check_slots(
     s = _index_tensor(slots, "slots")
     if s.dim() == 1 and s.numel() == num_pages * page_size:
         s = s.view(num_pages, page_size)
-    if tuple(s.shape) != (num_pages, page_size):
+    if s.shape != (num_pages, page_size):
         raise ValueError(
             f"slots has shape {tuple(s.shape)}, expected [{num_pages}, {page_size}] "
             f"(or {num_pages * page_size} flat) for {num_pages} pages"

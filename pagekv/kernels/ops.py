@@ -38,7 +38,16 @@ from typing import Literal
 import torch
 
 from . import copy_engine, copy_table, reference, staged
-from .jit import KernelsUnavailable, copy_backend_setting, layer_entries, load_library
+from .jit import (
+    PAGE_IDS64,
+    PAGE_LOAD,
+    PAGE_SLOTS64,
+    PAGE_UNROLL8,
+    KernelsUnavailable,
+    copy_backend_setting,
+    layer_entries,
+    load_library,
+)
 from .layout import (
     DeviceKV,
     check_host,
@@ -92,11 +101,10 @@ Index = torch.Tensor | Sequence[int]
 
 def _vector_width(*values: int) -> int:
     """The widest access (16, 8 or 4 bytes) that divides every address and size in ``values``."""
-    common = math.gcd(*values)
-    for width in (16, 8, 4):
-        if common % width == 0:
-            return width
-    raise ValueError(f"addresses/sizes {values} are not 4-byte aligned")
+    common = math.gcd(16, *values)  # a power of two, at most 16
+    if common < 4:
+        raise ValueError(f"addresses/sizes {values} are not 4-byte aligned")
+    return common
 
 
 @functools.cache
@@ -113,7 +121,17 @@ def _device_address(t: torch.Tensor, device: torch.device) -> int:
         return t.data_ptr()
     if not t.is_pinned():
         raise ValueError("host memory must be pinned (HostPagePool pins when CUDA is available)")
-    if _can_use_host_pointer(device.index or 0):
+    return _reachable_address(t, device)
+
+
+def _reachable(t: torch.Tensor, device: torch.device) -> bool:
+    """``t`` is on ``device`` or in pinned host memory (one ``is_pinned``: ~1.5 us)."""
+    return t.device == device if t.is_cuda else t.is_pinned()
+
+
+def _reachable_address(t: torch.Tensor, device: torch.device) -> int:
+    """:func:`_device_address` of a tensor :func:`_reachable` from ``device`` (not checked)."""
+    if t.is_cuda or _can_use_host_pointer(device.index or 0):
         return t.data_ptr()
     out = ctypes.c_void_p()
     lib = load_library()
@@ -239,21 +257,11 @@ def _launch_shape(load: bool, kv: DeviceKV, host_addr: int) -> tuple[int, int, i
     return width, unroll, threads
 
 
-def _kernel_args(
-    load: bool,
-    kv: DeviceKV,
-    host_addr: int,
-    host_pages: int,
-    ids_d: torch.Tensor,
-    s_d: torch.Tensor,
-) -> tuple[int, ...]:
-    """The arguments both kernel entries (``pagekv_page_transfer``, ``..._layers``) start with:
-    device, direction, buffers, index widths, geometry."""
-    dev = kv.device
-    return (dev.index, int(load), host_addr, kv.pointer_table(dev).data_ptr(),
-            ids_d.data_ptr(), int(ids_d.dtype == torch.int64), s_d.data_ptr(),
-            int(s_d.dtype == torch.int64), ids_d.numel(), host_pages,
-            *kv.launch_constants)  # fmt: skip
+def _page_flags(load: bool, ids_d: torch.Tensor, s_d: torch.Tensor, unroll: int) -> int:
+    """The page entries' ``flags``: direction, index widths, chunks in flight per thread."""
+    return ((PAGE_LOAD if load else 0) | (PAGE_IDS64 if ids_d.dtype == torch.int64 else 0)
+            | (PAGE_SLOTS64 if s_d.dtype == torch.int64 else 0)
+            | (PAGE_UNROLL8 if unroll == 8 else 0))  # fmt: skip
 
 
 def _page_transfer(
@@ -282,8 +290,8 @@ def _page_transfer(
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
         raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
     dev = kv.device
-    host_ok = host.device == dev or (host.device.type == "cpu" and host.is_pinned())
-    lib = _kernel_lib(backend, dev.type == "cuda" and host_ok, "CUDA caches and a pinned host")
+    host_ok = dev.type == "cuda" and _reachable(host, dev)
+    lib = _kernel_lib(backend, host_ok, "CUDA caches and a pinned host")
     if lib is None:
         # Checked above when validate; else the reference checks (the torch path cannot skip
         # out-of-range indices the way the kernels do).
@@ -316,8 +324,8 @@ def _page_transfer(
 
         def kernel(load_: bool, pages: torch.Tensor, ids_d: torch.Tensor, s_d: torch.Tensor,
                    blocks: int) -> None:  # fmt: skip
-            _kernel_launch(lib, load_, pages, kv, ids_d, s_d, 0, geo.num_layers,
-                           blocks or num_blocks, stream)  # fmt: skip
+            _kernel_launch(lib, load_, _device_address(pages, dev), pages.shape[0], kv, ids_d,
+                           s_d, None, blocks or num_blocks, stream)  # fmt: skip
 
         if staged.page_transfer(lib, load, host, kv, ids_h, s_h, kernel):
             return "staged"
@@ -331,8 +339,9 @@ def _page_transfer(
             geo.page_size, geo.num_kv, geo.num_layers, l0, nl, stream,
         )  # fmt: skip
     else:
-        _kernel_launch(lib, load, host, kv, device_indices(ids, dev), device_indices(s, dev),
-                       l0, nl, num_blocks, stream)  # fmt: skip
+        _kernel_launch(lib, load, _reachable_address(host, dev), host.shape[0], kv,
+                       device_indices(ids, dev), device_indices(s, dev), layer, num_blocks,
+                       stream)  # fmt: skip
         return backend
     if err != 0:
         raise RuntimeError(f"pagekv {backend} {'load' if load else 'save'} failed: cudaError {err}")
@@ -342,25 +351,23 @@ def _page_transfer(
 def _kernel_launch(
     lib: ctypes.CDLL,
     load: bool,
-    host: torch.Tensor,
+    host_addr: int,
+    host_pages: int,
     kv: DeviceKV,
     ids_d: torch.Tensor,
     s_d: torch.Tensor,
-    l0: int,
-    nl: int,
+    layer: int | None,
     num_blocks: int,
     stream: int,
 ) -> None:
-    """The page kernel for layers ``[l0, l0 + nl)`` of pages ``ids_d`` of ``host`` (pinned, or
-    device memory) to/from slots ``s_d`` (device tensors), on ``num_blocks`` at most."""
-    geo, dev = kv.geometry, kv.device
-    host_addr = _device_address(host, dev)
+    """The page kernel for ``layer`` (None: all layers) of pages ``ids_d`` of the host pages at
+    ``host_addr`` (``host_pages`` of them; pinned, or device memory, as the kernel reaches
+    them) to/from slots ``s_d`` (device tensors), on ``num_blocks`` at most."""
     width, unroll, threads = _launch_shape(load, kv, host_addr)
-    chunks = ids_d.numel() * geo.num_kv * geo.page_size * nl * geo.item_bytes // width
-    blocks = max(1, min(num_blocks, -(-chunks // (threads * unroll))))
-    err = lib.pagekv_page_transfer(
-        *_kernel_args(load, kv, host_addr, host.shape[0], ids_d, s_d), l0, nl, width, blocks,
-        threads, unroll, stream,
+    err = lib.pagekv_page_plan_transfer(
+        kv.page_plan[1], _page_flags(load, ids_d, s_d, unroll), host_addr, host_pages,
+        ids_d.data_ptr(), s_d.data_ptr(), ids_d.numel(), -1 if layer is None else layer, width,
+        num_blocks, threads, stream,
     )  # fmt: skip
     if err != 0:
         raise RuntimeError(f"pagekv kernel {'load' if load else 'save'} failed: cudaError {err}")
@@ -440,15 +447,16 @@ def _kernel_layers(
     Python call's ~50."""
     geo, dev = kv.geometry, kv.device
     check_host(geo, host)
-    host_ok = host.device == dev or (host.device.type == "cpu" and host.is_pinned())
-    lib = _kernel_lib("kernel", dev.type == "cuda" and host_ok, "CUDA caches and a pinned host")
+    host_ok = dev.type == "cuda" and _reachable(host, dev)
+    lib = _kernel_lib("kernel", host_ok, "CUDA caches and a pinned host")
     if lib is None:  # _kernel_lib raises first for "kernel"; kept for the type checker
         raise KernelsUnavailable("CUDA kernels unavailable; see PAGEKV_KERNELS and the log")
     ids_d, s_d = device_indices(ids, dev), device_indices(s, dev)
-    host_addr = _device_address(host, dev)
+    host_addr = _reachable_address(host, dev)
     width, unroll, threads = _launch_shape(load, kv, host_addr)
     blocks_all, blocks_one = (LOAD_BLOCKS, LAYER_LOAD_BLOCKS) if load else (SAVE_BLOCKS,) * 2
-    args = _kernel_args(load, kv, host_addr, host.shape[0], ids_d, s_d)
+    args = (kv.page_plan[1], _page_flags(load, ids_d, s_d, unroll), host_addr, host.shape[0],
+            ids_d.data_ptr(), s_d.data_ptr(), ids_d.numel())  # fmt: skip
     stream_obj = torch.cuda.current_stream(dev)
     stream = stream_obj.cuda_stream
 
@@ -457,9 +465,9 @@ def _kernel_layers(
             event.record(stream_obj)
         which, handles = layer_entries(layers[first:end], events[first:end])
         done = ctypes.c_int(0)
-        err = lib.pagekv_page_transfer_layers(
-            *args, which, end - first, handles, width, blocks_all, blocks_one, threads, unroll,
-            stream, ctypes.byref(done),
+        err = lib.pagekv_page_plan_transfer_layers(
+            *args, which, end - first, handles, width, blocks_all, blocks_one, threads, stream,
+            ctypes.byref(done),
         )  # fmt: skip
         if err != 0:
             what = "load" if load else "save"

@@ -250,7 +250,7 @@ bool bad_launch(int width, int blocks, int threads) {
 
 extern "C" {
 
-int pagekv_abi_version() { return 6; }
+int pagekv_abi_version() { return 7; }
 
 // 1 if kernels may use a registered host pointer as its device address (UVA), else 0.
 int pagekv_can_use_host_pointer(int device) {
@@ -265,62 +265,72 @@ int pagekv_host_device_pointer(void* host, void** device_ptr) {
   return static_cast<int>(cudaHostGetDevicePointer(device_ptr, host, 0));
 }
 
-int pagekv_page_transfer(int device, int load, void* host, const int64_t* layer_ptrs, const void* page_ids,
-                         int ids64, const void* slots, int slots64, int64_t n_pages,
-                         int64_t num_host_pages, int64_t num_slots, int64_t page_bytes,
-                         int64_t slot_stride, int item_bytes, int page_size, int num_kv,
-                         int num_layers, int layer_begin, int layer_count, int width, int blocks,
-                         int threads, int unroll, cudaStream_t stream) {
-  if (bad_launch(width, blocks, threads) || item_bytes % width != 0 || layer_count <= 0 ||
-      (unroll != 4 && unroll != 8) || (unroll == 8 && threads > 512) ||
-      layer_begin < 0 || layer_begin + layer_count > num_layers)
+// A cache's fixed page-transfer parameters, made once per cache by the Python side
+// (``DeviceKV.page_plan``): ctypes converts every argument of every call, ~0.2 us apiece, and a
+// lone one-layer load waits on its launch. All int64: no padding to match.
+struct PagePlan {
+  int64_t device, layer_ptrs, num_slots, page_bytes, slot_stride, item_bytes, page_size, num_kv,
+      num_layers;
+};
+
+// ``flags`` of the page entries: the direction, the index widths and chunks in flight per thread.
+enum PageFlags { kFlagLoad = 1, kFlagIds64 = 2, kFlagSlots64 = 4, kFlagUnroll8 = 8 };
+
+// Pages ``page_ids`` of ``host`` (its device-visible address; ``num_host_pages`` pages) <->
+// slots ``slots`` of the cache, one layer (``layer`` >= 0) or all (-1), on as many thread blocks
+// as the chunks fill, at most ``max_blocks``.
+int pagekv_page_plan_transfer(const PagePlan* p, int flags, void* host, int64_t num_host_pages,
+                              const void* page_ids, const void* slots, int64_t n_pages, int layer,
+                              int width, int max_blocks, int threads, cudaStream_t stream) {
+  const int unroll = flags & kFlagUnroll8 ? 8 : 4;
+  const bool all = layer < 0;
+  const int count = all ? static_cast<int>(p->num_layers) : 1;
+  if (bad_launch(width, max_blocks, threads) || p->item_bytes % width != 0 ||
+      (unroll == 8 && threads > 512) || layer < -1 || layer >= p->num_layers || n_pages < 0)
     return static_cast<int>(cudaErrorInvalidValue);
   if (n_pages == 0) return 0;
-  PAGEKV_USE_DEVICE(device);
-  PageXfer p{static_cast<char*>(host), layer_ptrs, page_ids, slots, n_pages, num_host_pages,
-             num_slots, page_bytes, slot_stride, item_bytes, page_size, num_kv, num_layers,
-             layer_begin, layer_count, ids64, slots64};
-  const int64_t chunks = n_pages * num_kv * page_size * layer_count * (item_bytes / width);
+  PAGEKV_USE_DEVICE(static_cast<int>(p->device));
+  PageXfer x{static_cast<char*>(host), reinterpret_cast<const int64_t*>(p->layer_ptrs), page_ids,
+             slots, n_pages, num_host_pages, p->num_slots, p->page_bytes, p->slot_stride,
+             static_cast<int32_t>(p->item_bytes), static_cast<int32_t>(p->page_size),
+             static_cast<int32_t>(p->num_kv), static_cast<int32_t>(p->num_layers),
+             all ? 0 : layer, count, (flags & kFlagIds64) ? 1 : 0, (flags & kFlagSlots64) ? 1 : 0};
+  const int64_t chunks = n_pages * p->num_kv * p->page_size * count * (p->item_bytes / width);
+  const int64_t fill = (chunks + static_cast<int64_t>(threads) * unroll - 1) /
+                       (static_cast<int64_t>(threads) * unroll);
+  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, fill)));
   const bool wide = chunks > kMax32;
+  const bool load = flags & kFlagLoad;
   if (unroll == 8)
     return static_cast<int>(
-        load ? dispatch<LaunchPage<true, 8>::Of>(width, wide, p, blocks, threads, stream)
-             : dispatch<LaunchPage<false, 8>::Of>(width, wide, p, blocks, threads, stream));
+        load ? dispatch<LaunchPage<true, 8>::Of>(width, wide, x, blocks, threads, stream)
+             : dispatch<LaunchPage<false, 8>::Of>(width, wide, x, blocks, threads, stream));
   return static_cast<int>(
-      load ? dispatch<LaunchPage<true, 4>::Of>(width, wide, p, blocks, threads, stream)
-           : dispatch<LaunchPage<false, 4>::Of>(width, wide, p, blocks, threads, stream));
+      load ? dispatch<LaunchPage<true, 4>::Of>(width, wide, x, blocks, threads, stream)
+           : dispatch<LaunchPage<false, 4>::Of>(width, wide, x, blocks, threads, stream));
 }
 
-// The transfer of pagekv_page_transfer once per entry of ``layers`` (a layer, or -1 for all
-// layers), in that order on ``stream``, recording ``events[i]`` after entry i: a layer-by-layer
-// load in one call (the caller's host time per layer is a launch and a record, not a Python
-// call). Thread blocks per entry: as many as its chunks fill, at most ``blocks_all`` (all layers)
-// or ``blocks_one`` (one layer). ``done`` (may be null) receives the entries launched and
+// The transfer of pagekv_page_plan_transfer once per entry of ``layers`` (a layer, or -1 for
+// all layers), in that order on ``stream``, recording ``events[i]`` after entry i: a
+// layer-by-layer load in one call (the caller's host time per layer is a launch and a record,
+// not a Python call). At most ``blocks_all`` thread blocks for an all-layer entry,
+// ``blocks_one`` for one layer. ``done`` (may be null) receives the entries launched and
 // recorded before an error.
-int pagekv_page_transfer_layers(int device, int load, void* host, const int64_t* layer_ptrs,
-                                const void* page_ids, int ids64, const void* slots, int slots64,
-                                int64_t n_pages, int64_t num_host_pages, int64_t num_slots,
-                                int64_t page_bytes, int64_t slot_stride, int item_bytes,
-                                int page_size, int num_kv, int num_layers, const int* layers,
-                                int n_entries, cudaEvent_t* events, int width, int blocks_all,
-                                int blocks_one, int threads, int unroll, cudaStream_t stream,
-                                int* done) {
+int pagekv_page_plan_transfer_layers(const PagePlan* p, int flags, void* host,
+                                     int64_t num_host_pages, const void* page_ids,
+                                     const void* slots, int64_t n_pages, const int* layers,
+                                     int n_entries, cudaEvent_t* events, int width,
+                                     int blocks_all, int blocks_one, int threads,
+                                     cudaStream_t stream, int* done) {
   if (done) *done = 0;
   if (n_entries < 0 || (n_entries > 0 && (!layers || !events)) || blocks_all <= 0 ||
-      blocks_one <= 0 || threads <= 0 || width <= 0)
+      blocks_one <= 0)
     return static_cast<int>(cudaErrorInvalidValue);
   for (int i = 0; i < n_entries; ++i) {
-    const bool all = layers[i] < 0;
-    const int count = all ? num_layers : 1;
-    const int64_t chunks = n_pages * num_kv * page_size * count * (item_bytes / width);
-    const int64_t fill = (chunks + static_cast<int64_t>(threads) * unroll - 1) /
-                         (static_cast<int64_t>(threads) * unroll);
-    const int blocks = static_cast<int>(std::max<int64_t>(
-        1, std::min<int64_t>(all ? blocks_all : blocks_one, fill)));
-    int err = pagekv_page_transfer(device, load, host, layer_ptrs, page_ids, ids64, slots, slots64,
-                                   n_pages, num_host_pages, num_slots, page_bytes, slot_stride,
-                                   item_bytes, page_size, num_kv, num_layers, all ? 0 : layers[i],
-                                   count, width, blocks, threads, unroll, stream);
+    int err = pagekv_page_plan_transfer(p, flags, host, num_host_pages, page_ids, slots, n_pages,
+                                        layers[i] < 0 ? -1 : layers[i],
+                                        width, layers[i] < 0 ? blocks_all : blocks_one, threads,
+                                        stream);
     if (err != 0) return err;
     cudaError_t e = cudaEventRecord(events[i], stream);
     if (e != cudaSuccess) return static_cast<int>(e);
