@@ -54,6 +54,11 @@ def test_sources_compile_and_library_loads(tmp_path):
     assert page_transfer(0) == 0  # good parameters, no pages: nothing to launch
     for change in bad:
         assert page_transfer(0, **change) == 1, change
+    # the plan's fields land where the library reads them: the last layer is accepted, and a
+    # row no longer a multiple of the access width is refused
+    assert page_transfer(0, layer=plan.num_layers - 1) == 0
+    plan.item_bytes = 264
+    assert page_transfer(0, width=8) == 0 and page_transfer(0, width=16) == 1
     err = lib.pagekv_store_kv(0, None, None, None, None, None, 0, 1, 1, 0, 0, 0, 0,
                               256, 16, 1, 2000, None)  # fmt: skip
     assert err == 1  # 2000 threads
