@@ -23,10 +23,12 @@ def run_cli(*args, env=None, timeout=30):
 
 
 def wait_for(predicate, timeout, what):
-    """Poll ``predicate`` until true; fail naming ``what`` after ``timeout`` seconds."""
+    """Poll ``predicate`` until true; fail naming ``what`` (or what ``what()`` says then) after
+    ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
         time.sleep(0.02)
 
 

@@ -219,7 +219,10 @@ def test_small_blocks_are_accounted_at_their_real_cost(size):
     try:
         blob = os.urandom(size)
         per_call = (900 << 10) // size
-        with StoreClient(w.node.address, timeout_s=10) as client:
+        # one connection, on every host (the default streams follow the cores): the bound
+        # below counts the connections' requests in flight
+        cfg = ClientConfig((w.node.address,), timeout_s=10, streams=1)
+        with StoreClient(w.node.address, config=cfg) as client:
             for _ in range((96 * MIB) // (per_call * size)):
                 keys = [os.urandom(16) for _ in range(per_call)]
                 assert set(client.put_many(keys, [blob] * per_call)) == {Status.OK}

@@ -79,9 +79,16 @@ def test_random_bytes_on_every_port_leave_the_node_serving_and_its_blocks_intact
 
             def settled():  # the node has closed every stray connection
                 stats = client.stats()[0]
+                seen.append({n: stats[n] for n in OPEN} if stats else None)
                 return stats is not None and all(stats[n] == before[n] for n in OPEN)
 
-            wait_for(settled, 30, "the stray connections to be closed")
+            seen: list[dict | None] = []
+
+            def unsettled() -> str:
+                was = {n: before[n] for n in OPEN}
+                return f"the stray connections to be closed ({was} open before, {seen[-3:]} now)"
+
+            wait_for(settled, 30, unsettled)
             assert node.proc.poll() is None, f"node exited {node.proc.returncode}:\n{node.log}"
             assert client.ping() == [True]
             got = client.get_many(keys)

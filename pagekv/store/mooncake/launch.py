@@ -144,7 +144,18 @@ class MooncakeCluster:
                f"--port={_free_port()}", "--protocol=tcp"]  # fmt: skip
         proc = _Proc(cmd, STORE_READY, self.env)
         self.stores[i] = proc
-        proc.wait_ready(timeout, "mooncake_client")
+        try:
+            proc.wait_ready(timeout, "mooncake_client")
+        except RuntimeError as e:  # what the master said meanwhile tells why, most often
+            raise RuntimeError(f"{e}\n{self._master_report()}") from None
+
+    def _master_report(self) -> str:
+        master = self.master
+        if master is None:
+            return "--- mooncake_master: not started"
+        code = master.proc.poll()
+        state = "running" if code is None else f"exited {code}"
+        return f"--- mooncake_master ({state}):\n" + "".join(master.log)
 
     def kill_master(self, sig: int = signal.SIGKILL) -> None:
         if self.master is not None:
