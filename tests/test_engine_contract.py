@@ -189,7 +189,9 @@ def test_lookup_against_a_hung_node_is_bounded(caplog):
                 assert conn.lookup(tokens) == 8  # the host-tier hit, at once
                 assert time.monotonic() - t < 0.5  # before: the store's 5 s timeout
         st = conn.stats()
-        assert st["store_errors"] >= 1 and st["lookups_skipped"] == 5  # no node answered
+        # no node answered: each lookup a skip (the node's answer bound passed) or, where the
+        # client's loop ran late on a loaded machine, a timeout (the lookup's own bound passed)
+        assert st["store_errors"] >= 1 and st["lookups_skipped"] + st["lookup_timeouts"] == 5
         # the node that did not answer within the bound is backed off (per node): the later
         # lookups do not wait for it again
         assert 1 <= conn.store.counters["node_failures"] <= 2
