@@ -15,7 +15,7 @@ import torch
 from pagekv.connector import KeyNamespace, KVConnector, KVGeometry, KVIndex, PageCache
 from pagekv.connector.host_pool import HostPagePool
 from pagekv.errors import ConnectorClosed, PagekvError, WriteBackFailed
-from pagekv.store import ClientConfig, Status, StoreClient
+from pagekv.store import ClientConfig, ExistsResult, Status, StoreClient
 from pagekv.store.launch import NodeProcess
 from tests.helpers import bits_equal, poison_, random_tensor, sigstop, wait_until
 
@@ -199,6 +199,30 @@ def test_lookup_against_a_hung_node_is_bounded(caplog):
         assert 1 <= len(warned) <= 2  # rate-limited
     finally:
         conn.close(timeout_s=1)
+        hole.close()
+
+
+def test_a_lookup_that_times_out_is_counted_once(monkeypatch):
+    """A store answer that comes as the lookup's bound passes (the loop busy until then) is a
+    timeout and nothing else: the coroutine finishing after the caller gave up must not count
+    the lookup a second time. It did: lookups_skipped and lookup_timeouts both grew by one."""
+    hole = _BlackHole()
+    index = KVIndex(KeyNamespace("once-model", GEO), hole.address, lookup_timeout_s=0.05)
+    try:
+        keys = index.keys(prompt(4 * GEO.page_size))
+
+        async def answers_late(keys, *, answer_s):  # holds the loop past the lookup's bound
+            time.sleep(0.3)
+            return ExistsResult([False] * len(keys), unanswered=len(keys))
+
+        monkeypatch.setattr(index.store, "exists_many", answers_late)
+        assert index.lookup_pages(keys) == 0
+        index.loop.call(asyncio.sleep(0), 5)  # the late answer has been taken in
+        assert {k: index.counters[k] for k in ("lookup_timeouts", "lookups_skipped")} == {
+            "lookup_timeouts": 1, "lookups_skipped": 0}  # fmt: skip
+        assert index.counters["store_errors"] == 1
+    finally:
+        index.close()
         hole.close()
 
 

@@ -126,15 +126,7 @@ class KVIndex:
             return []
         flat = [k for ks in keys for k in ks[:n]]
         timeout = self.lookup_timeout_s if timeout_s is None else timeout_s
-        try:
-            found = self.loop.call(self._exists(flat, 0.75 * timeout), timeout)
-        except TimeoutError:
-            self.counters["lookup_timeouts"] += 1
-            self.counters["store_errors"] += 1
-            self._warn.warning("pagekv: store lookup took over %.0f ms: counted as a miss",
-                               timeout * 1e3)  # fmt: skip
-            self._explain()
-            return None
+        found = self._exists(flat, timeout)
         if found is None or len(keys) == 1:
             return found
         per_rank = [found[r * n : (r + 1) * n] for r in range(len(keys))]
@@ -186,26 +178,36 @@ class KVIndex:
             answered = [False] * len(endpoints)
         return [ep for ep, ok in zip(endpoints, answered) if not ok]
 
-    async def _exists(self, keys: list[bytes], answer_s: float) -> list[bool] | None:
-        """Found flags, or None when no node answered for any key (counted and logged: the
-        client reports such keys as not found, which must not read as a plain miss). Keys of
-        a node that did not answer within ``answer_s`` are misses; that node is backed off."""
+    def _exists(self, keys: list[bytes], timeout_s: float) -> list[bool] | None:
+        """Found flags within ``timeout_s``, or None when no node answered for any key: the
+        lookup's bound passed, the store failed, or every key's node missed its answer bound
+        (``0.75 * timeout_s``: such a node is backed off; its keys read as not found). Each is
+        counted once, here on the caller's thread (a coroutine finishing as its bound passes
+        counts nothing), and logged: it must not read as a plain miss."""
+        exists = self.store.exists_many(keys, answer_s=0.75 * timeout_s)
         try:
-            result = await self.store.exists_many(keys, answer_s=answer_s)
+            result = self.loop.call(exists, timeout_s)
+        except TimeoutError:
+            self.counters["lookup_timeouts"] += 1
+            self._failed("pagekv: store lookup took over %.0f ms: counted as a miss",
+                         timeout_s * 1e3)  # fmt: skip
+            return None
         except StoreError as e:
-            self.counters["store_errors"] += 1
-            self._warn.warning("pagekv: store lookup failed: %s", e)
-            self._explain()
+            self._failed("pagekv: store lookup failed: %s", e)
+            return None
+        if result.unanswered == len(keys):
+            self.counters["lookups_skipped"] += 1
+            self._failed("pagekv: store lookup: no node answered (down, stopped or backed off): "
+                         "counted as a miss")  # fmt: skip
             return None
         if result.unanswered:
             self.counters["store_errors"] += 1
-            if result.unanswered == len(keys):
-                self.counters["lookups_skipped"] += 1
-                self._warn.warning("pagekv: store lookup: no node answered (down, stopped or "
-                                   "backed off): counted as a miss")  # fmt: skip
-                self._explain()
-                return None
         return result.found
+
+    def _failed(self, message: str, *args: object) -> None:
+        self.counters["store_errors"] += 1
+        self._warn.warning(message, *args)
+        self._explain()
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, "store": dict(self.store.counters)}
