@@ -147,15 +147,16 @@ def main() -> None:
         "_device_address(host)": lambda: ops._device_address(host, dev),
         "_launch_shape": lambda: ops._launch_shape(True, kv, host.data_ptr()),
         "kv.page_plan": lambda: kv.page_plan,
-        "_page_flags": lambda: ops._page_flags(True, ids, slots, ops.UNROLL_LOAD),
+        "_plan_args": lambda: ops._plan_args(
+            True, kv, host.data_ptr(), host.shape[0], ids, slots, ops.UNROLL_LOAD
+        ),
     }
     # the library call alone: its arguments made beforehand, with no pages (ctypes converts
     # them and the entry returns before any CUDA call) and with the real ones (and the launch)
     lib = load_library()
     width, unroll, threads = ops._launch_shape(True, kv, host.data_ptr())
-    call = [kv.page_plan[1], ops._page_flags(True, ids, slots, unroll), host.data_ptr(),
-            host.shape[0], ids.data_ptr(), slots.data_ptr(), n, LAYER, width,
-            ops.LAYER_LOAD_BLOCKS, threads, ops.current_stream(0)]  # fmt: skip
+    call = [*ops._plan_args(True, kv, host.data_ptr(), host.shape[0], ids, slots, unroll),
+            LAYER, width, ops.LAYER_LOAD_BLOCKS, threads, ops.current_stream(0)]  # fmt: skip
     no_pages = list(call)
     no_pages[6] = 0
     dev_flat = torch.empty(n * per_page, dtype=torch.uint8, device=dev)

@@ -257,11 +257,23 @@ def _launch_shape(load: bool, kv: DeviceKV, host_addr: int) -> tuple[int, int, i
     return width, unroll, threads
 
 
-def _page_flags(load: bool, ids_d: torch.Tensor, s_d: torch.Tensor, unroll: int) -> int:
-    """The page entries' ``flags``: direction, index widths, chunks in flight per thread."""
-    return ((PAGE_LOAD if load else 0) | (PAGE_IDS64 if ids_d.dtype == torch.int64 else 0)
-            | (PAGE_SLOTS64 if s_d.dtype == torch.int64 else 0)
-            | (PAGE_UNROLL8 if unroll == 8 else 0))  # fmt: skip
+def _plan_args(
+    load: bool,
+    kv: DeviceKV,
+    host_addr: int,
+    host_pages: int,
+    ids_d: torch.Tensor,
+    s_d: torch.Tensor,
+    unroll: int,
+) -> tuple[int, ...]:
+    """The arguments both page entries (``pagekv_page_plan_transfer``, ``..._layers``) start
+    with: the cache's plan, the flags (direction, index widths, chunks in flight per thread),
+    the host pages and the indices."""
+    flags = ((PAGE_LOAD if load else 0) | (PAGE_IDS64 if ids_d.dtype == torch.int64 else 0)
+             | (PAGE_SLOTS64 if s_d.dtype == torch.int64 else 0)
+             | (PAGE_UNROLL8 if unroll == 8 else 0))  # fmt: skip
+    return (kv.page_plan[1], flags, host_addr, host_pages, ids_d.data_ptr(), s_d.data_ptr(),
+            ids_d.numel())  # fmt: skip
 
 
 def _page_transfer(
@@ -365,9 +377,8 @@ def _kernel_launch(
     them) to/from slots ``s_d`` (device tensors), on ``num_blocks`` at most."""
     width, unroll, threads = _launch_shape(load, kv, host_addr)
     err = lib.pagekv_page_plan_transfer(
-        kv.page_plan[1], _page_flags(load, ids_d, s_d, unroll), host_addr, host_pages,
-        ids_d.data_ptr(), s_d.data_ptr(), ids_d.numel(), -1 if layer is None else layer, width,
-        num_blocks, threads, stream,
+        *_plan_args(load, kv, host_addr, host_pages, ids_d, s_d, unroll),
+        -1 if layer is None else layer, width, num_blocks, threads, stream,
     )  # fmt: skip
     if err != 0:
         raise RuntimeError(f"pagekv kernel {'load' if load else 'save'} failed: cudaError {err}")
@@ -455,8 +466,7 @@ def _kernel_layers(
     host_addr = _reachable_address(host, dev)
     width, unroll, threads = _launch_shape(load, kv, host_addr)
     blocks_all, blocks_one = (LOAD_BLOCKS, LAYER_LOAD_BLOCKS) if load else (SAVE_BLOCKS,) * 2
-    args = (kv.page_plan[1], _page_flags(load, ids_d, s_d, unroll), host_addr, host.shape[0],
-            ids_d.data_ptr(), s_d.data_ptr(), ids_d.numel())  # fmt: skip
+    args = _plan_args(load, kv, host_addr, host.shape[0], ids_d, s_d, unroll)
     stream_obj = torch.cuda.current_stream(dev)
     stream = stream_obj.cuda_stream
 
