@@ -1,0 +1,102 @@
+"""Diagnostic (GPU): one all-layer transfer split between the kernel and the copy engine at once.
+
+The kernel moves 0.91-0.93 of the pinned copy whatever the run (its SMs' reads of host memory
+are the bound); the copy engine, for runs under 32 KiB, 0.04-0.4 (its cost per copy). Issued
+together on disjoint pages, the kernel on the caller's stream and the copy engine on a side
+stream forked from it and joined back, they share the bus: this times the split against the
+contiguous pinned copy of the same bytes, for the copy engine's share of the pages from 0 up.
+
+    python scripts/diag_hybrid.py [--mib 256,1024] [--reps 5] [--save out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from _bench_util import environment
+from bench_kernels import GEOMETRIES, Setup, ceiling_fns, interleaved, ratio
+
+from pagekv.connector import KVGeometry
+from pagekv.kernels import load, save
+
+SHAPES = [("llama3-8b-tp8", 16), ("llama3-8b-tp8", 64), ("mla-576", 16), ("llama3-8b", 16)]
+SHARES = {True: (0.0, 0.03, 0.06, 0.1, 0.15, 0.2), False: (0.0, 0.05, 0.1, 0.2, 0.3)}
+
+
+def split_fn(st: Setup, n: int, share: float, is_load: bool, blocks: int | None):
+    """The transfer of ``n`` pages: the last ``share`` of them on the copy engine (side stream),
+    the rest on the kernel (current stream), joined back to the current stream."""
+    k = n - round(n * share)
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    fork, join = torch.cuda.Event(), torch.cuda.Event()
+
+    def run() -> None:
+        fork.record(main)
+        if k:
+            if is_load:
+                load(st.host, st.ids[:k], st.kv, st.slots[:k], backend="kernel",
+                     validate=False, num_blocks=blocks)  # fmt: skip
+            else:
+                save(st.kv, st.slots[:k], st.host, st.ids[:k], backend="kernel",
+                     validate=False, num_blocks=blocks)  # fmt: skip
+        if k < n:
+            side.wait_event(fork)
+            with torch.cuda.stream(side):
+                if is_load:
+                    took = load(st.host, st.ids_cpu[k:n], st.kv, st.slots_cpu[k:n],
+                                backend="copy_engine", validate=False)  # fmt: skip
+                else:
+                    took = save(st.kv, st.slots_cpu[k:n], st.host, st.ids_cpu[k:n],
+                                backend="copy_engine", validate=False)  # fmt: skip
+            assert took == "copy_engine", took
+            join.record(side)
+            main.wait_event(join)
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--mib", default="256,1024")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--save", default="")
+    args = ap.parse_args()
+    sizes = [int(x) << 20 for x in args.mib.split(",")]
+    raw_host = torch.empty(max(sizes), dtype=torch.uint8).pin_memory()
+    raw_host.random_()
+    env = environment()
+    print(f"# {env['device']} commit {env['commit']}", flush=True)
+    rows = []
+    for name, page in SHAPES:
+        geo = KVGeometry(page_size=page, **GEOMETRIES[name])
+        for nbytes in sizes:
+            st = Setup(raw_host, geo, nbytes)
+            n = st.n_pages
+            moved = n * geo.page_bytes
+            for is_load in (True, False):
+                d = "load" if is_load else "save"
+                fns = {f"ceiling_{'h2d' if is_load else 'd2h'}": ceiling_fns(raw_host, moved)[
+                    f"ceiling_{'h2d' if is_load else 'd2h'}"]}  # fmt: skip
+                for share in SHARES[is_load]:
+                    for blocks in (None, 8) if is_load else (None,):
+                        fns[f"{share}/{blocks}"] = split_fn(st, n, share, is_load, blocks)
+                t = interleaved(fns, args.reps)
+                ceiling = next(iter(fns))
+                out = {k: ratio(t, ceiling, k) for k in fns if k != ceiling}
+                row = dict(geometry=name, page=page, run_kib=page * geo.item_bytes / 1024,
+                           mib=round(moved / 2**20), op=d, ratios=out,
+                           ceiling_ms=round(statistics.median(t[ceiling]), 3))  # fmt: skip
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+            del st
+            torch.cuda.empty_cache()
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(dict(env=env, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
