@@ -37,7 +37,6 @@ TABLE = CopyTable("k", "GPU", (
     entry(True, False, 32768, 128 << 20, kernel=1.0, ce=1.0),
 ))  # fmt: skip
 ALL = ("kernel", "copy_engine", "direct")
-SPLIT = (*ALL, "split")
 
 
 def pick(load=True, all_layers=True, run=4096, total=16 << 20, allowed=ALL, table=TABLE):
@@ -120,61 +119,6 @@ def test_deferred_transfers_take_the_copy_engine_with_a_wider_slack():
     assert within.best(ALL, deferred=True) == "copy_engine" and within.best(ALL) == "kernel"
     beyond = entry(True, True, 1, 1, kernel=1.0, ce=1.0 + wide * 1.01)
     assert beyond.best(ALL, deferred=True) == "kernel"
-
-
-def split_entry(run, total, kernel, ce, split, host_split, load=False, share=0.25):
-    return Entry(Shape(load, True, float(run), total),
-                 (("kernel", kernel), ("copy_engine", ce), ("direct", INF), ("split", split)),
-                 (("kernel", 1e-5), ("copy_engine", 1e-3), ("direct", INF),
-                  ("split", host_split)), share)  # fmt: skip
-
-
-def test_split_shares_are_fractions_of_the_even_share():
-    """The shares a split save is timed at: fractions of the share that would end both parts
-    together at their rates alone (the kernel's time over both), that share at most
-    SPLIT_MAX_SHARE; none where either was not measured."""
-    fractions = copy_table.SPLIT_FRACTIONS
-    shares = copy_table.split_shares((("kernel", 1.0), ("copy_engine", 3.0)))
-    assert shares == pytest.approx([0.25 * f for f in fractions])
-    fast_ce = copy_table.split_shares((("kernel", 1.0), ("copy_engine", 0.1)))
-    assert fast_ce == pytest.approx([copy_table.SPLIT_MAX_SHARE * f for f in fractions])
-    assert copy_table.split_shares((("kernel", 1.0), ("copy_engine", INF))) == ()
-    assert copy_table.split_shares((("kernel", INF), ("copy_engine", 1.0))) == ()
-    assert copy_table.split_shares((("kernel", 1.0),)) == ()
-
-
-def test_split_share_comes_from_the_nearest_measured_shape():
-    table = CopyTable("k", "GPU", (
-        split_entry(4096, 16 << 20, kernel=1.0, ce=9.0, split=0.98, host_split=1e-3, share=0.1),
-        split_entry(4096, 128 << 20, kernel=1.0, ce=4.0, split=0.98, host_split=1e-3, share=0.2),
-        split_entry(16384, 16 << 20, kernel=1.0, ce=3.0, split=0.98, host_split=1e-3, share=0.3),
-        split_entry(16384, 16 << 20, kernel=1.0, ce=1.0, split=0.98, host_split=1e-3,
-                    load=True, share=0.5),  # a load
-    ))  # fmt: skip
-    assert table.split_share(Shape(False, True, 4096, 20 << 20)) == 0.1
-    assert table.split_share(Shape(False, True, 5000, 100 << 20)) == 0.2
-    assert table.split_share(Shape(False, True, 12000, 1 << 30)) == 0.3
-    assert table.split_share(Shape(True, True, 4096, 16 << 20)) == 0.5
-    assert table.split_share(Shape(False, False, 4096, 16 << 20)) == 0  # no one-layer entries
-    assert CopyTable("k", "GPU", ()).split_share(Shape(False, True, 4096, 1 << 20)) == 0
-    path_doc = CopyTable.from_json(json.loads(json.dumps(table.to_json())))
-    assert path_doc == table and path_doc.entries[2].split_share == 0.3
-
-
-def test_a_split_save_is_taken_where_fastest_and_its_host_time_allowed():
-    """On the issuer's thread (deferred) the split save's host time, its copy engine's, bars
-    nothing; on the caller's it does. The copy engine within its slack still comes first (it
-    takes no SMs)."""
-    slow_ce = split_entry(4096, 16 << 20, kernel=1.0, ce=9.0, split=0.95, host_split=1e-3)
-    assert slow_ce.best(SPLIT, deferred=True) == "split"
-    assert slow_ce.best(SPLIT) == "kernel"  # 1 ms of the caller's host time
-    assert slow_ce.best(ALL, deferred=True) == "kernel"  # not allowed: a load, one layer
-    quick = split_entry(4096, 16 << 20, kernel=1.0, ce=9.0, split=0.95, host_split=2e-5)
-    assert quick.best(SPLIT) == "split"
-    near_ce = split_entry(32768, 16 << 20, kernel=1.0, ce=1.3, split=0.9, host_split=1e-3)
-    assert near_ce.best(SPLIT, deferred=True) == "copy_engine"
-    slower = split_entry(4096, 16 << 20, kernel=1.0, ce=9.0, split=1.05, host_split=1e-3)
-    assert slower.best(SPLIT, deferred=True) == "kernel"
 
 
 def test_choices_are_remembered_and_bounded(monkeypatch):
@@ -336,8 +280,6 @@ def test_copy_engine_backend_on_cpu_tensors_is_an_error_and_auto_is_torch(monkey
         load(pool.buffer, [0], kv, torch.arange(16), backend="copy_engine")
     with pytest.raises(ValueError, match="needs CUDA"):
         save(kv, torch.arange(16), pool.buffer, [0], backend="copy_engine")
-    with pytest.raises(ValueError, match="needs CUDA"):
-        save(kv, torch.arange(16), pool.buffer, [0], backend="split")
-    for setting in ("copy_engine", "kernel", "direct", "split"):
+    for setting in ("copy_engine", "kernel", "direct"):
         monkeypatch.setenv("PAGEKV_COPY_BACKEND", setting)
         assert load(pool.buffer, [0], kv, torch.arange(16)) == "torch"  # no GPU: the reference

@@ -1,7 +1,6 @@
-"""Timing the transfer backends on this GPU for :mod:`.copy_table` (one grid, ~30 s).
+"""Timing the transfer backends on this GPU for :mod:`.copy_table` (one grid, ~1 s).
 
-Each grid shape is a real transfer (:func:`~pagekv.kernels.load` / :func:`~pagekv.kernels.save`
-as ``ops`` runs them, with the split save's share given: the table is not there yet) with CPU
+Each grid shape is a real :func:`~pagekv.kernels.load` / :func:`~pagekv.kernels.save` with CPU
 page ids and slots (what ``auto`` is asked to decide), on random bytes, pages in random order
 on shuffled page-sized runs of slots, on a stream of its own.
 """
@@ -10,23 +9,13 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 
 import torch
 
 from pagekv.geometry import KVGeometry
 
 from . import copy_engine, ops
-from .copy_table import (
-    BACKENDS,
-    DIRECT_MAX_COPIES,
-    TOTAL_BYTES,
-    Entry,
-    Shape,
-    grid,
-    median_seconds,
-    split_shares,
-)
+from .copy_table import BACKENDS, DIRECT_MAX_COPIES, TOTAL_BYTES, Entry, Shape, grid, median_seconds
 from .layout import DeviceKV
 
 __all__ = ["measure_entries"]
@@ -61,47 +50,26 @@ def _shape_seconds(
     rows = geo.num_layers * geo.num_kv if all_layers else geo.num_kv
     stream = torch.cuda.current_stream()
     seconds, enqueue = [], []
-    shape = Shape(load, all_layers, float(run), n_pages * per_page)
-    split_share = 0.0
     for backend in BACKENDS:
-        t, host_s, share = math.inf, math.inf, 0.0
-        for candidate in _shares(backend, seconds, load, all_layers, ce_ok, n_pages * rows):
-            fn = functools.partial(ops._page_transfer, load, host, ids, kv, slots, layer, backend,
-                                   None, False, candidate)  # fmt: skip
-            c_t, c_host, took = _timed(fn, stream.synchronize)
-            if took == {backend} and c_t < t:  # else the kernel ran (refused, or no page)
-                t, host_s, share = c_t, c_host, candidate
+        if (backend == "copy_engine" and not ce_ok) or (
+            backend == "direct" and n_pages * rows > DIRECT_MAX_COPIES
+        ):
+            seconds.append((backend, math.inf))
+            enqueue.append((backend, math.inf))
+            continue
+        if load:
+            fn = functools.partial(ops.load, host, ids, kv, slots, layer=layer, backend=backend,
+                                   validate=False)  # fmt: skip
+        else:
+            fn = functools.partial(ops.save, kv, slots, host, ids, layer=layer, backend=backend,
+                                   validate=False)  # fmt: skip
+        t, host_s = median_seconds(fn, stream.synchronize)
+        if backend == "copy_engine" and not copy_engine.supported(dev.index or 0):
+            t = host_s = math.inf  # the driver refused it: the kernel ran in its place
         seconds.append((backend, t))
         enqueue.append((backend, host_s))
-        if backend == "split":
-            split_share = share
-    return Entry(shape, tuple(seconds), tuple(enqueue), split_share)
-
-
-def _shares(
-    backend: str,
-    seconds: list[tuple[str, float]],
-    load: bool,
-    all_layers: bool,
-    ce_ok: bool,
-    copies: int,
-) -> tuple[float, ...]:
-    """The copy engine's shares to time ``backend`` at (0 for all but the split save, which
-    only all-layer saves take); none where it is not timed."""
-    if backend == "split":
-        return split_shares(seconds) if ce_ok and not load and all_layers else ()
-    if (backend == "copy_engine" and not ce_ok) or (
-        backend == "direct" and copies > DIRECT_MAX_COPIES
-    ):
-        return ()
-    return (0.0,)
-
-
-def _timed(fn: Callable[[], str], sync: Callable[[], None]) -> tuple[float, float, set[str]]:
-    """:func:`~.copy_table.median_seconds` of ``fn`` and the backends its calls reported."""
-    took: set[str] = set()
-    t, host_s = median_seconds(lambda: took.add(fn()), sync)
-    return t, host_s, took
+    shape = Shape(load, all_layers, float(run), n_pages * per_page)
+    return Entry(shape, tuple(seconds), tuple(enqueue))
 
 
 def measure_entries(device: int) -> list[Entry]:

@@ -2,9 +2,7 @@
 measured once per device.
 
 For a grid of transfer shapes (direction, all layers or one, bytes per run of consecutive slots,
-bytes in all) the kernel, the copy engine, the direct memcpy backend and, for all-layer saves,
-the split save (the kernel and the copy engine at once: :func:`split_shares`, from their two
-times just measured, the fastest kept) are timed on this GPU:
+bytes in all) the kernel, the copy engine and the direct memcpy backend are timed on this GPU:
 seconds per call of three calls back to back (a connector's chunks and layers follow one
 another, so a call's host time overlaps the copies before it) and the host time of one call
 (its *enqueue* time: what the calling thread waits). On the caller's thread (``deferred``
@@ -16,8 +14,7 @@ the connector's own enqueues the copy engine's transfers (``deferred``:
 :mod:`pagekv.connector.copy_issuer`) its host time bars nothing. Among the candidates the copy
 engine wins unless it is more than ``COPY_ENGINE_SLACK`` slower than the fastest (deferred:
 ``DEFERRED_COPY_ENGINE_SLACK``, as those transfers run beside the engine's compute, where the
-kernel slows both): it leaves the SMs to the model. Else the fastest wins; a split save's host
-time is its copy engine's, so it is a candidate where the copy engine is.
+kernel slows both): it leaves the SMs to the model.
 
 A transfer takes a backend only when the measured shapes around it agree
 (:meth:`CopyTable.choose`: the nearest runs on both sides, each at the nearest totals on both
@@ -53,8 +50,6 @@ from pathlib import Path
 
 __all__ = [
     "COPY_ENGINE_SLACK",
-    "SPLIT_FRACTIONS",
-    "SPLIT_MAX_SHARE",
     "DEFERRED_COPY_ENGINE_SLACK",
     "ENQUEUE_SLACK_S",
     "CopyTable",
@@ -63,12 +58,11 @@ __all__ = [
     "calibrate",
     "load_table",
     "save_table",
-    "split_shares",
     "table_path",
 ]
 
 log = logging.getLogger(__name__)
-TABLE_VERSION = 6
+TABLE_VERSION = 5
 # The copy engine is chosen unless it takes more than this fraction longer than the fastest.
 COPY_ENGINE_SLACK = 0.10
 # ... and for a transfer the connector's issuer enqueues (``deferred``: loads and saves that run
@@ -87,11 +81,7 @@ ENQUEUE_SLACK_S = 25e-6
 # the large ones.
 RUN_BYTES = (4096, 8192, 16384, 18432, 32768, 36864, 65536, 73728, 131072, 147456, 262144)
 TOTAL_BYTES = (1 << 20, 16 << 20, 128 << 20)
-BACKENDS = ("kernel", "copy_engine", "direct", "split")
-# The split save's copy-engine shares timed (split_shares): these fractions of the share that
-# would end both parts together, itself at most SPLIT_MAX_SHARE.
-SPLIT_FRACTIONS = (0.4, 0.6, 0.8)
-SPLIT_MAX_SHARE = 0.5
+BACKENDS = ("kernel", "copy_engine", "direct")
 DIRECT_MAX_COPIES = 4096  # the direct backend is not timed where it would issue more memcpys
 
 
@@ -110,7 +100,6 @@ class Entry:
     shape: Shape
     seconds: tuple[tuple[str, float], ...]  # (backend, median seconds), inf = not measured
     enqueue: tuple[tuple[str, float], ...]  # (backend, median host seconds of the call)
-    split_share: float = 0.0  # the copy engine's share in the split save timed here; 0: none
 
     def best(self, allowed: Collection[str], deferred: bool = False) -> str | None:
         """The backend for this shape among ``allowed`` (None when none was measured): those
@@ -120,7 +109,7 @@ class Entry:
         ``DEFERRED_COPY_ENGINE_SLACK``) slower than the fastest."""
         host = dict(self.enqueue)
         bound = host.get("kernel", math.inf) + ENQUEUE_SLACK_S
-        free = ("kernel", "copy_engine", "split") if deferred else ("kernel",)
+        free = ("kernel", "copy_engine") if deferred else ("kernel",)
         times = {b: s for b, s in self.seconds if b in allowed and math.isfinite(s)
                  and (b in free or host.get(b, math.inf) <= bound)}  # fmt: skip
         if not times:
@@ -131,22 +120,6 @@ class Entry:
         if ce is not None and ce <= times[fastest] * (1 + slack):
             return "copy_engine"
         return fastest
-
-
-def split_shares(seconds: Iterable[tuple[str, float]]) -> tuple[float, ...]:
-    """The copy engine's shares a split save is timed at, from the kernel's and the copy engine's
-    times alone: fractions of the share that would end both parts together at those rates (its
-    time over both times), at most ``SPLIT_MAX_SHARE``. Run together on one bus each part goes
-    slower than alone, and the copy engine's part more so: on an H100 the best share was about
-    half of that one (``scripts/diag_hybrid.py``), a larger one left the kernel waiting on the
-    copy engine's last copies (TP-8 4 KiB runs: 0.95 of the copy at a 0.1 share, 0.71 at 0.2).
-    None where either was not measured."""
-    times = dict(seconds)
-    kernel, ce = times.get("kernel", math.inf), times.get("copy_engine", math.inf)
-    if not (math.isfinite(kernel) and math.isfinite(ce)) or kernel + ce <= 0:
-        return ()
-    even = min(SPLIT_MAX_SHARE, kernel / (kernel + ce))
-    return tuple(round(even * f, 4) for f in SPLIT_FRACTIONS)
 
 
 MEMO_MAX = 4096  # choices remembered per table (a serving process sees few distinct shapes)
@@ -191,27 +164,10 @@ class CopyTable:
                           if e.shape.total_bytes == total}  # fmt: skip
         return picks.pop() if len(picks) == 1 else "kernel"
 
-    def split_share(self, shape: Shape) -> float:
-        """The split save's share (:attr:`Entry.split_share`) at the measured shape nearest
-        ``shape`` (same direction and layer span; the nearest run, then the nearest total, on a
-        log scale); 0 for none."""
-        span = (shape.load, shape.all_layers)
-        same = [e for e in self.entries if (e.shape.load, e.shape.all_layers) == span]
-        if not same or shape.run_bytes <= 0 or shape.total_bytes <= 0:
-            return 0.0
-
-        def far(a: float, b: float) -> float:
-            return abs(math.log(a / b))
-
-        run = min({e.shape.run_bytes for e in same}, key=lambda r: far(r, shape.run_bytes))
-        row = [e for e in same if e.shape.run_bytes == run]
-        return min(row, key=lambda e: far(e.shape.total_bytes, shape.total_bytes)).split_share
-
     def to_json(self) -> dict:
         return {"version": TABLE_VERSION, "key": self.key, "device": self.device,
                 "entries": [{"shape": asdict(e.shape), "seconds": dict(e.seconds),
-                             "enqueue": dict(e.enqueue), "split_share": e.split_share}
-                            for e in self.entries]}  # fmt: skip
+                             "enqueue": dict(e.enqueue)} for e in self.entries]}  # fmt: skip
 
     @classmethod
     def from_json(cls, doc: dict) -> CopyTable:
@@ -222,8 +178,7 @@ class CopyTable:
             sh = e["shape"]
             shape = Shape(bool(sh["load"]), bool(sh["all_layers"]), float(sh["run_bytes"]),
                           int(sh["total_bytes"]))  # fmt: skip
-            entries.append(Entry(shape, _pairs(e["seconds"]), _pairs(e["enqueue"]),
-                                 float(e["split_share"])))  # fmt: skip
+            entries.append(Entry(shape, _pairs(e["seconds"]), _pairs(e["enqueue"])))
         return cls(str(doc["key"]), str(doc["device"]), tuple(entries))
 
 

@@ -6,13 +6,6 @@
 * ``"staged"``: all layers as whole-page DMA copies through a device staging buffer and a
   device-side kernel (:mod:`.staged`); needs the copy engine; one layer takes the kernel; only
   when asked for (the setting or ``backend=``);
-* ``"split"``: an all-layer save shared out between the kernel (the first pages, on the
-  current stream) and the copy engine (the rest, on a side stream forked from it and joined back
-  to it), at once: the kernel's SM reads and writes leave part of the bus idle, and the copy
-  engine fills it. The copy engine's share is the one that would end both parts together at
-  their rates in the measured table (:meth:`.copy_table.CopyTable.split_share`). Loads and one
-  layer take the kernel (a load split so ran slower than the kernel alone: the kernel's reads
-  of host memory are the bound, and the copy engine's reads slow them);
 * ``"torch"``: the reference (:mod:`.reference`), used on CPU and when kernels are unavailable.
 
 ``backend="auto"`` picks: torch on CPU; else what ``PAGEKV_COPY_BACKEND`` (:mod:`.jit`) says.
@@ -20,19 +13,18 @@ With the setting ``auto`` (the default): the kernel when the page ids or slots a
 (the other two build their copies on the host) or a CUDA graph is being captured; else the
 backend the measured shapes around this one agree on in the table measured once for this GPU
 (:mod:`.copy_table`): on the caller's thread only backends whose host time per call stays
-within the kernel's (the connector's issuer thread lifts that bar for the copy engine and the
-split save: ``deferred``), the copy engine for runs of at least ``COPY_ENGINE_MIN_RUN`` unless
-it is more than 10% slower than the fastest (deferred: from ``DEFERRED_COPY_ENGINE_MIN_RUN``,
-unless more than 50% slower: those transfers run beside the engine's compute), else the
-fastest, the split save among them for all-layer saves; never the staged backend (it
+within the kernel's (the connector's issuer thread lifts that bar for the copy engine:
+``deferred``), the copy engine for runs of at least ``COPY_ENGINE_MIN_RUN`` unless it is more
+than 10% slower than the fastest (deferred: from ``DEFERRED_COPY_ENGINE_MIN_RUN``, unless more
+than 50% slower: those transfers run beside the engine's compute); never the staged backend (it
 costs a model running beside it more: see :mod:`.staged`). Launches go on torch's current
 stream and neither allocate nor synchronise, so kernel launches can be captured in a CUDA graph
 (pass device index tensors and ``validate=False`` inside a capture).
 
 ``validate=True`` checks index values (range, repeats) before anything is written, which syncs
 when the indices are CUDA tensors. ``validate=False`` keeps the shape/dtype/device checks; every
-backend then skips (never writes) tokens whose page id or slot is out of range. ``copy_engine``,
-``direct`` and ``split`` asked for with CUDA index tensors copy them to the host first (a sync).
+backend then skips (never writes) tokens whose page id or slot is out of range. ``copy_engine``
+and ``direct`` asked for with CUDA index tensors copy them to the host first (a sync).
 """
 
 from __future__ import annotations
@@ -76,9 +68,9 @@ __all__ = [
     "transfer_layers",
 ]
 
-Backend = Literal["auto", "kernel", "copy_engine", "direct", "staged", "split", "torch"]
-_BACKENDS = ("auto", "kernel", "copy_engine", "direct", "staged", "split", "torch")
-_CUDA_BACKENDS = ("kernel", "copy_engine", "direct", "staged", "split")
+Backend = Literal["auto", "kernel", "copy_engine", "direct", "staged", "torch"]
+_BACKENDS = ("auto", "kernel", "copy_engine", "direct", "staged", "torch")
+_CUDA_BACKENDS = ("kernel", "copy_engine", "direct", "staged")
 # Thread blocks for host<->device transfers: enough to reach the bus, leaving the SMs to the
 # model (H100 measurements, docs/benchmarks.md). All-layer loads use 4: with 16 KiB page blocks
 # at random host addresses 8-16 blocks reading over PCIe lost ~15% (address-translation
@@ -209,8 +201,6 @@ def _auto_backend(
     setting = copy_backend_setting()
     if setting == "staged" and layer is not None:
         return "kernel"  # the staged backend moves whole pages: one layer takes the kernel
-    if setting == "split" and not _splits(load, layer):
-        return "kernel"
     if setting != "auto":
         return setting
     if ids.device.type != "cpu" or s.device.type != "cpu" or not ids.numel():
@@ -218,29 +208,16 @@ def _auto_backend(
     if torch.cuda.is_current_stream_capturing():
         return "kernel"
     device = kv.device.index or 0
-    shape = _table_shape(load, kv, s, ids.numel(), layer)
+    geo = kv.geometry
+    run = copy_engine.run_bytes(kv, s)
     allowed = ["kernel", "direct"]
     floor = DEFERRED_COPY_ENGINE_MIN_RUN if deferred else COPY_ENGINE_MIN_RUN
-    if copy_engine.supported(device) and shape.run_bytes >= floor:
+    if copy_engine.supported(device) and run >= floor:
         allowed.append("copy_engine")
-    if copy_engine.supported(device) and _splits(load, layer):
-        allowed.append("split")
-    return copy_table.calibrate(device).choose(shape, allowed, deferred)
-
-
-def _splits(load: bool, layer: int | None) -> bool:
-    """The split backend takes this transfer (an all-layer save); else the kernel does."""
-    return not load and layer is None
-
-
-def _table_shape(
-    load: bool, kv: DeviceKV, s: torch.Tensor, n_pages: int, layer: int | None
-) -> copy_table.Shape:
-    """The measured table's key for a transfer of ``n_pages`` pages to/from CPU slots ``s``."""
-    geo = kv.geometry
     rows = geo.num_layers * geo.num_kv if layer is None else geo.num_kv
-    total = n_pages * geo.page_size * rows * geo.item_bytes
-    return copy_table.Shape(load, layer is None, copy_engine.run_bytes(kv, s), total)
+    total = ids.numel() * geo.page_size * rows * geo.item_bytes
+    shape = copy_table.Shape(load, layer is None, run, total)
+    return copy_table.calibrate(device).choose(shape, allowed, deferred)
 
 
 def choose_backend(
@@ -309,10 +286,7 @@ def _page_transfer(
     backend: str,
     num_blocks: int | None,
     validate: bool,
-    share: float | None = None,
 ) -> str:
-    """One transfer (see :func:`load`); ``share``: the copy engine's share of a split save's
-    pages (None: the measured table's)."""
     geo = kv.geometry
     _check_backend(backend)
     check_host(geo, host)
@@ -369,17 +343,6 @@ def _page_transfer(
             return "staged"
     if backend == "staged":
         backend = "kernel"  # one layer, a save with indices out of range, no copy engine
-    if backend == "split":
-        index = dev.index or 0
-        if _splits(load, layer) and copy_engine.supported(index):
-            ids_h, s_h = _host_indices(ids, s)
-            if share is None:
-                shape = _table_shape(load, kv, s_h, ids_h.numel(), layer)
-                share = copy_table.calibrate(index).split_share(shape)
-            took = _split_save(lib, host, kv, ids_h, s_h, share, num_blocks, stream)
-            if took is not None:
-                return took
-        backend = "kernel"  # a load, one layer, no copy engine, no share for the copy engine
     if backend == "direct":
         ids_h, s_h = _direct_bounds(ids, s, host.shape[0], kv.num_slots)
         err = lib.pagekv_direct_page_transfer(
@@ -395,53 +358,6 @@ def _page_transfer(
     if err != 0:
         raise RuntimeError(f"pagekv {backend} {'load' if load else 'save'} failed: cudaError {err}")
     return backend
-
-
-@functools.cache
-def _side_stream(device: int) -> torch.cuda.Stream:
-    """The stream a split save's copy-engine part is issued on (one per device)."""
-    return torch.cuda.Stream(torch.device("cuda", device))
-
-
-def _split_save(
-    lib: ctypes.CDLL,
-    host: torch.Tensor,
-    kv: DeviceKV,
-    ids: torch.Tensor,
-    s: torch.Tensor,
-    share: float,
-    num_blocks: int,
-    stream: int,
-) -> str | None:
-    """An all-layer save of pages ``ids`` from slots ``s`` (CPU int64), the last ``share`` of
-    them on the copy engine and the others on the kernel, at once: both parts come after the
-    current stream's earlier work, and its later work comes after both. Returns ``"split"``;
-    None, with nothing enqueued, when the share leaves the copy engine no page (the caller runs
-    the kernel); ``"kernel"`` where the driver refused the copy engine's part (logged once):
-    the kernel then saved those pages too, after it."""
-    n = ids.numel()
-    n_ce = min(n, round(n * share))
-    if n_ce <= 0:
-        return None
-    k = n - n_ce
-    dev = kv.device
-    main, side = torch.cuda.current_stream(dev), _side_stream(dev.index or 0)
-    fork, join = torch.cuda.Event(), torch.cuda.Event()
-    fork.record(main)
-    host_addr = _reachable_address(host, dev)
-    if k:  # the kernel first: its launch takes microseconds, the copy engine's part more
-        _kernel_launch(lib, False, host_addr, host.shape[0], kv, device_indices(ids[:k], dev),
-                       device_indices(s[:k], dev), None, num_blocks, stream)  # fmt: skip
-    side.wait_event(fork)
-    issued = copy_engine.page_transfer(lib, False, host, kv, ids[k:], s[k:], 0,
-                                       kv.geometry.num_layers, side.cuda_stream)  # fmt: skip
-    join.record(side)
-    main.wait_event(join)
-    if issued:
-        return "split"
-    _kernel_launch(lib, False, host_addr, host.shape[0], kv, device_indices(ids[k:], dev),
-                   device_indices(s[k:], dev), None, num_blocks, stream)  # fmt: skip
-    return "kernel"  # said once per device by copy_engine.fail
 
 
 def _kernel_launch(

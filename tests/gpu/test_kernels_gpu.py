@@ -112,8 +112,7 @@ def test_auto_uses_the_measured_table_and_the_setting(monkeypatch):
     for load_, all_layers in ((False, True), (True, False)):
         rows = geo.num_layers * 2 if all_layers else 2
         shape = copy_table.Shape(load_, all_layers, 128 * geo.item_bytes, 8 * 128 * rows * 2048)
-        split = ["split"] if ce and all_layers and not load_ else []  # all-layer saves
-        want = table.choose(shape, allowed + split)  # never the staged backend: see staged.py
+        want = table.choose(shape, allowed)  # never the staged backend: see staged.py
         layer = None if all_layers else 1
         if load_:
             got = load(pool.buffer, list(range(8)), kv, contiguous, layer=layer)
@@ -122,12 +121,9 @@ def test_auto_uses_the_measured_table_and_the_setting(monkeypatch):
         assert got == want
     # CUDA index tensors: the kernel (no copy can be built on the host without a sync)
     assert save(kv, contiguous.to(DEV), pool.buffer, torch.arange(8, device=DEV)) == "kernel"
-    for setting in ("kernel", "direct", "copy_engine", "staged", "split"):
+    for setting in ("kernel", "direct", "copy_engine", "staged"):
         monkeypatch.setenv("PAGEKV_COPY_BACKEND", setting)
         expect = setting if setting in ("kernel", "direct") or ce else "kernel"
-        saves = copy_table.Shape(False, True, 128 * geo.item_bytes, 8 * 128 * 4 * 2048)
-        if setting == "split" and round(8 * table.split_share(saves)) == 0:
-            expect = "kernel"  # no page for the copy engine
         assert save(kv, contiguous, pool.buffer, list(range(8))) == expect
     torch.cuda.synchronize()
 
