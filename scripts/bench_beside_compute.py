@@ -5,8 +5,10 @@ gate/up and down projections: 14 GB of weights read per step, as a decode reads 
 in one CUDA graph and replayed on a stream of its own, each replay timed with events on that
 stream (never a device-wide sync). In each round and for each load -- a plain contiguous
 ``cudaMemcpyAsync`` of the same bytes, the kernel, the copy engine, the staged backend (whole
-pages through a device buffer, a kernel device to device), ``auto`` (with
-``PAGEKV_COPY_BACKEND=auto``, set here: what the measured table picks for CPU indices), the
+pages through a device buffer, a kernel device to device), the pitched copy (a 2-D DMA copy per
+run of slots and K/V, a row per layer), ``auto`` (with ``PAGEKV_COPY_BACKEND=auto``, set here:
+what the measured table picks for CPU indices on the caller's thread), ``issuer`` (what the
+connector enqueues: the table's choice for its issuer thread, the load enqueued there), the
 direct backend -- the
 step is timed alone, then beside a 4 GiB all-layer load on a side stream; only steps that start
 and end inside the load's window (events on the side stream) count. A round's slowdown is the
@@ -116,6 +118,8 @@ class Loads:
         self.ids_cpu = torch.randperm(self.n_pages)
         self.slots, self.ids = self.slots_cpu.to(DEV), self.ids_cpu.to(DEV)
         self.stream = torch.cuda.Stream()
+        self.issuer: CopyIssuer | None = None
+        self.staging: IndexStaging | None = None
 
     def run(self, how: str, layer: int | None = None, nbytes: int = 0) -> str:
         """Enqueue one load of every page (or of ``layer``: ``nbytes`` of pages) on the side
@@ -130,9 +134,17 @@ class Loads:
                         self.raw_host[layer * n : (layer + 1) * n], non_blocking=True
                     )
                 return how
+            pages = self.n_pages if layer is None else max(1, nbytes // self.geo.page_bytes)
+            if how == "issuer":  # as the connector enqueues it: the table's deferred choice
+                if self.issuer is None:
+                    self.issuer, self.staging = CopyIssuer(DEV), IndexStaging()
+                out = launch(True, self.kv, self.host, self.ids_cpu[:pages].tolist(),
+                             self.slots_cpu[:pages], self.staging, self.issuer,
+                             layers=(layer,))  # fmt: skip
+                out.events[-1].wait(self.stream)  # the host waits until it is enqueued
+                return f"issuer:{out.backend}"
             backend, _, lanes = how.partition("@")  # copy_engine@N: over N streams
             cpu = backend != "kernel"  # auto: CPU indices, as the connector passes them
-            pages = self.n_pages if layer is None else max(1, nbytes // self.geo.page_bytes)
             ids = (self.ids_cpu if cpu else self.ids)[:pages]
             slots = (self.slots_cpu if cpu else self.slots)[:pages]
             saved = copy_engine.LANES
@@ -158,7 +170,9 @@ def _ms(ref: torch.cuda.Event, ev: torch.cuda.Event) -> float:
 def decode_beside(args: argparse.Namespace, step: DecodeStep, loads: Loads) -> dict:
     ce = [f"copy_engine@{n}" for n in args.ce_lanes] if copy_engine.supported(0) else []
     ce += ["staged"] if copy_engine.supported(0) else []
-    backends = ["plain_copy", "kernel", *ce, "auto", "direct"]
+    backends = ["plain_copy", "kernel", *ce, "pitched", "auto", "issuer", "direct"]
+    if args.backends:
+        backends = [b for b in backends if b in args.backends or b == "plain_copy"]
     # warm-up, and each load's time alone (sizes the decode run beside it)
     load_ms = {}
     for how in backends:
@@ -386,6 +400,8 @@ def main() -> None:
     ap.add_argument("--engine-tokens", type=int, default=48)
     ap.add_argument("--engine-prompt", type=int, default=512)
     ap.add_argument("--max-prefixes", type=int, default=32, help="per decode, at most")
+    ap.add_argument("--backends", type=lambda s: s.split(","), default=None,
+                    help="part 1: only these loads (and the plain copy)")  # fmt: skip
     ap.add_argument("--ce-lanes", type=lambda s: [int(x) for x in s.split(",")],
                     default=[copy_engine.LANES], help="copy-engine streams to compare")  # fmt: skip
     args = parse_args(ap)

@@ -3,7 +3,8 @@
 For the issue's shapes (Llama-3-8B, its TP-8 slice, MLA-576; pages of 16-128 tokens; all-layer
 transfers of ``--mib`` and one-layer loads and saves of 4 and 16 MiB) the kernel (device
 indices), the copy engine (CPU indices), for all layers the staged backend (CPU indices:
-whole pages through a device buffer, :mod:`pagekv.kernels.staged`) and ``auto``
+whole pages through a device buffer, :mod:`pagekv.kernels.staged`) and the pitched copy (CPU
+indices: a 2-D copy per run of slots and K/V), and ``auto``
 (``PAGEKV_COPY_BACKEND=auto``, set here: the connector's path,
 :func:`~pagekv.connector.transfer_indices.transfer_indices` on CPU page ids and slots, then
 the transfer with what it returned) are timed in the same rounds as a
@@ -69,6 +70,12 @@ def transfer_fns(st: Setup, n: int, layer: int | None) -> dict[str, Callable[[],
                                    layer=None, backend="staged")  # fmt: skip
         fns["staged_save"] = _call(save, st.kv, st.slots_cpu[:n], st.host, st.ids_cpu[:n],
                                    layer=None, backend="staged")  # fmt: skip
+        # a 2-D copy per run of slots and K/V (the caches: one tensor per K/V, layers at one
+        # pitch), CPU indices
+        fns["pitched_load"] = _call(load, st.host, st.ids_cpu[:n], st.kv, st.slots_cpu[:n],
+                                    layer=None, backend="pitched")  # fmt: skip
+        fns["pitched_save"] = _call(save, st.kv, st.slots_cpu[:n], st.host, st.ids_cpu[:n],
+                                    layer=None, backend="pitched")  # fmt: skip
     if layer is not None:  # what a layer-by-layer load with CPU indices pays for the upload
         fns["kernelcpu_load"] = _call(load, st.host, st.ids_cpu[:n], st.kv, st.slots_cpu[:n],
                                       layer=layer, backend="kernel")  # fmt: skip

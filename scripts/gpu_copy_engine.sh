@@ -56,7 +56,8 @@ for e in t.entries:
     s = e.shape
     print(('load' if s.load else 'save'), ('all' if s.all_layers else 'one'), int(s.run_bytes),
           s.total_bytes >> 20, 'MiB', {b: round(x * 1e3, 3) for b, x in e.seconds}, 'host us',
-          {b: round(x * 1e6, 1) for b, x in e.enqueue}, '->', e.best(('kernel', 'copy_engine', 'direct')))
+          {b: round(x * 1e6, 1) for b, x in e.enqueue}, '->', e.best(k.copy_table.BACKENDS),
+          'issuer ->', e.best(k.copy_table.BACKENDS, deferred=True))
 "
 # pytest-xdist where the host has it; the kernels' reference and store tests in bf16 with int64
 # indices only (~330 tests; their other dtypes exercise the kernels, unchanged here)
@@ -67,7 +68,7 @@ SIG=INT TAIL=40 step tests 190 $PY -m pytest -q -rfE -p no:cacheprovider $XDIST 
   ${TESTS:-tests/gpu/test_copy_issuer_gpu.py tests/gpu/test_connector_copy_engine_gpu.py \
   tests/gpu/test_streaming_load_gpu.py tests/gpu/test_engine_contract_gpu.py \
   tests/test_kernels_copy_engine.py tests/test_transfer_indices.py tests/gpu/test_kernels_gpu.py \
-  tests/test_engine_gpu.py}
+  tests/gpu/test_pitched_gpu.py tests/test_engine_gpu.py}
 TAIL=40 step ratio_table 110 $PY scripts/bench_copy_engine.py ${RATIO_ARGS:-}
 TAIL=30 step beside 110 $PY scripts/bench_beside_compute.py --skip-decode --engine-sizes 4 \
   --engine-pairs 3 --max-prefixes 8

@@ -36,7 +36,7 @@ def test_sources_compile_and_library_loads(tmp_path):
     assert lib_path.exists() and lib_path.stat().st_size > 10_000
     assert jit.build_library("90", directory=tmp_path) == lib_path  # cached
     lib = jit._open(lib_path)
-    assert lib.pagekv_abi_version() == jit._ABI_VERSION == 7
+    assert lib.pagekv_abi_version() == jit._ABI_VERSION == 8
     # Bad launch parameters are refused before any CUDA call (cudaErrorInvalidValue == 1).
     plan = jit.PagePlan(device=0, layer_ptrs=0, num_slots=1, page_bytes=1 << 14, slot_stride=256,
                         item_bytes=256, page_size=16, num_kv=2, num_layers=4)  # fmt: skip

@@ -121,6 +121,50 @@ def test_deferred_transfers_take_the_copy_engine_with_a_wider_slack():
     assert beyond.best(ALL, deferred=True) == "kernel"
 
 
+def test_the_faster_dma_backend_is_preferred_within_the_slack():
+    """The pitched copy and the copy engine both leave the SMs alone: the faster of them is
+    taken unless more than the slack slower than the fastest; on the caller's thread only where
+    its host time is within the kernel's, through the issuer whatever it is."""
+
+    def e(kernel, ce, pitched, host_pitched=1e-5):
+        seconds = (("kernel", kernel), ("copy_engine", ce), ("pitched", pitched))
+        host = (("kernel", 1e-5), ("copy_engine", 1e-5), ("pitched", host_pitched))
+        return Entry(Shape(True, True, 4096.0, 1 << 20), seconds, host)
+
+    every = (*ALL, "pitched")
+    assert e(1.0, 9.0, 1.05).best(every) == "pitched"
+    assert e(1.0, 1.08, 1.05).best(every) == "pitched"  # the faster of the two
+    assert e(1.0, 1.02, 1.05).best(every) == "copy_engine"
+    assert e(1.0, 9.0, 1.2).best(every) == "kernel"  # beyond COPY_ENGINE_SLACK
+    assert e(1.0, 9.0, 1.2).best(every, deferred=True) == "pitched"  # within the wide slack
+    assert e(1.0, 9.0, 1.6).best(every, deferred=True) == "kernel"
+    assert e(1.0, 9.0, 1.05).best(ALL) == "kernel"  # not allowed: one layer, uneven layers
+    slow_host = e(1.0, 9.0, 0.9, host_pitched=1e-3)
+    assert slow_host.best(every) == "kernel" and slow_host.best(every, deferred=True) == "pitched"
+
+
+def test_layer_pitches_name_the_layouts_a_pitched_copy_suits():
+    geo = KVGeometry(4, 16, 2, 64, "bf16")  # 256-byte rows
+    row, slots = geo.item_bytes, 40
+    per_kv = [torch.empty(4, slots, 2, 64, dtype=torch.bfloat16) for _ in range(2)]
+    assert DeviceKV.from_caches(geo, *per_kv).layer_pitches == (slots * row,) * 2
+    both = torch.empty(4, 2, slots, 2, 64, dtype=torch.bfloat16)  # [layer, K/V, slot]
+    assert DeviceKV.from_caches(geo, both[:, 0], both[:, 1]).layer_pitches == (2 * slots * row,) * 2
+    strided = torch.empty(4, slots, 2, 2, 64, dtype=torch.bfloat16)  # K and V of a slot together
+    kv = DeviceKV.from_caches(geo, strided[:, :, 0], strided[:, :, 1])
+    assert kv.layer_pitches == (2 * slots * row,) * 2
+    flat = torch.empty(4 * slots * 2 * 64 + 999, dtype=torch.bfloat16)
+    uneven = [flat[o : o + slots * 128].view(slots, 2, 64) for o in (0, 5000, 10240, 15360)]
+    assert DeviceKV.from_caches(geo, uneven, per_kv[1]).layer_pitches is None
+    backwards = list(per_kv[0].unbind(0))[::-1]  # layer 0 last: the rows would go backwards
+    assert DeviceKV.from_caches(geo, backwards, per_kv[1]).layer_pitches is None
+    overlapping = [flat[o : o + slots * 128].view(slots, 2, 64) for o in (0, 100, 200, 300)]
+    assert DeviceKV.from_caches(geo, overlapping, per_kv[1]).layer_pitches is None
+    one = KVGeometry.mla(1, 16, 576, torch.bfloat16)
+    latent = torch.empty(1, slots, 576, dtype=torch.bfloat16)
+    assert DeviceKV.from_caches(one, latent).layer_pitches == (slots * 1152,)
+
+
 def test_choices_are_remembered_and_bounded(monkeypatch):
     table = CopyTable("k", "GPU", TABLE.entries)
     calls = []
@@ -280,6 +324,8 @@ def test_copy_engine_backend_on_cpu_tensors_is_an_error_and_auto_is_torch(monkey
         load(pool.buffer, [0], kv, torch.arange(16), backend="copy_engine")
     with pytest.raises(ValueError, match="needs CUDA"):
         save(kv, torch.arange(16), pool.buffer, [0], backend="copy_engine")
-    for setting in ("copy_engine", "kernel", "direct"):
+    with pytest.raises(ValueError, match="needs CUDA"):
+        save(kv, torch.arange(16), pool.buffer, [0], backend="pitched")
+    for setting in ("copy_engine", "kernel", "direct", "pitched"):
         monkeypatch.setenv("PAGEKV_COPY_BACKEND", setting)
         assert load(pool.buffer, [0], kv, torch.arange(16)) == "torch"  # no GPU: the reference

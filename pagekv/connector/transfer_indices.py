@@ -4,17 +4,17 @@ are enqueued.
 The engine gives the connector slot tables on the CPU (validated there) or on its device; the
 connector's page ids are host ints. For CPU tables the connector asks
 :func:`pagekv.kernels.choose_backend` what ``auto`` takes for the transfer's shape: the copy
-engine and the direct backend build their copies on the host, so their indices stay CPU
-tensors (read during the call: no upload, no device sync, nothing to keep alive); the kernel
-reads device tensors, uploaded on the current stream from the connector's pinned ring
-(:class:`~.staging.IndexStaging`), which the caller keeps referenced until the launch's event
-completes. A CUDA slot table (the engine's tensor) always goes to the kernel: reading it on
-the host would sync.
+engine (batched or pitched) and the direct backend build their copies on the host, so their
+indices stay CPU tensors (read during the call: no upload, no device sync, nothing to keep
+alive); the kernel reads device tensors, uploaded on the current stream from the connector's
+pinned ring (:class:`~.staging.IndexStaging`), which the caller keeps referenced until the
+launch's event completes. A CUDA slot table (the engine's tensor) always goes to the kernel:
+reading it on the host would sync.
 
-:func:`launch` enqueues a transfer. Copy-engine and staged transfers go to the connector's
-:class:`~.copy_issuer.CopyIssuer` where the caller passes one (their host time then lands on
-the issuer's thread, so the table may give them shapes whose enqueue would hold the caller:
-``deferred``); everything else is enqueued on the current stream by the caller.
+:func:`launch` enqueues a transfer. Copy-engine (batched or pitched) and staged transfers go to
+the connector's :class:`~.copy_issuer.CopyIssuer` where the caller passes one (their host time
+then lands on the issuer's thread, so the table may give them shapes whose enqueue would hold
+the caller: ``deferred``); everything else is enqueued on the current stream by the caller.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from .staging import IndexStaging
 
 __all__ = ["HOST_INDEX_BACKENDS", "Indices", "Launched", "launch", "transfer_indices"]
 
-HOST_INDEX_BACKENDS = ("copy_engine", "direct", "staged")
+HOST_INDEX_BACKENDS = ("copy_engine", "pitched", "direct", "staged")
 # backends an issuer thread enqueues (their host time grows with the transfer)
-ISSUED_BACKENDS = ("copy_engine", "staged")
+ISSUED_BACKENDS = ("copy_engine", "pitched", "staged")
 
 
 @dataclass(frozen=True)
@@ -77,10 +77,10 @@ def transfer_indices(
 
 @dataclass(frozen=True)
 class Launched:
-    """What :func:`launch` enqueued: the backend (``copy_engine`` or ``staged`` when queued on
-    the issuer), one completion per layer asked for (a ``torch.cuda.Event`` recorded on the
-    current stream, or the issuer's :class:`~.copy_issuer.Completion`), and the indices, which
-    the caller keeps referenced until the last completion has completed."""
+    """What :func:`launch` enqueued: the backend (``copy_engine``, ``pitched`` or ``staged``
+    when queued on the issuer), one completion per layer asked for (a ``torch.cuda.Event``
+    recorded on the current stream, or the issuer's :class:`~.copy_issuer.Completion`), and the
+    indices, which the caller keeps referenced until the last completion has completed."""
 
     backend: str
     events: list[Any]

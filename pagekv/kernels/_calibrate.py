@@ -51,8 +51,10 @@ def _shape_seconds(
     stream = torch.cuda.current_stream()
     seconds, enqueue = [], []
     for backend in BACKENDS:
-        if (backend == "copy_engine" and not ce_ok) or (
-            backend == "direct" and n_pages * rows > DIRECT_MAX_COPIES
+        if (
+            (backend == "copy_engine" and not ce_ok)
+            or (backend == "direct" and n_pages * rows > DIRECT_MAX_COPIES)
+            or (backend == "pitched" and not all_layers)
         ):
             seconds.append((backend, math.inf))
             enqueue.append((backend, math.inf))
@@ -64,8 +66,10 @@ def _shape_seconds(
             fn = functools.partial(ops.save, kv, slots, host, ids, layer=layer, backend=backend,
                                    validate=False)  # fmt: skip
         t, host_s = median_seconds(fn, stream.synchronize)
-        if backend == "copy_engine" and not copy_engine.supported(dev.index or 0):
-            t = host_s = math.inf  # the driver refused it: the kernel ran in its place
+        if (backend == "copy_engine" and not copy_engine.supported(dev.index or 0)) or (
+            backend == "pitched" and not copy_engine.pitched_supported(dev.index or 0)
+        ):
+            t = host_s = math.inf  # the call failed: the kernel ran in its place
         seconds.append((backend, t))
         enqueue.append((backend, host_s))
     shape = Shape(load, all_layers, float(run), n_pages * per_page)

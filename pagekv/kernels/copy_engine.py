@@ -6,15 +6,19 @@ it far more than a DMA copy of the same bytes: docs/benchmarks.md). Descriptors 
 host from CPU page ids and slots: one 1-D copy per run of consecutive slots and (layer, K/V),
 split over ``LANES`` streams ordered after the caller's stream and joined back to it by events.
 
-One form: on the H200 (docs/benchmarks.md, "copy engine") 1-D copies over 16 streams reach
-0.96-0.99 of the pinned contiguous copy for runs >= 32 KiB, and collapse (0.05-0.2) below
-~28 KiB, where 2-D copies (~3 us of engine time each) reached only 0.47-0.88 and the kernel
-0.92. Its host cost grows with the copies: ~0.5 us each, and the call waits for the engines
+Two forms. Batched 1-D copies (:func:`page_transfer`): on the H200 (docs/benchmarks.md, "copy
+engine") over 16 streams 0.96-0.99 of the pinned contiguous copy for runs >= 32 KiB, collapsing
+(0.05-0.2) below ~28 KiB, where each copy's fixed cost (~1.4 us of engine time) outweighs its
+bytes. Its host cost grows with the copies: ~0.5 us each, and the call waits for the engines
 once the driver's queue is full, so the calling thread is held for most of a transfer of 32 KiB
 runs: ``auto`` (:mod:`.copy_table`) takes it on the caller's thread only where its measured host
 time stays within the kernel's, and elsewhere only where a thread of the connector's own issues
 it (:mod:`pagekv.connector.copy_issuer`), never for runs under ``ops.COPY_ENGINE_MIN_RUN``
-(``ops.DEFERRED_COPY_ENGINE_MIN_RUN`` where the issuer enqueues it).
+(``ops.DEFERRED_COPY_ENGINE_MIN_RUN`` where the issuer enqueues it). Pitched copies
+(:func:`pitched_transfer`, the ``pitched`` backend): where each K/V's layers lie at one distance
+(:attr:`~.layout.DeviceKV.layer_pitches`), all layers of a run are one 2-D copy, whose cost is
+per row (~45 ns), so small runs stay on the DMA engines (H100: 0.63 / 0.77 / 0.88 / 0.92 of the
+copy for rows of 4 / 8 / 16 / 32 KiB); ~1-2.5 us of host time per copy, on the caller's stream.
 
 Availability is found at run time: the library must be built with CUDA >= 12.8 and the driver
 must be >= 12.8 (:func:`supported`). A call the driver refuses is logged once and the device
@@ -45,6 +49,8 @@ __all__ = [
     "disabled_reason",
     "page_transfer",
     "page_transfer_layers",
+    "pitched_supported",
+    "pitched_transfer",
     "run_bytes",
     "supported",
 ]
@@ -62,6 +68,7 @@ LANES = 16
 MAX_OPS = 16384
 
 _failed: dict[int, str] = {}
+_pitched_failed: dict[int, str] = {}
 # [descriptors sent, driver calls split after a refusal] of the last call (diagnostics)
 last_stats: tuple[int, int] = (0, 0)
 _lock = threading.Lock()
@@ -154,6 +161,42 @@ def page_transfer_layers(
     return done.value
 
 
+def pitched_transfer(
+    lib: ctypes.CDLL,
+    load: bool,
+    host: torch.Tensor,
+    kv: DeviceKV,
+    ids: torch.Tensor,
+    slots: torch.Tensor,
+    stream: int,
+) -> bool:
+    """All layers of the transfer as one 2-D copy per (run of slots in a page, K/V), a row per
+    layer, on ``stream`` itself (``kv.layer_pitches`` must not be None): the copy engines' cost is
+    per row there, not per copy, so runs under 32 KiB move at 0.6-0.9 of the bus on them where
+    batched 1-D copies move 0.05-0.4. ``ids`` and ``slots`` as :func:`page_transfer`'s. Returns
+    False, after one log line for the device, when the call failed: nothing of it may be relied
+    on, the caller runs the kernel, and the device takes the kernel for it from then on."""
+    pitches = kv.layer_pitches
+    if pitches is None:
+        raise ValueError("the pitched copy needs each K/V's layers at one distance")
+    stats = (ctypes.c_int64 * 2)()
+    args = _transfer_args(load, host, kv, ids, slots)
+    err = lib.pagekv_pitched_page_transfer(
+        *args[:4], (ctypes.c_int64 * len(pitches))(*pitches), *args[4:], stream, stats,
+    )  # fmt: skip
+    if err == 0:
+        return True
+    why = (f"pitched copy-engine {'load' if load else 'save'} failed with cudaError {err} "
+           f"({stats[0]} copies sent of {ids.numel()} pages)")  # fmt: skip
+    _say_once(_pitched_failed, kv.device.index or 0, why)
+    return False
+
+
+def pitched_supported(device: int) -> bool:
+    """True unless a pitched copy has failed on ``device``."""
+    return device not in _pitched_failed
+
+
 def _transfer_args(
     load: bool, host: torch.Tensor, kv: DeviceKV, ids: torch.Tensor, slots: torch.Tensor
 ) -> tuple[Any, ...]:
@@ -179,9 +222,13 @@ def _report(err: int, stats: Any, load: bool, kv: DeviceKV, ids: torch.Tensor) -
 
 
 def fail(device: int, why: str) -> None:
-    """Stop using the copy engine on ``device`` and say so once."""
+    """Stop using the copy engine's batched copies on ``device`` and say so once."""
+    _say_once(_failed, device, why)
+
+
+def _say_once(failed: dict[int, str], device: int, why: str) -> None:
     with _lock:
-        if device in _failed:
+        if device in failed:
             return
-        _failed[device] = why
+        failed[device] = why
     log.warning("pagekv: %s on cuda:%d; transfers there use the kernel from now on", why, device)

@@ -2,7 +2,8 @@
 measured once per device.
 
 For a grid of transfer shapes (direction, all layers or one, bytes per run of consecutive slots,
-bytes in all) the kernel, the copy engine and the direct memcpy backend are timed on this GPU:
+bytes in all) the kernel, the copy engine, the pitched copy (all layers) and the direct memcpy
+backend are timed on this GPU:
 seconds per call of three calls back to back (a connector's chunks and layers follow one
 another, so a call's host time overlaps the copies before it) and the host time of one call
 (its *enqueue* time: what the calling thread waits). On the caller's thread (``deferred``
@@ -11,8 +12,9 @@ plus ``ENQUEUE_SLACK_S``: the copy engine's host cost grows with its copies (~0.
 the call blocks once the driver's queue is full: a 4 GiB load of 32 KiB runs held the host 580
 of its 650 ms on the H200), and an engine's step never waits on a transfer. Where a thread of
 the connector's own enqueues the copy engine's transfers (``deferred``:
-:mod:`pagekv.connector.copy_issuer`) its host time bars nothing. Among the candidates the copy
-engine wins unless it is more than ``COPY_ENGINE_SLACK`` slower than the fastest (deferred:
+:mod:`pagekv.connector.copy_issuer`) its host time bars nothing, nor the pitched copy's.
+Among the candidates the faster DMA backend (``DMA_BACKENDS``: the copy engine, the pitched
+copy) wins unless it is more than ``COPY_ENGINE_SLACK`` slower than the fastest (deferred:
 ``DEFERRED_COPY_ENGINE_SLACK``, as those transfers run beside the engine's compute, where the
 kernel slows both): it leaves the SMs to the model.
 
@@ -51,6 +53,7 @@ from pathlib import Path
 __all__ = [
     "COPY_ENGINE_SLACK",
     "DEFERRED_COPY_ENGINE_SLACK",
+    "DMA_BACKENDS",
     "ENQUEUE_SLACK_S",
     "CopyTable",
     "Entry",
@@ -62,7 +65,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-TABLE_VERSION = 5
+TABLE_VERSION = 6
 # The copy engine is chosen unless it takes more than this fraction longer than the fastest.
 COPY_ENGINE_SLACK = 0.10
 # ... and for a transfer the connector's issuer enqueues (``deferred``: loads and saves that run
@@ -81,7 +84,9 @@ ENQUEUE_SLACK_S = 25e-6
 # the large ones.
 RUN_BYTES = (4096, 8192, 16384, 18432, 32768, 36864, 65536, 73728, 131072, 147456, 262144)
 TOTAL_BYTES = (1 << 20, 16 << 20, 128 << 20)
-BACKENDS = ("kernel", "copy_engine", "direct")
+BACKENDS = ("kernel", "copy_engine", "pitched", "direct")
+# the backends that move bytes on the DMA engines, leaving the SMs to the model
+DMA_BACKENDS = ("copy_engine", "pitched")
 DIRECT_MAX_COPIES = 4096  # the direct backend is not timed where it would issue more memcpys
 
 
@@ -103,22 +108,24 @@ class Entry:
 
     def best(self, allowed: Collection[str], deferred: bool = False) -> str | None:
         """The backend for this shape among ``allowed`` (None when none was measured): those
-        whose enqueue time is within ``ENQUEUE_SLACK_S`` of the kernel's (the copy engine
-        whatever its enqueue time when ``deferred``: a thread other than the caller's enqueues
-        it), then the copy engine unless it is more than ``COPY_ENGINE_SLACK`` (deferred:
-        ``DEFERRED_COPY_ENGINE_SLACK``) slower than the fastest."""
+        whose enqueue time is within ``ENQUEUE_SLACK_S`` of the kernel's (the DMA backends
+        whatever their enqueue time when ``deferred``: a thread other than the caller's enqueues
+        them), then the faster DMA backend unless it is more than ``COPY_ENGINE_SLACK``
+        (deferred: ``DEFERRED_COPY_ENGINE_SLACK``) slower than the fastest."""
         host = dict(self.enqueue)
         bound = host.get("kernel", math.inf) + ENQUEUE_SLACK_S
-        free = ("kernel", "copy_engine") if deferred else ("kernel",)
+        free = ("kernel", *DMA_BACKENDS) if deferred else ("kernel",)
         times = {b: s for b, s in self.seconds if b in allowed and math.isfinite(s)
                  and (b in free or host.get(b, math.inf) <= bound)}  # fmt: skip
         if not times:
             return None
         fastest = min(times, key=times.__getitem__)
-        ce = times.get("copy_engine")
+        dma = [b for b in DMA_BACKENDS if b in times]
         slack = DEFERRED_COPY_ENGINE_SLACK if deferred else COPY_ENGINE_SLACK
-        if ce is not None and ce <= times[fastest] * (1 + slack):
-            return "copy_engine"
+        if dma:
+            quick = min(dma, key=times.__getitem__)
+            if times[quick] <= times[fastest] * (1 + slack):
+                return quick
         return fastest
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -153,6 +154,22 @@ class DeviceKV:
     def layer_ptrs(self) -> tuple[int, ...]:
         """Address of slot 0 of each (kv, layer), kv-major: index ``kv * num_layers + layer``."""
         return tuple(t.data_ptr() for group in self.layers for t in group)
+
+    @functools.cached_property
+    def layer_pitches(self) -> tuple[int, ...] | None:
+        """Per K/V (or latent), the distance in bytes from each layer's slot 0 to the next
+        layer's, where it is one distance for all layers and no layer overlaps the next (at
+        least ``num_slots`` slot strides): a run of slots over the layers is then one pitched
+        copy (the ``pitched`` backend). None where a group's layers lie at uneven distances."""
+        n, extent = self.geometry.num_layers, self.num_slots * self.slot_stride_bytes
+        pitches = []
+        for group in range(self.geometry.num_kv):
+            ptrs = self.layer_ptrs[group * n : (group + 1) * n]
+            pitch = ptrs[1] - ptrs[0] if n > 1 else extent
+            if pitch < extent or any(b - a != pitch for a, b in itertools.pairwise(ptrs)):
+                return None
+            pitches.append(pitch)
+        return tuple(pitches)
 
     @functools.cached_property
     def alignment(self) -> int:

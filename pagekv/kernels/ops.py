@@ -2,6 +2,10 @@
 
 * ``"kernel"``: the CUDA kernels (:mod:`.jit`), host memory read/written in place, on 4-8 SMs;
 * ``"copy_engine"``: batched DMA copies (:mod:`.copy_engine`), no SMs; needs CUDA >= 12.8;
+* ``"pitched"``: all layers as one 2-D DMA copy per run of slots and K/V, a row per layer
+  (:func:`.copy_engine.pitched_transfer`), no SMs, on the caller's stream; where each K/V's
+  layers lie at one distance (:attr:`.layout.DeviceKV.layer_pitches`); one layer, or layers at
+  uneven distances, take the kernel;
 * ``"direct"``: one ``cudaMemcpyAsync`` per run of consecutive slots (large pages);
 * ``"staged"``: all layers as whole-page DMA copies through a device staging buffer and a
   device-side kernel (:mod:`.staged`); needs the copy engine; one layer takes the kernel; only
@@ -13,18 +17,21 @@ With the setting ``auto`` (the default): the kernel when the page ids or slots a
 (the other two build their copies on the host) or a CUDA graph is being captured; else the
 backend the measured shapes around this one agree on in the table measured once for this GPU
 (:mod:`.copy_table`): on the caller's thread only backends whose host time per call stays
-within the kernel's (the connector's issuer thread lifts that bar for the copy engine:
-``deferred``), the copy engine for runs of at least ``COPY_ENGINE_MIN_RUN`` unless it is more
-than 10% slower than the fastest (deferred: from ``DEFERRED_COPY_ENGINE_MIN_RUN``, unless more
-than 50% slower: those transfers run beside the engine's compute); never the staged backend (it
+within the kernel's (the connector's issuer thread lifts that bar for the DMA backends:
+``deferred``), the faster DMA backend (the copy engine for runs of at least
+``COPY_ENGINE_MIN_RUN``, the pitched copy for all layers of caches it suits) unless it is more
+than 10% slower than the fastest (deferred: the copy engine from
+``DEFERRED_COPY_ENGINE_MIN_RUN``, unless more than 50% slower: those transfers run beside the
+engine's compute), else the fastest; never the staged backend (it
 costs a model running beside it more: see :mod:`.staged`). Launches go on torch's current
 stream and neither allocate nor synchronise, so kernel launches can be captured in a CUDA graph
 (pass device index tensors and ``validate=False`` inside a capture).
 
 ``validate=True`` checks index values (range, repeats) before anything is written, which syncs
 when the indices are CUDA tensors. ``validate=False`` keeps the shape/dtype/device checks; every
-backend then skips (never writes) tokens whose page id or slot is out of range. ``copy_engine``
-and ``direct`` asked for with CUDA index tensors copy them to the host first (a sync).
+backend then skips (never writes) tokens whose page id or slot is out of range. ``copy_engine``,
+``pitched`` and ``direct`` asked for with CUDA index tensors copy them to the host first (a
+sync).
 """
 
 from __future__ import annotations
@@ -68,9 +75,9 @@ __all__ = [
     "transfer_layers",
 ]
 
-Backend = Literal["auto", "kernel", "copy_engine", "direct", "staged", "torch"]
-_BACKENDS = ("auto", "kernel", "copy_engine", "direct", "staged", "torch")
-_CUDA_BACKENDS = ("kernel", "copy_engine", "direct", "staged")
+Backend = Literal["auto", "kernel", "copy_engine", "pitched", "direct", "staged", "torch"]
+_BACKENDS = ("auto", "kernel", "copy_engine", "pitched", "direct", "staged", "torch")
+_CUDA_BACKENDS = ("kernel", "copy_engine", "pitched", "direct", "staged")
 # Thread blocks for host<->device transfers: enough to reach the bus, leaving the SMs to the
 # model (H100 measurements, docs/benchmarks.md). All-layer loads use 4: with 16 KiB page blocks
 # at random host addresses 8-16 blocks reading over PCIe lost ~15% (address-translation
@@ -201,6 +208,8 @@ def _auto_backend(
     setting = copy_backend_setting()
     if setting == "staged" and layer is not None:
         return "kernel"  # the staged backend moves whole pages: one layer takes the kernel
+    if setting == "pitched" and (layer is not None or not _pitched_ok(kv)):
+        return "kernel"  # a row per layer, at one distance
     if setting != "auto":
         return setting
     if ids.device.type != "cpu" or s.device.type != "cpu" or not ids.numel():
@@ -214,10 +223,17 @@ def _auto_backend(
     floor = DEFERRED_COPY_ENGINE_MIN_RUN if deferred else COPY_ENGINE_MIN_RUN
     if copy_engine.supported(device) and run >= floor:
         allowed.append("copy_engine")
+    if layer is None and _pitched_ok(kv):
+        allowed.append("pitched")
     rows = geo.num_layers * geo.num_kv if layer is None else geo.num_kv
     total = ids.numel() * geo.page_size * rows * geo.item_bytes
     shape = copy_table.Shape(load, layer is None, run, total)
     return copy_table.calibrate(device).choose(shape, allowed, deferred)
+
+
+def _pitched_ok(kv: DeviceKV) -> bool:
+    """The pitched copy suits ``kv`` (its layers at one distance) and has not failed there."""
+    return kv.layer_pitches is not None and copy_engine.pitched_supported(kv.device.index or 0)
 
 
 def choose_backend(
@@ -343,6 +359,12 @@ def _page_transfer(
             return "staged"
     if backend == "staged":
         backend = "kernel"  # one layer, a save with indices out of range, no copy engine
+    if backend == "pitched":
+        if layer is None and _pitched_ok(kv):
+            ids_h, s_h = _host_indices(ids, s)
+            if copy_engine.pitched_transfer(lib, load, host, kv, ids_h, s_h, stream):
+                return "pitched"
+        backend = "kernel"  # one layer, layers at uneven distances, a failed call (said once)
     if backend == "direct":
         ids_h, s_h = _direct_bounds(ids, s, host.shape[0], kv.num_slots)
         err = lib.pagekv_direct_page_transfer(

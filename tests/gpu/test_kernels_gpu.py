@@ -112,7 +112,8 @@ def test_auto_uses_the_measured_table_and_the_setting(monkeypatch):
     for load_, all_layers in ((False, True), (True, False)):
         rows = geo.num_layers * 2 if all_layers else 2
         shape = copy_table.Shape(load_, all_layers, 128 * geo.item_bytes, 8 * 128 * rows * 2048)
-        want = table.choose(shape, allowed)  # never the staged backend: see staged.py
+        pitched = ["pitched"] if all_layers else []  # one tensor per K/V: layers at one pitch
+        want = table.choose(shape, allowed + pitched)  # never the staged backend: see staged.py
         layer = None if all_layers else 1
         if load_:
             got = load(pool.buffer, list(range(8)), kv, contiguous, layer=layer)
@@ -121,9 +122,9 @@ def test_auto_uses_the_measured_table_and_the_setting(monkeypatch):
         assert got == want
     # CUDA index tensors: the kernel (no copy can be built on the host without a sync)
     assert save(kv, contiguous.to(DEV), pool.buffer, torch.arange(8, device=DEV)) == "kernel"
-    for setting in ("kernel", "direct", "copy_engine", "staged"):
+    for setting in ("kernel", "direct", "copy_engine", "staged", "pitched"):
         monkeypatch.setenv("PAGEKV_COPY_BACKEND", setting)
-        expect = setting if setting in ("kernel", "direct") or ce else "kernel"
+        expect = setting if setting in ("kernel", "direct", "pitched") or ce else "kernel"
         assert save(kv, contiguous, pool.buffer, list(range(8))) == expect
     torch.cuda.synchronize()
 

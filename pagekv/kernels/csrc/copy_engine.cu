@@ -5,8 +5,9 @@
 // Descriptors: one 1-D copy per (run of consecutive slots in a page, layer, K/V). A run ends at
 // a page end, a skipped slot or (slot stride != row bytes) every token. Bounds are the kernels':
 // a page id outside [0, num_host_pages) skips its page, a slot outside [0, num_slots) skips its
-// token, so no index becomes a wild copy. (2-D copies, one per run over the layers, cost ~3 us
-// of copy-engine time each and lost to the kernel wherever 1-D copies do: docs/benchmarks.md.)
+// token, so no index becomes a wild copy. Where each K/V's layers lie at one distance, the
+// pitched entry (pagekv_pitched_page_transfer) issues one 2-D copy per run instead, a row per
+// layer: the engines' cost is per row there (~45 ns), not per descriptor (~1.4 us).
 //
 // Ownership: the descriptor arrays live in thread-local scratch vectors and are read by the
 // driver during the call; the bytes they point at are read by the DMA engines later, in
@@ -264,6 +265,70 @@ int pagekv_ce_page_transfer(int device, int load, char* host, const int64_t* lay
   }
   return static_cast<int>(err);
 #endif
+}
+
+// The transfer of pagekv_ce_page_transfer for all layers, as one 2-D copy per (run of
+// consecutive slots in a page, K/V) with a row per layer, on ``stream`` itself: where each
+// K/V's layers lie at one distance from the next (``layer_pitch[c]`` bytes, c < num_kv), the
+// rows of a run over the layers are equally spaced on both sides (on the host, a page's rows of
+// one K/V are num_kv * page_size * item_bytes apart). The copy engine's cost is per row then
+// (~45 ns on an H100), not per descriptor as for batched 1-D copies (~1.4 us), which is what
+// keeps runs under 32 KiB on the DMA engines at all. Plain cudaMemcpy2DAsync calls (capturable;
+// any CUDA version), ~1-2.5 us of host time each. Bounds as pagekv_ce_page_transfer's. A pitch
+// must be at least the layer's extent and at most cudaDevAttrMaxPitch (checked: an invalid
+// value, nothing enqueued). ``stats`` (may be null) receives [copies sent, 0].
+int pagekv_pitched_page_transfer(int device, int load, char* host, const int64_t* layer_ptrs,
+                                 const int64_t* layer_pitch, const int64_t* page_ids,
+                                 const int64_t* slots, int64_t n_pages, int64_t num_host_pages,
+                                 int64_t num_slots, int64_t page_bytes, int64_t slot_stride,
+                                 int item_bytes, int page_size, int num_kv, int num_layers,
+                                 cudaStream_t stream, int64_t* stats) {
+  if (stats) stats[0] = stats[1] = 0;
+  if (item_bytes <= 0 || page_size <= 0 || (num_kv != 1 && num_kv != 2) || num_layers < 1 ||
+      !layer_pitch || slot_stride < item_bytes)
+    return static_cast<int>(cudaErrorInvalidValue);
+  if (n_pages == 0) return 0;
+  cudaError_t err = use_device(device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  int max_pitch = 0;
+  err = cudaDeviceGetAttribute(&max_pitch, cudaDevAttrMaxPitch, device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  for (int c = 0; c < num_kv; ++c)
+    if (layer_pitch[c] > max_pitch ||
+        (num_layers > 1 && layer_pitch[c] < num_slots * slot_stride))
+      return static_cast<int>(cudaErrorInvalidPitchValue);
+  const bool contiguous = slot_stride == item_bytes;
+  const int64_t row = static_cast<int64_t>(page_size) * item_bytes;  // host bytes per (layer, kv)
+  const size_t host_pitch = static_cast<size_t>(num_kv) * row;
+  const cudaMemcpyKind kind = load ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
+  int64_t sent = 0;
+  for (int64_t i = 0; i < n_pages && err == cudaSuccess; ++i) {
+    const int64_t page = page_ids[i];
+    if (page < 0 || page >= num_host_pages) continue;
+    const int64_t* sl = slots + i * page_size;
+    int j = 0;
+    while (j < page_size && err == cudaSuccess) {
+      const int64_t first = sl[j];
+      if (first < 0 || first >= num_slots) { ++j; continue; }
+      int run = 1;
+      while (contiguous && j + run < page_size && sl[j + run] == first + run &&
+             first + run < num_slots)
+        ++run;
+      const size_t width = static_cast<size_t>(run) * item_bytes;
+      for (int c = 0; c < num_kv && err == cudaSuccess; ++c) {
+        char* h = host + page * page_bytes + c * row + static_cast<int64_t>(j) * item_bytes;
+        char* d = reinterpret_cast<char*>(layer_ptrs[c * num_layers]) + first * slot_stride;
+        const size_t d_pitch = num_layers > 1 ? static_cast<size_t>(layer_pitch[c]) : width;
+        err = load ? cudaMemcpy2DAsync(d, d_pitch, h, host_pitch, width, num_layers, kind, stream)
+                   : cudaMemcpy2DAsync(h, host_pitch, d, d_pitch, width, num_layers, kind, stream);
+        if (err == cudaSuccess) ++sent;
+      }
+      j += run;
+    }
+  }
+  if (err != cudaSuccess) cudaGetLastError();  // the next kernel launch must not see it
+  if (stats) stats[0] = sent;
+  return static_cast<int>(err);
 }
 
 // The transfer of pagekv_ce_page_transfer once per entry of ``layers`` (a layer, or -1 for all
