@@ -96,7 +96,7 @@ class DecodeStep:
 
 
 class Loads:
-    """4 GiB of Llama-3-8B KV (16-token pages) in pinned host pages and a device cache, and
+    """4 GiB of KV (``geo``: its pages) in pinned host pages and a device cache, and
     the ways to move it host -> device on a side stream."""
 
     def __init__(self, total: int, geo: KVGeometry) -> None:
@@ -392,6 +392,7 @@ def main() -> None:
     ap.add_argument("--load-gib", type=float, default=4.0)
     ap.add_argument("--geometry", default="llama3-8b",
                     choices=["llama3-8b", "llama3-8b-tp8", "mla-576"])  # fmt: skip
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per page (part 1)")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-decode", action="store_true", help="part 2 (the engine) only")
     ap.add_argument("--engine-sizes", type=lambda s: [float(x) for x in s.split(",")],
@@ -413,7 +414,7 @@ def main() -> None:
         "llama3-8b-tp8": dict(num_layers=32, num_kv_heads=1, head_dim=128, dtype="bf16"),
         "mla-576": dict(num_layers=61, num_kv_heads=1, head_dim=576, dtype="bf16", kind="mla"),
     }[args.geometry]
-    geo = KVGeometry(page_size=16, **spec)
+    geo = KVGeometry(page_size=args.page_size, **spec)
     t = time.perf_counter()
     loads = Loads(int(args.load_gib * GIB), geo)
     table = calibrate(0)
