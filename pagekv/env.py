@@ -164,7 +164,7 @@ COPY_BACKEND = _var("COPY_BACKEND", _choice("auto", "kernel", "copy_engine", "pi
                     "backend, which takes no SMs (the copy engine for runs of at least 64 KiB, "
                     "the pitched copy for all layers), where it is within 10% of the fastest "
                     "(for the connector's issuer thread, whose transfers run beside the engine's "
-                    "compute: the copy engine from 32 KiB, within 50%), else the fastest; a "
+                    "compute: within 50%, the copy engine from 32 KiB), else the fastest; a "
                     "backend whose host time per call exceeds the kernel's only where the "
                     "connector's issuer thread enqueues it, never on the caller's thread; the "
                     "kernel for CUDA index tensors and graph capture), or one of `kernel`, "
