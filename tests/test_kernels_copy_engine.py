@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagekv.connector import HostPagePool, KVGeometry
-from pagekv.kernels import DeviceKV, copy_engine, copy_table, jit, load, save
+from pagekv.kernels import DeviceKV, copy_engine, copy_table, jit, layout, load, save
 from pagekv.kernels.copy_table import CopyTable, Entry, Shape
 from pagekv.kernels.layout import mean_run_bytes
 
@@ -143,7 +143,7 @@ def test_the_faster_dma_backend_is_preferred_within_the_slack():
     assert slow_host.best(every) == "kernel" and slow_host.best(every, deferred=True) == "pitched"
 
 
-def test_layer_pitches_name_the_layouts_a_pitched_copy_suits():
+def test_layer_pitches_name_the_layouts_a_pitched_copy_suits(monkeypatch):
     geo = KVGeometry(4, 16, 2, 64, "bf16")  # 256-byte rows
     row, slots = geo.item_bytes, 40
     per_kv = [torch.empty(4, slots, 2, 64, dtype=torch.bfloat16) for _ in range(2)]
@@ -160,7 +160,9 @@ def test_layer_pitches_name_the_layouts_a_pitched_copy_suits():
     assert DeviceKV.from_caches(geo, backwards, per_kv[1]).layer_pitches is None
     overlapping = [flat[o : o + slots * 128].view(slots, 2, 64) for o in (0, 100, 200, 300)]
     assert DeviceKV.from_caches(geo, overlapping, per_kv[1]).layer_pitches is None
-    one = KVGeometry.mla(1, 16, 576, torch.bfloat16)
+    monkeypatch.setattr(layout, "MAX_PITCH", slots * row - 1)  # farther apart than a pitch may be
+    assert DeviceKV.from_caches(geo, *per_kv).layer_pitches is None
+    one = KVGeometry.mla(1, 16, 576, torch.bfloat16)  # one layer: no pitch between layers
     latent = torch.empty(1, slots, 576, dtype=torch.bfloat16)
     assert DeviceKV.from_caches(one, latent).layer_pitches == (slots * 1152,)
 

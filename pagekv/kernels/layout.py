@@ -46,6 +46,9 @@ __all__ = [
 ]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+# The largest pitch of a 2-D copy (cudaDevAttrMaxPitch: 2^31 - 1 on every GPU this runs on; the
+# library checks the device's own value too).
+MAX_PITCH = (1 << 31) - 1
 
 
 def _as_list(caches: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
@@ -160,13 +163,15 @@ class DeviceKV:
         """Per K/V (or latent), the distance in bytes from each layer's slot 0 to the next
         layer's, where it is one distance for all layers and no layer overlaps the next (at
         least ``num_slots`` slot strides): a run of slots over the layers is then one pitched
-        copy (the ``pitched`` backend). None where a group's layers lie at uneven distances."""
+        copy (the ``pitched`` backend). None where a group's layers lie at uneven distances or
+        farther apart than a copy's pitch may be (``MAX_PITCH``)."""
         n, extent = self.geometry.num_layers, self.num_slots * self.slot_stride_bytes
         pitches = []
         for group in range(self.geometry.num_kv):
             ptrs = self.layer_ptrs[group * n : (group + 1) * n]
             pitch = ptrs[1] - ptrs[0] if n > 1 else extent
-            if pitch < extent or any(b - a != pitch for a, b in itertools.pairwise(ptrs)):
+            uneven = any(b - a != pitch for a, b in itertools.pairwise(ptrs))
+            if uneven or pitch < extent or (n > 1 and pitch > MAX_PITCH):
                 return None
             pitches.append(pitch)
         return tuple(pitches)

@@ -14,7 +14,7 @@
 
 ``backend="auto"`` picks: torch on CPU; else what ``PAGEKV_COPY_BACKEND`` (:mod:`.jit`) says.
 With the setting ``auto`` (the default): the kernel when the page ids or slots are CUDA tensors
-(the other two build their copies on the host) or a CUDA graph is being captured; else the
+(the others build their copies on the host) or a CUDA graph is being captured; else the
 backend the measured shapes around this one agree on in the table measured once for this GPU
 (:mod:`.copy_table`): on the caller's thread only backends whose host time per call stays
 within the kernel's (the connector's issuer thread lifts that bar for the DMA backends:

@@ -293,13 +293,14 @@ int pagekv_pitched_page_transfer(int device, int load, char* host, const int64_t
   int max_pitch = 0;
   err = cudaDeviceGetAttribute(&max_pitch, cudaDevAttrMaxPitch, device);
   if (err != cudaSuccess) return static_cast<int>(err);
-  for (int c = 0; c < num_kv; ++c)
-    if (layer_pitch[c] > max_pitch ||
-        (num_layers > 1 && layer_pitch[c] < num_slots * slot_stride))
-      return static_cast<int>(cudaErrorInvalidPitchValue);
-  const bool contiguous = slot_stride == item_bytes;
   const int64_t row = static_cast<int64_t>(page_size) * item_bytes;  // host bytes per (layer, kv)
   const size_t host_pitch = static_cast<size_t>(num_kv) * row;
+  if (host_pitch > static_cast<size_t>(max_pitch))
+    return static_cast<int>(cudaErrorInvalidPitchValue);
+  for (int c = 0; c < num_kv && num_layers > 1; ++c)
+    if (layer_pitch[c] > max_pitch || layer_pitch[c] < num_slots * slot_stride)
+      return static_cast<int>(cudaErrorInvalidPitchValue);
+  const bool contiguous = slot_stride == item_bytes;
   const cudaMemcpyKind kind = load ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
   int64_t sent = 0;
   for (int64_t i = 0; i < n_pages && err == cudaSuccess; ++i) {
