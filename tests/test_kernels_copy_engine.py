@@ -312,6 +312,38 @@ def test_refused_call_is_logged_once_and_the_device_stops_using_it(monkeypatch, 
     assert args[15:20] == (0, 4, copy_engine.FLAGS, copy_engine.LANES, copy_engine.MAX_OPS)
 
 
+class FailingPitchedLib:
+    """Stands in for the library: every pitched copy fails with cudaErrorInvalidValue."""
+
+    def __init__(self):
+        self.calls = []
+
+    def pagekv_pitched_page_transfer(self, *args):
+        self.calls.append(args)
+        return 1
+
+
+def test_a_failed_pitched_copy_is_logged_once_and_leaves_the_batched_copies(monkeypatch, caplog):
+    monkeypatch.setattr(copy_engine, "_failed", {})
+    monkeypatch.setattr(copy_engine, "_pitched_failed", {})
+    monkeypatch.setattr(copy_engine, "_support", lambda device: 13000)
+    both = torch.empty(2, GEO.num_layers, 100, 2, 64, dtype=torch.bfloat16)
+    kv = DeviceKV.from_caches(GEO, both[0], both[1])
+    pool = HostPagePool(GEO, 4, pin=False)
+    ids, slots = torch.tensor([1, 3]), torch.arange(32).view(2, 16)
+    lib = FailingPitchedLib()
+    with caplog.at_level(logging.WARNING, logger="pagekv.kernels.copy_engine"):
+        for _ in range(3):
+            assert not copy_engine.pitched_transfer(lib, False, pool.buffer, kv, ids, slots, 0)
+    lines = [r.getMessage() for r in caplog.records if "copy-engine" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("pagekv: pitched copy-engine save failed")
+    assert "cudaError 1" in lines[0] and "use the kernel" in lines[0]
+    assert not copy_engine.pitched_supported(0) and copy_engine.pitched_supported(1)
+    assert copy_engine.supported(0)  # the batched copies are another form: still used
+    pitches = lib.calls[0][4]  # after device, direction, host and the layers' pointers
+    assert list(pitches) == list(kv.layer_pitches) == [100 * GEO.item_bytes] * 2
+
+
 def test_unsupported_library_or_driver(monkeypatch):
     monkeypatch.setattr(copy_engine, "_failed", {})
     monkeypatch.setattr(copy_engine, "_support", lambda device: 0)

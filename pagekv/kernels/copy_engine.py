@@ -184,12 +184,7 @@ def pitched_transfer(
     err = lib.pagekv_pitched_page_transfer(
         *args[:4], (ctypes.c_int64 * len(pitches))(*pitches), *args[4:], stream, stats,
     )  # fmt: skip
-    if err == 0:
-        return True
-    why = (f"pitched copy-engine {'load' if load else 'save'} failed with cudaError {err} "
-           f"({stats[0]} copies sent of {ids.numel()} pages)")  # fmt: skip
-    _say_once(_pitched_failed, kv.device.index or 0, why)
-    return False
+    return _report(err, stats, load, kv, ids, "pitched copy-engine", _pitched_failed)
 
 
 def pitched_supported(device: int) -> bool:
@@ -208,16 +203,25 @@ def _transfer_args(
             geo.num_layers)  # fmt: skip
 
 
-def _report(err: int, stats: Any, load: bool, kv: DeviceKV, ids: torch.Tensor) -> bool:
-    """Keep a call's ``stats`` in :data:`last_stats`; True when it succeeded, else (after
-    :func:`fail`) False."""
+def _report(
+    err: int,
+    stats: Any,
+    load: bool,
+    kv: DeviceKV,
+    ids: torch.Tensor,
+    form: str = "copy-engine",
+    failed: dict[int, str] | None = None,
+) -> bool:
+    """Keep a call's ``stats`` in :data:`last_stats`; True when it succeeded, else False after
+    the device's first failure of this ``form`` is kept in ``failed`` (None: the batched
+    copies', as :func:`fail`) and said once."""
     global last_stats
     last_stats = (stats[0], stats[1])
     if err == 0:
         return True
-    why = (f"copy-engine {'load' if load else 'save'} failed with cudaError {err} "
+    why = (f"{form} {'load' if load else 'save'} failed with cudaError {err} "
            f"({stats[0]} copies sent of {ids.numel()} pages)")  # fmt: skip
-    fail(kv.device.index or 0, why)
+    _say_once(_failed if failed is None else failed, kv.device.index or 0, why)
     return False
 
 

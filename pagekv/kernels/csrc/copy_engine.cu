@@ -42,6 +42,32 @@ cudaError_t use_device(int device) {
   return cudaSetDevice(device);
 }
 
+// The runs of a transfer, in order: for each page id in [0, num_host_pages), each run of
+// consecutive slots in [0, num_slots) within the page (one slot a run where ``contiguous`` is
+// false: the slot stride is not the row), as fn(page, j, first, run): the host page, the run's
+// first token in it, its first slot, its length. The kernels' bounds rule: a page id out of
+// range skips its page, a slot out of range its token. Stops where fn returns false.
+template <typename Fn>
+void for_each_run(const int64_t* page_ids, const int64_t* slots, int64_t n_pages, int page_size,
+                  int64_t num_host_pages, int64_t num_slots, bool contiguous, Fn&& fn) {
+  for (int64_t i = 0; i < n_pages; ++i) {
+    const int64_t page = page_ids[i];
+    if (page < 0 || page >= num_host_pages) continue;
+    const int64_t* sl = slots + i * page_size;
+    int j = 0;
+    while (j < page_size) {
+      const int64_t first = sl[j];
+      if (first < 0 || first >= num_slots) { ++j; continue; }
+      int run = 1;
+      while (contiguous && j + run < page_size && sl[j + run] == first + run &&
+             first + run < num_slots)
+        ++run;
+      if (!fn(page, j, first, run)) return;
+      j += run;
+    }
+  }
+}
+
 #if CUDART_VERSION >= 12080
 constexpr bool kCompiled = true;
 
@@ -193,31 +219,20 @@ int pagekv_ce_page_transfer(int device, int load, char* host, const int64_t* lay
   scratch.size.clear();
   const bool contiguous = slot_stride == item_bytes;
   const int64_t row = static_cast<int64_t>(page_size) * item_bytes;  // host bytes per (layer, kv)
-  for (int64_t i = 0; i < n_pages; ++i) {
-    const int64_t page = page_ids[i];
-    if (page < 0 || page >= num_host_pages) continue;
-    const int64_t* sl = slots + i * page_size;
-    int j = 0;
-    while (j < page_size) {
-      const int64_t first = sl[j];
-      if (first < 0 || first >= num_slots) { ++j; continue; }
-      int run = 1;
-      while (contiguous && j + run < page_size && sl[j + run] == first + run &&
-             first + run < num_slots)
-        ++run;
-      const size_t width = static_cast<size_t>(run) * item_bytes;
-      char* h0 = host + page * page_bytes + static_cast<int64_t>(j) * item_bytes;
-      const int64_t d0 = first * slot_stride;
-      for (int l = layer_begin; l < layer_begin + layer_count; ++l) {
-        for (int c = 0; c < num_kv; ++c) {
-          char* hp = h0 + (static_cast<int64_t>(l) * num_kv + c) * row;
-          char* dp = reinterpret_cast<char*>(layer_ptrs[c * num_layers + l]) + d0;
-          load ? add_1d(dp, hp, width) : add_1d(hp, dp, width);
-        }
+  for_each_run(page_ids, slots, n_pages, page_size, num_host_pages, num_slots, contiguous,
+               [&](int64_t page, int j, int64_t first, int run) {
+    const size_t width = static_cast<size_t>(run) * item_bytes;
+    char* h0 = host + page * page_bytes + static_cast<int64_t>(j) * item_bytes;
+    const int64_t d0 = first * slot_stride;
+    for (int l = layer_begin; l < layer_begin + layer_count; ++l) {
+      for (int c = 0; c < num_kv; ++c) {
+        char* hp = h0 + (static_cast<int64_t>(l) * num_kv + c) * row;
+        char* dp = reinterpret_cast<char*>(layer_ptrs[c * num_layers + l]) + d0;
+        load ? add_1d(dp, hp, width) : add_1d(hp, dp, width);
       }
-      j += run;
     }
-  }
+    return true;
+  });
   const size_t total = scratch.dst.size();
   if (total == 0) return 0;
   // 2. streams: the caller's, or side streams forked from it (the batched API refuses the
@@ -303,30 +318,19 @@ int pagekv_pitched_page_transfer(int device, int load, char* host, const int64_t
   const bool contiguous = slot_stride == item_bytes;
   const cudaMemcpyKind kind = load ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
   int64_t sent = 0;
-  for (int64_t i = 0; i < n_pages && err == cudaSuccess; ++i) {
-    const int64_t page = page_ids[i];
-    if (page < 0 || page >= num_host_pages) continue;
-    const int64_t* sl = slots + i * page_size;
-    int j = 0;
-    while (j < page_size && err == cudaSuccess) {
-      const int64_t first = sl[j];
-      if (first < 0 || first >= num_slots) { ++j; continue; }
-      int run = 1;
-      while (contiguous && j + run < page_size && sl[j + run] == first + run &&
-             first + run < num_slots)
-        ++run;
-      const size_t width = static_cast<size_t>(run) * item_bytes;
-      for (int c = 0; c < num_kv && err == cudaSuccess; ++c) {
-        char* h = host + page * page_bytes + c * row + static_cast<int64_t>(j) * item_bytes;
-        char* d = reinterpret_cast<char*>(layer_ptrs[c * num_layers]) + first * slot_stride;
-        const size_t d_pitch = num_layers > 1 ? static_cast<size_t>(layer_pitch[c]) : width;
-        err = load ? cudaMemcpy2DAsync(d, d_pitch, h, host_pitch, width, num_layers, kind, stream)
-                   : cudaMemcpy2DAsync(h, host_pitch, d, d_pitch, width, num_layers, kind, stream);
-        if (err == cudaSuccess) ++sent;
-      }
-      j += run;
+  for_each_run(page_ids, slots, n_pages, page_size, num_host_pages, num_slots, contiguous,
+               [&](int64_t page, int j, int64_t first, int run) {
+    const size_t width = static_cast<size_t>(run) * item_bytes;
+    for (int c = 0; c < num_kv && err == cudaSuccess; ++c) {
+      char* h = host + page * page_bytes + c * row + static_cast<int64_t>(j) * item_bytes;
+      char* d = reinterpret_cast<char*>(layer_ptrs[c * num_layers]) + first * slot_stride;
+      const size_t d_pitch = num_layers > 1 ? static_cast<size_t>(layer_pitch[c]) : width;
+      err = load ? cudaMemcpy2DAsync(d, d_pitch, h, host_pitch, width, num_layers, kind, stream)
+                 : cudaMemcpy2DAsync(h, host_pitch, d, d_pitch, width, num_layers, kind, stream);
+      if (err == cudaSuccess) ++sent;
     }
-  }
+    return err == cudaSuccess;
+  });
   if (err != cudaSuccess) cudaGetLastError();  // the next kernel launch must not see it
   if (stats) stats[0] = sent;
   return static_cast<int>(err);
