@@ -487,6 +487,30 @@ def test_a_full_disk_reclaims_and_retries_and_never_raises(tiers):
     ops.fail.clear()
 
 
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE])
+def test_a_process_out_of_descriptors_drops_writes_and_keeps_the_tier(tiers, code):
+    """A node's peers may hold all its descriptors for a moment (a connection flood): a segment
+    that cannot be opened then costs the blocks written meanwhile, never the tier."""
+    ops = FailingOps()
+    tier = tiers(io=ops)
+    for i in range(10):  # a segment's worth: the next block needs a new one
+        offer(tier, i, 100_000)
+    assert tier.flush(10)
+    ops.fail["open"] = code
+    for i in range(10, 13):
+        offer(tier, i, 100_000)
+    assert tier.flush(10)
+    assert tier.on and tier.stats()["disk_write_no_descriptor"] == 3
+    ops.fail.clear()
+    for i in range(13, 16):
+        offer(tier, i, 100_000)
+    assert tier.flush(10)
+    found = read_all(tier, range(16))
+    assert [i for i in range(16) if found[i] is None] == [10, 11, 12]
+    for i in [*range(10), *range(13, 16)]:
+        assert joined(found[i]) == payload(i, 100_000)
+
+
 def test_a_real_full_file_system_is_reclaimed_into(tiers, tmp_path):
     with tmpfs(tmp_path / "small", "6M") as mnt:
         tier = tiers(mnt / "disk", capacity=64 * MIB, segment_bytes=MIB)  # more than fits

@@ -255,12 +255,48 @@ def test_descriptor_exhaustion_does_not_spin():
     try:  # at its limit the node takes no new client (a stats client neither): ask afterwards
         deadline = time.monotonic() + 10
         while not w.serves():
+            assert w.node.proc.poll() is None, "the node died:\n" + "".join(w.node.log)
             assert time.monotonic() < deadline, "node does not take clients again"
         refused = w.stats()["refused_connections"]
         report("300 idle connections at RLIMIT_NOFILE=256", w, cpu=f"{busy:.0%}", refused=refused)
         assert refused > 0
     finally:
         w.stop()
+
+
+OUT_OF_DESCRIPTORS = """
+import os, resource, time, zmq
+from pagekv.store.config import NodeConfig
+from pagekv.store.node.guard import ConnectionGuard
+from pagekv.store.node.memory import rss_bytes
+sock = zmq.Context.instance().socket(zmq.ROUTER)
+sock.bind("tcp://127.0.0.1:0")
+guard = ConnectionGuard(sock, NodeConfig(capacity="1MiB", guard_interval_s=0.01), {})
+resident = rss_bytes()
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, 4096))
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass  # no descriptor is free now
+guard.baseline_rss = -(1 << 40)  # over its memory bound: the RSS check runs in full
+guard.tick(time.monotonic())
+assert rss_bytes() > resident // 2, "RSS read while no descriptor is free"
+print("served on")
+"""
+
+
+def test_guard_checks_need_no_free_descriptor():
+    """A node at its descriptor limit (peers hold them all, for a moment) runs its guard's
+    checks on: reading its own RSS takes no new descriptor. Such a moment once ended the node
+    (EMFILE opening /proc/self/statm)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0 and "served on" in done.stdout, done.stderr
 
 
 def fault_rounds(node: NodeProcess, io_threads: int, rounds: int) -> list[float]:

@@ -78,6 +78,7 @@ __all__ = ["DiskBlock", "DiskConfig", "DiskDirLocked", "DiskFormatError", "DiskT
 log = logging.getLogger("pagekv.store.disk")
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE)  # for a moment: a flood of peers holds them all
 _MISCONFIGURED = (errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG,
                   errno.ELOOP)  # fmt: skip
 WRITE_BATCH_BYTES = 16 << 20  # one pwritev carries at most this (and IOV_MAX pieces)
@@ -712,8 +713,8 @@ class DiskTier:
         i = 0
         while i < len(batch) and self._error is None:
             seg = self._room_for(_span(batch[i]))
-            if seg is None:
-                self._drop(batch[i:], "write_nospace")
+            if isinstance(seg, str):
+                self._drop(batch[i:], seg)
                 return
             pieces, records, end = self._lay_out(seg, batch[i:])
             if not records:  # larger than a segment: offer() lets none through
@@ -812,10 +813,11 @@ class DiskTier:
         self._room.notify_all()
 
     # ---- segments (the writer thread) --------------------------------------------------------
-    def _room_for(self, span: int) -> Segment | None:
+    def _room_for(self, span: int) -> Segment | str:
         """The active segment, with room for a record of ``span`` bytes: the current one, or a
         new one (the full one sealed, the oldest reclaimed while the disk is over capacity).
-        None when the disk is full and nothing is left to reclaim."""
+        Else the counter of the blocks that costs: ``write_nospace`` (the disk is full and
+        nothing is left to reclaim), ``write_no_descriptor`` (none free to open a segment)."""
         seg = self._active
         if seg is not None and align_up(seg.end, RECORD_ALIGN) + span <= self.config.segment_bytes:
             return seg
@@ -830,10 +832,12 @@ class DiskTier:
                                      time.time_ns(), self.io)  # fmt: skip
                 break
             except OSError as e:
+                if e.errno in NO_DESCRIPTOR:
+                    return "write_no_descriptor"
                 if e.errno not in NO_SPACE:
                     raise
                 if attempt or not self._reclaim_oldest():
-                    return None
+                    return "write_nospace"
         self._next_id += 1
         seg.refs = 1  # the writer's, until it seals the segment
         with self._lock:
@@ -849,7 +853,7 @@ class DiskTier:
         try:
             dir_bytes = write_directory(self.io, self.config.dir, seg)
         except OSError as e:
-            if e.errno not in NO_SPACE:
+            if e.errno not in NO_SPACE + NO_DESCRIPTOR:
                 raise
             dir_bytes = 0  # without its directory a restart scans it: slower, as correct
         seg.records = []
@@ -929,7 +933,8 @@ class DiskTier:
 
 _COUNTERS = (
     "hits", "misses", "read_bytes", "read_ops", "corrupt", "writes", "write_bytes", "write_skipped",
-    "rewrites", "write_dropped", "write_nospace", "write_too_large", "write_dropped_at_close",
+    "rewrites", "write_dropped", "write_nospace", "write_no_descriptor",
+    "write_too_large", "write_dropped_at_close",
     "write_dropped_off", "reclaimed_segments", "reclaimed_blocks", "reclaimed_bytes",
     "rebuild_blocks", "rebuild_scanned_bytes", "rebuild_torn",
 )  # fmt: skip

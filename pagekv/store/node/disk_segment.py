@@ -182,9 +182,9 @@ class Segment:
         """Read from here on with ``O_DIRECT``, where the file system allows it."""
         try:
             self.dfd = self.io.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-        except OSError as e:  # no O_DIRECT here (tmpfs before Linux 6.6): the page cache
-            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                raise
+        except OSError as e:  # no O_DIRECT here (tmpfs before Linux 6.6), or no descriptor
+            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.EMFILE, errno.ENFILE):
+                raise  # free for a moment: reads go through the page cache
 
     def append(self, buffers: list[memoryview], offset: int) -> None:
         _write_all(self.io, self.fd, buffers, offset)

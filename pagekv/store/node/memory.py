@@ -29,7 +29,6 @@ as long as moving the bytes. Rules (:func:`tune_malloc_for_blocks`):
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import logging
 import os
@@ -89,8 +88,13 @@ def tune_malloc_for_blocks(
 
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    return ctypes.CDLL(name) if name else None
+    """The C library, from the symbols this process already has (glibc's malloc functions on
+    Linux): no search, no descriptor (the guard trims a node out of descriptors)."""
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return None
+    return libc if hasattr(libc, "mallopt") else None
 
 
 def trim_heap(keep_trimming: bool | None = None) -> bool:
@@ -241,9 +245,28 @@ def _read(path: str) -> str:
 
 
 def rss_bytes(pid: int | str = "self") -> int:
-    """Resident set size of a process (``/proc/<pid>/statm``)."""
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * _PAGE
+    """Resident set size of a process (``/proc/<pid>/statm``). A process reads its own through
+    a descriptor it opened once: a node whose peers hold all its descriptors for a moment still
+    runs its memory checks."""
+    if pid != "self":
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    return int(os.pread(_own_statm(), 256, 0).split()[1]) * _PAGE
+
+
+_statm: tuple[int, int] | None = None  # (pid, descriptor of its /proc/<pid>/statm)
+_statm_lock = threading.Lock()
+
+
+def _own_statm() -> int:
+    global _statm
+    with _statm_lock:
+        if _statm is None or _statm[0] != os.getpid():  # first read, or a forked child's
+            if _statm is not None:
+                os.close(_statm[1])  # the parent's, inherited
+            fd = os.open(f"/proc/{os.getpid()}/statm", os.O_RDONLY | os.O_CLOEXEC)
+            _statm = (os.getpid(), fd)
+        return _statm[1]
 
 
 def minor_faults(pid: int | str = "self") -> int:

@@ -81,6 +81,8 @@ _DISK = {
     "disk_rewrites": ("counter", "evicted blocks written again (record in an old segment)"),
     "disk_write_dropped": ("counter", "evicted blocks not written: the write queue was full"),
     "disk_write_nospace": ("counter", "blocks not written: disk full, nothing to reclaim"),
+    "disk_write_no_descriptor": ("counter", "blocks not written: no descriptor free for a new "
+                                 "segment (peers held them all)"),
     "disk_write_too_large": ("counter", "blocks not written: larger than a segment"),
     "disk_write_dropped_at_close": ("counter", "blocks queued when the shutdown budget ran out"),
     "disk_write_dropped_off": ("counter", "queued blocks dropped as the tier turned off"),
