@@ -187,7 +187,9 @@ async def test_a_call_never_returns_while_its_pool_still_copies(node_proc, monke
     rng = random.Random(os.urandom(8))
     keys = [rng.randbytes(16) for _ in range(4)]
     values = [rng.randbytes(1 << 20) for _ in keys]
-    cfg = ClientConfig((node_proc.address,), bulk=False, streams=1, copy_threads=2, timeout_s=0.3,
+    # the held copy outlasts any deadline (it waits for the client's wait): 2 s leaves the
+    # setup's PUT room on a loaded machine (0.3 s failed there)
+    cfg = ClientConfig((node_proc.address,), bulk=False, streams=1, copy_threads=2, timeout_s=2.0,
                        timeout_per_mib_s=0.0)  # fmt: skip
     client = AsyncStoreClient(node_proc.address, config=cfg)
     gate, state, lock = threading.Event(), {"started": 0, "finished": 0}, threading.Lock()
