@@ -46,6 +46,20 @@ def wait_until(predicate, timeout=10.0, what="condition"):
         time.sleep(0.005)
 
 
+def store_blocks(config, keys: list, values: list) -> None:
+    """PUT ``values`` under ``keys`` through a client of its own, placed by ``config`` (its
+    nodes, replicas) but waiting a loaded machine's 10 s: a test whose client times out within
+    a second for what it checks starts from blocks really stored where they belong (a setup
+    PUT given that short timeout failed over to another node, or failed, under load)."""
+    import dataclasses
+
+    from pagekv.store import Status, StoreClient
+
+    patient = dataclasses.replace(config, timeout_s=10.0, connect_timeout_s=None)
+    with StoreClient(patient.endpoints, config=patient) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+
+
 def sigstop(pid: int, timeout: float = 5.0) -> None:
     """Stop process ``pid`` (SIGSTOP) and return once every one of its threads is stopped: a
     signal is delivered asynchronously, and a thread already at work (a node's bulk lane answering

@@ -13,7 +13,7 @@ from pagekv.store import ClientConfig, Status, StoreClient
 from pagekv.store.client import operations
 from pagekv.store.launch import NodeProcess
 from pagekv.store.wire.protocol import checksum_frames
-from tests.helpers import wait_until
+from tests.helpers import store_blocks, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -141,10 +141,11 @@ def test_node_restart_and_client_recovery():
     node = NodeProcess("--capacity", "64MiB").start()
     restarted = None
     try:
+        store_blocks(ClientConfig((node.address,)), [b"before-restart!!"], [b"x" * 100])
         with StoreClient(node.address, timeout_s=0.5) as client:
             client.router.health[0].backoff_min = 0.05
             client.router.health[0].backoff_max = 0.05
-            assert client.put_many([b"before-restart!!"], [b"x" * 100]) == [Status.OK]
+            assert bytes(client.get_many([b"before-restart!!"])[0]) == b"x" * 100
             node.kill(signal.SIGKILL)
             assert client.get_many([b"before-restart!!"]) == [None]  # down: a miss
             assert client.put_many([b"k" * 16], [b"y"]) == [Status.UNAVAILABLE]

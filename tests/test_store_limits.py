@@ -9,7 +9,7 @@ import pytest
 
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
 from pagekv.store.launch import NodeProcess
-from tests.helpers import sigstop
+from tests.helpers import sigstop, store_blocks
 from tests.store_fakes import ThrottledProxy
 from tests.test_store_node import Running
 
@@ -112,7 +112,7 @@ def test_backed_off_node_is_read_as_last_resort_once_it_is_back():
         with StoreClient(eps, config=cfg) as client:
             keys = [os.urandom(16) for _ in range(40)]
             on_first = [k for k in keys if client.router.ranking(k)[0] == 0]
-            assert client.put_many(keys, [k * 10 for k in keys]) == [Status.OK] * len(keys)
+            store_blocks(cfg, keys, [k * 10 for k in keys])
             sigstop(nodes[0].proc.pid)
             assert client.get_many(on_first[:1]) == [None]  # times out: node 0 backed off
             assert not client.router.health[0].is_up(time.monotonic())
@@ -133,7 +133,8 @@ async def test_async_stopped_node_then_resumed():
     try:
         client = AsyncStoreClient(node.address, timeout_s=0.5)
         key = os.urandom(16)
-        assert await client.put_many([key], [b"x" * 1000]) == [Status.OK]
+        store_blocks(ClientConfig((node.address,)), [key], [b"x" * 1000])
+        assert await client.get_many([key]) == [b"x" * 1000]  # connected before the stop
         sigstop(node.proc.pid)
         loop = asyncio.get_running_loop()
         start = loop.time()

@@ -12,7 +12,7 @@ import pytest
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
 from pagekv.store.config import MAX_STREAMS, default_streams
 from pagekv.store.launch import NodeProcess
-from tests.helpers import POISON, as_bytes, poisoned_like
+from tests.helpers import POISON, as_bytes, poisoned_like, store_blocks
 
 
 @pytest.fixture
@@ -156,9 +156,9 @@ async def test_node_stopped_mid_transfer_with_streams(node_proc):
     keys = [rng.randbytes(16) for _ in range(96)]
     values = [rng.randbytes(256 << 10) for _ in keys]
     cfg = config(node_proc, timeout_s=0.5)
+    store_blocks(config(node_proc), keys, values)
     client = AsyncStoreClient(node_proc.address, config=cfg)
     try:
-        assert await client.put_many(keys, values) == [Status.OK] * len(keys)
         stopped = []
 
         def stop_node(_i: int) -> None:

@@ -161,11 +161,10 @@ class HeapWarmer:
                 and _spare_bytes() >= _WARM_CHUNK)  # fmt: skip
 
     def _run(self) -> None:
+        # At the process's own priority, never lower: faulting a chunk in holds the address
+        # space's lock, and malloc the heap's; a warmer starved by busy neighbours while it
+        # holds them stalls every thread of the node (seconds, on a busy 2-core machine).
         libc, chunks, before = _libc(), [], rss_bytes()
-        try:  # background work: the lowest CPU priority, never ahead of serving (Linux: per thread)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (OSError, AttributeError):
-            pass
         try:
             if libc is None:
                 return
