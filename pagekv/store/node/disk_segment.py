@@ -182,9 +182,10 @@ class Segment:
         """Read from here on with ``O_DIRECT``, where the file system allows it."""
         try:
             self.dfd = self.io.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-        except OSError as e:  # no O_DIRECT here (tmpfs before Linux 6.6), or no descriptor
+        except OSError as e:  # reads then go through the page cache: no O_DIRECT here (tmpfs
+            # before Linux 6.6), or no descriptor free for the moment
             if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.EMFILE, errno.ENFILE):
-                raise  # free for a moment: reads go through the page cache
+                raise
 
     def append(self, buffers: list[memoryview], offset: int) -> None:
         _write_all(self.io, self.fd, buffers, offset)
