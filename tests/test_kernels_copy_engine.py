@@ -281,14 +281,17 @@ def test_mean_run_bytes():
 
 # ---- fallback when the driver refuses a call -------------------------------------------------
 class RefusingLib:
-    """Stands in for the library: every batched copy is refused with cudaErrorInvalidValue."""
+    """Stands in for the library: every copy-engine call, batched or pitched, is refused with
+    cudaErrorInvalidValue; ``calls`` keeps their arguments."""
 
     def __init__(self):
         self.calls = []
 
-    def pagekv_ce_page_transfer(self, *args):
+    def _refuse(self, *args):
         self.calls.append(args)
         return 1
+
+    pagekv_ce_page_transfer = pagekv_pitched_page_transfer = _refuse
 
 
 def test_refused_call_is_logged_once_and_the_device_stops_using_it(monkeypatch, caplog):
@@ -312,17 +315,6 @@ def test_refused_call_is_logged_once_and_the_device_stops_using_it(monkeypatch, 
     assert args[15:20] == (0, 4, copy_engine.FLAGS, copy_engine.LANES, copy_engine.MAX_OPS)
 
 
-class FailingPitchedLib:
-    """Stands in for the library: every pitched copy fails with cudaErrorInvalidValue."""
-
-    def __init__(self):
-        self.calls = []
-
-    def pagekv_pitched_page_transfer(self, *args):
-        self.calls.append(args)
-        return 1
-
-
 def test_a_failed_pitched_copy_is_logged_once_and_leaves_the_batched_copies(monkeypatch, caplog):
     monkeypatch.setattr(copy_engine, "_failed", {})
     monkeypatch.setattr(copy_engine, "_pitched_failed", {})
@@ -331,7 +323,7 @@ def test_a_failed_pitched_copy_is_logged_once_and_leaves_the_batched_copies(monk
     kv = DeviceKV.from_caches(GEO, both[0], both[1])
     pool = HostPagePool(GEO, 4, pin=False)
     ids, slots = torch.tensor([1, 3]), torch.arange(32).view(2, 16)
-    lib = FailingPitchedLib()
+    lib = RefusingLib()
     with caplog.at_level(logging.WARNING, logger="pagekv.kernels.copy_engine"):
         for _ in range(3):
             assert not copy_engine.pitched_transfer(lib, False, pool.buffer, kv, ids, slots, 0)
