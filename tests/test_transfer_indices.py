@@ -88,3 +88,21 @@ def test_choose_backend_off_cuda_is_torch():
 def test_choose_backend_checks_shapes():
     with pytest.raises(ValueError, match="slots has shape"):
         choose_backend(True, kv(), [0, 1], torch.zeros(1, 4, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 4096])
+def test_host_ids_are_the_values_as_int64(n):
+    import random
+
+    rng = random.Random(n)
+    values = [rng.randrange(-(2**63), 2**63) for _ in range(n)]
+    got = transfer_indices.host_ids(values)
+    assert got.dtype == torch.int64 and got.device.type == "cpu" and got.shape == (n,)
+    assert got.tolist() == values
+    assert torch.equal(transfer_indices.host_ids(tuple(values)), got)
+
+
+@pytest.mark.parametrize("bad", [[1, 2**63], [1.5], ["3"]])
+def test_host_ids_refuse_what_is_not_a_64_bit_int(bad):
+    with pytest.raises((OverflowError, TypeError)):
+        transfer_indices.host_ids(bad)

@@ -73,7 +73,7 @@ from .loop import LoopThread
 from .page_cache import PageCache
 from .staging import IndexStaging
 from .streaming_load import StreamingLoad
-from .transfer_indices import launch
+from .transfer_indices import host_ids, launch
 from .writeback import WriteBack, notify
 
 __all__ = ["KVConnector", "Prefetch", "SaveHandle"]
@@ -491,7 +491,7 @@ class KVConnector:
         stream.wait_stream(engine)  # the step that wrote the slots comes first
         upload, dev = self._staging.upload, self.kv.device
         with torch.cuda.stream(stream):  # index tensors allocated (and freed) on this stream
-            rows_t = torch.tensor(rows, dtype=torch.int64)
+            rows_t = host_ids(rows)
             slots = table[upload(rows_t, dev)] if table.is_cuda else table[rows]
             # deferred to the issuer unless the engine's stream waits on the copy now (its host
             # would wait for the issuer then)

@@ -19,6 +19,7 @@ the caller: ``deferred``); everything else is enqueued on the current stream by 
 
 from __future__ import annotations
 
+import array
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from pagekv.kernels import DeviceKV, choose_backend, copy_engine, transfer_layer
 from .copy_issuer import CopyIssuer
 from .staging import IndexStaging
 
-__all__ = ["HOST_INDEX_BACKENDS", "Indices", "Launched", "launch", "transfer_indices"]
+__all__ = ["HOST_INDEX_BACKENDS", "Indices", "Launched", "host_ids", "launch", "transfer_indices"]
 
 HOST_INDEX_BACKENDS = ("copy_engine", "pitched", "direct", "staged")
 # backends an issuer thread enqueues (their host time grows with the transfer)
@@ -53,6 +54,16 @@ class Indices:
         return self.ids.is_cuda
 
 
+def host_ids(values: Sequence[int]) -> torch.Tensor:
+    """``values`` (host ints: page ids, rows) as a CPU int64 tensor, converted in C by
+    ``array.array``: 3-3.5x faster than ``torch.tensor`` on a list (a 4 GiB prefix of TP-8
+    pages is 16k ids: 0.6 ms of the engine's thread against 2.1 ms, 2-core dev machine).
+    Raises as ``array`` does for a value that is not an int or does not fit in 64 bits."""
+    if not len(values):
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+
+
 def transfer_indices(
     load: bool,
     kv: DeviceKV,
@@ -66,7 +77,7 @@ def transfer_indices(
     """Indices for a transfer of ``page_ids`` to/from ``slots`` (validated CPU table, or the
     engine's CUDA tensor), launched next on the current stream (uploads go there), or by an
     issuer thread where ``deferred`` (see :func:`pagekv.kernels.choose_backend`)."""
-    ids = torch.tensor(page_ids, dtype=torch.int64)
+    ids = host_ids(page_ids)
     if not slots.is_cuda:
         choice = choose_backend(load, kv, ids, slots, layer=layer, deferred=deferred)
         if choice in HOST_INDEX_BACKENDS:
