@@ -171,3 +171,54 @@ def test_a_node_without_curve_beside_a_curve_node_in_one_context(tmp_path):
         for t in threads:
             t.join(timeout=5)
         ctx.term()
+
+
+def test_a_connection_whose_disconnect_is_reported_before_its_accept_is_not_counted():
+    """libzmq hands an accepted connection to an I/O thread before it reports it ACCEPTED (from
+    the listener's thread), so a peer that hangs up at once, as each stray above does, can have
+    its DISCONNECTED reported first; by the time the node reads the ACCEPTED, the descriptor may
+    belong to another socket. Counted in that order, the node's `connections` (and the metrics'
+    open connections) stayed one too high for good, and its guard watched a descriptor that was
+    no connection of its socket (seen on the GPU host: 3 where 2, 30 s after the flood). The
+    events are replayed on a pair in the monitor's wire format, a live socket holding the
+    descriptor they name."""
+    import struct
+
+    from pagekv.store.node.guard import ConnectionGuard
+    from pagekv.store.node.monitor import ConnectionMonitor
+
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    replay, feed = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    other, peer = socket.socketpair()  # the socket that took the descriptor's number since
+    try:
+        router.bind("tcp://127.0.0.1:0")
+        metrics = ConnectionMonitor(None)
+        guard = ConnectionGuard(router, NodeConfig(capacity="1MiB"), {}, metrics.on_event)
+        guard.monitor.close(linger=0)
+        guard.monitor = replay
+        replay.bind(f"inproc://guard-replay-{id(replay)}")
+        feed.connect(f"inproc://guard-replay-{id(replay)}")
+        fd = other.fileno()
+
+        def report(*kinds: int) -> None:
+            for kind in kinds:
+                feed.send_multipart([struct.pack("=hi", kind, fd), b"tcp://127.0.0.1:1"])
+            assert replay.poll(5000)
+            for _ in range(50):  # inproc delivers them in order; all of them read
+                guard.on_events()
+                if not replay.poll(0):
+                    break
+
+        report(zmq.EVENT_DISCONNECTED, zmq.EVENT_ACCEPTED)
+        assert fd not in guard.conns and metrics.open_connections == 0
+        report(zmq.EVENT_ACCEPTED)  # a connection in the usual order: counted, then not
+        assert fd in guard.conns and metrics.open_connections == 1
+        report(zmq.EVENT_DISCONNECTED)
+        assert fd not in guard.conns and metrics.open_connections == 0
+    finally:
+        router.disable_monitor()
+        for s in (feed, replay, router):
+            s.close(linger=0)
+        other.close()
+        peer.close()

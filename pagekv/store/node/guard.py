@@ -105,6 +105,8 @@ class ConnectionGuard:
         self.baseline_rss = rss_bytes()
         self.capacity = config.capacity
         self.conns: dict[int, _Conn] = {}
+        # per descriptor: ACCEPTED events less DISCONNECTED ones (see on_event), 0 left out
+        self._balance: dict[int, int] = {}
         self._order: list[int] = []
         self._next_check, self._cursor, self._trimmed_at = 0.0, 0, 0.0
         self._trim_until = 0.0  # after a close: libzmq frees what it held over the next moments
@@ -117,23 +119,42 @@ class ConnectionGuard:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            kind, fd = int(event["event"]), int(event["value"])
-            if self.listener is not None:
-                self.listener(kind, fd)
-            if kind == zmq.EVENT_ACCEPTED:
-                if len(self.conns) >= self.max_connections:
-                    self.counters["refused_connections"] += 1
-                    _shutdown(fd)
-                else:
-                    self._track(fd)
-            elif kind == zmq.EVENT_DISCONNECTED:
+            self.on_event(int(event["event"]), int(event["value"]))
+
+    def on_event(self, kind: int, fd: int) -> None:
+        """One monitor event. libzmq hands an accepted connection to an I/O thread before its
+        listener's thread reports it ACCEPTED, so a peer that hangs up at once can be reported
+        DISCONNECTED first, and its descriptor taken by another socket before the ACCEPTED is
+        read: a descriptor's connection is open while more ACCEPTED than DISCONNECTED events
+        have named it, whatever their order."""
+        if self.listener is not None:
+            self.listener(kind, fd)
+        if kind == zmq.EVENT_ACCEPTED:
+            if self._count_event(fd, +1) <= 0:
+                return  # reported gone already
+            if len(self.conns) >= self.max_connections:
+                self.counters["refused_connections"] += 1
+                _shutdown(fd)
+            else:
+                self._track(fd)
+        elif kind == zmq.EVENT_DISCONNECTED:
+            if self._count_event(fd, -1) <= 0:
                 self.conns.pop(fd, None)
-            elif kind == zmq.EVENT_ACCEPT_FAILED:  # value is errno
-                self.counters["accept_failed"] += 1
-                if fd in (errno.EMFILE, errno.ENFILE) and self.conns:
-                    newest = max(self.conns)
-                    log.warning("pagekv node: out of descriptors; closing a connection")
-                    self._close(newest)
+        elif kind == zmq.EVENT_ACCEPT_FAILED:  # value is errno
+            self.counters["accept_failed"] += 1
+            if fd in (errno.EMFILE, errno.ENFILE) and self.conns:
+                newest = max(self.conns)
+                log.warning("pagekv node: out of descriptors; closing a connection")
+                self._close(newest)
+
+    def _count_event(self, fd: int, step: int) -> int:
+        """Add ``step`` to ``fd``'s ACCEPTED-less-DISCONNECTED count; the new count."""
+        n = self._balance.get(fd, 0) + step
+        if n:
+            self._balance[fd] = n
+        else:
+            self._balance.pop(fd, None)
+        return n
 
     def _track(self, fd: int) -> _Conn | None:
         try:

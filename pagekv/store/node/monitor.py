@@ -56,7 +56,7 @@ class ConnectionMonitor:
     mask, :data:`EVENTS`)."""
 
     def __init__(self, sock: zmq.Socket | None) -> None:
-        self.open_connections = 0
+        self._open = 0  # ACCEPTED less DISCONNECTED: below 0 for a moment (see on_event)
         self.accepted = 0
         self.handshake_failures: dict[str, int] = dict.fromkeys(
             ("auth", "mechanism", "crypto", "protocol", "other"), 0
@@ -68,6 +68,11 @@ class ConnectionMonitor:
             self._monitor = sock.get_monitor_socket(EVENTS)
             self._thread = threading.Thread(target=self._run, name="pagekv-monitor", daemon=True)
             self._thread.start()
+
+    @property
+    def open_connections(self) -> int:
+        """Connections accepted and not yet disconnected."""
+        return max(0, self._open)
 
     def stop(self) -> None:
         self._stop.set()
@@ -93,9 +98,11 @@ class ConnectionMonitor:
         """Count one monitor event (``kind``: ``zmq.EVENT_*``, ``value``: its fd or error)."""
         if kind == zmq.EVENT_ACCEPTED:
             self.accepted += 1
-            self.open_connections += 1
+            self._open += 1
         elif kind == zmq.EVENT_DISCONNECTED:
-            self.open_connections = max(0, self.open_connections - 1)
+            # may come before its ACCEPTED (:meth:`.guard.ConnectionGuard.on_event`): counted
+            # as it comes, so the two cancel in either order
+            self._open -= 1
         failure = _failure_kind(kind, value)
         if failure is not None:
             self.handshake_failures[failure] += 1
