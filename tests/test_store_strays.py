@@ -222,3 +222,32 @@ def test_a_connection_whose_disconnect_is_reported_before_its_accept_is_not_coun
             s.close(linger=0)
         other.close()
         peer.close()
+
+
+def test_a_descriptor_counted_from_a_message_alone_is_dropped_unless_accepted():
+    """The guard counts a message's bytes against its descriptor, tracking it if need be (its
+    ACCEPTED may still be on its way). A message read after its connection was reported gone
+    names a descriptor that may be another socket's by now (here a live socket pair's): unless
+    an ACCEPTED confirms it, the guard's check drops it, so it is neither counted as a
+    connection nor watched for bytes it never read."""
+    from pagekv.store.node.guard import UNCONFIRMED_S, ConnectionGuard
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    stale, confirmed = socket.socketpair(), socket.socketpair()
+    try:
+        router.bind("tcp://127.0.0.1:0")
+        guard = ConnectionGuard(router, NodeConfig(capacity="1MiB", guard_interval_s=0.0), {})
+        for s in (stale[0], confirmed[0]):
+            guard.seen(s.fileno(), 100)
+            assert guard.conns[s.fileno()].seen == 100  # counted for the moment
+        guard.on_event(zmq.EVENT_ACCEPTED, confirmed[0].fileno())  # its ACCEPTED came after
+        guard.tick(time.monotonic() + UNCONFIRMED_S / 2)
+        assert stale[0].fileno() in guard.conns  # not yet: an ACCEPTED may still come
+        guard.tick(time.monotonic() + UNCONFIRMED_S + 1)
+        assert stale[0].fileno() not in guard.conns
+        assert guard.conns[confirmed[0].fileno()].seen == 100
+        guard.close()
+    finally:
+        router.close(linger=0)
+        for s in (*stale, *confirmed):
+            s.close()

@@ -49,6 +49,7 @@ FD_RESERVE = 64  # descriptors kept for the node itself (sockets' mailboxes, log
 HANDSHAKE_SLACK = 64 << 10  # greeting, handshake commands, ZMTP heartbeats
 ABSORB_BYTES, ABSORB_EVERY_S = 1024, 60.0  # heartbeat bytes forgiven per connection and minute
 CHECKS_PER_TICK = 32
+UNCONFIRMED_S = 1.0  # a descriptor tracked from a message alone, with no ACCEPTED for it: dropped
 _TCPI_BYTES_RECEIVED = 128  # offset of tcpi_bytes_received in struct tcp_info (Linux >= 4.1)
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED
 
@@ -83,6 +84,7 @@ class _Conn:
     forgiven: int = HANDSHAKE_SLACK
     absorbed_at: float = 0.0
     held: int = 0  # what it held at its last check
+    since: float = 0.0  # tracked since
 
 
 class ConnectionGuard:
@@ -164,11 +166,16 @@ class ConnectionGuard:
             return None
         conn = self.conns.get(fd)
         if conn is None or conn.peer != peer:
-            conn = self.conns[fd] = _Conn(fd, peer, absorbed_at=time.monotonic())
+            now = time.monotonic()
+            conn = self.conns[fd] = _Conn(fd, peer, absorbed_at=now, since=now)
         return conn
 
     def seen(self, fd: int | None, wire: int) -> None:
-        """Count ``wire`` bytes read from connection ``fd`` (None: unknown, not counted)."""
+        """Count ``wire`` bytes read from connection ``fd`` (None: unknown, not counted). A
+        descriptor not tracked yet is tracked from here: its ACCEPTED may still be on its way.
+        A message read after its connection was reported gone names a descriptor that may be
+        another socket's by now: :meth:`tick` drops what no ACCEPTED confirms within
+        :data:`UNCONFIRMED_S`."""
         if fd is None:
             return
         conn = self.conns.get(fd) or self._track(fd)
@@ -186,6 +193,10 @@ class ConnectionGuard:
             fds = (fds[start:] + fds[:start])[:CHECKS_PER_TICK]
             self._cursor += CHECKS_PER_TICK
         for fd in fds:
+            conn = self.conns.get(fd)
+            if conn and self._balance.get(fd, 0) <= 0 and now - conn.since >= UNCONFIRMED_S:
+                del self.conns[fd]  # no connection of the socket's holds the descriptor
+                continue
             held = self.held(fd, now)
             conn = self.conns.get(fd)
             if conn is not None:
