@@ -21,8 +21,8 @@
 #include <vector>
 #include <stdint.h>
 
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("ERR %s line %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
-static float med(std::vector<float> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
+#include "diag_ce.h"
+
 static double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 int main(int argc, char** argv) {
@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
   cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
   double host_s = 0;
   auto timeit = [&](const std::function<void()>& fn) {
-    std::vector<float> t; host_s = 1e9;
+    std::vector<double> t; host_s = 1e9;
     for (int i = 0; i < 6; ++i) {
       CK(cudaEventRecord(e0, st)); double h = now(); fn(); h = now() - h; CK(cudaEventRecord(e1, st));
       CK(cudaEventSynchronize(e1)); float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
