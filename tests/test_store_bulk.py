@@ -103,6 +103,29 @@ def test_values_round_trip_over_the_lane_into_place(served):
 
 
 @pytest.mark.usefixtures("receive")
+def test_socket_buffer_sizes_the_lane_connections_at_both_ends(served):
+    """``socket_buffer`` (``--socket-buffer``) is every connection's SO_SNDBUF/SO_RCVBUF, the
+    lane's too, at the node and at the client; values still arrive exact."""
+    size = 96 << 10  # the kernel reports twice what was asked (its bookkeeping)
+    node = served(socket_buffer=size)
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 8, 1 << 20)
+    cfg = ClientConfig((node.address,), streams=2, socket_buffer=size)
+    with StoreClient(node.address, config=cfg) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        into = [bytearray([POISON]) * len(v) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert [bytes(b) for b in into] == values
+        assert client.routes()[0].get == "lane"
+        ends = [conn.sock for conn in lane_of(client)._conns[0][1] if conn.sock is not None]
+        ends += node.bulk._connections()
+        assert len(ends) >= 2
+        for sock in ends:
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                assert sock.getsockopt(socket.SOL_SOCKET, option) == 2 * size
+
+
+@pytest.mark.usefixtures("receive")
 @pytest.mark.parametrize("cores, slots", [(1, 1), (64, native.RECV_SLOTS)])
 def test_each_connection_receives_with_a_helper_where_the_cores_allow(
     served, monkeypatch, cores, slots

@@ -142,7 +142,7 @@ class NodeConfig:
     curve_secret_key: str | None = None  # path to a zmq certificate with a secret key
     curve_allow: str | None = None  # directory of allowed client public certificates
     io_threads: int = 0  # ZeroMQ I/O threads; 0: default_io_threads()
-    socket_buffer: int = 0  # bytes for SO_SNDBUF/SO_RCVBUF; 0 keeps the kernel's autotuning
+    socket_buffer: int = 0  # every connection's SO_SNDBUF/SO_RCVBUF (ZeroMQ, lane); 0: autotuning
     window: int = 8  # requests a client may have outstanding on one connection
     recv_hwm: int = 2  # complete requests queued per connection before TCP pushes back
     max_connections: int = 1024  # also kept below the descriptor limit

@@ -83,7 +83,10 @@ _NODE_HELP: dict[str, tuple[str, str]] = {
         "bool",
     ),
     "verify_threads": ("threads checking large PUTs' checksums (0: half the cores, 1 to 8)", "int"),
-    "socket_buffer": ("SO_SNDBUF/SO_RCVBUF bytes; 0 keeps the kernel's TCP autotuning", "size"),
+    "socket_buffer": (
+        "every connection's SO_SNDBUF/SO_RCVBUF bytes (ZeroMQ and lane); 0: TCP autotuning",
+        "size",
+    ),
     "max_frames": ("most payload frames in one request", "int"),
     "window": ("requests a client may have outstanding on one connection", "int"),
     "recv_hwm": ("complete requests queued per connection before TCP pushes back", "int"),

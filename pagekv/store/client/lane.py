@@ -218,6 +218,9 @@ class _Conn:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, wait)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, wait)
+        if cfg.socket_buffer:  # 0: leave it to the kernel's TCP autotuning
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.socket_buffer)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, cfg.socket_buffer)
         self.sock = sock
         return True
 

@@ -92,7 +92,8 @@ StorePut = Callable[[Request, Receive], Reply]
 @dataclass(frozen=True)
 class LaneLimits:
     """What the lane enforces: connections served at once, keys per request, how long a peer
-    may stall mid-message (seconds), and a PUT's frames, bytes per frame and payload bytes."""
+    may stall mid-message (seconds), and a PUT's frames, bytes per frame and payload bytes;
+    ``socket_buffer``: each connection's SO_SNDBUF/SO_RCVBUF (0: the kernel's autotuning)."""
 
     connections: int
     max_keys: int
@@ -100,6 +101,7 @@ class LaneLimits:
     max_frames: int
     max_frame_bytes: int
     max_payload_bytes: int
+    socket_buffer: int = 0
 
 
 class BulkServer:
@@ -113,6 +115,9 @@ class BulkServer:
                  limits: LaneLimits, host: str, port: int = 0) -> None:  # fmt: skip
         self.answer, self.store, self.lib, self.limits = answer, store, lib, limits
         self.listener = socket.create_server((host, port), backlog=128)
+        if limits.socket_buffer:  # accepted connections take the listener's buffers
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                self.listener.setsockopt(socket.SOL_SOCKET, option, limits.socket_buffer)
         self.port: int = self.listener.getsockname()[1]
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._conns: set[socket.socket] = set()

@@ -276,8 +276,9 @@ class StoreNode:
                         why.splitlines()[0])  # fmt: skip
             return None
         host = self.address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-        limits = LaneLimits(cfg.bulk_connections, cfg.max_keys, cfg.handshake_s, cfg.max_frames,
-                            cfg.max_frame_size, cfg.max_message_size)  # fmt: skip
+        limits = LaneLimits(cfg.bulk_connections, cfg.max_keys, cfg.handshake_s,
+                            cfg.max_frames, cfg.max_frame_size, cfg.max_message_size,
+                            cfg.socket_buffer)  # fmt: skip
         return BulkServer(self._answer_lane_get, self._answer_lane_put, lib, limits, host,
                           cfg.bulk_port)  # fmt: skip
 
