@@ -35,7 +35,6 @@ if os.environ.get("PAGEKV_REQUIRE_SGLANG") != "1":
 import contextlib
 import json
 import logging
-import signal
 import subprocess
 import sys
 import threading
@@ -51,6 +50,7 @@ from pagekv.store import StoreClient
 from pagekv.store.client.routing import Router
 from pagekv.store.launch import NodeProcess, start_nodes
 from tests.engines import sglang_stack as st
+from tests.helpers import sigstop
 
 ROOT = str(Path(__file__).resolve().parents[2])
 TEST_EXTRA = {"prefetch_threshold": 1}  # SGLang prefetches from 256 tokens by default
@@ -301,7 +301,7 @@ def test_node_stopped_then_killed_while_a_server_prefetches(stacks, gen):
 
         reader = stacks("mha", stores, extra=extra)
         backend = backend_of(reader)
-        nodes[1].proc.send_signal(signal.SIGSTOP)
+        sigstop(nodes[1].proc.pid)  # every thread stopped: none answers after
         result: dict = {}
         worker = threading.Thread(
             target=lambda: result.update(read=st.read_request(reader, tokens))
@@ -345,7 +345,7 @@ def test_backend_calls_when_a_node_dies_mid_batch(stacks, gen):
         poison_host(pool, dst)
         poisoned = host_pages(pool, dst)
 
-        nodes[1].proc.send_signal(signal.SIGSTOP)
+        sigstop(nodes[1].proc.pid)  # every thread stopped: none answers after
         result: dict = {}
         calls = {"get": lambda: backend.batch_get_v1(keys, dst),
                  "set": lambda: backend.batch_set_v1(busy_keys, busy)}  # fmt: skip
