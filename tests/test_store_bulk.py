@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from pagekv.errors import ProtocolError
 from pagekv.store import (
     AsyncStoreClient,
     Code,
@@ -457,6 +458,77 @@ async def test_a_cancelled_get_never_leaves_the_lane_writing_into_the_buffer(ser
     finally:
         lane.release.set()
         client.close()
+
+
+class _SilentLane:
+    """A fake node's bulk lane that reads requests and never answers (a stuck node): counts
+    its connections and the requests it read."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.connections, self.requests = 0, []
+        self.got_one = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                while True:
+                    head = read_head(conn, max_frames=8, max_frame_bytes=1 << 20,
+                                     max_payload_bytes=1 << 20)  # fmt: skip
+                    self.requests.append(decode_request(head.header).id)
+                    self.got_one.set()
+            except (OSError, ProtocolError):
+                return  # the client hung up
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("end", ["cancel", "close"])
+async def test_a_call_ended_while_its_reply_is_awaited_is_not_sent_again(served, end):
+    """A GET whose request the node has and whose reply has not started: cancelling the call
+    (or closing the client) ends it at once. The shut-down connection must not pass for one
+    the node closed while idle, whose request is sent again on a new connection and waited
+    for: that kept the loop blocked until the node answered or the timeout (10 s) passed."""
+    if native.load() is None:
+        pytest.skip(f"no lane without the native receive: {native.unavailable_reason()}")
+    node = served()
+    lane = _SilentLane()
+    client = AsyncStoreClient(node.address, config=ClientConfig((node.address,), streams=1))
+    try:
+        assert await client.ping() == [True]
+        lane_of(client)._ports[0] = lane.port  # this node's GETs go to the fake lane
+        into = bytearray([POISON]) * 4096
+        task = asyncio.ensure_future(client.get_many([b"k" * 16], into=[into]))
+        await asyncio.get_running_loop().run_in_executor(None, lane.got_one.wait, 10)
+        assert lane.requests, "the request never reached the lane"
+        start = time.monotonic()
+        if end == "cancel":
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            client.close()
+            assert await task == [False]
+        took = time.monotonic() - start
+        assert took < 2.0, f"ending the call took {took:.2f} s"
+        assert (lane.connections, len(lane.requests)) == (1, 1)  # never sent again
+        assert into == bytearray([POISON]) * 4096
+        if end == "close":
+            assert not any(t.name == "pagekv-bulk-client" and t.is_alive()
+                           for t in threading.enumerate())  # fmt: skip
+    finally:
+        client.close()
+        lane.listener.close()
 
 
 @pytest.mark.asyncio

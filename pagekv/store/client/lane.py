@@ -20,12 +20,13 @@ which tells).
 
 A kept connection the node closed while idle (a send that fails, or a reply that never starts)
 is replaced and the request sent once more: the node cannot have answered any of it (PUTs and
-GETs may be repeated: a value stored once is ``EXISTS`` the second time).
+GETs may be repeated: a value stored once is ``EXISTS`` the second time). A connection that
+:meth:`_Conn.abort` shut down is never taken for one the node closed: its calls end.
 
 Ownership: a call's ``payloads`` are read and its ``sinks`` written by its connection's thread
-until its future is done; :meth:`LaneTransport.run` stops the node's connections
-(:meth:`LaneTransport.abort`) and waits for the futures before it returns early (cancelled, or
-a callback raised).
+until its future is done; :meth:`LaneTransport.run` cancels its calls not yet taken up, stops
+the node's connections (:meth:`LaneTransport.abort`) and waits for the other futures before it
+returns early (cancelled, or a callback raised).
 """
 
 from __future__ import annotations
@@ -140,6 +141,10 @@ class _Conn:
             try:
                 result = self._receive(call)
             except ClosedBetweenMessages:
+                if self._aborted():  # shut down by abort(), not by the node: the calls end
+                    self._fail(out)
+                    fut.set_result(None)
+                    continue
                 # nothing of the reply came: the node may have restarted and never read the
                 # request. PUTs and GETs may be repeated: send them again on a new connection
                 # (once; twice stale, e.g. a node at its connection cap, is a node failure)
@@ -199,6 +204,14 @@ class _Conn:
             return self.ahead.pop()
         return self.queue.get(block=block)
 
+    def _aborted(self) -> bool:
+        """Whether :meth:`abort` shut the socket down since this was last asked (a closed
+        connection is then ours, not the node's: its calls end, nothing is sent again)."""
+        if self.aborts == self.aborts_seen:
+            return False
+        self.aborts_seen = self.aborts
+        return True
+
     def _drop(self) -> None:
         if self.sock is not None:
             self.sock.close()
@@ -230,8 +243,7 @@ class _Conn:
         connection. A kept connection that turns out to be closed or reset by the node while
         idle (it restarted, or dropped the connection) is replaced and the request sent once
         more: the node cannot have answered any of it."""
-        if self.aborts != self.aborts_seen:  # shut down by abort(): never send on it
-            self.aborts_seen = self.aborts
+        if self._aborted():  # shut down by abort() while idle: never send on it
             self._drop()
         kept = self.sock is not None
         if not kept and not self._connect():
@@ -240,7 +252,7 @@ class _Conn:
         try:
             send_message(self.sock, header, call.payloads)
         except ConnectionError as e:
-            if not (kept and idle):
+            if not (kept and idle) or self._aborted():
                 log.debug("pagekv store: bulk send to %s failed: %s", self.address, e)
                 return None
             self._drop()  # stale: a new connection (or MOVED when the lane moved or went)
@@ -373,8 +385,8 @@ class LaneTransport(Transport):
                     await asyncio.sleep(0)
             await ended
         finally:
-            running = [fut for fut in futures if not fut.done()]
-            if running:
+            running = [fut for fut in futures if not fut.done() and not fut.cancel()]
+            if running:  # sent, or being sent (those not yet taken up were cancelled)
                 self.abort({call.node for call in calls})
                 concurrent.futures.wait(running)
         return results
