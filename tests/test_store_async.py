@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import signal
 import socket
 
 import pytest
@@ -91,3 +92,42 @@ async def test_a_send_refused_for_want_of_a_connection_never_escapes(node, monke
     assert fails == [0] and found.found == [True] * 3 and found.unanswered == 0
     assert client.counters["send_errors"] == 0 and client.counters["node_failures"] == 0
     client.close()
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_put_never_leaves_zeromq_reading_the_callers_buffers():
+    """ZeroMQ sends a PUT's values zero-copy: libzmq reads them from the caller's buffers
+    while it sends. A ``put_many`` cancelled while its requests wait for a stopped node must
+    leave nothing queued that still reads them: the caller overwrites its buffers as soon as
+    the call returns, and the node, resumed, must never receive a value that no longer
+    matches its checksum (each such value is refused: ``checksum_failures``). Every key reads
+    back as its value or as a miss."""
+    from pagekv.store import ClientConfig
+    from tests.cli_helpers import Node
+    from tests.helpers import sigstop
+    from tests.test_metrics import scrape
+
+    node = Node("--capacity", "256MiB", "--metrics-port", "0")
+    try:
+        cfg = ClientConfig((node.address,), streams=1, bulk=False, shm=False, timeout_s=10.0)
+        client = AsyncStoreClient(node.address, config=cfg)
+        assert await client.ping() == [True]
+        keys = [os.urandom(16) for _ in range(12)]
+        values = [os.urandom(4 << 20) for _ in keys]  # 48 MiB: more than the kernel buffers
+        buffers = [bytearray(v) for v in values]
+        sigstop(node.proc.pid)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(client.put_many(keys, buffers), 1.0)
+        for buf in buffers:  # the caller's again
+            buf[:] = bytes(len(buf))
+        node.proc.send_signal(signal.SIGCONT)
+        # on the same stream: answered once the node has read what was queued before it
+        assert await client.put_many([os.urandom(16)], [b"after"]) == [Status.OK]
+        _, metrics = scrape(node.metrics_url + "/metrics")
+        assert metrics[("pagekv_node_checksum_failures_total", ())] == 0
+        got = await client.get_many(keys)
+        assert all(g is None or bytes(g) == v for g, v in zip(got, values))
+        client.close()
+    finally:
+        node.proc.send_signal(signal.SIGCONT)
+        node.stop()

@@ -14,6 +14,11 @@ are untouched). A reply's ``prepare`` runs on the copy pool
 when the client has one (``ClientConfig.copy_threads`` > 1), else inline, then ``on_reply`` on
 the loop.
 
+Ownership: a PUT's values go out zero-copy, read by libzmq's I/O thread from the caller's
+buffers after ``send`` returned. A run that ends with requests unanswered (cancelled, timed out,
+a callback raised) whose last frame libzmq still holds closes that link and waits until libzmq
+has let go of them before it returns: the caller may then reuse its buffers.
+
 Link state: a node counts as connected (:meth:`ZmqTransport.link_state`) only while every
 stream's socket is; stream s connects to the node's port for stream s when the node advertises
 per-stream ports (PING ``ports``), else to its endpoint.
@@ -58,24 +63,27 @@ def shared_context(kind: type[zmq.Context], io_threads: int) -> zmq.Context:
     return ctx
 
 
+LET_GO_S = 5.0  # the longest a cancelled PUT waits for libzmq to let go of its buffers
 _MORE, _MORE_NOW, _NOW = int(zmq.SNDMORE), int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)
 _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 
 
-def _send(sock: zmq.Socket, call: Call) -> None:
+def _send(sock: zmq.Socket, call: Call) -> zmq.MessageTracker | None:
     """Send ``call``'s request (header, then its payloads as zero-copy frames) as one message;
     raises ``zmq.Again`` (nothing sent) while the node is not connected. A loop over ``send``:
     ``send_multipart`` costs microseconds per frame in flag arithmetic, which a million
-    one-byte values feel."""
+    one-byte values feel. Returns, for a request with payloads, the tracker of its last frame:
+    done once libzmq let go of it, and so of every frame before it (it sends and drops a
+    connection's frames in order)."""
     header, payloads = request_header(call), call.payloads
     if not payloads:
         sock.send(header, _NOW)
-        return
+        return None
     sock.send(header, _MORE_NOW)
     send = sock.send
     for frame in payloads[:-1]:
         send(frame, _MORE, copy=False)
-    send(payloads[-1], 0, copy=False)
+    return send(payloads[-1], 0, copy=False, track=True)
 
 
 class _Link:
@@ -132,15 +140,15 @@ class _Link:
             if fut is not None and not fut.done():
                 fut.set_result((reply, frames[1:]))
 
-    async def send(self, call: Call) -> None:
-        """Send ``call``'s request, once the socket is connected. Raises ``zmq.ZMQError``
-        when it fails (the caller resets the link), ``ConnectionError`` when the link closed
-        while waiting."""
+    async def send(self, call: Call) -> zmq.MessageTracker | None:
+        """Send ``call``'s request, once the socket is connected (its payloads' tracker: see
+        :func:`_send`). Raises ``zmq.ZMQError`` when it fails (the caller resets the link),
+        ``ConnectionError`` when the link closed while waiting."""
         while True:
             if self.closed:
                 raise ConnectionError("link closed")
             try:
-                _send(self.sock, call)
+                tracker = _send(self.sock, call)
                 break
             except zmq.Again:  # not connected (yet): POLLOUT tells when
                 fut = self.loop.create_future()
@@ -148,6 +156,7 @@ class _Link:
                 self.loop.call_soon(self.ready)  # in case the connection is already there
                 await fut
         self.ready()  # the FD is edge triggered: look again after a send
+        return tracker
 
     async def acquire(self, window: int) -> None:
         while self.inflight >= window and not self.closed:
@@ -333,6 +342,23 @@ class ZmqTransport(Transport):
         done = await gather_all([self._stream_calls(*part) for part in parts])
         return {rid: result for part in done for rid, result in part.items()}
 
+    def _let_go(self, link: _Link, trackers: Any) -> None:
+        """Return only once libzmq reads none of the payloads of this run's unanswered
+        requests (it sends them zero-copy from the caller's buffers, which the caller reuses
+        once the call returns): those still queued or being sent end with the link, which is
+        replaced (the other requests on it fail, as after a timeout)."""
+        held = [tracker for tracker in trackers if not tracker.done]
+        if not held:
+            return
+        self._reset(link)  # replaced where it is the node's current link
+        link.close()  # (a retired one too) with linger 0: libzmq drops what it still holds
+        try:
+            for tracker in held:
+                tracker.wait(LET_GO_S)
+        except zmq.NotDone:  # never seen: libzmq frees a closed socket's messages at once
+            log.error("pagekv store: libzmq still held a PUT's buffers %.0f s after its "
+                      "connection closed", LET_GO_S)  # fmt: skip
+
     def _spread(self, node: int, calls: list[Call]) -> list[tuple[int, list[Call]]]:
         """(stream, calls) pairs: ``calls`` dealt round-robin over the node's streams, starting
         where the node's previous batch left off."""
@@ -367,7 +393,7 @@ class ZmqTransport(Transport):
             clock["sending"] += 1
             clock["wake"]()  # the deadline is now the connection's
             try:
-                await link.send(call)
+                tracker = await link.send(call)
             except ConnectionError:  # the link was reset while this request waited
                 return None
             except zmq.ZMQError:  # failed mid-message (the peer went): the socket may hold
@@ -382,7 +408,11 @@ class ZmqTransport(Transport):
                 clock["progress"] = time.monotonic()
             clock["bytes"] += call.nbytes + 1
             clock["wake"]()  # a send completed: the deadline moves (bytes in flight)
+            if tracker is not None:
+                clock["trackers"][rid] = tracker
             result = await fut
+            if result is not None:  # answered: the node has every byte, libzmq is done
+                clock["trackers"].pop(rid, None)
             clock["bytes"] -= call.nbytes + 1
             clock["progress"] = time.monotonic()
             pool = self.router.pool
@@ -419,7 +449,8 @@ class ZmqTransport(Transport):
 
         raised = False  # an on_reply raised (the caller's callback): hand nothing more on
 
-        clock = {"progress": start, "bytes": 0, "sending": 0, "wake": waker.set, "jobs": []}
+        clock = {"progress": start, "bytes": 0, "sending": 0, "wake": waker.set, "jobs": [],
+                 "trackers": {}}  # fmt: skip
         tasks: dict[asyncio.Future, Call] = {}
         cfg = self.config
         total = sum(c.nbytes for c in calls)
@@ -468,6 +499,7 @@ class ZmqTransport(Transport):
             running = [job for job in clock["jobs"] if not job.cancel() and not job.done()]
             if running:
                 concurrent.futures.wait(running)
+            self._let_go(link, clock["trackers"].values())
         results: Results = dict.fromkeys((c.request.id for c in calls), None)
         for t, c in tasks.items():
             if t.done() and not t.cancelled():
