@@ -531,6 +531,41 @@ async def test_a_call_ended_while_its_reply_is_awaited_is_not_sent_again(served,
         lane.listener.close()
 
 
+@pytest.mark.usefixtures("receive")
+@pytest.mark.asyncio
+async def test_a_reply_read_while_the_loop_forgot_the_nodes_limits_is_read_whole(
+    served, monkeypatch
+):
+    """The loop forgets a node's limits (to PING it again) when another call to it fails; a
+    connection's thread reading a reply meanwhile still reads it against the limits the node
+    gave, not the 8 MiB assumed for a node never PINGed: a 12 MiB value arrives whole."""
+    from pagekv.store.client import lane
+
+    node = served()
+    client = AsyncStoreClient(node.address, config=ClientConfig((node.address,), streams=1))
+    try:
+        value = random.Random(os.urandom(8)).randbytes(12 << 20)
+        assert await client.put_many([b"k" * 16], [value]) == [Status.OK]
+        reading, forgotten = threading.Event(), threading.Event()
+        receive = lane._Conn._receive
+
+        def forgotten_first(conn, call):
+            reading.set()
+            forgotten.wait(10)
+            return receive(conn, call)
+
+        monkeypatch.setattr(lane._Conn, "_receive", forgotten_first)
+        into = bytearray([POISON]) * len(value)
+        task = asyncio.ensure_future(client.get_many([b"k" * 16], into=[into]))
+        await asyncio.get_running_loop().run_in_executor(None, reading.wait, 10)
+        client.router.forget(0)  # as after another call's failure on this node
+        forgotten.set()
+        assert await task == [True]
+        assert into == value
+    finally:
+        client.close()
+
+
 @pytest.mark.asyncio
 async def test_an_arrival_callback_that_raises_ends_the_get_and_the_client_serves_on(served):
     """The async client hands lane replies on from one callback per call: an ``on_arrival``

@@ -55,7 +55,7 @@ from ..wire.lane import (
     timeval,
 )
 from ..wire.protocol import Code, Op, Status, decode_reply
-from .routing import FALLBACK_LIMITS, Call, Results, Router, ready, request_header
+from .routing import FALLBACK_LIMITS, Call, Limits, Results, Router, ready, request_header
 from .transport import MOVED, Transport
 
 __all__ = ["COUNTERS", "DEPTH", "LaneTransport"]
@@ -72,6 +72,7 @@ class _Conn:
     def __init__(self, address: tuple[str, int], config: ClientConfig, router: Router,
                  node: int, lib: native.NativeCopy, bounce_slots: int) -> None:  # fmt: skip
         self.address, self.config, self.router, self.node = address, config, router, node
+        self.limits = router.limits[node] or FALLBACK_LIMITS  # see _limits
         self.lib = lib  # the native receive
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.sock: socket.socket | None = None
@@ -204,6 +205,14 @@ class _Conn:
             return self.ahead.pop()
         return self.queue.get(block=block)
 
+    def _limits(self) -> Limits:
+        """The node's limits: the router's, or while the loop has forgotten them (it PINGs
+        the node again before its next call) the last ones it had, never the fallback."""
+        limits = self.router.limits[self.node]
+        if limits is not None:
+            self.limits = limits
+        return self.limits
+
     def _aborted(self) -> bool:
         """Whether :meth:`abort` shut the socket down since this was last asked (a closed
         connection is then ours, not the node's: its calls end, nothing is sent again)."""
@@ -225,7 +234,7 @@ class _Conn:
             log.debug("pagekv store: bulk lane %s:%s: %s", *self.address, e)
             return False
         sock.settimeout(None)  # blocking: MSG_WAITALL waits for whole frames
-        limits = self.router.limits[self.node] or FALLBACK_LIMITS
+        limits = self._limits()
         wait = timeval(cfg.timeout_for(limits.max_message_size))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -266,7 +275,7 @@ class _Conn:
         """Read ``call``'s reply, its frames into the call's sinks where they fit, and run its
         ``prepare``. Raises ``ProtocolError`` for a reply to another request or over the
         node's limits (the connection is then dropped), ``OSError`` for the rest."""
-        limits = self.router.limits[self.node] or FALLBACK_LIMITS
+        limits = self._limits()
         wait = timeval(self.config.timeout_for(call.nbytes))  # as the ZeroMQ path's deadline
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, wait)
         head = read_head(self.sock, max_frames=max(1, len(call.request.keys)) * limits.max_frames,
