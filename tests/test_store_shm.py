@@ -665,3 +665,25 @@ def test_a_locate_whose_found_values_were_all_evicted_defers_nothing():
     reply, frames = results[7]
     assert reply.status == [int(Status.NOT_FOUND)] * 3 and frames == [] and not reply.sums
     assert transport.counters["shm_evicted"] == 1
+
+
+@pytest.mark.asyncio
+async def test_a_client_used_again_after_close_reads_through_the_segment_again(node):
+    """``close`` ends the client's connections and copy threads, not the client: as over TCP,
+    its next calls open what they need (here: map the segment again, new copy threads) and
+    read every value exact, never raise."""
+    rng = random.Random(os.urandom(8))
+    keys = [rng.randbytes(16) for _ in range(6)]
+    values = [rng.randbytes(2 << 20) for _ in keys]
+    client = AsyncStoreClient(node.address, config=ClientConfig((node.address,), timeout_s=5))
+    try:
+        assert await client.put_many(keys, values) == [Status.OK] * len(keys)
+        for _ in range(3):
+            into = [bytearray(b"\xa5" * len(v)) for v in values]
+            assert await client.get_many(keys, into=into) == [True] * len(keys)
+            assert [bytes(b) for b in into] == values
+            assert client.routes()[0].get == "shm"
+            client.close()
+        assert client.counters["shm_hits"] >= 3 * len(keys)
+    finally:
+        client.close()

@@ -160,10 +160,16 @@ class ShmTransport(Transport):
         return mapped is not None and mapped.writable
 
     def close(self) -> None:
+        """Unmap the segments (once no call in flight uses them) and end the copy threads.
+        The client may be used again: its nodes are PINGed again first (which maps their
+        segments anew), and copy threads are made again on first use."""
+        for node in self._mapped:
+            self.router.forget(node)
         self._mapped.clear()
         for pool in (self._driver, self._pool):
             if pool is not None:
                 pool.shutdown(wait=False)
+        self._driver = self._pool = self._slots = None
 
     # ---- calls -----------------------------------------------------------------------------
     async def run(self, calls: list[Call]) -> Results:
@@ -281,10 +287,15 @@ class ShmTransport(Transport):
         if self.workers < 2 or (nbytes < PARALLEL_BYTES and idle):
             self._copy(jobs)
             return None
-        driver = self._drivers()
-        await self._slots.acquire()
-        future = driver.submit(self._copy, jobs)
-        future.add_done_callback(lambda _f: loop.call_soon_threadsafe(self._slots.release))
+        driver, slots = self._drivers()
+        await slots.acquire()
+        try:
+            future = driver.submit(self._copy, jobs)
+        except RuntimeError:  # shut down: the client was closed meanwhile; copied here
+            slots.release()
+            self._copy(jobs)
+            return None
+        future.add_done_callback(lambda _f: loop.call_soon_threadsafe(slots.release))
         futures.append(future)
         return future
 
@@ -375,7 +386,10 @@ class ShmTransport(Transport):
         nbytes = sum(sum(memoryview(f).nbytes for f in sources) for _, sources in values)
         if nbytes < PARALLEL_BYTES or self.workers < 2:
             return [copy_checksum(targets, sources) for targets, sources in values]
-        fut = self._drivers().submit(self._write_all, values)
+        try:
+            fut = self._drivers()[0].submit(self._write_all, values)
+        except RuntimeError:  # shut down: the client was closed meanwhile; copied here
+            return self._write_all(values)
         try:
             return await asyncio.wrap_future(fut)
         finally:  # never return while a copy still reads the caller's buffers
@@ -436,14 +450,14 @@ class ShmTransport(Transport):
         for job in ready:
             _copy_one(job)
 
-    def _drivers(self) -> ThreadPoolExecutor:
+    def _drivers(self) -> tuple[ThreadPoolExecutor, asyncio.Semaphore]:
         """The threads chunks and PUT batches are copied on (``PIPELINE``), made on first use
         with the ``_slots`` that bound the chunks in copy at once."""
-        if self._driver is None:
+        if self._driver is None or self._slots is None:
             self._driver = ThreadPoolExecutor(PIPELINE, thread_name_prefix="pagekv-shm-driver")
             weakref.finalize(self, self._driver.shutdown, wait=False)
             self._slots = asyncio.Semaphore(PIPELINE)
-        return self._driver
+        return self._driver, self._slots
 
     def _numpy_pool(self) -> ThreadPoolExecutor:
         """The threads of numpy copies, without the native checked copy (made on first use)."""
