@@ -20,6 +20,7 @@ class                      builtin base            raised when
 ``AuthenticationFailed``   ``StoreUnavailable``    a node refused this client's CURVE keys
 ``ConnectorClosed``        ``RuntimeError``        a connector was used after ``close()``
 ``WriteBackFailed``        ``RuntimeError``        the write-back worker died; ``flush`` says so
+``CopyFailed``             ``RuntimeError``        a GPU transfer could not be enqueued
 =========================  ======================  =============================================
 """
 
@@ -29,6 +30,7 @@ __all__ = [
     "AuthenticationFailed",
     "ConfigError",
     "ConnectorClosed",
+    "CopyFailed",
     "InvalidPageError",
     "InvalidSlotError",
     "KernelsUnavailable",
@@ -98,3 +100,8 @@ class ConnectorClosed(PagekvError, RuntimeError):
 
 class WriteBackFailed(PagekvError, RuntimeError):
     """The background write-back stopped on an unexpected error; the message holds it."""
+
+
+class CopyFailed(PagekvError, RuntimeError):
+    """A transfer queued on a connector's copy issuer could not be enqueued on the GPU: the
+    bytes it was to copy are not there (see :mod:`pagekv.connector.copy_issuer`)."""

@@ -165,6 +165,27 @@ def test_cancelled_prefetch_holds_nothing(pair):
     b.release(h)
 
 
+def test_a_prefetch_whose_allocation_raised_leaves_no_fetch_in_flight(pair, monkeypatch):
+    """The host tier's allocation raising (a bug, a GPU failure) fails that prefetch; its keys
+    are not left in flight, so the next prefetch of them fetches them (before: it waited
+    on fetches never started, forever without a deadline)."""
+    a, b = pair
+    tokens = stored(a, 20)
+    allocate = b.cache.allocate
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the host tier could not allocate")
+
+    monkeypatch.setattr(b.cache, "allocate", broken)
+    with pytest.raises(RuntimeError, match="could not allocate"):
+        asyncio.run(b.prefetch(tokens))
+    monkeypatch.setattr(b.cache, "allocate", allocate)
+    h = asyncio.run(asyncio.wait_for(b.prefetch(tokens), 10))
+    assert h.num_tokens == 20 and h.fetched == 5
+    b.release(h)
+    assert b.cache.num_held == 0
+
+
 def test_store_down_is_a_miss_not_an_error():
     ns = KeyNamespace("m", GEO)
     dead = ClientConfig(("tcp://127.0.0.1:9",), timeout_s=0.2)
@@ -308,6 +329,41 @@ def test_on_stored_names_the_keys_the_store_confirmed_and_on_unsaved_the_refused
         other.close()
         refusing.stop()
         thread.join(timeout=10)
+
+
+def test_a_save_whose_copy_fails_is_not_written_back_and_the_rest_goes_on(node, monkeypatch):
+    """A save's device -> host copy queued on the copy issuer fails after its pages were
+    published (a GPU failure, here the issuer's own failure path on CPU): its pages are not
+    sent, its keys leave the host tier and are reported unsaved, its pages go back, and the
+    write-back goes on with the next save. Before: the worker stopped (WriteBackFailed)."""
+    from pagekv.connector.copy_issuer import Completion
+
+    told: list[bytes] = []
+    unsaved: list[bytes] = []
+    conn = connector(node, caches(), on_stored=told.extend, on_unsaved=unsaved.extend)
+    try:
+        copy = Completion()  # queued, not yet enqueued
+        real_copy_out = conn._copy_out
+
+        def queued_copy(*args, **kwargs):
+            real_copy_out(*args, **kwargs)
+            return copy
+
+        monkeypatch.setattr(conn, "_copy_out", queued_copy)
+        failed, fine = prompt(4 * 3), prompt(4 * 2)
+        assert conn.save(failed, torch.randperm(NUM_SLOTS)[:12]).pages == 3
+        monkeypatch.setattr(conn, "_copy_out", real_copy_out)
+        copy._set(None, RuntimeError("no memory for the index tensors"))
+        assert conn.save(fine, torch.randperm(NUM_SLOTS)[:8]).pages == 2
+        conn.flush_sync(timeout=10)
+        assert sorted(unsaved) == sorted(conn.keys(failed))
+        assert sorted(told) == sorted(conn.keys(fine))
+        st = conn.stats()
+        assert st["writeback_failed"] == 3 and st["host_held"] == 0 and st["host_cached"] == 2
+        with StoreClient(node.address) as c:
+            assert c.get_many(conn.keys(failed)) == [None] * 3
+    finally:
+        conn.close()
 
 
 def test_periodic_stats_log(node, caplog):

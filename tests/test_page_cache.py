@@ -127,3 +127,62 @@ def test_allocate_validation():
     _, cache = make(2)
     with pytest.raises(ValueError):
         cache.allocate(-1)
+
+
+def failed_transfer():
+    """A copy issuer's completion whose job raised (the issuer's own failure path, no GPU)."""
+    from pagekv.connector.copy_issuer import Completion
+
+    completion = Completion()
+    completion._set(None, RuntimeError("no memory for the index tensors"))
+    return completion
+
+
+def test_a_failed_transfer_lets_its_pages_go_and_never_poisons_the_cache():
+    """A release deferred on a transfer that then fails releases its pages (nothing touches
+    them any more), and the cache keeps working: allocate, available, reap and release never
+    raise because of it. Before: every one of them raised CopyFailed from then on, and the
+    pages stayed held."""
+    from pagekv.connector.copy_issuer import Completion
+
+    pool, cache = make(4)
+    keys = [b"k%015d" % i for i in range(2)]
+    fill(cache, keys)
+    held = cache.acquire(keys)
+    pending = Completion()  # queued on the issuer, not yet enqueued
+    cache.release(held, after=[pending])
+    assert cache.available() == 2  # the other two pages; the held ones wait
+    pending._set(None, RuntimeError("no memory for the index tensors"))
+    assert cache.reap() == 2 and cache.available() == 4
+    assert [cache.refcount(p) for p in held] == [0, 0]
+    pages = cache.allocate(4)  # evicts the two cached pages
+    cache.release(pages, after=failed_transfer())  # already failed: released now
+    assert pool.num_free == 4
+
+
+def test_a_page_whose_copy_failed_is_never_read():
+    """A page published while its copy is queued, whose copy then fails, holds no value: the
+    reader asking for its ready events gets CopyFailed and the key leaves the index (the
+    page goes back on the reader's release); a page whose copy already failed is not
+    published at all."""
+    from pagekv.connector.copy_issuer import Completion
+    from pagekv.errors import CopyFailed
+
+    pool, cache = make(4)
+    a, b, c = cache.allocate(3)
+    copy = Completion()
+    assert cache.publish(b"a" * 16, a, ready=copy) and cache.publish(b"b" * 16, b, ready=copy)
+    cache.release([b])  # b: cached, evictable, never read
+    copy._set(None, RuntimeError("no memory for the index tensors"))
+    with pytest.raises(CopyFailed):
+        cache.ready_events([a, a])
+    assert b"a" * 16 not in cache and b"b" * 16 in cache
+    cache.release([a])
+    assert pool.num_free == 2  # a is back (b still cached, c private)
+    with pytest.raises(CopyFailed):
+        cache.ready_events([b])
+    assert len(cache) == 0 and pool.num_free == 3
+    assert not cache.publish(b"c" * 16, c, ready=failed_transfer())
+    assert b"c" * 16 not in cache
+    cache.release([c])
+    assert pool.num_free == 4

@@ -22,9 +22,12 @@ Rules:
 * Ownership: a job holds its CPU page ids and slots, the host buffer and the device cache until
   its transfers are enqueued; whoever holds the host pages and slots keeps them until the
   completion completes (the rule for an event).
-* A job that raises (no kernel left to fall back to: a broken CUDA context) fails its
-  completions: ``wait``, ``query`` and ``synchronize`` raise :class:`CopyFailed`, so nothing
-  reads or publishes the bytes it did not copy. The thread goes on with the next job.
+* A job that raises (no kernel left to fall back to: a broken CUDA context, no memory for its
+  index tensors) fails its completions: ``wait``, ``query`` and ``synchronize`` raise
+  :class:`CopyFailed`, so nothing reads or publishes the bytes it did not copy. ``query``
+  raises only once the issuer's stream has passed what the job did enqueue (False until
+  then): from then on nothing touches its pages, and their holders may let them go (the page
+  cache does). The thread goes on with the next job.
 * :meth:`close` runs the queued jobs, waits for their copies and stops the thread.
 * The issuer is a Python thread: between library calls it needs the GIL, and beside a thread
   running pure Python it waits for it (scripts/diag_ce_host_rate.py). Its CUDA calls wait
@@ -45,28 +48,28 @@ from typing import Any
 
 import torch
 
+from pagekv.errors import CopyFailed
+
 __all__ = ["AllOf", "CopyFailed", "CopyIssuer", "Completion"]
 
 log = logging.getLogger(__name__)
 
 
-class CopyFailed(RuntimeError):
-    """A transfer queued on the issuer could not be enqueued on the GPU."""
-
-
 class Completion:
     """One queued transfer's completion (see the module docstring)."""
 
-    __slots__ = ("_enqueued", "_error", "_event", "enqueued_at")
+    __slots__ = ("_enqueued", "_error", "_event", "_settled", "enqueued_at")
 
     def __init__(self) -> None:
         self._enqueued = threading.Event()
         self._event: torch.cuda.Event | None = None
         self._error: BaseException | None = None
+        self._settled: torch.cuda.Event | None = None  # a failed job's: its stream passed it
         self.enqueued_at: float | None = None  # time.monotonic() when it was (diagnostics)
 
-    def _set(self, event: torch.cuda.Event | None, error: BaseException | None = None) -> None:
-        self._event, self._error = event, error
+    def _set(self, event: torch.cuda.Event | None, error: BaseException | None = None,
+             settled: torch.cuda.Event | None = None) -> None:  # fmt: skip
+        self._event, self._error, self._settled = event, error, settled
         self.enqueued_at = time.monotonic()
         self._enqueued.set()
 
@@ -88,10 +91,31 @@ class Completion:
     def query(self) -> bool:
         if not self._enqueued.is_set():
             return False
+        if self._event is None and self._settled is not None and not _passed(self._settled):
+            return False  # failed: raises once the stream has passed what the job enqueued
         return self._wait_enqueued().query()
 
     def synchronize(self) -> None:
         self._wait_enqueued().synchronize()
+
+
+def _passed(event: torch.cuda.Event) -> bool:
+    """Whether the GPU has passed ``event``; a context too broken to say runs nothing more."""
+    try:
+        return event.query()
+    except RuntimeError:  # a CUDA error (torch raises RuntimeError subclasses for them)
+        return True
+
+
+def _settle() -> torch.cuda.Event | None:
+    """An event after whatever a failed job enqueued on the current stream (None when the
+    context cannot record one: it runs nothing more)."""
+    try:
+        event = torch.cuda.Event()
+        event.record()
+        return event
+    except RuntimeError:
+        return None
 
 
 # Enqueues its transfers on the current stream (the issuer's), a CUDA event recorded after
@@ -161,8 +185,9 @@ class CopyIssuer:
         except Exception as e:  # the completions carry it to every consumer
             self.counters["failed"] += len(done)
             log.error("pagekv: a copy-engine transfer failed: %r", e)
+            settled = _settle()
             for completion in done:
-                completion._set(None, e)
+                completion._set(None, e, settled)
             return
         self.counters["transfers"] += len(done)
         self.counters["kernel_fallbacks"] += len(done) * (backend == "kernel")

@@ -80,7 +80,12 @@ class Fetcher:
                 todo.append(key)
             futures.append(fut)
         if todo:
-            pages = self.cache.allocate(len(todo), partial=True)
+            try:
+                pages = self.cache.allocate(len(todo), partial=True)
+            except BaseException:  # no waiter may hang on a key that is never fetched
+                for key in todo:
+                    self._resolve(key, None)
+                raise
             for key in todo[len(pages) :]:  # no room: a miss for this prefetch, not an error
                 self._resolve(key, None)
             if len(pages) < len(todo):

@@ -373,8 +373,8 @@ class KVConnector:
         """Drop the prefetch's holds; safe right after :meth:`load`/:meth:`load_async`: the
         pages stay held until those copies complete (their events). Idempotent."""
         if not prefetch.released:
-            prefetch.released = True
             self.cache.release(prefetch.page_ids, after=prefetch.loads)
+            prefetch.released = True
 
     # ---- load ------------------------------------------------------------------------------
     def _load_slots(self, prefetch: Prefetch, device_slots: Any) -> torch.Tensor:

@@ -12,9 +12,12 @@ A page is in one of three states:
 
 GPU copies outlive the Python call that launched them, so a hold can be released *after an
 event* (:meth:`release` with ``after=``): the pages stay held until every event's ``query()``
-is true. Pending releases are reaped on every allocation and on :meth:`reap`. A page published
+is true, or raises :class:`CopyFailed` (the transfer failed, and nothing touches the pages any
+more). Pending releases are reaped on every allocation and on :meth:`reap`. A page published
 while a device -> host copy still writes it carries that copy's event as its *ready event*
-(:meth:`ready_events`): a reader must wait on it (a GPU-side ``wait_event``) before reading.
+(:meth:`ready_events`): a reader must wait on it (a GPU-side ``wait_event``) before reading. A
+page whose ready event failed holds no value: it is never published, or is dropped from the
+index when a reader finds out (which gets :class:`CopyFailed`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
-from pagekv.errors import InvalidPageError, PoolExhausted
+from pagekv.errors import CopyFailed, InvalidPageError, PoolExhausted
 
 from .host_pool import HostPagePool
 
@@ -37,8 +40,18 @@ class Completion(Protocol):
     def query(self) -> bool: ...
 
 
+def _done(event: Completion) -> bool | None:
+    """True once ``event`` completed, False before, None when its transfer failed
+    (:class:`CopyFailed`, raised only once nothing touches its pages any more)."""
+    try:
+        return bool(event.query())
+    except CopyFailed:
+        return None
+
+
 def _pending(events: Iterable[Completion | None]) -> list[Completion]:
-    return [e for e in events if e is not None and not e.query()]
+    """The events still running: a failed one lets its pages go like a completed one."""
+    return [e for e in events if e is not None and _done(e) is False]
 
 
 class PageCache:
@@ -95,19 +108,29 @@ class PageCache:
 
     def ready_events(self, page_ids: Iterable[int]) -> list[Completion]:
         """Events of copies still writing any of ``page_ids`` (distinct; done ones dropped).
-        A reader makes its stream wait on each before reading the pages."""
+        A reader makes its stream wait on each before reading the pages. Raises
+        :class:`CopyFailed` when the copy that was to write one of them failed: those pages
+        leave the index (their holds stay the reader's to release)."""
         with self._lock:
             out: dict[int, Completion] = {}
-            done: set[int] = set()  # one query per distinct event (a save marks many pages)
+            state: dict[int, bool | None] = {}  # one query per distinct event (a save marks many)
+            failed: list[int] = []
             for p in page_ids:
                 event = self._ready.get(p)
                 if event is None:
                     continue
-                if id(event) in done or (id(event) not in out and event.query()):
-                    done.add(id(event))
+                if id(event) not in state:
+                    state[id(event)] = _done(event)
+                if state[id(event)] is None:
+                    failed.append(p)
+                elif state[id(event)]:
                     del self._ready[p]
                 else:
                     out[id(event)] = event
+            for p in dict.fromkeys(failed):
+                self._unindex_locked(p)
+            if failed:
+                raise CopyFailed(f"the copy that was to fill host pages {failed} failed")
             return list(out.values())
 
     # ---- holding cached pages --------------------------------------------------------------
@@ -246,8 +269,9 @@ class PageCache:
         """Index a private held page under ``key``; the caller keeps its hold. ``ready``: the
         event of a copy still writing the page (readers wait on it, see :meth:`ready_events`).
 
-        Returns False, changing nothing, if ``key`` is already cached (the caller then
-        releases its page). Raises ``InvalidPageError`` if the page is not private and held.
+        Returns False, changing nothing, if ``key`` is already cached or ``ready`` failed (the
+        caller then releases its page). Raises ``InvalidPageError`` if the page is not private
+        and held.
         """
         if not isinstance(key, bytes) or not key:
             raise TypeError(f"key must be non-empty bytes, got {type(key).__name__}")
@@ -257,9 +281,12 @@ class PageCache:
                 raise InvalidPageError(f"publish: page {page_id} is not a private held page")
             if key in self._page_of:
                 return False
+            done = True if ready is None else _done(ready)
+            if done is None:
+                return False
             self._page_of[key] = page_id
             self._key_of[page_id] = key
-            if ready is not None and not ready.query():
+            if not done:
                 self._ready[page_id] = ready
             return True
 
@@ -273,15 +300,19 @@ class PageCache:
         """Drop ``key`` from the index (e.g. found corrupt). A held page is unindexed now and
         freed when its last hold is released. Returns whether the key was cached."""
         with self._lock:
-            page = self._page_of.pop(key, None)
+            page = self._page_of.get(key)
             if page is None:
                 return False
-            del self._key_of[page]
-            self._ready.pop(page, None)
-            if page in self._evictable:
-                del self._evictable[page]
-                self.pool.free([page])
+            self._unindex_locked(page)
             return True
+
+    def _unindex_locked(self, page: int) -> None:
+        """Take a cached page out of the index: freed now if unheld, else on its last release."""
+        del self._page_of[self._key_of.pop(page)]
+        self._ready.pop(page, None)
+        if page in self._evictable:
+            del self._evictable[page]
+            self.pool.free([page])
 
     def _evict_locked(self, n: int) -> int:
         pages = []

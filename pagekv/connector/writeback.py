@@ -3,7 +3,8 @@ wait, the oldest pending write-backs are dropped (their pages stay in the host t
 counted, so a slow or dead store never blocks the engine.
 
 Lives on the connector's loop. Each queued entry holds its pages until written (or dropped);
-a page is sent only once the device -> host copy that filled it has completed (its event).
+a page is sent only once the device -> host copy that filled it has completed (its event);
+one whose copy failed is not sent (its key leaves the host tier; ``failed``, ``on_unsaved``).
 If the worker stops on an unexpected error, the queue is dropped (holds released, counted)
 and :meth:`WriteBack.drain` raises :class:`WriteBackFailed` naming the error, instead of
 waiting for a worker that is gone.
@@ -25,7 +26,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from pagekv.errors import StoreError, WriteBackFailed
+from pagekv.errors import CopyFailed, StoreError, WriteBackFailed
 from pagekv.store import Status
 
 from .host_pool import HostPagePool
@@ -99,6 +100,11 @@ class WriteBack:
                 self._busy = len(pages)
                 try:
                     await self._write(pages, event)
+                except CopyFailed:  # the copy that was to fill them failed: no value to send
+                    self.counts["failed"] += len(pages)
+                    for key, _ in pages:
+                        self.cache.remove(key)
+                    notify(self.on_unsaved, [k for k, _ in pages])
                 finally:
                     self._busy = 0
                     self.cache.release([p for _, p in pages], after=event)

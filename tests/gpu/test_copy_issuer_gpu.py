@@ -147,6 +147,7 @@ def test_a_transfer_that_raises_fails_its_completion_not_the_next():
         for failed in first:
             with pytest.raises(CopyFailed, match="stand-in"):
                 failed.wait()
+            torch.cuda.synchronize()  # query() says so once the stream passed the failed job
             with pytest.raises(CopyFailed):
                 failed.query()
         for ok in second:
