@@ -396,6 +396,37 @@ def test_a_reset_survives_restarts_and_reaches_new_engines(endpoint):
     assert restarted.num_new_matched_tokens(req, 0)[0] == 0
 
 
+def test_a_check_between_a_resets_delete_and_put_does_not_undo_it(endpoint, monkeypatch):
+    """A reset deletes the record, then writes its new epoch. Another engine's check that runs
+    in between finds no record and writes its own (the retired) epoch back: the reset must
+    not adopt it (before: it did, reported the reset recorded, and every engine went on
+    reading the pages saved before it), and the other engine follows the new epoch at its
+    next check."""
+    lay = layout()
+    first, second = epoch_scheduler(endpoint, lay), epoch_scheduler(endpoint, lay)
+    old = first.epoch
+    assert old and second.epoch == old
+    store = first.epochs.index.store
+    delete = store.delete_many
+
+    checked = []
+
+    async def delete_then_the_other_checks(keys):
+        out = await delete(keys)
+        if not checked:  # the first DELETE only
+            other = second.epochs
+            checked.append(other.index.loop.call(other._establish(second.epoch), 5))
+        return out
+
+    monkeypatch.setattr(store, "delete_many", delete_then_the_other_checks)
+    assert first.reset()
+    monkeypatch.setattr(store, "delete_many", delete)
+    assert checked == [old]  # the other engine wrote the retired epoch back in between
+    assert first.epoch not in (None, old)
+    assert second.epochs._call(second.epochs._read()) == first.epoch
+    assert epoch_scheduler(endpoint, lay).epoch == first.epoch  # a new engine follows the reset
+
+
 def test_an_unknown_epoch_reads_and_writes_nothing_until_the_store_answers():
     """Store unreachable at start-up: the scheduler cannot know whether a reset retired the
     pages it would read, so it looks nothing up and saves nothing until it reads the record."""

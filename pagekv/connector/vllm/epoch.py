@@ -9,7 +9,9 @@ the key present (``Status.EXISTS``) adopts the value another engine wrote first.
 * start-up: read the record; when absent (a fresh namespace, a store restarted empty, the
   record evicted) write a new random epoch. Pages of an epoch whose record is gone are not
   read by engines that start then: a lost record costs hits, never correctness.
-* ``reset_prefix_cache(reset_connector=True)``: a new random epoch replaces the record.
+* ``reset_prefix_cache(reset_connector=True)``: a new random epoch replaces the record (DELETE
+  then PUT; an epoch the reset retires that another engine's check writes back in between is
+  replaced again, never adopted).
 * every :data:`CHECK_S` (and soon after a lookup finds the store lacks blocks this engine
   holds, the sign of a restarted store) the scheduler reads the record again, off its thread:
   a different record is adopted (a reset made by another engine reaches this one within that
@@ -42,6 +44,7 @@ __all__ = ["CHECK_S", "EpochRecord"]
 log = logging.getLogger("vllm.pagekv")
 
 CHECK_S = 30.0
+REPLACE_TRIES = 3  # DELETE + PUT rounds of a reset whose retired epoch another check restored
 _PREFIX = b"pagekv-epoch:"
 
 
@@ -85,17 +88,30 @@ class EpochRecord:
         (value,) = await store.get_many([self.key])
         return _parse(value) or ""
 
-    async def _write(self, epoch: str, replace: bool) -> str | None:
+    async def _write(self, epoch: str, replace: bool, current: str | None = None) -> str | None:
         """Record ``epoch`` (after deleting the current record when ``replace``), or adopt the
-        record another engine wrote first. The epoch in force, or None."""
+        record another engine wrote first. The epoch in force, or None.
+
+        A reset retires the record it read first and the engine's ``current`` epoch: another
+        engine's check that finds no record between the DELETE and the PUT writes a retired
+        epoch back, and the reset deletes and writes again (``REPLACE_TRIES`` in all) rather
+        than adopt it; a record holding any other epoch is a newer reset, adopted."""
         store = self.index.store
-        if replace:
-            await store.delete_many([self.key])
-        (status,) = await store.put_many([self.key], [_PREFIX + epoch.encode()])
-        if status == Status.OK:
-            return epoch
-        if status == Status.EXISTS:
-            return await self._read() or None
+        recorded = await self._read() if replace else ""
+        if recorded is None:
+            return None
+        retired = {recorded, current or ""}
+        for _ in range(REPLACE_TRIES if replace else 1):
+            if replace:
+                await store.delete_many([self.key])
+            (status,) = await store.put_many([self.key], [_PREFIX + epoch.encode()])
+            if status == Status.OK:
+                return epoch
+            if status != Status.EXISTS:
+                return None
+            found = await self._read()
+            if found is None or found not in retired:
+                return found
         return None
 
     async def _establish(self, known: str | None = None) -> str | None:
@@ -118,12 +134,13 @@ class EpochRecord:
         """The namespace's epoch (written when there is none), or None (store unreachable)."""
         return self._schedule(self._call(self._establish()))
 
-    def replace(self) -> tuple[str, bool]:
-        """A new epoch for a reset: ``(epoch, recorded)``. Not recorded (store unreachable):
-        the new epoch is used anyway (it reads nothing stale) and recorded by later checks."""
+    def replace(self, current: str | None = None) -> tuple[str, bool]:
+        """A new epoch for a reset of the engine's ``current`` one: ``(epoch, recorded)``. Not
+        recorded (store unreachable): the new epoch is used anyway (it reads nothing stale) and
+        recorded by later checks."""
         self._check = None  # a check in flight read the record before this reset: ignored
         epoch = new_epoch()
-        recorded = self._schedule(self._call(self._write(epoch, replace=True)))
+        recorded = self._schedule(self._call(self._write(epoch, replace=True, current=current)))
         self._pending = None if recorded else epoch
         return recorded or epoch, recorded is not None
 

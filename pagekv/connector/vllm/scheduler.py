@@ -398,7 +398,7 @@ class SchedulerSide:
 
             self._set_epoch(new_epoch())
             return True
-        epoch, recorded = self.epochs.replace()
+        epoch, recorded = self.epochs.replace(self.epoch)
         self._set_epoch(epoch)
         return recorded
 
