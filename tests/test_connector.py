@@ -366,6 +366,21 @@ def test_a_save_whose_copy_fails_is_not_written_back_and_the_rest_goes_on(node, 
         conn.close()
 
 
+def test_save_refuses_a_negative_slot(node):
+    """A load skips negative slots; a save cannot: the page would be published with rows
+    never written (another prompt's, in a reused host page)."""
+    conn = connector(node, caches())
+    try:
+        tokens = prompt(8)
+        slots = torch.randperm(NUM_SLOTS)[:8]
+        slots[5] = -1
+        with pytest.raises(ValueError, match="negative slot"):
+            conn.save(tokens, slots)
+        assert conn.stats()["host_cached"] == 0 and conn.lookup(tokens) == 0
+    finally:
+        conn.close()
+
+
 def test_periodic_stats_log(node, caplog):
     conn = connector(node, caches())
     try:

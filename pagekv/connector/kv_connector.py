@@ -433,11 +433,17 @@ class KVConnector:
         ``write_through``: pages already in the host tier are written back again too (from the
         host tier; the write-back skips those the store holds), for a caller that knows or
         suspects the store lacks them (a restarted node).
+
+        Every slot must hold a token of its page: a negative slot (which a load skips) would
+        publish a page with rows never written; raised as ``ValueError`` for CPU slots, a
+        caller's rule for CUDA ones (checking them would wait for the GPU).
         """
         keys = self._keys(token_ids, keys)
         if device_slots is None:
             raise ValueError("save needs device_slots")
         table = self._slot_table(device_slots, len(keys))
+        if not table.is_cuda and bool((table < 0).any()):
+            raise ValueError("save: a negative slot would publish a page with rows never written")
         self.stats_counters["saves"] += 1
         new = [i for i, k in enumerate(keys) if k not in self.cache]
         if write_through and self.writes_to_store and len(new) < len(keys):
