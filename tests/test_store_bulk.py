@@ -566,6 +566,60 @@ async def test_a_reply_read_while_the_loop_forgot_the_nodes_limits_is_read_whole
         client.close()
 
 
+class _TricklingLane:
+    """A fake node's bulk lane that answers a GET with the value 64 KiB at a time, one piece
+    every ``pause_s`` (a node on a failing link: never idle long, never done)."""
+
+    def __init__(self, value: bytes, checksum: int, pause_s: float) -> None:
+        self.value, self.checksum, self.pause_s = value, checksum, pause_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            head = read_head(conn, max_frames=8, max_frame_bytes=1 << 20,
+                             max_payload_bytes=1 << 20)  # fmt: skip
+            req = decode_request(head.header)
+            rep = encode_reply(Reply(req.id, status=[0], sums=[self.checksum], counts=[1]))
+            n = len(self.value)
+            try:
+                conn.sendall(PREFIX.pack(MAGIC, len(rep), 1, n) + struct.pack("<Q", n) + rep)
+                for at in range(0, n, 64 << 10):
+                    conn.sendall(self.value[at : at + (64 << 10)])
+                    time.sleep(self.pause_s)  # the trickle's pace (the peer is slow)
+            except OSError:
+                return  # the client gave up and hung up: what it must do
+
+
+@pytest.mark.usefixtures("receive")
+@pytest.mark.asyncio
+async def test_a_reply_that_trickles_in_is_given_up_at_its_deadline(served):
+    """A reply whose bytes keep coming, too slowly (64 KiB every 0.2 s: 3.2 s for 1 MiB), is
+    given up once ``timeout_for`` its bytes has passed, as on the ZeroMQ path: a miss within
+    that bound (plus a loaded machine's second), not the whole value 3.2 s later. The
+    socket's receive timeout alone bounds only each wait for the next byte."""
+    import xxhash
+
+    node = served()
+    value = random.Random(os.urandom(8)).randbytes(1 << 20)
+    lane = _TricklingLane(value, xxhash.xxh3_64_intdigest(value), pause_s=0.2)
+    cfg = ClientConfig((node.address,), streams=1, timeout_s=0.5)
+    client = AsyncStoreClient(node.address, config=cfg)
+    try:
+        assert await client.ping() == [True]
+        lane_of(client)._ports[0] = lane.port  # this node's GETs go to the fake lane
+        into = bytearray([POISON]) * len(value)
+        start = time.monotonic()
+        assert await client.get_many([b"k" * 16], into=[into]) == [False]
+        took = time.monotonic() - start
+        assert took < cfg.timeout_for(len(value)) + 1.0, f"the GET took {took:.2f} s"
+    finally:
+        client.close()
+        lane.listener.close()
+
+
 @pytest.mark.asyncio
 async def test_an_arrival_callback_that_raises_ends_the_get_and_the_client_serves_on(served):
     """The async client hands lane replies on from one callback per call: an ``on_arrival``

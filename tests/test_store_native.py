@@ -332,11 +332,37 @@ def test_recv_verify_c_call_refuses_a_missing_bounce(lib):
         pieces = (native.Piece * 1)((arr.__array_interface__["data"][0], None, n))
         values = (native.Value * 1)((0, 1, 0))
         received = ctypes.c_uint64(7)
-        rc = lib._recv(b.fileno(), pieces, 1, values, 1, BLOCK, None, 0, ctypes.byref(received))
+        rc = lib._recv(b.fileno(), pieces, 1, values, 1, BLOCK, None, 0, 0,
+                       ctypes.byref(received))  # fmt: skip
         assert (rc, received.value) == (-errno.EINVAL, 0)
         assert frame == poisoned(n)
         assert lib.recv_verify(b.fileno(), [frame], [1], bounce=poisoned(BLOCK)) == [xxh3(payload)]
         assert frame == payload
+
+
+def test_recv_verify_ends_at_its_deadline_however_the_bytes_come(lib):
+    """``deadline_ns``: the receive ends with TimeoutError once it passes (within an eighth of
+    the time it had), though the socket's own receive timeout (10 s) never ran out; a
+    deadline already past reads nothing; a bad one is refused before reading."""
+    import time
+
+    a, b = socket.socketpair()
+    with a, b:
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(10.0))
+        a.sendall(os.urandom(100_000))  # of 1 MiB: the rest never comes
+        frame = poisoned(1 << 20)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            lib.recv_verify(b.fileno(), [frame], [1], bounce=poisoned(BLOCK),
+                            deadline_ns=time.monotonic_ns() + 300_000_000)  # fmt: skip
+        assert 0.3 <= time.monotonic() - start < 1.3
+        with pytest.raises(TimeoutError):
+            lib.recv_verify(b.fileno(), [poisoned(10)], [1], bounce=poisoned(BLOCK),
+                            deadline_ns=time.monotonic_ns() - 1)  # fmt: skip
+        for bad in (-1, 1.5, None):
+            with pytest.raises(ValueError, match="deadline_ns"):
+                lib.recv_verify(b.fileno(), [poisoned(10)], [1], bounce=poisoned(BLOCK),
+                                deadline_ns=bad)  # fmt: skip
 
 
 def _timeval(seconds: float) -> bytes:

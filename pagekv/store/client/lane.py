@@ -276,8 +276,9 @@ class _Conn:
         ``prepare``. Raises ``ProtocolError`` for a reply to another request or over the
         node's limits (the connection is then dropped), ``OSError`` for the rest."""
         limits = self._limits()
-        wait = timeval(self.config.timeout_for(call.nbytes))  # as the ZeroMQ path's deadline
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, wait)
+        timeout = self.config.timeout_for(call.nbytes)  # as the ZeroMQ path's deadline
+        deadline_ns = time.monotonic_ns() + int(timeout * 1e9)  # the whole reply's
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(timeout))
         head = read_head(self.sock, max_frames=max(1, len(call.request.keys)) * limits.max_frames,
                          max_frame_bytes=limits.max_message_size,
                          max_payload_bytes=limits.max_message_size)  # fmt: skip
@@ -289,7 +290,7 @@ class _Conn:
             raise ProtocolError(Code.BAD_HEADER, f"reply {reply.id} to request {call.request.id}")
         frames = _places(call, reply, head.sizes)
         counts = reply.counts if reply.code is Code.OK else None
-        call.digests = recv_values(self.sock, frames, counts, self.lib, self.bounce)
+        call.digests = recv_values(self.sock, frames, counts, self.lib, self.bounce, deadline_ns)
         if call.prepare is not None:
             call.prepare(reply, frames)
         return reply, frames

@@ -97,7 +97,7 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 def recv_values(
     sock: socket.socket, frames: Sequence[Any], counts: Sequence[int] | None,
-    lib: native.NativeCopy, bounce: Any,
+    lib: native.NativeCopy, bounce: Any, deadline_ns: int = 0,
 ) -> list[int] | None:  # fmt: skip
     """Receive ``frames`` (writable buffers, in order) from the blocking ``sock`` with the native
     receive ``lib`` (:meth:`.native.NativeCopy.recv_verify`: one C call, the GIL released, each
@@ -109,13 +109,15 @@ def recv_values(
     ``recv_into`` then xxhash per frame moved 2.7-2.8 / 9.3-9.4 / 15.5-15.8.
 
     Raises ``PeerClosed`` at end of stream, ``TimeoutError`` when the socket's receive timeout
-    passes with nothing read, ``OSError`` for the rest."""
+    passes with nothing read or ``deadline_ns`` (``time.monotonic_ns()``; 0: none) passes,
+    ``OSError`` for the rest."""
     if counts is not None and (sum(counts) != len(frames) or min(counts, default=0) < 0):
         counts = None  # not a valid split of these frames: received, not hashed
     if not frames:  # nothing to receive (a reply without values)
         return None if counts is None else [xxhash.xxh3_64_intdigest(b"") for _ in counts]
     try:
-        return lib.recv_verify(sock.fileno(), frames, counts, bounce=bounce)
+        return lib.recv_verify(sock.fileno(), frames, counts, bounce=bounce,
+                               deadline_ns=deadline_ns)  # fmt: skip
     except EOFError as e:
         raise PeerClosed(str(e)) from None
     except BlockingIOError:  # SO_RCVTIMEO ran out with nothing read

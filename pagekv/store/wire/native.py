@@ -54,7 +54,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "copy_verify.c"
 HEADER = CSRC / "third_party" / "xxhash" / "xxhash.h"
 BASE_CFLAGS = ("-O3", "-fPIC", "-shared", "-pthread")  # no -march=native: runs on any host
-ABI = 5
+ABI = 6
 BLOCK_BYTES = 256 << 10  # copied then hashed while in L2
 RECV_SLOTS = 4  # chunks in a receive's bounce: received into while a helper hashes the last
 MAX_THREADS = 64  # the C side's cap
@@ -174,7 +174,7 @@ class NativeCopy:
         recv = lib.pagekv_recv_verify
         recv.argtypes = [ctypes.c_int, ctypes.POINTER(Piece), ctypes.c_uint64,
                          ctypes.POINTER(Value), ctypes.c_uint64, ctypes.c_uint64,
-                         ctypes.c_void_p, ctypes.c_uint64,
+                         ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64,
                          ctypes.POINTER(ctypes.c_uint64)]  # fmt: skip
         recv.restype = ctypes.c_int
         self._lib, self._fn, self._recv = lib, fn, recv
@@ -234,6 +234,7 @@ class NativeCopy:
         *,
         bounce: Any,
         chunk_bytes: int = BLOCK_BYTES,
+        deadline_ns: int = 0,
     ) -> list[int] | None:
         """Receive ``frames`` (writable C-contiguous buffers, in order) from the blocking
         socket ``fd``, ``chunk_bytes`` per receive, the GIL released for the whole call. With
@@ -256,10 +257,14 @@ class NativeCopy:
         than a chunk; after (what arrived is in place, nothing writes to the frames or the
         bounce any more): ``EOFError``
         when the connection ends first (its message says how many bytes came),
-        ``BlockingIOError`` when the socket's ``SO_RCVTIMEO`` passes with nothing read, or the
-        ``OSError`` of the failed receive."""
+        ``BlockingIOError`` when the socket's ``SO_RCVTIMEO`` passes with nothing read,
+        ``TimeoutError`` when ``deadline_ns`` (a ``time.monotonic_ns()`` time; 0: none) passes
+        first, however the bytes trickle in (the call lowers the socket's ``SO_RCVTIMEO`` to the
+        time left as it goes, and leaves it so), or the ``OSError`` of the failed receive."""
         if type(chunk_bytes) is not int or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        if type(deadline_ns) is not int or deadline_ns < 0:
+            raise ValueError(f"deadline_ns must be an int >= 0, got {deadline_ns!r}")
         if counts is not None and (any(c < 0 for c in counts) or sum(counts) != len(frames)):
             raise ValueError(f"counts {list(counts)} do not add up to {len(frames)} frames")
         keep: list[Any] = []  # the numpy views: they hold each buffer's export until we return
@@ -278,7 +283,7 @@ class NativeCopy:
             raise ValueError(f"bounce of {size} bytes is smaller than a chunk ({chunk_bytes})")
         received = ctypes.c_uint64(0)
         rc = self._recv(fd, pieces, len(plan), out, len(spans), chunk_bytes, at, size,
-                        ctypes.byref(received))  # fmt: skip
+                        deadline_ns, ctypes.byref(received))  # fmt: skip
         del keep
         total = sum(p[2] for p in plan)
         if rc == 1:

@@ -28,12 +28,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/types.h>
+#include <time.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
-#define PAGEKV_COPY_VERIFY_ABI 5
+#define PAGEKV_COPY_VERIFY_ABI 6
 #define MAX_THREADS 64
 /* pagekv_recv_verify: pieces from this size are received through the caller's bounce buffer
  * (see there); smaller ones straight into place. */
@@ -217,11 +219,39 @@ static void hasher_finish(hasher_t *h) { /* trailing values of zero pieces */
     while (h->value < h->nvalues) h->values[h->value++].digest = XXH3_64bits(NULL, 0);
 }
 
-/* recv exactly n bytes into buf (retrying after EINTR and short returns): 0, 1 on EOF, or
- * -errno. *received counts what arrived. */
-static int recv_all(int fd, unsigned char *buf, uint64_t n, uint64_t *received) {
+/* A receive's deadline (CLOCK_MONOTONIC ns; 0: none) and the SO_RCVTIMEO last set for it. */
+typedef struct {
+    uint64_t deadline, armed;
+} recv_clock;
+
+/* Before each receive: -ETIMEDOUT once the deadline has passed; else the socket's SO_RCVTIMEO
+ * comes down to the time left whenever that is an eighth below what was set. One receive ends
+ * at most an eighth of the time left after the deadline, however the bytes trickle in; a call
+ * that takes a small part of its time sets it once. */
+static int arm(int fd, recv_clock *c) {
+    if (c->deadline == 0) return 0;
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    uint64_t now = (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+    if (now >= c->deadline) return -ETIMEDOUT;
+    uint64_t left = c->deadline - now;
+    if (c->armed && left > c->armed - c->armed / 8) return 0;
+    struct timeval tv = {.tv_sec = (time_t)(left / 1000000000u),
+                         .tv_usec = (suseconds_t)(left % 1000000000u / 1000u)};
+    if (tv.tv_sec == 0 && tv.tv_usec == 0) tv.tv_usec = 1; /* 0 would wait for ever */
+    if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) != 0) return -errno;
+    c->armed = left;
+    return 0;
+}
+
+/* recv exactly n bytes into buf (retrying after EINTR and short returns, while the clock
+ * allows): 0, 1 on EOF, or -errno. *received counts what arrived. */
+static int recv_all(int fd, unsigned char *buf, uint64_t n, uint64_t *received,
+                    recv_clock *clock) {
     uint64_t got = 0;
     while (got < n) {
+        int armed = arm(fd, clock);
+        if (armed != 0) return armed;
         ssize_t r = recv(fd, buf + got, (size_t)(n - got), MSG_WAITALL);
         if (r < 0) {
             if (errno == EINTR) continue;
@@ -315,7 +345,7 @@ static void hand_over(handoff_t *q, hasher_t *h, chunk_t c) {
  * is done only once it is joined. */
 static int recv_chunks(int fd, const pagekv_piece *pieces, uint64_t npieces, uint64_t chunk,
                        unsigned char *bounce, uint64_t slots, uint64_t *received, hasher_t *h,
-                       handoff_t *q) {
+                       handoff_t *q, recv_clock *clock) {
     uint64_t slot_user[MAX_SLOTS] = {0}; /* 1 + the chunk that last used each slot, 0: none */
     uint64_t slot = 0;
     for (uint64_t p = 0; p < npieces; p++) {
@@ -327,7 +357,7 @@ static int recv_chunks(int fd, const pagekv_piece *pieces, uint64_t npieces, uin
             uint64_t want = n - off < chunk ? n - off : chunk, before = *received;
             unsigned char *at = bounced ? bounce + slot * chunk : dst + off;
             uint64_t seq = make_room(q, bounced ? slot_user[slot] : 0);
-            int rc = recv_all(fd, at, want, received);
+            int rc = recv_all(fd, at, want, received, clock);
             if (rc != 0) { /* what arrived of this chunk still goes into place */
                 if (bounced && *received > before)
                     hand_over(q, h, (chunk_t){at, dst + off, *received - before, 0, 0, 0});
@@ -359,7 +389,9 @@ static int recv_chunks(int fd, const pagekv_piece *pieces, uint64_t npieces, uin
  *
  * Returns 0 when every byte arrived; 1 when the peer closed the connection (or it was shut
  * down) before; -errno for a failed receive (-EAGAIN / -EWOULDBLOCK: the socket's SO_RCVTIMEO
- * passed with nothing read in one receive); -EINVAL, before anything is read, for values that
+ * passed with nothing read in one receive; -ETIMEDOUT: `deadline_ns`, a CLOCK_MONOTONIC time
+ * (0: none), passed, or will within one receive: see arm; the socket's SO_RCVTIMEO is then
+ * left lowered); -EINVAL, before anything is read, for values that
  * do not cover the pieces in order, a chunk_bytes of 0, or a bounce that is NULL or smaller
  * than a chunk.
  * `*received`: the bytes received before the return, every one of them in its place (also
@@ -367,7 +399,8 @@ static int recv_chunks(int fd, const pagekv_piece *pieces, uint64_t npieces, uin
  * Nothing writes to the pieces or the bounce after the return. */
 int pagekv_recv_verify(int fd, const pagekv_piece *pieces, uint64_t npieces,
                        pagekv_value *values, uint64_t nvalues, uint64_t chunk_bytes,
-                       unsigned char *bounce, uint64_t bounce_bytes, uint64_t *received) {
+                       unsigned char *bounce, uint64_t bounce_bytes, uint64_t deadline_ns,
+                       uint64_t *received) {
     *received = 0;
     if (chunk_bytes == 0 || !values_cover(values, nvalues, npieces)) return -EINVAL;
     if (bounce == NULL || bounce_bytes < chunk_bytes) return -EINVAL;
@@ -383,8 +416,9 @@ int pagekv_recv_verify(int fd, const pagekv_piece *pieces, uint64_t npieces,
     pthread_t id; /* no thread to be had: this one does all of it */
     int helped = slots >= 2 && to_bounce >= 2 * chunk_bytes &&
                  pthread_create(&id, NULL, helper, &q) == 0;
+    recv_clock clock = {.deadline = deadline_ns, .armed = 0};
     int rc = recv_chunks(fd, pieces, npieces, chunk_bytes, bounce, helped ? slots : 1, received,
-                         &h, helped ? &q : NULL);
+                         &h, helped ? &q : NULL, &clock);
     if (helped) {
         pthread_mutex_lock(&q.lock);
         q.end = 1;
