@@ -113,20 +113,23 @@ async def test_a_cancelled_put_never_leaves_zeromq_reading_the_callers_buffers()
         client = AsyncStoreClient(node.address, config=cfg)
         assert await client.ping() == [True]
         keys = [os.urandom(16) for _ in range(12)]
-        values = [os.urandom(4 << 20) for _ in keys]  # 48 MiB: more than the kernel buffers
-        buffers = [bytearray(v) for v in values]
+        # 48 MiB (more than the kernel buffers), each value a large frame then a small one
+        # (which libzmq copies: a request's last frame is not the one it reads last)
+        values = [[os.urandom(4 << 20), os.urandom(7)] for _ in keys]
+        buffers = [[bytearray(f) for f in v] for v in values]
         sigstop(node.proc.pid)
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(client.put_many(keys, buffers), 1.0)
-        for buf in buffers:  # the caller's again
-            buf[:] = bytes(len(buf))
+        for frames in buffers:  # the caller's again
+            for buf in frames:
+                buf[:] = bytes(len(buf))
         node.proc.send_signal(signal.SIGCONT)
         # on the same stream: answered once the node has read what was queued before it
         assert await client.put_many([os.urandom(16)], [b"after"]) == [Status.OK]
         _, metrics = scrape(node.metrics_url + "/metrics")
         assert metrics[("pagekv_node_checksum_failures_total", ())] == 0
         got = await client.get_many(keys)
-        assert all(g is None or bytes(g) == v for g, v in zip(got, values))
+        assert all(g is None or [bytes(f) for f in g] == v for g, v in zip(got, values))
         client.close()
     finally:
         node.proc.send_signal(signal.SIGCONT)

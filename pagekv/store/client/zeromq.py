@@ -72,18 +72,19 @@ def _send(sock: zmq.Socket, call: Call) -> zmq.MessageTracker | None:
     """Send ``call``'s request (header, then its payloads as zero-copy frames) as one message;
     raises ``zmq.Again`` (nothing sent) while the node is not connected. A loop over ``send``:
     ``send_multipart`` costs microseconds per frame in flag arithmetic, which a million
-    one-byte values feel. Returns, for a request with payloads, the tracker of its last frame:
-    done once libzmq let go of it, and so of every frame before it (it sends and drops a
+    one-byte values feel. Returns the tracker of the last frame libzmq holds (pyzmq copies
+    frames under its copy threshold: their trackers are done at once), or None: done once
+    libzmq let go of that frame, and so of every frame before it (it sends and drops a
     connection's frames in order)."""
     header, payloads = request_header(call), call.payloads
-    if not payloads:
-        sock.send(header, _NOW)
-        return None
-    sock.send(header, _MORE_NOW)
-    send = sock.send
-    for frame in payloads[:-1]:
-        send(frame, _MORE, copy=False)
-    return send(payloads[-1], 0, copy=False, track=True)
+    sock.send(header, _MORE_NOW if payloads else _NOW)
+    held = None
+    send, last = sock.send, len(payloads) - 1
+    for k, frame in enumerate(payloads):
+        tracker = send(frame, _MORE if k < last else 0, copy=False, track=True)
+        if not tracker.done:
+            held = tracker
+    return held
 
 
 class _Link:
