@@ -16,8 +16,8 @@ the loop.
 
 Ownership: a PUT's values go out zero-copy, read by libzmq's I/O thread from the caller's
 buffers after ``send`` returned. A run that ends with requests unanswered (cancelled, timed out,
-a callback raised) whose last frame libzmq still holds closes that link and waits until libzmq
-has let go of them before it returns: the caller may then reuse its buffers.
+a callback raised) with frames libzmq still holds closes that link and waits until libzmq has
+let go of them before it returns: the caller may then reuse its buffers.
 
 Link state: a node counts as connected (:meth:`ZmqTransport.link_state`) only while every
 stream's socket is; stream s connects to the node's port for stream s when the node advertises
@@ -68,22 +68,21 @@ _MORE, _MORE_NOW, _NOW = int(zmq.SNDMORE), int(zmq.SNDMORE | zmq.NOBLOCK), int(z
 _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 
 
-def _send(sock: zmq.Socket, call: Call) -> zmq.MessageTracker | None:
+def _send(sock: zmq.Socket, call: Call) -> list[zmq.MessageTracker]:
     """Send ``call``'s request (header, then its payloads as zero-copy frames) as one message;
     raises ``zmq.Again`` (nothing sent) while the node is not connected. A loop over ``send``:
     ``send_multipart`` costs microseconds per frame in flag arithmetic, which a million
-    one-byte values feel. Returns the tracker of the last frame libzmq holds (pyzmq copies
-    frames under its copy threshold: their trackers are done at once), or None: done once
-    libzmq let go of that frame, and so of every frame before it (it sends and drops a
-    connection's frames in order)."""
+    one-byte values feel. Returns the trackers of the frames libzmq holds (pyzmq copies
+    frames under its copy threshold: their trackers are done at once): each is done once
+    libzmq has let go of its frame."""
     header, payloads = request_header(call), call.payloads
     sock.send(header, _MORE_NOW if payloads else _NOW)
-    held = None
+    held = []
     send, last = sock.send, len(payloads) - 1
     for k, frame in enumerate(payloads):
         tracker = send(frame, _MORE if k < last else 0, copy=False, track=True)
         if not tracker.done:
-            held = tracker
+            held.append(tracker)
     return held
 
 
@@ -141,15 +140,15 @@ class _Link:
             if fut is not None and not fut.done():
                 fut.set_result((reply, frames[1:]))
 
-    async def send(self, call: Call) -> zmq.MessageTracker | None:
-        """Send ``call``'s request, once the socket is connected (its payloads' tracker: see
+    async def send(self, call: Call) -> list[zmq.MessageTracker]:
+        """Send ``call``'s request, once the socket is connected (its payloads' trackers: see
         :func:`_send`). Raises ``zmq.ZMQError`` when it fails (the caller resets the link),
         ``ConnectionError`` when the link closed while waiting."""
         while True:
             if self.closed:
                 raise ConnectionError("link closed")
             try:
-                tracker = _send(self.sock, call)
+                trackers = _send(self.sock, call)
                 break
             except zmq.Again:  # not connected (yet): POLLOUT tells when
                 fut = self.loop.create_future()
@@ -157,7 +156,7 @@ class _Link:
                 self.loop.call_soon(self.ready)  # in case the connection is already there
                 await fut
         self.ready()  # the FD is edge triggered: look again after a send
-        return tracker
+        return trackers
 
     async def acquire(self, window: int) -> None:
         while self.inflight >= window and not self.closed:
@@ -348,14 +347,15 @@ class ZmqTransport(Transport):
         requests (it sends them zero-copy from the caller's buffers, which the caller reuses
         once the call returns): those still queued or being sent end with the link, which is
         replaced (the other requests on it fail, as after a timeout)."""
-        held = [tracker for tracker in trackers if not tracker.done]
+        held = [tracker for request in trackers for tracker in request if not tracker.done]
         if not held:
             return
         self._reset(link)  # replaced where it is the node's current link
         link.close()  # (a retired one too) with linger 0: libzmq drops what it still holds
+        deadline = time.monotonic() + LET_GO_S
         try:
             for tracker in held:
-                tracker.wait(LET_GO_S)
+                tracker.wait(max(0.0, deadline - time.monotonic()))
         except zmq.NotDone:  # never seen: libzmq frees a closed socket's messages at once
             log.error("pagekv store: libzmq still held a PUT's buffers %.0f s after its "
                       "connection closed", LET_GO_S)  # fmt: skip
@@ -394,7 +394,7 @@ class ZmqTransport(Transport):
             clock["sending"] += 1
             clock["wake"]()  # the deadline is now the connection's
             try:
-                tracker = await link.send(call)
+                trackers = await link.send(call)
             except ConnectionError:  # the link was reset while this request waited
                 return None
             except zmq.ZMQError:  # failed mid-message (the peer went): the socket may hold
@@ -409,8 +409,8 @@ class ZmqTransport(Transport):
                 clock["progress"] = time.monotonic()
             clock["bytes"] += call.nbytes + 1
             clock["wake"]()  # a send completed: the deadline moves (bytes in flight)
-            if tracker is not None:
-                clock["trackers"][rid] = tracker
+            if trackers:
+                clock["trackers"][rid] = trackers
             result = await fut
             if result is not None:  # answered: the node has every byte, libzmq is done
                 clock["trackers"].pop(rid, None)
