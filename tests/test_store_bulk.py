@@ -394,6 +394,16 @@ def test_a_node_killed_mid_transfer_gives_misses_never_wrong_data():
         node.stop()
 
 
+def _found_reply_head(conn: socket.socket, checksum: int, nbytes: int) -> bytes:
+    """Read one GET from ``conn`` and return the head of its reply as a fake lane sends it:
+    its one key found, one frame of ``nbytes`` with ``checksum`` (the frame's bytes follow)."""
+    head = read_head(conn, max_frames=8, max_frame_bytes=1 << 20,
+                     max_payload_bytes=1 << 20)  # fmt: skip
+    req = decode_request(head.header)
+    rep = encode_reply(Reply(req.id, status=[0], sums=[checksum], counts=[1]))
+    return PREFIX.pack(MAGIC, len(rep), 1, nbytes) + struct.pack("<Q", nbytes) + rep
+
+
 class _StallingLane:
     """A fake node's bulk lane: answers a GET with the value's first half, then waits for
     ``release`` before sending the rest (a slow or stuck node, deterministically)."""
@@ -408,13 +418,8 @@ class _StallingLane:
     def _serve(self) -> None:
         conn, _ = self.listener.accept()
         with conn:
-            head = read_head(conn, max_frames=8, max_frame_bytes=1 << 20,
-                             max_payload_bytes=1 << 20)  # fmt: skip
-            req = decode_request(head.header)
-            rep = encode_reply(Reply(req.id, status=[0], sums=[self.checksum], counts=[1]))
             n = len(self.value)
-            prefix = PREFIX.pack(MAGIC, len(rep), 1, n) + struct.pack("<Q", n) + rep
-            conn.sendall(prefix + self.value[: n // 2])
+            conn.sendall(_found_reply_head(conn, self.checksum, n) + self.value[: n // 2])
             self.half_sent.set()
             self.release.wait(30)
             try:
@@ -579,13 +584,9 @@ class _TricklingLane:
     def _serve(self) -> None:
         conn, _ = self.listener.accept()
         with conn:
-            head = read_head(conn, max_frames=8, max_frame_bytes=1 << 20,
-                             max_payload_bytes=1 << 20)  # fmt: skip
-            req = decode_request(head.header)
-            rep = encode_reply(Reply(req.id, status=[0], sums=[self.checksum], counts=[1]))
             n = len(self.value)
             try:
-                conn.sendall(PREFIX.pack(MAGIC, len(rep), 1, n) + struct.pack("<Q", n) + rep)
+                conn.sendall(_found_reply_head(conn, self.checksum, n))
                 for at in range(0, n, 64 << 10):
                     conn.sendall(self.value[at : at + (64 << 10)])
                     time.sleep(self.pause_s)  # the trickle's pace (the peer is slow)
