@@ -173,8 +173,9 @@ class KVConnector:
             raise ValueError("pass exactly one of token_ids and keys")
         return self.keys(token_ids) if keys is None else list(keys)
 
-    def _slot_table(self, device_slots: Any, num_pages: int) -> torch.Tensor:
-        """``[num_pages, page_size]`` slots; CPU slots are range-checked here, on the CPU."""
+    def _slot_table(self, device_slots: Any, num_pages: int, skips: bool = True) -> torch.Tensor:
+        """``[num_pages, page_size]`` slots; CPU slots are range-checked here, on the CPU
+        (negative ones, which skip a token, refused unless ``skips``)."""
         if isinstance(device_slots, torch.Tensor) and device_slots.is_cuda:
             s = device_slots.view(-1)[: num_pages * self.geometry.page_size]
             return check_slots(s, num_pages, self.geometry.page_size, self.kv.num_slots,
@@ -185,7 +186,8 @@ class KVConnector:
         need = num_pages * self.geometry.page_size
         if s.dim() != 1 or s.numel() < need:
             raise ValueError(f"device_slots needs {need} slots (1-D), got shape {tuple(s.shape)}")
-        return check_slots(s[:need], num_pages, self.geometry.page_size, self.kv.num_slots)
+        return check_slots(s[:need], num_pages, self.geometry.page_size, self.kv.num_slots,
+                           skips=skips)  # fmt: skip
 
     def _count(self, backend: str) -> None:
         self.transfer_backends[backend] += 1
@@ -435,15 +437,13 @@ class KVConnector:
         suspects the store lacks them (a restarted node).
 
         Every slot must hold a token of its page: a negative slot (which a load skips) would
-        publish a page with rows never written; raised as ``ValueError`` for CPU slots, a
+        publish a page with rows never written; ``InvalidSlotError`` for CPU slots, a
         caller's rule for CUDA ones (checking them would wait for the GPU).
         """
         keys = self._keys(token_ids, keys)
         if device_slots is None:
             raise ValueError("save needs device_slots")
-        table = self._slot_table(device_slots, len(keys))
-        if not table.is_cuda and bool((table < 0).any()):
-            raise ValueError("save: a negative slot would publish a page with rows never written")
+        table = self._slot_table(device_slots, len(keys), skips=False)
         self.stats_counters["saves"] += 1
         new = [i for i, k in enumerate(keys) if k not in self.cache]
         if write_through and self.writes_to_store and len(new) < len(keys):

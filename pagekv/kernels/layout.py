@@ -274,12 +274,13 @@ def check_slots(
     num_slots: int,
     *,
     check_values: bool = True,
+    skips: bool = True,
 ) -> torch.Tensor:
     """Slot indices for ``num_pages`` pages, shape ``[num_pages, page_size]`` (flat accepted).
 
-    Each slot is in ``[0, num_slots)`` or negative (skip); checked when ``check_values`` (a GPU
-    sync for CUDA tensors). Returned as a 2-D view, same dtype and device as given. Raises
-    ``TypeError`` / ``ValueError`` / ``IndexError``.
+    Each slot is in ``[0, num_slots)`` or, where ``skips``, negative (skip); checked when
+    ``check_values`` (a GPU sync for CUDA tensors). Returned as a 2-D view, same dtype and
+    device as given. Raises ``TypeError`` / ``ValueError`` / ``IndexError``.
     """
     s = _index_tensor(slots, "slots")
     if s.dim() == 1 and s.numel() == num_pages * page_size:
@@ -289,8 +290,11 @@ def check_slots(
             f"slots has shape {tuple(s.shape)}, expected [{num_pages}, {page_size}] "
             f"(or {num_pages * page_size} flat) for {num_pages} pages"
         )
-    if check_values and s.numel() and int(s.max()) >= num_slots:
-        raise InvalidSlotError(f"slot {int(s.max())} is not in [0, {num_slots})")
+    if check_values and s.numel():
+        if int(s.max()) >= num_slots:
+            raise InvalidSlotError(f"slot {int(s.max())} is not in [0, {num_slots})")
+        if not skips and int(s.min()) < 0:
+            raise InvalidSlotError(f"negative slot {int(s.min())}: every slot must be a token's")
     return s
 
 
