@@ -32,7 +32,7 @@ import concurrent.futures
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import zmq
@@ -342,7 +342,7 @@ class ZmqTransport(Transport):
         done = await gather_all([self._stream_calls(*part) for part in parts])
         return {rid: result for part in done for rid, result in part.items()}
 
-    def _let_go(self, link: _Link, trackers: Any) -> None:
+    def _let_go(self, link: _Link, trackers: Iterable[list[zmq.MessageTracker]]) -> None:
         """Return only once libzmq reads none of the payloads of this run's unanswered
         requests (it sends them zero-copy from the caller's buffers, which the caller reuses
         once the call returns): those still queued or being sent end with the link, which is
