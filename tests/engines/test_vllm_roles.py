@@ -64,6 +64,16 @@ def blocks_in(node: NodeProcess) -> int:
     return stats["blocks"]
 
 
+def epoch_recorded(node: NodeProcess, scheduler_stats: dict) -> str | None:
+    """The epoch the node's record (its key in the scheduler's stats) holds, None if none."""
+    with StoreClient([node.address], timeout_s=5.0) as client:
+        (value,) = client.get_many([bytes.fromhex(scheduler_stats["epoch_record_key"])])
+    if value is None:
+        return None
+    raw = b"".join(map(bytes, value)) if isinstance(value, (list, tuple)) else bytes(value)
+    return raw.removeprefix(b"pagekv-epoch:").decode()
+
+
 @pytest.fixture(scope="module")
 def model(models):
     """A copy of the seed-1 model at a path of its own (the last test rewrites its weights)."""
@@ -179,6 +189,11 @@ def test_a_store_restarted_empty_is_repopulated(producer, node, model, reference
     wait_until(saved_again, timeout=60, what="P to save its local prefix again")
     p_stats = producer.call("stats")
     assert p_stats["scheduler"]["resave_blocks"] >= 4  # from its local prefix cache
+    # the lookup that found the blocks missing also had P write its epoch record back, idle
+    # or not (a second after its last check at most): else C would start a new epoch
+    wait_until(lambda: epoch_recorded(node[0], p_stats["scheduler"]) is not None, timeout=10,
+               what="P to write its epoch record back")  # fmt: skip
+    assert epoch_recorded(node[0], p_stats["scheduler"]) == p_stats["scheduler"]["epoch"]
     # a generous lookup bound: a lookup past its bound is a miss, and on a loaded 2-core box
     # this engine's first lookup once took longer than 1 s
     c = Engine(model, store=[node[0].address], role="kv_consumer",

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from pagekv.connector import KVIndex
+from pagekv.connector.vllm import epoch as epoch_module
 from pagekv.connector.vllm.blocks import block_geometry
 from pagekv.connector.vllm.config import VllmConnectorConfig, directions
 from pagekv.connector.vllm.epoch import EpochRecord
@@ -452,8 +453,9 @@ class _HeldLoop:
     """An index loop whose checks the test answers: each coroutine handed over is closed
     unrun, and the future it returns stays pending until the test sets it."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: str | None = None) -> None:
         self.sent: list[concurrent.futures.Future] = []
+        self.answer = answer  # what a waited-for call returns; None: the store is down
 
     def submit(self, coro) -> concurrent.futures.Future:
         coro.close()
@@ -462,7 +464,9 @@ class _HeldLoop:
 
     def call(self, coro, timeout_s: float):
         coro.close()
-        raise TimeoutError("the store is down")
+        if self.answer is None:
+            raise TimeoutError("the store is down")
+        return self.answer
 
 
 def test_a_check_asked_for_while_one_is_in_flight_is_not_lost():
@@ -478,7 +482,7 @@ def test_a_check_asked_for_while_one_is_in_flight_is_not_lost():
         assert record.establish() is None
     assert record.poll(None, time.monotonic() + 60) is None  # a check goes out
     assert len(loop.sent) == 1
-    record.check_soon()  # the lookup's sign of a restarted store
+    record.check_soon(None)  # the lookup's sign of a restarted store
     loop.sent[0].set_result(None)  # the check sent while the store was down fails
     assert record.poll(None, time.monotonic()) is None  # its failure taken in
     assert record.poll(None, time.monotonic() + 1.5) is None
@@ -487,6 +491,55 @@ def test_a_check_asked_for_while_one_is_in_flight_is_not_lost():
     assert record.poll(None, time.monotonic()) is None
     assert record.poll(None, time.monotonic() + 1.5) is None
     assert len(loop.sent) == 2
+
+
+def test_a_check_asked_for_goes_out_though_the_engine_goes_idle(monkeypatch):
+    """A lookup finds the store lacks blocks, and the engine then has nothing to run: no step,
+    so no poll. The check asked for must still go out (a second after the last one), from the
+    lookup itself. Before: it waited for a poll, so an idle engine left its re-saved blocks
+    under an epoch no record named, and an engine starting then wrote another (CI,
+    test_vllm_roles' restarted store, 2026-11-27)."""
+    clock = [1000.0]
+    monkeypatch.setattr(epoch_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    delays = []
+
+    async def nothing():
+        return None
+
+    def checked(current, pending, delay):  # the check as sent: when it would run
+        delays.append(delay)
+        return nothing()
+
+    loop = _HeldLoop(answer="ab" * 8)
+    record = EpochRecord(SimpleNamespace(loop=loop, store=None), b"record", timeout_s=0.3)
+    monkeypatch.setattr(record, "_checked", checked)
+    assert record.establish() == "ab" * 8
+    clock[0] += 0.25
+    record.check_soon("ab" * 8)  # no poll follows
+    assert len(loop.sent) == 1 and delays == [pytest.approx(0.75)]  # a second after the last
+    record.check_soon("ab" * 8)  # one is on its way: not sent twice
+    assert len(loop.sent) == 1
+    loop.sent[0].set_result("ab" * 8)
+    clock[0] += 0.75
+    assert record.poll("ab" * 8, clock[0]) == "ab" * 8  # its answer; the second ask is sent
+    assert len(loop.sent) == 2 and delays[-1] == pytest.approx(1.0)
+    loop.sent[1].set_result("cd" * 8)  # a reset elsewhere, found by the check
+    clock[0] += 1.0
+    assert record.poll("ab" * 8, clock[0]) == "cd" * 8
+    assert len(loop.sent) == 2  # nothing more asked for: the next check in CHECK_S
+
+
+def test_a_reset_cancels_the_check_on_its_way():
+    """A check sent before a reset would write the retired epoch back if it finds no record:
+    the reset cancels it."""
+    loop = _HeldLoop(answer="ab" * 8)
+    record = EpochRecord(SimpleNamespace(loop=loop, store=None), b"record", timeout_s=0.3)
+    assert record.establish() == "ab" * 8
+    record.check_soon("ab" * 8)
+    assert len(loop.sent) == 1
+    loop.answer = "cd" * 8
+    record.replace("ab" * 8)
+    assert loop.sent[0].cancelled()
 
 
 # ---- worker ----------------------------------------------------------------------------------

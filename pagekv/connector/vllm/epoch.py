@@ -12,12 +12,12 @@ the key present (``Status.EXISTS``) adopts the value another engine wrote first.
 * ``reset_prefix_cache(reset_connector=True)``: a new random epoch replaces the record (DELETE
   then PUT; an epoch the reset retires that another engine's check writes back in between is
   replaced again, never adopted).
-* every :data:`CHECK_S` (and soon after a lookup finds the store lacks blocks this engine
-  holds, the sign of a restarted store) the scheduler reads the record again, off its thread:
-  a different record is adopted (a reset made by another engine reaches this one within that
-  time); a missing one is written again with this engine's epoch, so that engines keep
-  sharing pages across a store restart. The read also keeps the record recently used in the
-  store's LRU.
+* every :data:`CHECK_S` (and within a second after a lookup finds the store lacks blocks this
+  engine holds, the sign of a restarted store) the scheduler reads the record again, off its
+  thread: a different record is adopted (a reset made by another engine reaches this one
+  within that time); a missing one is written again with this engine's epoch, so that
+  engines keep sharing pages across a store restart. The read also keeps the record
+  recently used in the store's LRU.
 * store unreachable when the epoch is not known (start-up): the connector reads and writes
   nothing (no lookup, no save) rather than risk an epoch a reset has retired, and asks again
   (1 s doubling to :data:`CHECK_S`) until it knows.
@@ -30,6 +30,7 @@ back follow its older record until it is reset again or evicted.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import os
@@ -138,7 +139,9 @@ class EpochRecord:
         """A new epoch for a reset of the engine's ``current`` one: ``(epoch, recorded)``. Not
         recorded (store unreachable): the new epoch is used anyway (it reads nothing stale) and
         recorded by later checks."""
-        self._check = None  # a check in flight read the record before this reset: ignored
+        if self._check is not None:  # it read (or would write) the record the reset retires
+            self._check.cancel()
+            self._check = None
         epoch = new_epoch()
         recorded = self._schedule(self._call(self._write(epoch, replace=True, current=current)))
         self._pending = None if recorded else epoch
@@ -153,29 +156,44 @@ class EpochRecord:
                 return current
             self._check = None
             failed = check.cancelled() or check.exception() is not None
-            found = None if failed else check.result()
-            self._schedule(found)
-            if found is None:
-                return current
-            self._pending = None
-            if current is not None and found != current:
-                log.info("pagekv: the store's epoch record changed (a reset elsewhere): "
-                         "epoch %s -> %s", current, found)  # fmt: skip
-            return found
+            found = self._schedule(None if failed else check.result())
+            if found is not None:
+                self._pending = None
+                if current is not None and found != current:
+                    log.info("pagekv: the store's epoch record changed (a reset elsewhere): "
+                             "epoch %s -> %s", current, found)  # fmt: skip
+                current = found
+            if self._soon:  # asked for while this one was on its way: sent, a second later
+                self._send_check(current, now)
+            return current
         if now >= self._next_check:
-            pending = self._pending
-            coro = self._write(pending, replace=True) if pending else self._establish(current)
-            self._check = self.index.loop.submit(coro)
-            self._soon = False
-            self._next_check = now + 1.0  # (until the check's answer sets the next one)
+            self._send_check(current, now)
         return current
 
-    def check_soon(self) -> None:
-        """Read the record at the next poll (at most one check a second): the store may have
-        lost it (a lookup found it lacks blocks this engine holds). A check already on its way
-        may have read the store before it lost the record: the one asked for is still sent."""
+    def _send_check(self, current: str | None, now: float) -> None:
+        """Start the check on the index's loop, once ``_next_check`` has come (there, not
+        here: an idle engine has no poll to wait for it)."""
+        delay = max(0.0, self._next_check - now)
+        self._check = self.index.loop.submit(self._checked(current, self._pending, delay))
+        self._soon = False
+        self._next_check = now + delay + 1.0  # (until the check's answer sets the next one)
+
+    async def _checked(self, current: str | None, pending: str | None, delay: float) -> str | None:
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return await (self._write(pending, replace=True) if pending else self._establish(current))
+
+    def check_soon(self, current: str | None) -> None:
+        """Check the record (and write ``current`` back when it is missing) a second after the
+        last check at the latest: the store may have lost it (a lookup found it lacks blocks
+        this engine holds). Sent from here, not left to the next poll, so that an engine that
+        goes idle still records the epoch its re-saved blocks are keyed by. A check already
+        on its way may have read the store before it lost the record: the one asked for is
+        still sent, by the poll that takes in its answer. Never waits."""
         self._soon = True
         self._next_check = min(self._next_check, self._last_check + 1.0)
+        if self._check is None:
+            self._send_check(current, time.monotonic())
 
     def _schedule(self, found: str | None) -> str | None:
         self._last_check = time.monotonic()

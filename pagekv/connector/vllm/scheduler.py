@@ -215,7 +215,7 @@ class SchedulerSide:
         n = len(check)
         st.missing = [i for i, stored in zip(check, found) if not stored]
         if st.missing and self.epochs is not None:  # a restarted store lost the record too
-            self.epochs.check_soon()
+            self.epochs.check_soon(self.epoch)
         hit = next((j for j, stored in enumerate(found[n:]) if not stored), len(found) - n)
         self.counters["hit_tokens"] += hit * block
         st.load_async = self.load_async and hit > 0
@@ -408,6 +408,8 @@ class SchedulerSide:
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters, epoch=self.epoch, recent_blocks=len(self.recent))
+        if self.epochs is not None:
+            out["epoch_record_key"] = self.epochs.key.hex()
         if self.layout is not None:
             out.update(model=self.layout.model_id, layout=self.layout.layout)
         if self.index is not None:
