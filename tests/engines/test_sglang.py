@@ -18,9 +18,10 @@ Exercised: start-up of plain MHA (4 host layouts), plain MLA (3), SWA-hybrid (GP
 Mamba-hybrid (Qwen3-Next-like) stacks; v1 (KV) and v2 (SWA, Mamba sidecars) backend calls from
 SGLang's controller threads; the three prefetch policies and ``hicache_storage_pass_prefix_keys``;
 the legacy (non-``interface_v1``) calls; two processes; a node stopped and killed mid-batch;
-SGLang's fault injector; a pool that cannot be stored; TP ranks (backend level, see that test).
-Not exercised here: real GPU copies, TP/PP > 1 process groups, DSA / DeepSeek-V4 / draft pools
-(no CPU builder), ``buffer_only`` host memory.
+SGLang's fault injector; a pool that cannot be stored; TP ranks, DeepSeek-V4's logical KV anchor
+with a side pool, and an MLA model's MHA draft pool (backend level, on SGLang's own pool classes:
+no CPU builder makes those stacks). Not exercised here: real GPU copies, TP/PP > 1 process
+groups, DSA stacks, ``buffer_only`` host memory.
 """
 
 from __future__ import annotations
@@ -495,6 +496,104 @@ def test_tp_ranks_mla_shares_pages_and_rank0_writes(node, stacks, gen):
             assert host_pages(pool, dst) == host_pages(pool, src)
         for b in (backend0, backend1):
             b.close()
+
+
+def test_a_logical_kv_anchor_leaves_every_hit_to_its_side_pools(node, stacks, gen):
+    """DeepSeek-V4's host stack: a logical KV anchor (SGLang's ``LogicalHostPool``, no buffer)
+    and compressed side pools holding the bytes (``DeepSeekV4PagedHostPool``), registered in
+    the order SGLang's HybridCacheController registers them (the anchor, then every entry
+    through v2, the anchor again as ``kv``). The controller moves the anchor's pages with the
+    v1 calls and takes the smallest hit of those and the side pools': the v1 calls answer every
+    page done (as SGLang's Mooncake backend does), the side pools decide. Before: the anchor's
+    v2 registration turned the tier off ("empty pages") and the v1 calls answered False."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer
+    from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool, LogicalHostPool
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    config = stacks("mla", [node.address]).controller.storage_config  # rank-replicated pages
+    ps, c4 = 64, "deepseek_v4_c4"
+
+    def server():
+        anchor = LogicalHostPool(16 * ps, ps, layout="page_first")
+        device = [torch.zeros(17, 640, dtype=torch.uint8) for _ in range(3)]
+        side = DeepSeekV4PagedHostPool(c4, device, 640, 16, ps, layout="page_first",
+                                       pin_memory=False)  # fmt: skip
+        backend = StorageBackendFactory.create_backend("dynamic", config, anchor)
+        backend.register_mem_pool_host(anchor)
+        for name, pool in (("kv", anchor), (c4, side)):
+            backend.register_mem_host_pool_v2(pool, name)
+        backend.on_host_pools_registered()
+        assert backend.stats()["off"] is None and set(backend.stats()["pools"]) == {c4}
+        return anchor, side, backend
+
+    def side_pages(side, slots):
+        return [xxhash.xxh3_64_intdigest(side.kv_buffer[p].numpy().tobytes())
+                for p in (slots[::ps] // ps).tolist()]  # fmt: skip
+
+    keys = _hashes(random_tokens(4 * ps, gen), ps)
+    anchor, written, writer = server()
+    src = anchor.alloc(4 * ps)
+    for p in (src[::ps] // ps).tolist():
+        written.kv_buffer[p] = torch.randint(0, 256, written.kv_buffer[p].shape,
+                                             dtype=torch.uint8, generator=gen)  # fmt: skip
+    assert writer.batch_set_v1(keys, src) == [True] * 4
+    assert writer.batch_set_v2([_transfer(c4, keys, src)])[c4] == [True] * 4
+    anchor, read, reader = server()
+    dst = anchor.alloc(8 * ps)[4 * ps :]  # other slots than the writer's
+    read.kv_buffer.fill_(0x5A)
+    wanted = [PoolTransfer(c4, hit_policy=PoolHitPolicy.ALL_PAGES)]
+    assert reader.batch_exists_v2(keys, wanted).kv_hit_pages == 4
+    other = _hashes(random_tokens(4 * ps, gen), ps)
+    assert reader.batch_exists_v2(other, wanted).kv_hit_pages == 0  # no hit from the anchor
+    assert reader.batch_get_v1(keys, dst) == [True] * 4
+    assert reader.batch_get_v2([_transfer(c4, keys, dst)])[c4] == [True] * 4
+    assert side_pages(read, dst) == side_pages(written, src)
+    for b in (writer, reader):
+        b.close()
+
+
+def test_per_rank_pages_of_an_mla_model_turn_the_tier_off_at_tp2(node, stacks):
+    """An MLA model with an MHA draft pool (an EAGLE-style draft): the draft's pages differ per
+    TP rank, but SGLang writes an MLA model's pools from rank 0 only (its controller's
+    ``should_backup``) and takes the smallest hit of all ranks, so at TP 2 no request would
+    ever hit. The tier goes off with one warning naming the pool; at TP 1 the pool is stored.
+    Before: stored under per-rank keys, rank 1 never found its pages, silently."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    kv = stacks("mla", [node.address])
+    draft = stacks("mha", [node.address]).host_pools["kv"]  # a real MHA host pool
+    pool, config = kv.host_pools["kv"], kv.controller.storage_config
+    for tp_size, off in ((1, False), (2, True)):
+        rank_config = type(config)(**{**vars(config), "tp_rank": tp_size - 1, "tp_size": tp_size})
+        backend = StorageBackendFactory.create_backend("dynamic", rank_config, pool)
+        with backend_log(logging.WARNING) as warnings:
+            backend.register_mem_pool_host(pool)
+            backend.register_mem_host_pool_v2(pool, "kv")
+            backend.register_mem_host_pool_v2(draft, "draft")
+        assert (backend.stats()["off"] is not None) == off
+        assert len(warnings) == off and (not off or "draft" in warnings[0])
+        backend.close()
+
+
+def test_a_pool_of_odd_sized_pages_is_stored():
+    """Opaque side pools (state, scales) may have pages of any byte count: one that is not a
+    multiple of 4 is described and stored, never an exception out of the registration."""
+    from pagekv.connector.sglang.pages import describe_pool
+
+    class StatePool:  # 6 bytes of state per slot, one slot a page
+        page_size, layout, dtype = 1, "page_first", torch.uint8
+
+        def __init__(self) -> None:
+            self.buf = torch.zeros((16, 6), dtype=torch.uint8)
+
+        def get_hybrid_pool_buffer(self):
+            return [self.buf]
+
+        def get_page_buffer_meta(self, indices):
+            return [self.buf.data_ptr() + 6 * i for i in indices.tolist()], [6] * len(indices)
+
+    fmt = describe_pool(StatePool(), "state")
+    assert fmt.page_bytes == 6 and "1x6" in fmt.label
 
 
 def test_legacy_interface_shares_pages_with_zero_copy(node, stacks, gen):

@@ -147,14 +147,19 @@ def _kv_geometry(pool: Any, kind: str, page: int) -> KVGeometry | None:
     stand_in = stand_in or _STAND_IN.get(dtype.itemsize)
     if stand_in is None:
         raise ConfigError(f"pagekv: SGLang host pool dtype {dtype} is not supported")
-    if kind == "mla":
-        return KVGeometry.mla(pool.layer_num, page, pool.kv_cache_dim, stand_in)
-    return KVGeometry(pool.layer_num, page, pool.head_num, pool.head_dim, stand_in)
+    try:
+        if kind == "mla":
+            return KVGeometry.mla(pool.layer_num, page, pool.kv_cache_dim, stand_in)
+        return KVGeometry(pool.layer_num, page, pool.head_num, pool.head_dim, stand_in)
+    except ValueError as e:  # a shape pagekv's geometry cannot describe
+        raise ConfigError(f"pagekv: SGLang host pool of {kind} pages: {e}") from None
 
 
 def _opaque_geometry(page_bytes: int) -> KVGeometry:
-    """A page of ``page_bytes`` opaque bytes, for pools that are not K/V or latent caches."""
-    return KVGeometry.mla(1, 1, page_bytes, _STAND_IN[1])
+    """A page of ``page_bytes`` opaque bytes, for pools that are not K/V or latent caches: it
+    names the page (rounded up to whole 4-byte words, as a geometry's rows are); the exact size
+    is in the format's frame plan, part of the key namespace too."""
+    return KVGeometry.mla(1, 1, -(-page_bytes // 4) * 4, _STAND_IN[1])
 
 
 class PoolPages:

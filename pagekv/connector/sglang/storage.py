@@ -11,9 +11,12 @@ Pools. SGLang registers the KV anchor pool (``register_mem_pool_host``), then ev
 model's stack by name (``register_mem_host_pool_v2``: the anchor again as ``kv``; hybrid models'
 ``swa``, ``mamba``, ``indexer``, ``draft``, ... pools). Plain models use the v1 calls
 (``batch_exists`` / ``batch_get_v1`` / ``batch_set_v1``) on the KV pool; hybrid models add the v2
-calls (``PoolTransfer`` per pool), with each pool's pages under its own keys. A pool that cannot be
-stored (:mod:`.pages`) turns the storage tier off for the model, said once at start-up: every call
-is then a miss, and SGLang serves from its device and host tiers.
+calls (``PoolTransfer`` per pool), with each pool's pages under its own keys. A logical KV anchor
+(DeepSeek-V4: slots, no bytes) is not stored: the v1 calls on it answer every page done and its
+side pools decide every hit. A pool that cannot be stored (:mod:`.pages`; or pages that differ per
+TP rank in an MLA model, whose pools SGLang writes from rank 0 only) turns the storage tier off for
+the model, said once at start-up: every call is then a miss, and SGLang serves from its device
+and host tiers.
 
 One page = one key = one store value of one or more frames (see :mod:`.pages`); keys are SGLang's
 own chained page hashes namespaced by model, pool, page format and rank (:meth:`_namespace_for`).
@@ -61,6 +64,11 @@ _STORED = (Status.OK, Status.EXISTS)
 _MAMBA = "mamba"  # SGLang's PoolName.MAMBA: state sharded over TP ranks even in MLA models
 
 
+def _is_logical(pool: Any) -> bool:
+    """A logical KV anchor: SGLang's slots of a hybrid stack, with no KV buffer of its own."""
+    return getattr(pool, "kv_buffer", True) is None
+
+
 @dataclass(frozen=True)
 class _Pool:
     """A stored pool: its pages and the key namespace they live in."""
@@ -91,22 +99,28 @@ class PagekvStorage(HiCacheStorage):
         self._clients = ThreadClients(self.config.client_config())
         self._stats = BackendStats()
         self._errors = _ErrorLog()
+        self._logical_kv = False  # the KV anchor holds no bytes (see register_mem_pool_host)
         extra = storage_config.extra_config or {}
         if not extra.get("interface_v1"):
             log.info('pagekv: "interface_v1": 1 is not set; SGLang will copy pages (legacy path)')
 
     # ---- set-up -------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Adopt SGLang's KV anchor pool. A hybrid model's logical anchor (no buffer of its
-        own) stores nothing itself; its pools come through :meth:`register_mem_host_pool_v2`."""
+        """Adopt SGLang's KV anchor pool. A hybrid model's logical anchor (DeepSeek-V4: no
+        buffer of its own) stores nothing itself: the v1 calls on it move no bytes and answer
+        every page done, and its side pools, registered through
+        :meth:`register_mem_host_pool_v2` and moved by the v2 calls, decide every hit."""
         super().register_mem_pool_host(mem_pool_host)
-        if getattr(mem_pool_host, "kv_buffer", True) is not None:
+        self._logical_kv = _is_logical(mem_pool_host)
+        if not self._logical_kv:
             self._adopt(KV_POOL, mem_pool_host)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Adopt one pool of the model's stack (the KV anchor comes again as ``kv``)."""
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         name = str(host_pool_name)
+        if name == KV_POOL and _is_logical(host_pool):
+            return
         known = self._pools.get(name)
         if known is None or known.pages.pool is not host_pool:
             self._adopt(name, host_pool)
@@ -122,6 +136,7 @@ class PagekvStorage(HiCacheStorage):
     def _adopt(self, name: str, pool: Any) -> None:
         try:
             pages = PoolPages(pool, name)
+            self._check_writers(name, pages.format)
             stored = _Pool(pages, self._namespace_for(name, pages.format, self._epoch))
             for address, nbytes in pages.regions():  # zero-copy (Mooncake); once per pool
                 self._clients.register(address, nbytes)
@@ -131,6 +146,19 @@ class PagekvStorage(HiCacheStorage):
                 log.warning("pagekv: %s -- SGLang runs without the storage tier for this model", e)
             return
         self._pools = {**self._pools, name: stored}
+
+    def _check_writers(self, name: str, fmt: PageFormat) -> None:
+        """SGLang writes an MLA model's pools from TP rank 0 only (Mamba state from every
+        rank), so a pool whose pages differ per rank (an MHA draft of an MLA model) would
+        never be found by the other ranks, and SGLang takes the smallest hit of all ranks.
+        Raises ConfigError for such a pool."""
+        sc = self.storage_config
+        if sc.is_mla_model and sc.tp_size > 1 and name != _MAMBA and fmt.kind == "mha":
+            raise ConfigError(
+                f"pagekv: SGLang host pool {name} ({fmt.label}) holds pages that differ per "
+                f"TP rank, but SGLang writes this MLA model's pools from rank 0 only: ranks "
+                f"1..{sc.tp_size - 1} would never find theirs"
+            )
 
     def _namespace_for(self, name: str, fmt: PageFormat, epoch: int) -> KeyNamespace:
         """Model, pool, page format (layout, dtype, geometry, frame plan), TP rank and size
@@ -167,6 +195,8 @@ class PagekvStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Fill the KV pages at ``host_indices`` from the store, in place; a bool per page."""
+        if self._logical_kv:
+            return [True] * len(keys)
         transfers = [PoolTransfer(KV_POOL, host_indices=host_indices, keys=keys)]
         return self._guard("get", len(keys), _failed(transfers), self._get, transfers)[KV_POOL]
 
@@ -178,6 +208,8 @@ class PagekvStorage(HiCacheStorage):
     ) -> list[bool]:
         """Store the KV pages at ``host_indices`` (sent from the pool, no copy); pages already
         stored are not sent again. A bool per page (stored or already present)."""
+        if self._logical_kv:
+            return [True] * len(keys)
         transfers = [PoolTransfer(KV_POOL, host_indices=host_indices, keys=keys)]
         return self._guard("set", len(keys), _failed(transfers), self._set, transfers)[KV_POOL]
 
