@@ -99,6 +99,7 @@ class Engine:
     def __init__(self, sched: SchedulerSide) -> None:
         self.sched, self.blocks = sched, {}
         self.next_block = 100
+        self.last_step: int | None = None  # the step run whose workers' report is not back
         sched.block_ids_of = lambda rid, a, b: self.blocks[rid][a:b]
 
     def admit(self, req: Req, local_tokens: int = 0) -> int:
@@ -112,11 +113,21 @@ class Engine:
         return hit
 
     def run(self, scheduled: dict[Req, int], preempted=()) -> PagekvMetadata:
+        """One step; the last step's report (no failure, unless :meth:`report` gave one) comes
+        back first, as with vLLM's synchronous scheduling."""
+        self.report()
         meta = self.sched.build_meta(step({r.request_id: n for r, n in scheduled.items()},
                                           preempted))  # fmt: skip
+        self.last_step = meta.step
         for req, n in scheduled.items():  # vLLM advances after building the metadata
             req.num_computed_tokens += n
         return meta
+
+    def report(self, invalid=(), failed=()) -> None:
+        """The workers' report of the last step run (what update_connector_output passes)."""
+        if self.last_step is not None:
+            self.sched.on_output(set(invalid), set(failed), self.last_step)
+            self.last_step = None
 
     def prefill(self, req: Req) -> PagekvMetadata:
         return self.run({req: req.num_tokens - req.num_computed_tokens})
@@ -253,10 +264,12 @@ def test_loads_saves_and_failures_are_planned_per_block(endpoint):
     assert eng.admit(req, local_tokens=BLOCK) == 2 * BLOCK  # block 0 local, 1-2 stored
     meta = pickle.loads(pickle.dumps(eng.run({req: 2 * BLOCK + 1})))  # crosses processes
     assert meta.loads == [BlockTransfer("r", (101, 102), tuple(pages[1:3]))]
-    assert meta.saves == [BlockTransfer("r", (103, 104), tuple(pages[3:5]))]  # computed here
-    assert saved_blocks(eng.run({req: BLOCK})) == [105]
+    assert meta.saves == []  # computed here over the load: held until the load is confirmed
+    after = eng.run({req: BLOCK})  # the step's report is back: the held save goes out
+    assert after.saves[0] == BlockTransfer("r", (103, 104), tuple(pages[3:5]))
+    assert saved_blocks(after) == [103, 104, 105]
     assert eng.run({req: 1}).saves == []  # each block once
-    eng.sched.on_output({102}, set())  # a worker could not load block 102
+    eng.report({102})  # a worker could not load block 102
     assert eng.sched.num_new_matched_tokens(req, 0) == (0, False)  # recomputed, not retried
     assert eng.sched.counters["failed_loads"] == 1
 
@@ -270,10 +283,95 @@ def test_a_failed_load_never_marks_its_blocks_stored(endpoint):
     store_pages(endpoint, lay.namespace(0, 0), req.block_hashes[:4])
     assert eng.admit(req) == 4 * BLOCK
     meta = eng.run({req: 2 * BLOCK})
-    assert meta.loads[0].block_ids == (100, 101, 102, 103) and saved_blocks(meta) == [104, 105]
-    eng.sched.on_output({102}, set())  # blocks 2-3 did not load: vLLM recomputes them
+    assert meta.loads[0].block_ids == (100, 101, 102, 103) and saved_blocks(meta) == []
+    eng.report({102})  # blocks 2-3 did not load: vLLM recomputes them
     req.num_computed_tokens = 2 * BLOCK  # as vLLM truncates it
-    assert saved_blocks(eng.run({req: 2 * BLOCK})) == [102, 103]
+    assert saved_blocks(eng.run({req: 4 * BLOCK})) == [102, 103, 104, 105]
+
+
+def forward(views, block_ids, first: int, stop: int) -> None:
+    """A stand-in for the model's forward: each block's KV derives from the block before it,
+    as attention makes it depend on every earlier token."""
+    for layer in range(LAYERS):
+        for j in range(first, stop):
+            views[layer][block_ids[j]].copy_(views[layer][block_ids[j - 1]] * 0.5 + 1.0)
+
+
+def test_blocks_computed_over_a_failed_load_are_never_stored(node):
+    """A synchronous load fails in a step (a page evicted between the lookup and the load);
+    vLLM still runs that step's forward, computing the request's next blocks over the failed
+    ones, then recomputes from the first failed block. What the store serves afterwards must be
+    the truth. Failed before 2026-11-27: the step's saves stored the blocks computed over the
+    failed load, and a later engine loaded them."""
+    lay = layout()
+    truth_worker, _, truth = engine_worker(node, seed=1)
+    req = Req("r", list(range(6 * BLOCK)))
+    hashes = tuple(req.block_hashes)
+    forward(truth, list(range(6)), 1, 6)  # blocks 0-5 as a correct engine computes them
+    truth_worker.save(PagekvMetadata(saves=[BlockTransfer("w", (0, 1, 2, 3), hashes[:4])]))
+    truth_worker.conn.flush_sync(timeout=10)
+    eng = Engine(scheduler(node.address, lay))
+    eng.next_block = 10
+    assert eng.admit(req) == 4 * BLOCK
+    meta = eng.run({req: 2 * BLOCK})  # loads blocks 0-3, computes 4-5
+    with StoreClient([node.address]) as client:  # block 2 evicted before the load
+        client.delete_many(lay.namespace(0, 0).derive_keys([hashes[2]]))
+    worker, _, views = engine_worker(node, seed=2, poison=True)
+    ids = eng.blocks["r"]
+    worker.start_load(meta)
+    errors = worker.take_errors()
+    assert errors == {ids[2], ids[3]}
+    forward(views, ids, 4, 6)  # the step's forward, over the failed blocks
+    worker.save(meta)
+    worker.conn.flush_sync(timeout=10)
+    eng.report(errors)
+    req.num_computed_tokens = 2 * BLOCK  # vLLM recomputes from block 2
+    forward(views, ids, 2, 6)
+    again = eng.run({req: 4 * BLOCK})
+    assert saved_blocks(again) == ids[2:6]
+    worker.save(again)
+    worker.conn.flush_sync(timeout=10)
+    reader, _, got = engine_worker(node, seed=3, poison=True)
+    reader.start_load(PagekvMetadata(loads=[BlockTransfer("q", tuple(range(20, 26)), hashes)]))
+    assert reader.take_errors() == set()
+    for layer in range(LAYERS):
+        for j in range(6):
+            assert torch.equal(got[layer][20 + j], truth[layer][j]), f"block {j}"
+    for w in (truth_worker, worker, reader):
+        w.close()
+
+
+def test_held_saves_of_a_request_that_ends_or_is_preempted_are_dropped(endpoint):
+    """A save held for a load's report names vLLM's block ids: once the request ends or is
+    preempted before the report, vLLM may give those blocks to another request, so the save is
+    dropped (never sent), and its blocks are no longer taken for stored."""
+    lay = layout()
+    eng = Engine(scheduler(endpoint, lay))
+    for ending in ("finished", "preempted"):
+        req = Req(ending, list(range(6 * BLOCK)))
+        store_pages(endpoint, lay.namespace(0, 0), req.block_hashes[:4])
+        assert eng.admit(req) == 4 * BLOCK
+        assert eng.run({req: 2 * BLOCK}).saves == []  # held
+        if ending == "finished":
+            eng.sched.finished(req.request_id)
+            assert eng.run({}).saves == []
+        else:
+            assert eng.run({}, preempted=[req.request_id]).saves == []
+        assert eng.sched.counters["dropped_held_blocks"] == 2 * (1 + (ending == "preempted"))
+        assert not any(eng.sched.recent.fresh(h, time.monotonic()) for h in req.block_hashes[4:])
+
+
+def test_held_saves_are_never_sent_under_a_new_epoch(endpoint):
+    """Blocks computed before a reset (new weights) must not be stored under the epoch that
+    follows it: a reset drops the saves it finds held."""
+    lay = layout()
+    eng = Engine(scheduler(endpoint, lay))
+    req = Req("r", list(range(6 * BLOCK)))
+    store_pages(endpoint, lay.namespace(0, 0), req.block_hashes[:4])
+    assert eng.admit(req) == 4 * BLOCK
+    assert eng.run({req: 2 * BLOCK}).saves == []  # held
+    assert eng.sched.reset()
+    assert eng.run({req: 1}).saves == []
 
 
 def test_a_load_that_cannot_be_planned_is_recomputed(node):

@@ -222,8 +222,10 @@ class PagekvConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> PagekvWorkerMetadata | None:
         if self.worker is None:
             return None
+        meta = self._meta()
+        step = meta.step if meta is not None else 0
         unsaved = self.worker.take_unsaved()
-        return PagekvWorkerMetadata(unsaved) if unsaved else None
+        return PagekvWorkerMetadata(unsaved, step) if unsaved or step else None
 
     def get_kv_connector_kv_cache_events(self) -> PagekvKVEvents | None:
         if self.worker is None or not (self.events_on and self.save_enabled):
@@ -328,11 +330,12 @@ class PagekvConnector(KVConnectorBase_V1):
         if self._confirmed is not None:
             self._confirmed.add(connector_output.kv_cache_events)
         if self.scheduler is not None:
-            self.scheduler.on_output(
-                connector_output.invalid_block_ids, connector_output.failed_recving
-            )
             report = connector_output.kv_connector_worker_meta
-            if isinstance(report, PagekvWorkerMetadata):
+            ours = isinstance(report, PagekvWorkerMetadata)
+            self.scheduler.on_output(connector_output.invalid_block_ids,
+                                     connector_output.failed_recving,
+                                     report.step if ours else 0)  # fmt: skip
+            if ours:
                 self.scheduler.unsaved(report.unsaved)
 
     def take_events(self) -> Any:

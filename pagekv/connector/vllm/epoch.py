@@ -25,7 +25,11 @@ the key present (``Status.EXISTS``) adopts the value another engine wrote first.
 Limits: a reset whose record is lost (restart, eviction) before another running engine has
 read it can be undone by that engine writing its older epoch back; a reset made while the
 record's node is down lands on the next node, and engines reading the old node when it comes
-back follow its older record until it is reset again or evicted.
+back follow its older record until it is reset again or evicted. Likewise an engine that
+starts while the record's node is down (with other nodes up) finds no record on the next node
+and writes a new epoch there, which running engines adopt at their next check, and leave
+again once the node is back: pages stored meanwhile are lost to the other epoch (hits, never
+wrong data).
 """
 
 from __future__ import annotations

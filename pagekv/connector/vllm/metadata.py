@@ -58,9 +58,11 @@ class BlockTransfer:
 @dataclass
 class PagekvMetadata(KVConnectorMetadata):
     """One step's loads (blocks to fill before, or asynchronously after, the forward) and
-    saves; ``epoch``: the namespace's reset epoch (:mod:`.epoch`), part of every key."""
+    saves; ``epoch``: the namespace's reset epoch (:mod:`.epoch`), part of every key;
+    ``step``: the step's number (from 1), which the workers' report gives back."""
 
     epoch: str = ""
+    step: int = 0
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
 
@@ -80,11 +82,14 @@ class PagekvWorkerMetadata(KVConnectorWorkerMetadata):
     """What the worker ranks tell the scheduler after a step (vLLM merges the ranks' with
     :meth:`aggregate`): ``unsaved``, the block hashes of saves the store did not take since the
     rank's last report (a PUT refused or failed, a write-back dropped, a save skipped). The
-    scheduler then no longer takes those blocks for stored (:meth:`SchedulerSide.unsaved`)."""
+    scheduler then no longer takes those blocks for stored (:meth:`SchedulerSide.unsaved`).
+    ``step``: the step the report follows (:attr:`PagekvMetadata.step`)."""
 
     unsaved: set[bytes] = field(default_factory=set)
+    step: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> PagekvWorkerMetadata:
         if isinstance(other, PagekvWorkerMetadata):
             self.unsaved |= other.unsaved
+            self.step = max(self.step, other.step)
         return self

@@ -17,7 +17,15 @@ Rules (see vLLM's ``KVConnectorBase_V1``):
   worker reports its save did not reach the store (:meth:`SchedulerSide.unsaved`: the report
   comes with the step after the write-back ended, so the lookup of a request scheduled before
   it still skips the block); a block loaded from the store is known stored, unless its load
-  failed.
+  failed;
+* a block computed while a synchronous load is unconfirmed is not saved yet: vLLM runs the
+  forward of a step whose load failed, and of the steps it scheduled before it learnt of the
+  failure, over the failed blocks, and a block stored is never replaced. Such saves are held
+  (:class:`_Held`) until the workers' report of the step that planned them is back (a step
+  later; two with vLLM's asynchronous scheduling) and then sent, as the request still holds the
+  blocks; a reported load failure drops every held save (those blocks are planned again as they
+  are computed again), as do the request's preemption and end (the lookup's re-save covers
+  those blocks later).
 
 Per step the cost is proportional to the requests that still have blocks to save (prefills,
 and every running request only with ``save_decode``) and to the blocks saved, never to a
@@ -94,6 +102,16 @@ class _Request:
     no_external: bool = False
 
 
+@dataclass(frozen=True)
+class _Held:
+    """A save planned in ``step`` while a synchronous load was unconfirmed; ``first``: the
+    request's first block index in it."""
+
+    step: int
+    first: int
+    save: BlockTransfer
+
+
 class SchedulerSide:
     """Lookup and bookkeeping of the scheduler-role connector. Not thread-safe (vLLM's
     scheduler is one thread). Never raises on store trouble (lookups are bounded misses).
@@ -128,8 +146,13 @@ class SchedulerSide:
         self.pending_loads: list[BlockTransfer] = []
         self.counters = dict.fromkeys(
             ("lookups", "hit_tokens", "planned_load_blocks", "planned_save_blocks",
-             "resave_blocks", "failed_loads", "inert_lookups", "unsaved_blocks"), 0,
+             "resave_blocks", "failed_loads", "inert_lookups", "unsaved_blocks",
+             "held_save_blocks", "dropped_held_blocks"), 0,
         )  # fmt: skip
+        self._steps = 0  # steps built (PagekvMetadata.step)
+        self._reported = 0  # the last step whose workers' report came back
+        self._sync_step = 0  # the last step that carries a synchronous load
+        self._held: list[_Held] = []
         self.layout: EngineLayout | None = None
         self.index: KVIndex | None = None
         self.epochs: EpochRecord | None = None
@@ -158,6 +181,7 @@ class SchedulerSide:
             return
         self.epoch = epoch
         self.recent.clear()
+        self._held = []  # blocks computed before the change: never saved under the new epoch
         self.namespaces = [] if epoch is None else self.layout.all_namespaces(epoch)
 
     @property
@@ -280,11 +304,16 @@ class SchedulerSide:
                 self._set_epoch(self.epochs.poll(self.epoch, time.monotonic()))
             except Exception:  # the epoch stays; the next step polls again
                 log.exception("pagekv: checking the epoch record failed")
-        meta = PagekvMetadata(epoch=self.epoch or "", loads=loads)
+        self._steps += 1
+        meta = PagekvMetadata(epoch=self.epoch or "", loads=loads, step=self._steps)
+        if any(not load.load_async for load in loads):
+            self._sync_step = self._steps
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             st = self.requests.get(req_id)
             if st is not None:
                 st.loading = False
+            self._drop_held(lambda held, req_id=req_id: held.save.req_id == req_id)
+        self._release_held(meta)
         if self._to_save and self.ready:
             scheduled = scheduler_output.num_scheduled_tokens.get
             block, now = self.layout.block_size, time.monotonic()
@@ -294,8 +323,14 @@ class SchedulerSide:
                     if first is not None and not st.resave:  # fast path: no block filled
                         if (st.request.num_computed_tokens + n) // block <= first:
                             continue
-                    save = self._plan_save(req_id, st, n, now)
-                    if save is not None:
+                    planned = self._plan_save(req_id, st, n, now)
+                    if planned is None:
+                        continue
+                    first, save = planned
+                    if self._sync_step > self._reported:  # a load it may depend on could fail
+                        self._held.append(_Held(self._steps, first, save))
+                        self.counters["held_save_blocks"] += len(save.block_ids)
+                    else:
                         meta.saves.append(save)
             except Exception:  # a save not planned is a later miss; the loads still go out
                 log.exception("pagekv: planning this step's saves failed")
@@ -303,9 +338,10 @@ class SchedulerSide:
 
     def _plan_save(
         self, req_id: str, st: _Request, num_new: int, now: float
-    ) -> BlockTransfer | None:
+    ) -> tuple[int, BlockTransfer] | None:
         """The blocks of one request to save now: those this step fills, and the local-hit
-        blocks the lookup found missing from the store; each unless seen stored recently."""
+        blocks the lookup found missing from the store; each unless seen stored recently.
+        ``(first block index, the save)``."""
         lay, recent = self.layout, self.recent
         hashes = st.request.block_hashes
         todo: list[int] = []
@@ -341,8 +377,37 @@ class SchedulerSide:
             return None
         self.counters["planned_save_blocks"] += len(blocks)
         described = self._describe(st.request, blocks) if self.describe_saves else ()
-        return BlockTransfer(req_id, tuple(ids[i - start] for i in blocks), tuple(block_hashes),
-                             described=described)  # fmt: skip
+        return start, BlockTransfer(req_id, tuple(ids[i - start] for i in blocks),
+                                    tuple(block_hashes), described=described)  # fmt: skip
+
+    def _release_held(self, meta: PagekvMetadata) -> None:
+        """Send the held saves whose step's report is back (no load failed meanwhile)."""
+        if not self._held:
+            return
+        keep = []
+        for held in self._held:
+            if held.step <= self._reported and held.save.req_id in self.requests:
+                meta.saves.append(held.save)
+            else:
+                keep.append(held)
+        self._held = keep
+
+    def _drop_held(self, which: Callable[[_Held], bool]) -> None:
+        """Forget the held saves ``which`` picks: not taken for stored, and a running request
+        plans them again as it computes them again."""
+        keep = []
+        for held in self._held:
+            if not which(held):
+                keep.append(held)
+                continue
+            for h in held.save.block_hashes:
+                self.recent.forget(h)
+            self.counters["dropped_held_blocks"] += len(held.save.block_ids)
+            st = self.requests.get(held.save.req_id)
+            if st is not None and st.next_save is not None:
+                st.next_save = min(st.next_save, held.first)
+                self._to_save[held.save.req_id] = st
+        self._held = keep
 
     def _describe(self, request: Any, blocks: list[int]) -> tuple[SavedBlock, ...]:
         """Parent hash, tokens and LoRA of each of ``blocks`` of ``request`` (KV events)."""
@@ -355,14 +420,22 @@ class SchedulerSide:
                      for i in blocks)  # fmt: skip
 
     def on_output(
-        self, invalid_block_ids: Iterable[int] | None, failed_req_ids: Iterable[str] | None
+        self,
+        invalid_block_ids: Iterable[int] | None,
+        failed_req_ids: Iterable[str] | None,
+        step: int = 0,
     ) -> None:
-        """Workers' report: a request whose load failed gets no more external hits, the blocks
-        from its first failed one on are not known stored, and are saved once recomputed."""
+        """Workers' report after ``step`` (0: not said): a request whose load failed gets no
+        more external hits, the blocks from its first failed one on are not known stored, and
+        are saved once recomputed; every held save is dropped."""
         invalid = set(invalid_block_ids or ())
         failed = set(failed_req_ids or ())
-        if not invalid and not failed:
-            return
+        if invalid or failed:
+            self._drop_held(lambda held: True)
+            self._load_failed(invalid, failed)
+        self._reported = max(self._reported, step)
+
+    def _load_failed(self, invalid: set[int], failed: set[str]) -> None:
         for req_id, st in self.requests.items():
             if not st.loading:
                 continue
@@ -405,6 +478,8 @@ class SchedulerSide:
     def finished(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
         self._to_save.pop(req_id, None)
+        if self._held:
+            self._drop_held(lambda held: held.save.req_id == req_id)
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters, epoch=self.epoch, recent_blocks=len(self.recent))
