@@ -27,7 +27,7 @@ from pagekv.connector.vllm.epoch import EpochRecord
 from pagekv.connector.vllm.metadata import BlockTransfer, PagekvMetadata
 from pagekv.connector.vllm.namespace import EngineLayout
 from pagekv.connector.vllm.scheduler import RecentBlocks, SchedulerSide
-from pagekv.errors import ConfigError
+from pagekv.errors import ConfigError, CopyFailed
 from pagekv.store import NodeConfig, Status, StoreClient, StoreNode
 from tests.helpers import wait_until
 
@@ -638,6 +638,34 @@ def test_a_reset_cancels_the_check_on_its_way():
     loop.answer = "cd" * 8
     record.replace("ab" * 8)
     assert loop.sent[0].cancelled()
+
+
+def test_a_failed_layerwise_copy_is_a_load_error_never_an_exception(node):
+    """Layer-wise loads (CUDA) make the forward wait on each layer's copy; a copy-engine job
+    that failed raises CopyFailed there. It must reach vLLM as load errors of that load's
+    blocks (recomputed), never as an exception inside the model's forward; the other loads of
+    the step are still waited for."""
+
+    class Layers:  # the waits of a LayerLoad (CUDA only): one fails, one is fine
+        num_layers = LAYERS
+
+        def __init__(self, fails: bool) -> None:
+            self.fails, self.waited = fails, []
+
+        def wait_layer(self, layer: int) -> None:
+            if self.fails:
+                raise CopyFailed("a copy-engine transfer failed: RuntimeError('injected')")
+            self.waited.append(layer)
+
+    worker, _, _ = engine_worker(node, seed=1)
+    bad, good = Layers(fails=True), Layers(fails=False)
+    worker._layer_loads = [(bad, [5, 6]), (good, [7])]
+    name = next(iter(worker.layer_index))
+    worker.wait_for_layer(name)
+    worker.wait_for_layer(name)  # the failed load is not waited for again
+    assert worker.take_errors() == {5, 6}
+    assert good.waited == [worker.layer_index[name]] * 2
+    worker.close()
 
 
 # ---- worker ----------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from typing import Any
 
 from pagekv.connector import KeyNamespace, KVConnector
 from pagekv.connector.loop import LoopThread, RateLimitedLog
-from pagekv.errors import PagekvError
+from pagekv.errors import CopyFailed, PagekvError
 
 from .metadata import BlockTransfer, PagekvMetadata
 
@@ -139,7 +139,7 @@ class WorkerSide:
         self.layerwise = layerwise and conn.kv.device.type == "cuda"
         self._aio = LoopThread("pagekv-vllm-prefetch")
         self._async: dict[str, _AsyncLoad] = {}
-        self._layer_loads: list[Any] = []
+        self._layer_loads: list[tuple[Any, list[int]]] = []  # (LayerLoad, its block ids)
         self._errors: set[int] = set()
         self._recved: set[str] = set()
         self._warn = RateLimitedLog(log)
@@ -236,7 +236,7 @@ class WorkerSide:
             ids = list(spec.block_ids[: handle.num_pages])
             try:
                 if ids and layerwise:
-                    self._layer_loads.append(self.conn.load_async(handle, ids))
+                    self._layer_loads.append((self.conn.load_async(handle, ids), ids))
                 elif ids:
                     self.conn.load(handle, ids)
                 loaded = len(ids)
@@ -251,14 +251,24 @@ class WorkerSide:
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Make the engine's stream wait for this layer of the step's layer-wise loads (an
-        unknown layer waits for all of them)."""
+        unknown layer waits for all of them). A load whose copy failed (``CopyFailed``) is
+        not waited for again: its blocks are reported as load errors (vLLM recomputes them),
+        never an error raised into the forward."""
         index = self.layer_index.get(layer_name)
-        for layers in self._layer_loads:
-            if index is None:
-                for i in range(layers.num_layers):
+        failed = []
+        for layers, ids in self._layer_loads:
+            try:
+                for i in range(layers.num_layers) if index is None else (index,):
                     layers.wait_layer(i)
-            else:
-                layers.wait_layer(index)
+            except CopyFailed as e:
+                self._warn.warning("pagekv: a layer-wise load failed: %r", e)
+                failed.append(layers)
+                self._errors.update(ids)
+                self.counters["load_blocks"] -= len(ids)
+                self.counters["load_error_blocks"] += len(ids)
+        if failed:
+            self._layer_loads = [(load, ids) for load, ids in self._layer_loads
+                                 if not any(load is f for f in failed)]  # fmt: skip
 
     @property
     def pending_async(self) -> int:
