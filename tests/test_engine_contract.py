@@ -282,13 +282,17 @@ def test_a_stopped_node_is_backed_off_alone():
             n.stop()
 
 
-def test_unreachable_names_the_nodes_that_do_not_answer():
+@pytest.mark.parametrize("client_timeout_s", [0.5, 1.0])
+def test_unreachable_names_the_nodes_that_do_not_answer(client_timeout_s):
+    """Only the dead node is named, also when the bound is the client's own timeout (as an
+    engine calls it at start-up). Before: there, the dead node's unanswered PING took the
+    whole bound and the live node was named too."""
     live, dead = NodeProcess("--capacity", "16MiB").start(), NodeProcess().start()
     dead.stop()
     index = KVIndex(KeyNamespace("m", GEO), ClientConfig((live.address, dead.address),
-                                                        timeout_s=0.5))  # fmt: skip
+                                                        timeout_s=client_timeout_s))  # fmt: skip
     try:
-        assert index.unreachable(5.0) == [dead.address]
+        assert index.unreachable(client_timeout_s) == [dead.address]
         assert not index.connect(5.0)
     finally:
         index.close()

@@ -167,8 +167,8 @@ class KVIndex:
         endpoints = list(self.store.endpoints)
 
         async def ask() -> list[bool]:
-            try:
-                return await self.store.ping()
+            try:  # each node's answer bounded on its own: a dead one fails only itself
+                return await self.store.ping(answer_s=0.75 * timeout_s)
             except StoreError:
                 return [False] * len(endpoints)
 

@@ -121,8 +121,9 @@ class StoreBackend(abc.ABC):
         """Delete each key; True where it was stored."""
 
     @abc.abstractmethod
-    async def ping(self) -> list[bool]:
-        """Per :attr:`endpoints` entry, whether it answers now (connecting if need be)."""
+    async def ping(self, *, answer_s: float | None = None) -> list[bool]:
+        """Per :attr:`endpoints` entry, whether it answers now (connecting if need be);
+        ``answer_s``: one that has not answered within it counts as not answering."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -111,8 +111,8 @@ class StoreClient:
     def stats(self) -> list[dict | None]:
         return self._call(self._client.stats())
 
-    def ping(self) -> list[bool]:
-        return self._call(self._client.ping())
+    def ping(self, *, answer_s: float | None = None) -> list[bool]:
+        return self._call(self._client.ping(answer_s=answer_s))
 
     def close(self) -> None:
         """Close the connections and the loop (idempotent)."""

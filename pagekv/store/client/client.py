@@ -264,9 +264,11 @@ class AsyncStoreClient(StoreBackend):
             await asyncio.to_thread(raise_unavailable, self.config)
         return stats
 
-    async def ping(self) -> list[bool]:
-        """Whether each node answers a PING (its transports chosen again from it)."""
-        return [s is not None for s in await self._run(self.router.each_node(Op.PING))]
+    async def ping(self, *, answer_s: float | None = None) -> list[bool]:
+        """Whether each node answers a PING (its transports chosen again from it); a node that
+        has not answered within ``answer_s`` is treated as after a missed deadline (failed,
+        backed off), whatever the others do."""
+        return [s is not None for s in await self._run(self.router.each_node(Op.PING, answer_s))]
 
     def close(self) -> None:
         """Close every connection (calls in flight fail); the shared ZeroMQ context and copy

@@ -353,11 +353,12 @@ class Router:
             parts.append(part)
         return parts
 
-    def each_node(self, op: Op) -> OpGen:
-        """PING or STATS every node; None for a node that is unreachable or did not answer."""
+    def each_node(self, op: Op, answer_s: float | None = None) -> OpGen:
+        """PING or STATS every node; None for a node that is unreachable or did not answer
+        (within ``answer_s`` when given)."""
         usable = self.usable()
-        batch = [Call(n, Request(op, self.next_id()), [], []) for n in range(len(self.endpoints))
-                 if usable[n]]  # fmt: skip
+        batch = [Call(n, Request(op, self.next_id()), [], [], answer_s=answer_s)
+                 for n in range(len(self.endpoints)) if usable[n]]  # fmt: skip
         results = (yield batch) if batch else {}
         out: list[dict | None] = [None] * len(self.endpoints)
         for call in batch:

@@ -477,13 +477,14 @@ class MooncakeBackend(StoreBackend):
         counters (one entry: the master)."""
         return [self.counters]
 
-    async def ping(self) -> list[bool]:
+    async def ping(self, *, answer_s: float | None = None) -> list[bool]:
         handle = self._handle
         if handle is None:
             return [False]
+        bound = self.config.timeout_s if answer_s is None else min(answer_s, self.config.timeout_s)
         try:
             job = handle.lookups.submit(lambda: handle.store().health_check())
-            code = await asyncio.wait_for(asyncio.wrap_future(job), self.config.timeout_s)
+            code = await asyncio.wait_for(asyncio.wrap_future(job), bound)
         except (Busy, StoreError, asyncio.TimeoutError):
             return [False]
         if code == 0:
