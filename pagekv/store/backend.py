@@ -91,6 +91,12 @@ class StoreBackend(abc.ABC):
         """Per :attr:`endpoints` entry, whether it failed lately and is backed off."""
         return [False] * len(self.endpoints)
 
+    def home_down(self, key: bytes) -> bool:
+        """Whether the part of the store that holds ``key`` first is down (failed lately and
+        backed off): a "not found" for ``key`` then came from elsewhere and is not sure.
+        Here: any part (a backend that places keys itself says which)."""
+        return any(self.nodes_down())
+
     @abc.abstractmethod
     async def exists_many(
         self, keys: Sequence[bytes], *, answer_s: float | None = None

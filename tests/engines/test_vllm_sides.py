@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import pickle
+import signal
 import socket
 import threading
 import time
@@ -545,6 +546,64 @@ def test_an_unknown_epoch_reads_and_writes_nothing_until_the_store_answers():
         assert sched.epoch
     finally:
         node.stop()
+
+
+def test_an_outage_of_the_records_node_neither_resets_nor_splits_the_epoch(monkeypatch):
+    """Two nodes; the one holding the epoch record stops answering for a while (SIGSTOP), and
+    the other answers "not found" in its place. An engine that starts then must not write a new
+    epoch there (every running engine would adopt it as a reset, and leave it again once the
+    node is back), and a running engine's check must keep its epoch: both wait for the node,
+    for at most HOME_WAIT_S, after which the record is taken for lost. Before: the new engine
+    wrote a new epoch on the other node and the running one adopted it."""
+    from pagekv.store import ClientConfig
+    from pagekv.store.launch import start_nodes
+    from tests.helpers import sigstop
+
+    nodes = start_nodes(2, "--capacity", "64MiB")
+    lay = layout()
+
+    def engine() -> SchedulerSide:
+        index = KVIndex(
+            lay.all_namespaces(),
+            ClientConfig(tuple(n.address for n in nodes), timeout_s=0.5),
+            lookup_timeout_s=1.0,
+        )
+        sched = SchedulerSide(None, None, save=True, load_async=False)
+        sched.activate(lay, index, epochs=EpochRecord(index, lay.marker_key, 3.0))
+        return sched
+
+    def holds(node) -> bool:
+        with StoreClient([node.address]) as client:
+            return client.exists_many([lay.marker_key]).found[0]
+
+    def check(sched: SchedulerSide) -> str | None:  # a check as poll sends it, waited for
+        return sched.epochs._call(sched.epochs._establish(sched.epoch))
+
+    try:
+        running = engine()
+        epoch = running.epoch
+        (home,) = [n for n in nodes if holds(n)]
+        sigstop(home.proc.pid)
+        try:
+            started = engine()
+            assert started.epoch is None and not started.ready  # waits, writes nothing
+            assert check(running) is None and running.epoch == epoch
+            assert not holds(next(n for n in nodes if n is not home))
+        finally:
+            home.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: check(started) == epoch, timeout=30, what="the record's node")
+        sigstop(home.proc.pid)  # down again, now for longer than HOME_WAIT_S
+        try:
+            waiting = engine()
+            assert waiting.epoch is None
+            clock = time.monotonic() + epoch_module.HOME_WAIT_S + 1
+            monkeypatch.setattr(epoch_module, "time", SimpleNamespace(monotonic=lambda: clock))
+            assert check(waiting) not in (None, epoch)  # taken for lost: a new epoch, elsewhere
+        finally:
+            home.proc.send_signal(signal.SIGCONT)
+    finally:
+        for n in nodes:
+            n.stop()
 
 
 class _HeldLoop:

@@ -20,16 +20,17 @@ the key present (``Status.EXISTS``) adopts the value another engine wrote first.
   recently used in the store's LRU.
 * store unreachable when the epoch is not known (start-up): the connector reads and writes
   nothing (no lookup, no save) rather than risk an epoch a reset has retired, and asks again
-  (1 s doubling to :data:`CHECK_S`) until it knows.
+  (1 s doubling to :data:`CHECK_S`) until it knows. The record's node down counts as
+  unreachable for the record for :data:`HOME_WAIT_S`, though another node answers "not found"
+  in its place: an engine that starts then waits, running engines keep their epoch, and a
+  reset made meanwhile is used at once and recorded once the node is back.
 
 Limits: a reset whose record is lost (restart, eviction) before another running engine has
-read it can be undone by that engine writing its older epoch back; a reset made while the
-record's node is down lands on the next node, and engines reading the old node when it comes
-back follow its older record until it is reset again or evicted. Likewise an engine that
-starts while the record's node is down (with other nodes up) finds no record on the next node
-and writes a new epoch there, which running engines adopt at their next check, and leave
-again once the node is back: pages stored meanwhile are lost to the other epoch (hits, never
-wrong data).
+read it can be undone by that engine writing its older epoch back. A record whose node stays
+down past :data:`HOME_WAIT_S` is taken for lost: a new epoch (an engine's start, a reset) is
+recorded on the next node and adopted by running engines, and engines reading the old node
+when it comes back follow its older record until it is reset again or evicted (pages stored
+meanwhile are lost to the other epoch: hits, never wrong data).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ log = logging.getLogger("vllm.pagekv")
 
 CHECK_S = 30.0
 REPLACE_TRIES = 3  # DELETE + PUT rounds of a reset whose retired epoch another check restored
+HOME_WAIT_S = 60.0  # a record missing while its node is down is taken for absent after this
 _PREFIX = b"pagekv-epoch:"
 
 
@@ -74,6 +76,7 @@ class EpochRecord:
 
     def __init__(self, index: Any, key: bytes, timeout_s: float) -> None:
         self.index, self.key, self.timeout_s = index, key, timeout_s
+        self._home_down_since: float | None = None  # (on the index's loop)
         self._pending: str | None = None  # a reset's epoch not yet recorded
         self._check: concurrent.futures.Future | None = None
         self._next_check = self._last_check = 0.0
@@ -83,15 +86,27 @@ class EpochRecord:
     # ---- store operations (coroutines on the index's loop) ---------------------------------
     async def _read(self) -> str | None:
         """The recorded epoch, "" when there is none (or it is unreadable), None when the
-        store did not answer."""
+        store did not answer, or said "not found" while the record's node is down (for up to
+        :data:`HOME_WAIT_S`: the record may be there)."""
         store = self.index.store
         present = await store.exists_many([self.key])
         if present.unanswered:
             return None
         if not present.found[0]:
-            return ""
+            return None if self._home_unsure(store) else ""
         (value,) = await store.get_many([self.key])
         return _parse(value) or ""
+
+    def _home_unsure(self, store: Any) -> bool:
+        if not store.home_down(self.key):
+            self._home_down_since = None
+            return False
+        now = time.monotonic()
+        if self._home_down_since is None:
+            self._home_down_since = now
+            log.info("pagekv: the epoch record's store node is down: its epoch is not known "
+                     "until it is back (or %.0f s have passed)", HOME_WAIT_S)  # fmt: skip
+        return now - self._home_down_since < HOME_WAIT_S
 
     async def _write(self, epoch: str, replace: bool, current: str | None = None) -> str | None:
         """Record ``epoch`` (after deleting the current record when ``replace``), or adopt the

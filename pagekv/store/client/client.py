@@ -119,6 +119,10 @@ class AsyncStoreClient(StoreBackend):
         now = time.monotonic()
         return [not health.is_up(now) for health in self.router.health]
 
+    def home_down(self, key: bytes) -> bool:
+        """Whether ``key``'s first node by rendezvous hashing is backed off."""
+        return not self.router.health[self.router.ranking(key)[0]].is_up(time.monotonic())
+
     # ---- transports ------------------------------------------------------------------------
     def _choose(self, node: int, reply: Reply) -> None:
         """A node's transports, from its PING reply and this client's settings."""
