@@ -115,6 +115,8 @@ def reader(models, node, writer):
     try:
         for name in ("base_b", "short_b"):
             out[name] = b.call("generate", prompts=[PROMPTS[name]], max_tokens=8)
+        assert b.call("flush")["ok"]
+        out["stats"] = b.call("stats")
         with StoreClient([node.address]) as c:
             out["node_stats"] = c.stats()[0]
         b.call("arm_kill", pid=node.proc.pid)
@@ -161,6 +163,11 @@ def test_partly_stored_prefix_loads_the_stored_part(reader, ref):
     got = reader["short_b"]
     assert got["metrics"]["external_prefix_cache_hits"] == 2 * BLOCK
     _check("partial", got, ref["short_b"])
+    # the 4 blocks it computed past the 2 it loaded: those computed in the step of the load
+    # are held until that step's report is back (the load did not fail), then saved
+    sched, worker = reader["stats"]["scheduler"], reader["stats"]["workers"][0]
+    assert sched["held_save_blocks"] >= 1 and sched["dropped_held_blocks"] == 0
+    assert worker["save_blocks"] == 4
 
 
 def test_node_killed_between_lookup_and_load(reader, ref):
