@@ -699,6 +699,25 @@ def test_a_reset_cancels_the_check_on_its_way():
     assert loop.sent[0].cancelled()
 
 
+def test_a_hung_prefetch_loop_holds_a_step_once(node):
+    """A step's synchronous loads wait for their prefetches up to ``load_timeout_s`` plus one
+    grace second for a prefetch loop that does not answer at all: once per step, not once per
+    request (before: each load after the deadline waited a second of its own, 1 + 4 s here)."""
+    worker, _, _ = engine_worker(node, seed=1)  # load_timeout_s 1.0
+    gate = threading.Event()
+    worker._aio.call_soon(gate.wait)  # the prefetch loop hangs until the test ends
+    try:
+        loads = [BlockTransfer(f"r{i}", (i,), (bytes([i]) * 32,)) for i in range(4)]
+        start = time.monotonic()
+        worker.start_load(PagekvMetadata(loads=loads))
+        took = time.monotonic() - start
+    finally:
+        gate.set()
+    assert worker.take_errors() == {0, 1, 2, 3}  # recomputed
+    assert took < worker.load_timeout_s + 1.0 + 1.0, took
+    worker.close()
+
+
 def test_a_failed_layerwise_copy_is_a_load_error_never_an_exception(node):
     """Layer-wise loads (CUDA) make the forward wait on each layer's copy; a copy-engine job
     that failed raises CopyFailed there. It must reach vLLM as load errors of that load's

@@ -197,9 +197,10 @@ class WorkerSide:
         if sync:
             start = time.monotonic()
             deadline = start + self.load_timeout_s
+            grace = deadline + 1.0  # once per step: a prefetch loop that does not answer
             futures = [self._start_prefetch(s, meta.epoch, deadline) for s in sync]
             for spec, future in zip(sync, futures):
-                wait_s = max(0.0, deadline - time.monotonic()) + 1.0
+                wait_s = max(0.0, grace - time.monotonic())
                 self._load(spec, self._collect(future, wait_s), layerwise=self.layerwise)
             self.counters["load_seconds"] += time.monotonic() - start
         self._collect_async(time.monotonic())
