@@ -22,6 +22,7 @@ from pagekv.store.client.blocking import StoreClient
 from pagekv.store.config import ClientConfig
 from pagekv.store.mooncake import MooncakeConfig, values
 from pagekv.store.wire.protocol import Status
+from tests.helpers import wait_until
 
 from .mooncake_fixture import mooncake_cluster
 
@@ -226,3 +227,145 @@ def test_a_stopped_master_makes_lookups_bounded_misses(cluster):
 
 async def _exists_within(backend, keys, answer_s, limit_s):
     return await asyncio.wait_for(backend.exists_many(keys, answer_s=answer_s), limit_s)
+
+
+def test_mooncakes_tcp_timeouts_never_outlive_its_transfer_wait():
+    """Mooncake stops waiting for a transfer after 60 s while its TCP session may still write
+    into the buffer: the progress and status timeouts are set from ``timeout_s`` but never
+    above 25 s, a higher value already in the environment lowered (before: ``timeout_s`` 90
+    let a get return while its session still wrote into the pool)."""
+    from pagekv.store.mooncake.handle import TCP_STALL_MAX_S, mooncake_timeouts
+
+    tcp = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
+    assert mooncake_timeouts(2.0, {}) == {"MC_RPC_TIMEOUT_MS": "2000", **dict.fromkeys(tcp, "2")}
+    assert mooncake_timeouts(90.0, {}) == {"MC_RPC_TIMEOUT_MS": "90000",
+                                           **dict.fromkeys(tcp, str(TCP_STALL_MAX_S))}  # fmt: skip
+    preset = {"MC_RPC_TIMEOUT_MS": "500", tcp[0]: "120", tcp[1]: "3"}
+    assert mooncake_timeouts(2.0, preset) == {tcp[0]: "2"}  # lower presets are kept
+    assert 2 * TCP_STALL_MAX_S < 60
+
+
+def test_a_queued_part_cancelled_gives_its_trailer_slots_back(cluster):
+    """Gets whose parts wait in the data pool behind a stalled one are cancelled: their parts
+    never run, and their trailer slots must come back (before: they leaked, 4096 a call, until
+    every get and put of the healthy store was refused)."""
+    backend = open_backend(cluster.address + "&workers=1")
+    pool = Pool(backend, 4)
+    keys, data = random_pages(2)
+    pool.page(0)[:] = data[0]
+    pool.page(1)[:] = data[1]
+
+    async def main() -> list[bool]:
+        assert await backend.put_many(keys, [pool.page(0), pool.page(1)]) == [Status.OK] * 2
+        cluster.pause_store(0)
+        try:
+            stalled = asyncio.ensure_future(backend.get_many(keys[:1], [pool.page(2)]))
+            await asyncio.sleep(0)  # (a yield: its part is submitted, its thread stalls)
+            for n in (4096, 4096, 4096, 4095):  # all the slots but the stalled get's one
+                absent = [os.urandom(16) for _ in range(n)]
+                into = [bytearray(16) for _ in absent]
+                queued = asyncio.ensure_future(backend.get_many(absent, into))
+                await asyncio.sleep(0)  # its part submitted, queued behind the stalled one
+                queued.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await queued
+        finally:
+            cluster.resume_store(0)
+        await stalled
+        return await backend.get_many(keys, [pool.page(2), pool.page(3)])  # two slots
+
+    try:
+        assert asyncio.run(main()) == [True, True]
+        assert [bytes(pool.page(2)), bytes(pool.page(3))] == data
+    finally:
+        backend.close()
+
+
+def test_close_with_calls_in_flight_gives_misses_never_errors(cluster):
+    """``close()`` while one get's first part stalls in Mooncake and another get waits in the
+    pool: both return (the stalled part's answer, misses for the rest), neither raises; a call
+    after close is a miss (before: RuntimeError from the shut-down pool, and CancelledError
+    from a queued part the pool cancelled, the caller's task never cancelled)."""
+    backend = open_backend(cluster.address + f"&workers=1&max_call_bytes={PAGE}")
+    pool = Pool(backend, 8)
+    keys, data = random_pages(4)
+    for i, d in enumerate(data):
+        pool.page(i)[:] = d
+
+    async def main():
+        assert await backend.put_many(keys, [pool.page(i) for i in range(4)]) == [Status.OK] * 4
+        pool.mem[4 * PAGE :] = POISON
+        cluster.pause_store(0)
+        try:
+            first = asyncio.ensure_future(
+                backend.get_many(keys[:3], [pool.page(4 + i) for i in range(3)])
+            )
+            await asyncio.sleep(0)  # its first part stalls on the only data thread
+            queued = asyncio.ensure_future(backend.get_many(keys[3:], [pool.page(7)]))
+            await asyncio.sleep(0)  # its part waits in the pool
+            backend.close()
+        finally:
+            cluster.resume_store(0)
+        return await first, await queued, await backend.get_many(keys[:1], [pool.page(4)])
+
+    first, queued, after = asyncio.run(main())
+    assert first[1:] == [False, False] and queued == [False] and after == [False]
+    assert all(bytes(pool.page(4 + i)) == data[i] for i in range(3) if first[i])
+
+
+def test_ping_asks_the_master_now(cluster):
+    """Mooncake's health_check() reads the last result of its own background ping; ``ping``
+    makes a round trip: a stopped master does not answer (before: [True] for seconds)."""
+    with StoreClient(cluster.address) as client:
+        assert client.ping() == [True]
+        cluster.pause_master()
+        try:
+            assert client.ping(answer_s=0.5) == [False]
+        finally:
+            cluster.resume_master()
+
+
+def test_a_put_racing_an_unfinished_put_of_its_key_is_not_ok(cluster):
+    """Mooncake answers 0 to a put of a key whose first put is still in flight, and the first
+    may then fail: the second put must not report the value stored unless a read finds it
+    (before: OK, and nothing was ever stored)."""
+    import sys
+
+    backend = open_backend(cluster.address)
+    pool = Pool(backend, 4)
+    key = os.urandom(16)
+    pool.page(0)[:] = os.urandom(PAGE)
+    pool.page(1)[:] = os.urandom(PAGE)
+
+    def first_put_in_mooncake() -> bool:
+        return any(f.f_code.co_name == "_put_direct" for f in sys._current_frames().values())
+
+    async def main():
+        cluster.pause_store(0)
+        try:
+            first = asyncio.ensure_future(backend.put_many([key], [pool.page(0)]))
+            await asyncio.sleep(0)
+            await asyncio.to_thread(wait_until, first_put_in_mooncake, 10, "the first put")
+            second = await backend.put_many([key], [pool.page(1)])
+        finally:
+            cluster.resume_store(0)
+        await first
+        return second, await backend.get_many([key], [pool.page(2)])
+
+    try:
+        second, got = asyncio.run(main())
+        if second[0] in (Status.OK, Status.EXISTS):
+            assert got == [True]
+    finally:
+        backend.close()
+
+
+def test_unregistered_puts_larger_than_the_local_buffer(cluster):
+    """Mooncake stages a copying put whole in its ``local_buffer`` (16 MiB): a put of 300
+    unregistered 64 KiB values (19 MiB) is put in groups that fit, all stored; a single value
+    that cannot fit is UNAVAILABLE, never an exception (before: all 300 UNAVAILABLE)."""
+    with StoreClient(cluster.address) as client:
+        keys, data = random_pages(300)
+        assert client.put_many(keys, data) == [Status.OK] * 300
+        assert client.get_many(keys[::37]) == data[::37]
+        assert client.put_many([os.urandom(16)], [os.urandom(20 << 20)]) == [Status.UNAVAILABLE]

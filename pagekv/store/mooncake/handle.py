@@ -13,7 +13,16 @@ ends (the GIL is released meanwhile). Measured on loopback, TCP protocol (2 core
   ``MC_RPC_TIMEOUT_MS`` (default 30 s), then -901. A store process that is stopped: a get of
   its objects hangs ``MC_TCP_PROGRESS_TIMEOUT_SEC``/``MC_TCP_STATUS_TIMEOUT_SEC`` (30 s each,
   60 s seen), then -800; killed: -704 (not found) at once. With those three set from
-  ``timeout_s`` (here, unless already set) the hangs are ~``timeout_s`` and ~2x it.
+  ``timeout_s`` (:func:`mooncake_timeouts`) the hangs are ~``timeout_s`` and ~2x it. Mooncake
+  stops waiting for a transfer after 60 s while its TCP session may still run: the TCP
+  timeouts are never set above 25 s, so no session outlives the call that owns its buffer.
+* ``setup`` holds the GIL: against a master that accepts connections but does not answer
+  (stopped) it retries 20 times ``MC_RPC_TIMEOUT_MS`` apart, and every Python thread of the
+  process, event loops included, stands still meanwhile (~40 s at ``timeout_s`` 2): a limit
+  of Mooncake's binding, not of these bounds. A killed master fails it at once.
+* ``health_check()`` reads the result of Mooncake's own background ping (no round trip); a
+  put of a key whose first put is still in flight returns 0 though nothing may be stored; a
+  copying put stages the whole call in ``local_buffer`` (-600 past it).
 * put of a present key returns 0 and keeps the first value (write-once; ``upsert`` would
   overwrite); a key read within the master's ``--default_kv_lease_ttl`` (10 s) cannot be
   removed without ``force`` (-706); a full store refuses puts (-200) until it evicts.
@@ -44,7 +53,7 @@ from pagekv.errors import ConfigError, StoreError
 from .config import MooncakeConfig
 from .values import TRAILER_BYTES
 
-__all__ = ["MooncakeHandle", "Pool", "shared_handle"]
+__all__ = ["MooncakeHandle", "Pool", "mooncake_timeouts", "shared_handle"]
 
 log = logging.getLogger("pagekv.store.mooncake")
 T = TypeVar("T")
@@ -52,6 +61,9 @@ T = TypeVar("T")
 MAX_CALL_KEYS = 4096  # keys of one Mooncake call
 MASTER_ERRORS = range(-999, -899)  # RPC_FAIL (-900), RPC_TIMEOUT (-901), ...
 QUEUE_PER_WORKER = 4  # a pool refuses work beyond workers * this
+# Mooncake (0.3.13) waits at most 60 s for a transfer, its TCP session up to the progress plus
+# the status timeout: each at most this, so a session never outlives the call that owns its buffer
+TCP_STALL_MAX_S = 25
 
 
 class Busy(StoreError):
@@ -74,6 +86,9 @@ class Pool:
             self.pending += 1
         try:
             future = self._executor.submit(fn, *args)
+        except RuntimeError as e:  # shut down (the client closed): a miss like a full queue
+            self._done(None)
+            raise Busy(f"the Mooncake client is closed: {e}") from None
         except BaseException:
             self._done(None)
             raise
@@ -85,6 +100,8 @@ class Pool:
             self.pending -= 1
 
     def shutdown(self) -> None:
+        """Stop taking work; calls queued and not started are cancelled (their callers'
+        keys are misses)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
@@ -131,6 +148,7 @@ class MooncakeHandle:
         self.trailers = TrailerSlots(MAX_CALL_KEYS * config.workers * QUEUE_PER_WORKER)
         self._down_until = 0.0
         self._backoff = 0.0
+        self._backoff_lock = threading.Lock()  # never the set-up's lock: failed() runs on loops
         self.refs = 0
         self.counters: dict[str, int] = dict.fromkeys(
             ("setups", "setup_failures", "master_failures", "calls_refused_down",
@@ -166,12 +184,7 @@ class MooncakeHandle:
 
     def _setup(self) -> Any:
         cfg = self.config
-        timeout_ms = max(100, int(cfg.timeout_s * 1000))
-        stall_s = max(1, round(cfg.timeout_s))
-        for name, value in (("MC_RPC_TIMEOUT_MS", timeout_ms),
-                            ("MC_TCP_PROGRESS_TIMEOUT_SEC", stall_s),
-                            ("MC_TCP_STATUS_TIMEOUT_SEC", stall_s)):  # fmt: skip
-            os.environ.setdefault(name, str(value))
+        os.environ.update(mooncake_timeouts(cfg.timeout_s, os.environ))
         module = import_mooncake()
         store = module.MooncakeDistributedStore()
         hostname = cfg.hostname or local_address(cfg.master)
@@ -221,7 +234,7 @@ class MooncakeHandle:
     def failed(self) -> None:
         """The master failed a call (or a lookup passed its bound): back off."""
         now = time.monotonic()
-        with self._lock:
+        with self._backoff_lock:
             self.counters["master_failures"] += 1
             if now >= self._down_until:  # a new failure: double
                 self._backoff = min(self.config.backoff_max_s,
@@ -249,6 +262,26 @@ class MooncakeHandle:
             self._store = None
         if store is not None:
             _close_quietly(store)
+
+
+def mooncake_timeouts(timeout_s: float, environ: Any) -> dict[str, str]:
+    """The environment Mooncake's client reads its timeouts from, for ``timeout_s``: the RPC
+    timeout unless already set; the TCP progress and status timeouts ``timeout_s`` (at least
+    1 s) unless set lower, never above :data:`TCP_STALL_MAX_S` (a higher preset value is
+    lowered, with a warning)."""
+    out = {} if "MC_RPC_TIMEOUT_MS" in environ else {
+        "MC_RPC_TIMEOUT_MS": str(max(100, int(timeout_s * 1000)))}  # fmt: skip
+    stall_s = min(max(1, round(timeout_s)), TCP_STALL_MAX_S)
+    for name in ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC"):
+        preset = environ.get(name)
+        if preset is not None and preset.isdigit() and 0 < int(preset) <= TCP_STALL_MAX_S:
+            continue
+        if preset is not None:
+            log.warning("pagekv: %s=%s lowered to %d s: Mooncake stops waiting for a transfer "
+                        "after 60 s, and a TCP session still running then could write into a "
+                        "buffer its call has given back", name, preset, stall_s)  # fmt: skip
+        out[name] = str(stall_s)
+    return out
 
 
 def import_mooncake() -> Any:
