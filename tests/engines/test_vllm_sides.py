@@ -8,6 +8,7 @@ Tests that fail on f1eb0b9 say so (the reason in their docstring)."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import hashlib
 import pickle
@@ -604,6 +605,64 @@ def test_an_outage_of_the_records_node_neither_resets_nor_splits_the_epoch(monke
     finally:
         for n in nodes:
             n.stop()
+
+
+class _TwoNodes:
+    """The record's two nodes, in memory: while its home node is down, the other answers."""
+
+    def __init__(self) -> None:
+        self.home, self.other, self.home_is_down = {}, {}, False
+
+    def _node(self) -> dict:
+        return self.other if self.home_is_down else self.home
+
+    def home_down(self, key: bytes) -> bool:
+        return self.home_is_down
+
+    async def exists_many(self, keys):
+        from pagekv.store.client.routing import ExistsResult
+
+        return ExistsResult([k in self._node() for k in keys])
+
+    async def get_many(self, keys):
+        return [self._node().get(k) for k in keys]
+
+    async def put_many(self, keys, values):
+        node, out = self._node(), []
+        for k, v in zip(keys, values):
+            out.append(Status.EXISTS if k in node else Status.OK)
+            node.setdefault(k, v)
+        return out
+
+    async def delete_many(self, keys):
+        return [self._node().pop(k, None) is not None for k in keys]
+
+
+def test_each_outage_of_the_records_node_is_waited_for(monkeypatch):
+    """The wait for a record whose node is down counts from that outage: a node that came back
+    (its record read again) and goes down hours later is waited for again, and a reset made
+    meanwhile stays pending, not written on the other node. Before: the clock of the first
+    outage was never reset, so the second was taken for a lost record at once and the reset,
+    recorded on the other node, was undone when the home node came back."""
+    clock = [1000.0]
+    monkeypatch.setattr(epoch_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    loop = SimpleNamespace(call=lambda coro, timeout_s: asyncio.run(coro))
+    store = _TwoNodes()
+    record = EpochRecord(SimpleNamespace(loop=loop, store=store), b"record", timeout_s=1.0)
+    epoch = record.establish()
+    assert epoch and store.home
+    for _outage in range(2):  # each waited for, whatever came before
+        store.home_is_down = True
+        assert record._call(record._establish(epoch)) is None  # waited for
+        clock[0] += 10
+        store.home_is_down = False
+        assert record._call(record._establish(epoch)) == epoch
+        clock[0] += 3600
+    store.home_is_down = True
+    new, recorded = record.replace(epoch)
+    assert not recorded and store.other == {}  # pending until the home node is back
+    store.home_is_down = False
+    assert record._call(record._write(new, replace=True)) == new  # as the next poll sends it
 
 
 class _HeldLoop:

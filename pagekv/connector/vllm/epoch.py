@@ -92,8 +92,9 @@ class EpochRecord:
         present = await store.exists_many([self.key])
         if present.unanswered:
             return None
+        unsure = self._home_unsure(store)  # (every answered read keeps the outage's clock)
         if not present.found[0]:
-            return None if self._home_unsure(store) else ""
+            return None if unsure else ""
         (value,) = await store.get_many([self.key])
         return _parse(value) or ""
 
