@@ -101,7 +101,7 @@ class Engine:
     def __init__(self, sched: SchedulerSide) -> None:
         self.sched, self.blocks = sched, {}
         self.next_block = 100
-        self.last_step: int | None = None  # the step run whose workers' report is not back
+        self.unreported: list[int] = []  # steps run whose workers' report is not back
         sched.block_ids_of = lambda rid, a, b: self.blocks[rid][a:b]
 
     def admit(self, req: Req, local_tokens: int = 0) -> int:
@@ -114,22 +114,24 @@ class Engine:
         req.num_computed_tokens = local_tokens + hit
         return hit
 
-    def run(self, scheduled: dict[Req, int], preempted=()) -> PagekvMetadata:
-        """One step; the last step's report (no failure, unless :meth:`report` gave one) comes
-        back first, as with vLLM's synchronous scheduling."""
-        self.report()
+    def run(self, scheduled: dict[Req, int], preempted=(), report_first=True) -> PagekvMetadata:
+        """One step; the reports of the steps run before (no failure, unless :meth:`report`
+        gave one) come back first, as with vLLM's synchronous scheduling (``report_first``
+        False: not yet, as with its asynchronous scheduling)."""
+        while report_first and self.unreported:
+            self.report()
         meta = self.sched.build_meta(step({r.request_id: n for r, n in scheduled.items()},
                                           preempted))  # fmt: skip
-        self.last_step = meta.step
+        self.unreported.append(meta.step)
         for req, n in scheduled.items():  # vLLM advances after building the metadata
             req.num_computed_tokens += n
         return meta
 
     def report(self, invalid=(), failed=()) -> None:
-        """The workers' report of the last step run (what update_connector_output passes)."""
-        if self.last_step is not None:
-            self.sched.on_output(set(invalid), set(failed), self.last_step)
-            self.last_step = None
+        """The workers' report of the oldest step run and not reported (what vLLM's
+        update_connector_output passes on, after truncating what it recomputes)."""
+        if self.unreported:
+            self.sched.on_output(set(invalid), set(failed), self.unreported.pop(0))
 
     def prefill(self, req: Req) -> PagekvMetadata:
         return self.run({req: req.num_tokens - req.num_computed_tokens})
@@ -286,9 +288,39 @@ def test_a_failed_load_never_marks_its_blocks_stored(endpoint):
     assert eng.admit(req) == 4 * BLOCK
     meta = eng.run({req: 2 * BLOCK})
     assert meta.loads[0].block_ids == (100, 101, 102, 103) and saved_blocks(meta) == []
-    eng.report({102})  # blocks 2-3 did not load: vLLM recomputes them
-    req.num_computed_tokens = 2 * BLOCK  # as vLLM truncates it
+    req.num_computed_tokens = 2 * BLOCK  # blocks 2-3 did not load: vLLM truncates, then
+    eng.report({102})  # hands the connector the report
     assert saved_blocks(eng.run({req: 4 * BLOCK})) == [102, 103, 104, 105]
+
+
+def test_only_saves_over_an_unconfirmed_load_wait_and_a_failed_shared_block_is_never_saved(
+    endpoint,
+):
+    """vLLM's asynchronous scheduling: B loads blocks 0-2 in step s; in step s+1, before s's
+    report, A (sharing B's first 3 blocks from vLLM's prefix cache) and C (unrelated) compute
+    blocks. C's save goes out at once; A's and B's wait. Block 1 of the load failed: vLLM
+    recomputes B but not A (it leaves a shared failed block to the request that loads it), so
+    A never saves again; B saves its blocks once recomputed. Before: every save waited, and A's
+    blocks computed over the failed block were stored at its next step."""
+    lay = layout()
+    eng = Engine(scheduler(endpoint, lay))
+    b = Req("b", list(range(5 * BLOCK + 3)))
+    a = Req("a", b.tokens[: 3 * BLOCK] + list(range(1000, 1000 + 2 * BLOCK + 3)))
+    c = Req("c", list(range(2000, 2000 + 2 * BLOCK + 3)))
+    store_pages(endpoint, lay.namespace(0, 0), b.block_hashes[:3])
+    assert eng.admit(b) == 3 * BLOCK
+    assert eng.run({b: 2 * BLOCK + 3}).saves == []  # step s: loads 0-2, computes 3-4 (held)
+    assert eng.admit(a, local_tokens=3 * BLOCK) == 0 and eng.admit(c) == 0
+    eng.blocks["a"][:3] = eng.blocks["b"][:3]  # vLLM's prefix cache: the same blocks
+    meta = eng.run({a: 2 * BLOCK + 3, c: 2 * BLOCK + 3}, report_first=False)  # step s+1
+    assert [s.req_id for s in meta.saves] == ["c"]  # not over the load: at once
+    b.num_computed_tokens = BLOCK  # vLLM truncates B to its first failed block (not A)
+    eng.report({eng.blocks["b"][1]})  # step s: block 1 did not load
+    eng.report()  # step s+1
+    assert eng.sched.counters["dropped_held_blocks"] == 4
+    later = [eng.run({a: 1, b: 4 * BLOCK + 3}), eng.run({a: 1, b: 1})]
+    assert [s.req_id for m in later for s in m.saves] == ["b"]
+    assert saved_blocks(later[0]) == eng.blocks["b"][1:5]
 
 
 def forward(views, block_ids, first: int, stop: int) -> None:
@@ -326,8 +358,8 @@ def test_blocks_computed_over_a_failed_load_are_never_stored(node):
     forward(views, ids, 4, 6)  # the step's forward, over the failed blocks
     worker.save(meta)
     worker.conn.flush_sync(timeout=10)
+    req.num_computed_tokens = 2 * BLOCK  # vLLM truncates to block 2, then reports
     eng.report(errors)
-    req.num_computed_tokens = 2 * BLOCK  # vLLM recomputes from block 2
     forward(views, ids, 2, 6)
     again = eng.run({req: 4 * BLOCK})
     assert saved_blocks(again) == ids[2:6]

@@ -18,14 +18,17 @@ Rules (see vLLM's ``KVConnectorBase_V1``):
   comes with the step after the write-back ended, so the lookup of a request scheduled before
   it still skips the block); a block loaded from the store is known stored, unless its load
   failed;
-* a block computed while a synchronous load is unconfirmed is not saved yet: vLLM runs the
+* a block computed over a synchronous load not yet confirmed is not saved yet: vLLM runs the
   forward of a step whose load failed, and of the steps it scheduled before it learnt of the
-  failure, over the failed blocks, and a block stored is never replaced. Such saves are held
-  (:class:`_Held`) until the workers' report of the step that planned them is back (a step
-  later; two with vLLM's asynchronous scheduling) and then sent, as the request still holds the
-  blocks; a reported load failure drops every held save (those blocks are planned again as they
-  are computed again), as do the request's preemption and end (the lookup's re-save covers
-  those blocks later).
+  failure, over the failed blocks, and a block stored is never replaced. A save whose
+  request's blocks up to it include a block such a load writes (its own load, or a block of
+  another request's load it shares from vLLM's prefix cache) is held (:class:`_Held`) until the
+  workers' report of the step that planned it is back (a step later; two with vLLM's
+  asynchronous scheduling), then sent, as the request still holds the blocks. A reported
+  failure drops the held saves over a failed block: planned again once vLLM recomputes them,
+  never if it does not (a request that shares a failed block vLLM leaves to another: that
+  request saves nothing more). The request's preemption or end drops its held saves (the
+  lookup's re-save covers those blocks later).
 
 Per step the cost is proportional to the requests that still have blocks to save (prefills,
 and every running request only with ``save_decode``) and to the blocks saved, never to a
@@ -100,6 +103,7 @@ class _Request:
     load_ids: tuple[int, ...] = ()
     loading: bool = False  # a load whose failure may still be reported
     no_external: bool = False
+    tainted: bool = False  # computed over a failed block vLLM does not recompute: never saved
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,8 @@ class SchedulerSide:
         )  # fmt: skip
         self._steps = 0  # steps built (PagekvMetadata.step)
         self._reported = 0  # the last step whose workers' report came back
-        self._sync_step = 0  # the last step that carries a synchronous load
+        self._unconfirmed: list[tuple[int, frozenset[int]]] = []  # (step, block ids its sync
+        # loads write), until the step's report is back
         self._held: list[_Held] = []
         self.layout: EngineLayout | None = None
         self.index: KVIndex | None = None
@@ -306,8 +311,9 @@ class SchedulerSide:
                 log.exception("pagekv: checking the epoch record failed")
         self._steps += 1
         meta = PagekvMetadata(epoch=self.epoch or "", loads=loads, step=self._steps)
-        if any(not load.load_async for load in loads):
-            self._sync_step = self._steps
+        written = frozenset(b for load in loads if not load.load_async for b in load.block_ids)
+        if written:
+            self._unconfirmed.append((self._steps, written))
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             st = self.requests.get(req_id)
             if st is not None:
@@ -315,6 +321,7 @@ class SchedulerSide:
             self._drop_held(lambda held, req_id=req_id: held.save.req_id == req_id)
         self._release_held(meta)
         if self._to_save and self.ready:
+            unconfirmed = frozenset().union(*(ids for _, ids in self._unconfirmed))
             scheduled = scheduler_output.num_scheduled_tokens.get
             block, now = self.layout.block_size, time.monotonic()
             try:
@@ -327,7 +334,7 @@ class SchedulerSide:
                     if planned is None:
                         continue
                     first, save = planned
-                    if self._sync_step > self._reported:  # a load it may depend on could fail
+                    if unconfirmed and self._over(req_id, first, save, unconfirmed):
                         self._held.append(_Held(self._steps, first, save))
                         self.counters["held_save_blocks"] += len(save.block_ids)
                     else:
@@ -342,6 +349,9 @@ class SchedulerSide:
         """The blocks of one request to save now: those this step fills, and the local-hit
         blocks the lookup found missing from the store; each unless seen stored recently.
         ``(first block index, the save)``."""
+        if st.tainted:
+            self._to_save.pop(req_id, None)
+            return None
         lay, recent = self.layout, self.recent
         hashes = st.request.block_hashes
         todo: list[int] = []
@@ -379,6 +389,14 @@ class SchedulerSide:
         described = self._describe(st.request, blocks) if self.describe_saves else ()
         return start, BlockTransfer(req_id, tuple(ids[i - start] for i in blocks),
                                     tuple(block_hashes), described=described)  # fmt: skip
+
+    def _over(self, req_id: str, first: int, save: BlockTransfer, blocks: Collection[int]) -> bool:
+        """Whether ``save`` (from block index ``first`` of its request) or the request's blocks
+        before it include any of ``blocks`` (vLLM block ids)."""
+        ids = set(save.block_ids)
+        if first and self.block_ids_of is not None:
+            ids.update(self.block_ids_of(req_id, 0, first))
+        return not ids.isdisjoint(blocks)
 
     def _release_held(self, meta: PagekvMetadata) -> None:
         """Send the held saves whose step's report is back (no load failed meanwhile)."""
@@ -431,9 +449,28 @@ class SchedulerSide:
         invalid = set(invalid_block_ids or ())
         failed = set(failed_req_ids or ())
         if invalid or failed:
-            self._drop_held(lambda held: True)
+            self._drop_failed_held(invalid, failed)
             self._load_failed(invalid, failed)
         self._reported = max(self._reported, step)
+        self._unconfirmed = [(s, ids) for s, ids in self._unconfirmed if s > self._reported]
+
+    def _drop_failed_held(self, invalid: set[int], failed: set[str]) -> None:
+        """Drop the held saves over a failed block (called after vLLM truncated the requests
+        it recomputes); the others stay held."""
+        over = [
+            h
+            for h in self._held
+            if h.save.req_id in failed or self._over(h.save.req_id, h.first, h.save, invalid)
+        ]
+        if not over:
+            return
+        block = self.layout.block_size
+        self._drop_held(lambda held: any(held is h for h in over))
+        for held in over:
+            st = self.requests.get(held.save.req_id)
+            if st is not None and st.request.num_computed_tokens > held.first * block:
+                st.tainted = True  # vLLM keeps what it computed over the failed block
+                self._to_save.pop(held.save.req_id, None)
 
     def _load_failed(self, invalid: set[int], failed: set[str]) -> None:
         for req_id, st in self.requests.items():
