@@ -65,8 +65,10 @@ _MAMBA = "mamba"  # SGLang's PoolName.MAMBA: state sharded over TP ranks even in
 
 
 def _is_logical(pool: Any) -> bool:
-    """A logical KV anchor: SGLang's slots of a hybrid stack, with no KV buffer of its own."""
-    return getattr(pool, "kv_buffer", True) is None
+    """A logical KV anchor: SGLang's slots of a hybrid stack, no KV buffer and no bytes per
+    token (a pool without its buffer but with bytes per token, e.g. an MLA pool in SGLang's
+    allocator-only "dummy" mode, is not one: it stores nothing, and turns the tier off)."""
+    return getattr(pool, "kv_buffer", True) is None and not getattr(pool, "size_per_token", 0)
 
 
 @dataclass(frozen=True)
