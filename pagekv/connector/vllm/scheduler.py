@@ -399,7 +399,8 @@ class SchedulerSide:
         return not ids.isdisjoint(blocks)
 
     def _release_held(self, meta: PagekvMetadata) -> None:
-        """Send the held saves whose step's report is back (no load failed meanwhile)."""
+        """Send the held saves whose step's report is back (those over a failed block were
+        dropped when it came)."""
         if not self._held:
             return
         keep = []
@@ -445,7 +446,7 @@ class SchedulerSide:
     ) -> None:
         """Workers' report after ``step`` (0: not said): a request whose load failed gets no
         more external hits, the blocks from its first failed one on are not known stored, and
-        are saved once recomputed; every held save is dropped."""
+        are saved once recomputed; the held saves over a failed block are dropped."""
         invalid = set(invalid_block_ids or ())
         failed = set(failed_req_ids or ())
         if invalid or failed:
