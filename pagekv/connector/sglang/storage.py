@@ -101,7 +101,6 @@ class PagekvStorage(HiCacheStorage):
         self._clients = ThreadClients(self.config.client_config())
         self._stats = BackendStats()
         self._errors = _ErrorLog()
-        self._logical_kv = False  # the KV anchor holds no bytes (see register_mem_pool_host)
         extra = storage_config.extra_config or {}
         if not extra.get("interface_v1"):
             log.info('pagekv: "interface_v1": 1 is not set; SGLang will copy pages (legacy path)')
@@ -113,9 +112,13 @@ class PagekvStorage(HiCacheStorage):
         every page done, and its side pools, registered through
         :meth:`register_mem_host_pool_v2` and moved by the v2 calls, decide every hit."""
         super().register_mem_pool_host(mem_pool_host)
-        self._logical_kv = _is_logical(mem_pool_host)
         if not self._logical_kv:
             self._adopt(KV_POOL, mem_pool_host)
+
+    @property
+    def _logical_kv(self) -> bool:
+        """The registered KV anchor is logical (see :meth:`register_mem_pool_host`)."""
+        return _is_logical(self.mem_pool_host)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Adopt one pool of the model's stack (the KV anchor comes again as ``kv``)."""
@@ -149,13 +152,17 @@ class PagekvStorage(HiCacheStorage):
             return
         self._pools = {**self._pools, name: stored}
 
+    def _rank0_writes(self, name: str) -> bool:
+        """SGLang writes an MLA model's pools from TP rank 0 only, but Mamba state from every
+        rank (its controller's ``should_backup``)."""
+        return bool(self.storage_config.is_mla_model) and name != _MAMBA
+
     def _check_writers(self, name: str, fmt: PageFormat) -> None:
-        """SGLang writes an MLA model's pools from TP rank 0 only (Mamba state from every
-        rank), so a pool whose pages differ per rank (an MHA draft of an MLA model) would
-        never be found by the other ranks, and SGLang takes the smallest hit of all ranks.
-        Raises ConfigError for such a pool."""
+        """A pool that rank 0 alone writes but whose pages differ per rank (an MHA draft of an
+        MLA model) would never be found by the other ranks, and SGLang takes the smallest hit
+        of all ranks. Raises ConfigError for such a pool."""
         sc = self.storage_config
-        if sc.is_mla_model and sc.tp_size > 1 and name != _MAMBA and fmt.kind == "mha":
+        if self._rank0_writes(name) and sc.tp_size > 1 and fmt.kind == "mha":
             raise ConfigError(
                 f"pagekv: SGLang host pool {name} ({fmt.label}) holds pages that differ per "
                 f"TP rank, but SGLang writes this MLA model's pools from rank 0 only: ranks "
@@ -175,7 +182,7 @@ class PagekvStorage(HiCacheStorage):
             parts.append(("cp", f"{sc.attn_cp_rank}/{sc.attn_cp_size}"))
         if epoch:
             parts.append(("epoch", str(epoch)))
-        shared = bool(sc.is_mla_model) and name != _MAMBA and fmt.kind != "mha"
+        shared = self._rank0_writes(name) and fmt.kind != "mha"
         return KeyNamespace(
             self.config.model_id, fmt.geometry, sc.tp_rank, sc.tp_size,
             pp_rank=sc.pp_rank, pp_size=sc.pp_size, layout=fmt.label,

@@ -108,8 +108,8 @@ class _Request:
 
 @dataclass(frozen=True)
 class _Held:
-    """A save planned in ``step`` while a synchronous load was unconfirmed; ``first``: the
-    request's first block index in it."""
+    """A save planned in ``step`` over a block an unconfirmed synchronous load writes;
+    ``first``: the request's first block index in it."""
 
     step: int
     first: int
@@ -411,14 +411,15 @@ class SchedulerSide:
                 keep.append(held)
         self._held = keep
 
-    def _drop_held(self, which: Callable[[_Held], bool]) -> None:
-        """Forget the held saves ``which`` picks: not taken for stored, and a running request
-        plans them again as it computes them again."""
-        keep = []
+    def _drop_held(self, which: Callable[[_Held], bool]) -> list[_Held]:
+        """Forget the held saves ``which`` picks (returned): not taken for stored, and a
+        running request plans them again as it computes them again."""
+        keep, dropped = [], []
         for held in self._held:
             if not which(held):
                 keep.append(held)
                 continue
+            dropped.append(held)
             for h in held.save.block_hashes:
                 self.recent.forget(h)
             self.counters["dropped_held_blocks"] += len(held.save.block_ids)
@@ -427,6 +428,7 @@ class SchedulerSide:
                 st.next_save = min(st.next_save, held.first)
                 self._to_save[held.save.req_id] = st
         self._held = keep
+        return dropped
 
     def _describe(self, request: Any, blocks: list[int]) -> tuple[SavedBlock, ...]:
         """Parent hash, tokens and LoRA of each of ``blocks`` of ``request`` (KV events)."""
@@ -458,15 +460,10 @@ class SchedulerSide:
     def _drop_failed_held(self, invalid: set[int], failed: set[str]) -> None:
         """Drop the held saves over a failed block (called after vLLM truncated the requests
         it recomputes); the others stay held."""
-        over = [
-            h
-            for h in self._held
-            if h.save.req_id in failed or self._over(h.save.req_id, h.first, h.save, invalid)
-        ]
-        if not over:
-            return
         block = self.layout.block_size
-        self._drop_held(lambda held: any(held is h for h in over))
+        over = self._drop_held(
+            lambda h: h.save.req_id in failed or self._over(h.save.req_id, h.first, h.save, invalid)
+        )
         for held in over:
             st = self.requests.get(held.save.req_id)
             if st is not None and st.request.num_computed_tokens > held.first * block:

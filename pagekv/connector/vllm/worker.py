@@ -256,20 +256,19 @@ class WorkerSide:
         not waited for again: its blocks are reported as load errors (vLLM recomputes them),
         never an error raised into the forward."""
         index = self.layer_index.get(layer_name)
-        failed = []
+        waiting = []
         for layers, ids in self._layer_loads:
             try:
                 for i in range(layers.num_layers) if index is None else (index,):
                     layers.wait_layer(i)
             except CopyFailed as e:
                 self._warn.warning("pagekv: a layer-wise load failed: %r", e)
-                failed.append(layers)
                 self._errors.update(ids)
                 self.counters["load_blocks"] -= len(ids)
                 self.counters["load_error_blocks"] += len(ids)
-        if failed:
-            self._layer_loads = [(load, ids) for load, ids in self._layer_loads
-                                 if not any(load is f for f in failed)]  # fmt: skip
+            else:
+                waiting.append((layers, ids))
+        self._layer_loads = waiting
 
     @property
     def pending_async(self) -> int:
