@@ -61,24 +61,12 @@ def store_blocks(config, keys: list, values: list) -> None:
 
 
 def sigstop(pid: int, timeout: float = 5.0) -> None:
-    """Stop process ``pid`` (SIGSTOP) and return once every one of its threads is stopped: a
-    signal is delivered asynchronously, and a thread already at work (a node's bulk lane answering
-    a request on a warm connection) could otherwise still answer after ``kill`` returned."""
-    import os
-    import signal
-    from pathlib import Path
+    """Stop process ``pid`` and return once every one of its threads is stopped (a node's bulk
+    lane answering on a warm connection could otherwise still answer): see
+    :func:`pagekv.store.launch.stop_process`."""
+    from pagekv.store.launch import stop_process
 
-    def all_stopped() -> bool:
-        states = []
-        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-            try:
-                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
-            except (FileNotFoundError, ProcessLookupError):
-                continue  # the thread ended meanwhile
-        return bool(states) and all(state in "Tt" for state in states)
-
-    os.kill(pid, signal.SIGSTOP)
-    wait_until(all_stopped, timeout, f"every thread of process {pid} to stop")
+    stop_process(pid, timeout)
 
 
 class GatedStore:

@@ -4,7 +4,7 @@ demo, benchmarks and integration tests. Each node reports its bound address on s
 
 from __future__ import annotations
 
-__all__ = ["NodeProcess", "start_nodes"]
+__all__ = ["NodeProcess", "start_nodes", "stop_process"]
 
 import collections
 import os
@@ -14,8 +14,32 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
 READY = re.compile(r"pagekv node ready (tcp://\S+)")
+
+
+def stop_process(pid: int, timeout: float = 5.0) -> None:
+    """Stop process ``pid`` (SIGSTOP) and return once every one of its threads is stopped
+    (Linux ``/proc``): a signal is delivered asynchronously, and a thread already at work
+    could otherwise still answer after ``kill`` returned. ``TimeoutError`` past ``timeout``."""
+
+    def all_stopped() -> bool:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # the thread ended meanwhile
+        return bool(states) and all(state in "Tt" for state in states)
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not all_stopped():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid}: not every thread stopped within {timeout} s")
+        time.sleep(0.005)
 
 
 class NodeProcess:

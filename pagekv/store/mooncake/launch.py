@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from pagekv.env import parse_size
+from pagekv.store.launch import stop_process
 
 __all__ = ["MooncakeCluster", "binaries_dir"]
 
@@ -162,7 +163,8 @@ class MooncakeCluster:
             self.master.stop(sig)
 
     def pause_master(self) -> None:
-        os.kill(self.master.proc.pid, signal.SIGSTOP)
+        """SIGSTOP, returning once no thread of the master can answer any more."""
+        stop_process(self.master.proc.pid)
 
     def resume_master(self) -> None:
         os.kill(self.master.proc.pid, signal.SIGCONT)
@@ -173,7 +175,8 @@ class MooncakeCluster:
             proc.stop(sig)
 
     def pause_store(self, i: int = 0) -> None:
-        os.kill(self.stores[i].proc.pid, signal.SIGSTOP)
+        """SIGSTOP, returning once no thread of the store process can move a byte any more."""
+        stop_process(self.stores[i].proc.pid)
 
     def resume_store(self, i: int = 0) -> None:
         os.kill(self.stores[i].proc.pid, signal.SIGCONT)
