@@ -8,7 +8,9 @@ check that the native call did the receiving."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
+import queue
 import random
 import socket
 import struct
@@ -118,7 +120,7 @@ def test_socket_buffer_sizes_the_lane_connections_at_both_ends(served):
         assert client.get_many(keys, into=into) == [True] * len(keys)
         assert [bytes(b) for b in into] == values
         assert client.routes()[0].get == "lane"
-        ends = [conn.sock for conn in lane_of(client)._conns[0][1] if conn.sock is not None]
+        ends = [conn.sock for conn in lane_of(client)._lanes[0].conns if conn.sock is not None]
         ends += node.bulk._connections()
         assert len(ends) >= 2
         for sock in ends:
@@ -147,7 +149,7 @@ def test_each_connection_receives_with_a_helper_where_the_cores_allow(
         into = [bytearray([POISON]) * len(v) for v in values]
         assert client.get_many(keys, into=into) == [True] * len(keys)
         assert [bytes(b) for b in into] == values
-        conns = lane_of(client)._conns[0][1]
+        conns = lane_of(client)._lanes[0].conns
         assert [len(c.bounce) for c in conns] == [slots * native.BLOCK_BYTES] * 2
 
 
@@ -516,7 +518,7 @@ async def test_a_call_ended_while_its_reply_is_awaited_is_not_sent_again(served,
         task = asyncio.ensure_future(client.get_many([b"k" * 16], into=[into]))
         await asyncio.get_running_loop().run_in_executor(None, lane.got_one.wait, 10)
         assert lane.requests, "the request never reached the lane"
-        threads = [conn.thread for _, conns in lane_of(client)._conns.values() for conn in conns]
+        threads = [conn.thread for lane in lane_of(client)._lanes.values() for conn in lane.conns]
         start = time.monotonic()
         if end == "cancel":
             task.cancel()
@@ -806,6 +808,55 @@ def test_a_batch_is_dealt_over_every_lane_connection(served):
         assert node.stats()["bulk_connections"] == 4  # and kept
 
 
+@pytest.mark.usefixtures("receive")
+@pytest.mark.asyncio
+async def test_a_stalled_connection_leaves_the_node_s_other_calls_to_the_rest(served, monkeypatch):
+    """A node's calls wait in one queue that its connections take from as they have room: while
+    one connection is held up (a sender on a busy core, a slow socket), the others carry every
+    call it has not taken, so a GET ends about when its fastest connections do. Dealt to the
+    connections in turn up front, a quarter of the calls waited behind the stalled one."""
+    from pagekv.store.client import lane as lane_module
+
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 32, 64 << 10)
+    cfg = ClientConfig((node.address,), streams=4, max_message_bytes=64 << 10)  # a value a call
+    client = AsyncStoreClient(node.address, config=cfg)
+    stalled: list[threading.Thread] = []  # the first connection thread to receive
+    lock, release = threading.Lock(), threading.Event()
+    real = lane_module._Conn._receive
+
+    def receive(self, call):
+        with lock:
+            if not stalled:
+                stalled.append(threading.current_thread())
+        if stalled[0] is threading.current_thread():
+            assert release.wait(30), "the stalled connection was never released"
+        return real(self, call)
+
+    try:
+        assert await client.put_many(keys, values) == [Status.OK] * len(keys)
+        monkeypatch.setattr(lane_module._Conn, "_receive", receive)
+        arrived: list[int] = []
+        rest_in = threading.Event()  # all but what the stalled connection took (DEPTH at most)
+
+        def on_arrival(i: int) -> None:
+            arrived.append(i)
+            if len(arrived) >= len(keys) - lane_module.DEPTH:
+                rest_in.set()
+
+        into = [bytearray([POISON]) * len(v) for v in values]
+        task = asyncio.ensure_future(client.get_many(keys, into=into, on_arrival=on_arrival))
+        came = await asyncio.get_running_loop().run_in_executor(None, rest_in.wait, 10)
+        release.set()
+        assert came, f"{len(arrived)} of {len(keys)} values came while one connection stalled"
+        assert await task == [True] * len(keys)
+        assert [bytes(b) for b in into] == values
+    finally:
+        release.set()
+        client.close()
+
+
 @pytest.mark.parametrize("io_threads", [1, 2])
 def test_a_node_restarted_on_its_port_is_read_again_at_once(io_threads):
     """The client's lane connections to a node go stale when it restarts (its new lane has
@@ -925,3 +976,31 @@ def test_a_reply_read_late_is_the_value_it_answered_with(served, shm):
                 _lane_get(s, rid, [later[0]])
                 reply, frames = _lane_reply(s)
                 assert reply.id == rid and b"".join(frames) == later[1]
+
+
+def test_a_failing_connection_leaves_the_others_their_closing_sentinels(monkeypatch):
+    """A node's connections share one queue and each ends on one closing sentinel (None) of
+    it. A connection that fails while it is closing fails the node's waiting calls and must
+    leave the sentinels it meets to the other connections: one taken twice left another
+    connection's thread waiting on the queue for ever."""
+    from types import SimpleNamespace
+
+    from pagekv.store.client import lane as lane_module
+
+    monkeypatch.setattr(lane_module._Conn, "_send", lambda self, call, idle=False: True)
+
+    def reset(self, call):
+        raise ConnectionResetError("reset by the node")
+
+    monkeypatch.setattr(lane_module._Conn, "_receive", reset)
+    work = queue.SimpleQueue()
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    for item in [(object(), fut), None, None]:  # a call, then the close of two connections
+        work.put(item)
+    cfg = ClientConfig(("tcp://127.0.0.1:9",))
+    conn = lane_module._Conn(("127.0.0.1", 9), cfg, SimpleNamespace(limits=[None]), 0, None, 1,
+                             work)  # fmt: skip
+    conn.thread.join(10)
+    assert not conn.thread.is_alive()
+    assert fut.result(timeout=0) is None  # failed like a node failure
+    assert work.qsize() == 1 and work.get_nowait() is None  # the other connection's sentinel

@@ -1,6 +1,7 @@
 """The lane transport: a client's PUTs and GETs to a node that advertises a bulk lane (PING
 ``bulk``, :mod:`..node.lane`) over plain TCP connections, ``ClientConfig.streams`` per node, one
-thread each, when this process has the native receive (:mod:`..wire.native`).
+thread each, when this process has the native receive (:mod:`..wire.native`). A node's calls
+wait in one queue, and each connection takes the next whenever it has room (``DEPTH``).
 
 Each connection's thread sends a request (a PUT's values straight from the caller's buffers:
 ``sendmsg``, no copy in user space) and reads the reply, a GET's frames into its destinations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import queue
@@ -67,29 +69,27 @@ COUNTERS = ("bulk_requests", "bulk_bytes_in", "bulk_bytes_out", "bulk_failures")
 
 
 class _Conn:
-    """One connection of a client to a node's bulk lane and the thread that works it."""
+    """One connection of a client to a node's bulk lane and the thread that works it: the
+    thread takes the node's next call from ``work`` (shared by the node's connections)
+    whenever fewer than ``DEPTH`` of its own are out, so a connection that runs faster
+    carries more and every connection ends within about a call of the others."""
 
     def __init__(self, address: tuple[str, int], config: ClientConfig, router: Router,
-                 node: int, lib: native.NativeCopy, bounce_slots: int) -> None:  # fmt: skip
+                 node: int, lib: native.NativeCopy, bounce_slots: int,
+                 work: queue.SimpleQueue) -> None:  # fmt: skip
         self.address, self.config, self.router, self.node = address, config, router, node
         self.limits = router.limits[node] or FALLBACK_LIMITS  # see _limits
         self.lib = lib  # the native receive
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.queue = work  # (call, future) items and closing sentinels (None), one per thread
         self.sock: socket.socket | None = None
         # abort() counts up (client's thread); the connection's thread compares before each
         # send: a socket shut down while this thread was idle is replaced, not sent on
         self.aborts = self.aborts_seen = 0
-        self.ahead: list[Any] = []  # the closing sentinel, taken early by _fail
         # the receive's bounce buffer (see recv_values): this connection's thread's alone;
         # RECV_SLOTS chunks give its receives a helper thread, one chunk none
         self.bounce = bytearray(native.BLOCK_BYTES * bounce_slots)
         self.thread = threading.Thread(target=self._run, name="pagekv-bulk-client", daemon=True)
         self.thread.start()
-
-    def submit(self, call: Call) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.queue.put((call, fut))
-        return fut
 
     def abort(self) -> None:
         """End the calls on this connection now (each gets None); the next call reconnects
@@ -101,10 +101,6 @@ class _Conn:
                 sock.shutdown(socket.SHUT_RDWR)  # wakes the thread in recv/send
             except OSError:
                 pass  # not connected (any more): nothing to wake
-
-    def close(self) -> None:
-        self.queue.put(None)
-        self.abort()
 
     def join(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) for this connection's thread to end after :meth:`close`:
@@ -121,7 +117,7 @@ class _Conn:
         while out or not closing:
             while len(out) < DEPTH and not closing:
                 try:
-                    item = self._next(block=not out)
+                    item = self.queue.get(block=not out)
                 except queue.Empty:
                     break
                 if item is None:
@@ -181,29 +177,22 @@ class _Conn:
 
     def _fail(self, out: collections.deque, queued: bool = False) -> None:
         """The connection is unusable: drop it and fail the calls whose requests went out and,
-        with ``queued`` (the node did not answer in time), those waiting to be sent: each
-        would otherwise wait one more timeout on a new connection to the same node (the
-        ZeroMQ path fails a stream's whole part of a batch the same way)."""
+        with ``queued`` (the node did not answer in time), every call of the node's waiting
+        to be sent: each would otherwise wait one more timeout on a connection to the same
+        node (a lane that fails is a node failure: the keys move on)."""
         self._drop()
         while out:
             out.popleft()[1].set_result(None)
         while queued:
             try:
-                item = self._next(block=False)
+                item = self.queue.get(block=False)
             except queue.Empty:
                 return
-            if item is None:
-                self.ahead.append(None)  # closing: leave the sentinel for the loop
+            if item is None:  # closing: a sentinel is taken by a thread's loop, one each
+                self.queue.put(None)
                 return
             if item[1].set_running_or_notify_cancel():
                 item[1].set_result(None)
-
-    def _next(self, block: bool) -> Any:
-        """The next queued item: the one taken ahead, else from the queue (``queue.Empty``
-        when none is there and not ``block``)."""
-        if self.ahead:
-            return self.ahead.pop()
-        return self.queue.get(block=block)
 
     def _limits(self) -> Limits:
         """The node's limits: the router's, or while the loop has forgotten them (it PINGs
@@ -314,6 +303,23 @@ def _places(call: Call, reply: Any, sizes: tuple[int, ...]) -> list[Any]:
     return frames
 
 
+@dataclasses.dataclass
+class _NodeLane:
+    """A node's lane as a client uses it: its port, the calls waiting for a connection, and
+    the connections (with their threads) that take them."""
+
+    port: int
+    work: queue.SimpleQueue
+    conns: list[_Conn]
+
+    def close(self) -> None:
+        """End every connection: its calls end (None), then its thread (one sentinel each)."""
+        for _ in self.conns:
+            self.work.put(None)
+        for conn in self.conns:
+            conn.abort()
+
+
 class LaneTransport(Transport):
     """A client's bulk lane connections: ``streams`` per node whose lane it took
     (:meth:`take`), made on first use and replaced when the node advertises another port."""
@@ -324,8 +330,7 @@ class LaneTransport(Transport):
         self.config, self.router = config, router
         self._lib: native.NativeCopy | None = None  # the native receive, loaded by take()
         self._ports: dict[int, int] = {}  # node -> its lane's port, for the nodes taken
-        self._conns: dict[int, tuple[int, list[_Conn]]] = {}  # node -> (port, connections)
-        self._turn: dict[int, int] = {}
+        self._lanes: dict[int, _NodeLane] = {}  # node -> its lane in use
         for name in COUNTERS:
             router.counters.setdefault(name, 0)
 
@@ -348,11 +353,11 @@ class LaneTransport(Transport):
         return node in self._ports
 
     async def run(self, calls: list[Call]) -> Results:
-        """Send each call on one of its node's connections (dealt round-robin) and hand each
-        result on as it comes: one loop callback per call, no task per call (what a prefetch
-        of thousands of pages spent its loop's time on). A PUT's checksums are computed here,
-        on the loop, as its call is handed on, and the loop runs its other work before the
-        next PUT's."""
+        """Send each call on one of its node's connections (the first free one takes it) and
+        hand each result on as it comes: one loop callback per call, no task per call (what a
+        prefetch of thousands of pages spent its loop's time on). A PUT's checksums are
+        computed here, on the loop, as its call is handed on, and the loop runs its other work
+        before the next PUT's."""
         loop = asyncio.get_running_loop()
         results: Results = {}
         if not calls:
@@ -388,7 +393,8 @@ class LaneTransport(Transport):
             for call in calls:
                 hashed = call.before_send is not None
                 ready(call)  # a PUT's checksums: the calls handed on before it are being sent
-                fut = self._conn_for(call.node).submit(call)
+                fut: concurrent.futures.Future = concurrent.futures.Future()
+                self._lane_for(call.node).work.put((call, fut))
                 fut.add_done_callback(functools.partial(done, call=call))
                 futures.append(fut)
                 if hashed:  # the loop's other work runs between one request's hashing and the next
@@ -401,23 +407,21 @@ class LaneTransport(Transport):
                 concurrent.futures.wait(running)
         return results
 
-    def _conn_for(self, node: int) -> _Conn:
-        """The node's next connection, round-robin (made, or remade for a new port, here)."""
+    def _lane_for(self, node: int) -> _NodeLane:
+        """The node's lane in use (made, or remade for a new port, here)."""
         port = self._ports[node]
-        have = self._conns.get(node)
-        if have is None or have[0] != port:
-            if have is not None:
-                for conn in have[1]:
-                    conn.close()
+        lane = self._lanes.get(node)
+        if lane is None or lane.port != port:
+            if lane is not None:
+                lane.close()
             host = self.config.endpoints[node][len("tcp://") :].rsplit(":", 1)[0].strip("[]")
             connections = self.config.streams * len(self.config.endpoints)
             slots = native.RECV_SLOTS if lane_receive_helpers(connections) else 1
-            conns = [_Conn((host, port), self.config, self.router, node, self._lib, slots)
+            work: queue.SimpleQueue = queue.SimpleQueue()
+            conns = [_Conn((host, port), self.config, self.router, node, self._lib, slots, work)
                      for _ in range(self.config.streams)]  # fmt: skip
-            have = self._conns[node] = (port, conns)
-        turn = self._turn.get(node, 0)
-        self._turn[node] = (turn + 1) % len(have[1])
-        return have[1][turn]
+            lane = self._lanes[node] = _NodeLane(port, work, conns)
+        return lane
 
     def _count(self, call: Call, result: Any) -> None:
         counters = self.router.counters
@@ -431,16 +435,18 @@ class LaneTransport(Transport):
     def abort(self, nodes: set[int]) -> None:
         """End the calls on ``nodes``' connections now (each gets None)."""
         for node in nodes:
-            for conn in self._conns.get(node, (0, []))[1]:
+            lane = self._lanes.get(node)
+            for conn in lane.conns if lane is not None else ():
                 conn.abort()
 
     def close(self) -> None:
         """Close every connection and wait for their threads (each ends at once: its socket is
         shut down), at most ``CLOSE_WAIT_S`` in all."""
-        conns = [conn for _, node_conns in self._conns.values() for conn in node_conns]
-        self._conns.clear()
-        for conn in conns:
-            conn.close()
+        lanes = list(self._lanes.values())
+        self._lanes.clear()
+        for lane in lanes:
+            lane.close()
+        conns = [conn for lane in lanes for conn in lane.conns]
         deadline = time.monotonic() + CLOSE_WAIT_S
         for conn in conns:
             conn.join(max(0.0, deadline - time.monotonic()))
