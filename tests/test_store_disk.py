@@ -248,6 +248,27 @@ def test_exists_answers_for_queued_and_written_blocks(tiers):
     assert tier.contains(key_of(1)) and tier.size_of(key_of(1)) == 5000
 
 
+def test_a_block_going_from_the_queue_to_the_index_is_never_in_neither(tiers, monkeypatch):
+    """``contains`` and ``size_of`` take no lock: when a written block moves from the queue
+    to the index, a reader between the two steps must still find it (it found neither: a GET
+    answered NOT_FOUND, EXISTS false, a PUT stored the key again)."""
+    from pagekv.store.node.disk_index import DiskIndex
+
+    tier = tiers()
+    seen: list[tuple[bool, int | None]] = []
+    real = DiskIndex.put
+
+    def put(index, key, entry):  # what a lock-free reader sees as the index takes the key
+        seen.append((tier.contains(key), tier.size_of(key)))
+        real(index, key, entry)
+
+    monkeypatch.setattr(DiskIndex, "put", put)
+    for i in range(4):
+        assert offer(tier, i, 5000)
+    assert tier.flush(10)
+    assert seen == [(True, 5000)] * 4
+
+
 def test_a_full_queue_drops_without_waiting(tiers):
     gate = threading.Event()
 

@@ -305,6 +305,53 @@ def test_exists_delete_and_put_answer_for_both_tiers(served, tmp_path):
         assert c.get_many([keys[disk[0]]], into=into) == [True] and into[0] == vals[disk[0]]
 
 
+class GatedReads(FailingOps):
+    """Reads that, once ``armed``, wait until ``release`` (a slow disk): ``entered`` is set
+    when the first one waits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed, self.entered, self.release = False, threading.Event(), threading.Event()
+
+    def preadv(self, fd, buffers, offset):
+        if self.armed:
+            self.entered.set()
+            assert self.release.wait(20), "the gated read was never released"
+        return super().preadv(fd, buffers, offset)
+
+
+@pytest.mark.parametrize("bulk", [False, True])
+def test_a_delete_while_a_get_reads_the_key_from_disk_stays_a_delete(served, bulk):
+    """A GET of a key on disk reads it with the node's lock released; a DELETE answered
+    meanwhile must win: the read's promotion into memory must not bring the key back (it was
+    then served by EXISTS and GET, and saved to disk again: back after a restart too)."""
+    ops = GatedReads()
+    node = served(disk_io=ops)
+    keys, vals = values(fresh_seed(), 40, 100_000)
+    with client(node, bulk=bulk) as c, client(node) as other:
+        assert c.put_many(keys, vals) == [Status.OK] * len(keys)
+        settled(node)
+        gone = keys[tiers(node, keys)[1][0]]
+        ops.armed = True
+        got: list = []
+        reader = threading.Thread(target=lambda: got.append(c.get_many([gone])))
+        reader.start()
+        try:
+            assert ops.entered.wait(20), "the GET never read the disk"
+            assert other.delete_many([gone]) == [True]
+        finally:
+            ops.armed = False
+            ops.release.set()
+            reader.join(20)
+        assert got and len(got[0]) == 1  # the GET began first: it may answer either way
+        assert other.exists_many([gone]).found == [False]
+        assert other.get_many([gone]) == [None]
+    node.stop()
+    node.thread.join(timeout=20)
+    with client(served()) as c:
+        assert c.exists_many([gone]).found == [False]
+
+
 def test_reserve_of_a_key_on_disk_is_exists(served):
     node = served(shm=True, capacity=8 * MIB)
     keys, vals = values(fresh_seed(), 120, 100_000)

@@ -403,6 +403,15 @@ class DiskTier:
         """Whether a GET of ``key`` may find it here (on disk, or queued for writing)."""
         return key in self._pending or key in self._index
 
+    def holds(self, key: bytes, checksum: int) -> bool:
+        """Whether ``key``'s block here (on disk, or queued for writing) is the value with
+        ``checksum``: a block read before a DELETE (or a DELETE and a new PUT) is not."""
+        item = self._pending.get(key)
+        if item is not None:
+            return item.checksum == checksum
+        entry = self._index.get(key)
+        return entry is not None and entry.checksum == checksum
+
     def size_of(self, key: bytes) -> int | None:
         """Payload bytes of ``key``'s block here, or None: what a GET reply would carry."""
         item = self._pending.get(key)
@@ -774,9 +783,9 @@ class DiskTier:
                 if item.flags & FLAG_TOMBSTONE:
                     continue
                 self._queue_bytes -= item.size
-                if self._pending.get(item.key) is item:
-                    del self._pending[item.key]
+                if self._pending.get(item.key) is item:  # indexed first: never in neither
                     self._index.put(item.key, entry_of(seg.id, record))
+                    del self._pending[item.key]
                 self._write_latency.observe(now - item.t)
                 self.counters["writes"] += 1
                 self.counters["write_bytes"] += item.size

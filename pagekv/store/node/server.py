@@ -575,13 +575,14 @@ class StoreNode:
     def _promote(self, keys: list[bytes], blocks: list[DiskBlock | None]) -> list[bytes]:
         """Put blocks read from disk back into memory (under the lock), while the disk's write
         queue has room for what they may evict (a block evicted past it would be lost: a
-        promotion is never worth a block); the keys of the others, left on disk only."""
+        promotion is never worth a block); the keys of the others, left on disk only. A block
+        the disk no longer holds as read (deleted while it was read) is not put back."""
         skipped = []
-        put, room = self.store.put, self.disk.queue_room()
+        put, room, holds = self.store.put, self.disk.queue_room(), self.disk.holds
         # room kept for what is on its way in (the last PUT's own size is no longer arriving)
         self.store.arriving = self._held_bytes()
         for key, block in zip(keys, blocks):
-            if block is None:
+            if block is None or not holds(key, block.checksum):
                 continue
             room -= block.size
             if room < 0:
