@@ -372,6 +372,26 @@ def test_clean_shutdown_saves_memory_blocks_and_restarts_from_directories(tiers)
         assert joined(found[i]) == payload(i, 50_000 if i < 10 else 60_000)
 
 
+def test_a_shutdown_save_rewrites_blocks_whose_segment_its_own_writes_reclaim(tiers):
+    """A block in memory at shutdown and on disk in the oldest segment (read back from there
+    earlier) must not be skipped by the save: the save's writes reclaim that segment, and
+    the most wanted block was gone after the restart."""
+    size = 64 << 10
+    tier = tiers(capacity=4 * MIB, segment_bytes=MIB)
+    for i in range(44):  # block 0 in the oldest of about three full segments
+        offer(tier, i, size)
+    assert tier.flush(10)
+    memory = [(key_of(i), [payload(i, size)], size, xxhash.xxh3_64_intdigest(payload(i, size)))
+              for i in [0, 43, *range(100, 127)]]  # fmt: skip
+    queued = tier.save(memory, 10)
+    assert tier.close(10)
+    tier = tiers(capacity=4 * MIB, segment_bytes=MIB)
+    found = read_all(tier, [0, 43, *range(100, 127)])
+    assert [joined(b) if b is not None else None for b in found.values()] == [
+        m[1][0] for m in memory]  # fmt: skip
+    assert queued == len(memory) - 1  # block 43, in the newest segment, was not written again
+
+
 @pytest.mark.parametrize("torn", ["short", "zeroed"])
 def test_a_torn_tail_is_cut_and_every_whole_record_served(tiers, tmp_path, poisoned, torn):
     tier = tiers(capacity=32 * MIB, segment_bytes=4 * MIB)

@@ -361,11 +361,13 @@ class DiskTier:
             return self._enqueue(key, tuple(frames), size, checksum, copy)
 
     def _enqueue(self, key: bytes, frames: tuple, size: int, checksum: int,
-                 copy: bool = False) -> bool:  # fmt: skip
+                 copy: bool = False, rewrite: bool = False) -> bool:  # fmt: skip
+        """Under the lock: queue a block (a key on disk only where ``rewrite``, or where its
+        segment is old enough to be rewritten); whether it was queued."""
         if key in self._pending or self._error is not None:
             return False
         entry = self._index.get(key)
-        if entry is not None and entry.seg >= self._rewrite_below:
+        if entry is not None and not rewrite and entry.seg >= self._rewrite_below:
             self.counters["write_skipped"] += 1
             return False
         if self._queue_bytes + size > self.config.write_queue_bytes:
@@ -475,28 +477,49 @@ class DiskTier:
     ) -> int:
         """At shutdown: queue ``blocks`` (``(key, frames, size, checksum)``, most wanted first),
         waiting for room in the queue, until ``timeout_s`` has passed or the blocks so far
-        (queued, or on disk already: skipped) would fill the disk but two segments (more would
-        reclaim the first ones saved, the most wanted); how many were queued. :meth:`close`
-        then writes the queue."""
+        would fill the disk but two segments (more would reclaim the first ones saved, the
+        most wanted); how many were queued. A block on disk already is skipped where its
+        segment outlives the save's own writes, else written again (the save reclaims the
+        oldest segments). :meth:`close` then writes the queue."""
         deadline = time.monotonic() + timeout_s
         room = self.config.capacity - 2 * self.config.segment_bytes
-        queued = 0
+        chosen = []
         for key, frames, size, checksum in blocks:
             if not self.config.fits(len(key), len(frames), size):
                 continue
             room -= record_bytes(len(key), len(frames), size)
             if room < 0:
-                return queued
+                break
+            chosen.append((key, frames, size, checksum))
+        with self._lock:
+            kept = self._kept_through(sum(record_bytes(len(k), len(f), n) for k, f, n, _ in chosen))
+        queued = 0
+        for key, frames, size, checksum in chosen:
             with self._lock:
                 while self._queue_bytes + size > self.config.write_queue_bytes:
                     left = deadline - time.monotonic()
                     if left <= 0 or self._error is not None:
                         return queued
                     self._room.wait(left)
-                if key in self._pending or key in self._index:
+                entry = self._index.get(key)
+                if key in self._pending or (entry is not None and entry.seg in kept):
                     continue
-                queued += self._enqueue(key, tuple(frames), size, checksum)
+                queued += self._enqueue(key, tuple(frames), size, checksum, rewrite=True)
         return queued
+
+    def _kept_through(self, incoming: int) -> set[int]:
+        """Under the lock: the segments that writing ``incoming`` more bytes leaves in place,
+        at least (the newest, as many as fit in the capacity beside a new segment for every
+        ``segment_bytes`` of it and one more: each is made only with that much room)."""
+        seg_bytes = self.config.segment_bytes
+        room = self.config.capacity - (-(-incoming // seg_bytes) + 1) * seg_bytes
+        kept: set[int] = set()
+        for seg in reversed(self._segments.values()):
+            room -= seg.end + seg.dir_bytes
+            if room < 0:
+                break
+            kept.add(seg.id)
+        return kept
 
     def close(self, timeout_s: float = 10.0) -> bool:
         """Write what is queued (what is left after ``timeout_s`` is dropped), seal the active
