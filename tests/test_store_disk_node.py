@@ -352,6 +352,44 @@ def test_a_delete_while_a_get_reads_the_key_from_disk_stays_a_delete(served, bul
         assert c.exists_many([gone]).found == [False]
 
 
+def test_a_reply_s_memory_blocks_keep_their_space_while_promotion_evicts_them(served):
+    """--shm: a ZeroMQ GET of a memory block M and many disk blocks is answered once the reads
+    are done; promoting those blocks evicts M while the reply still sends M from the
+    segment. M's space must wait for that reply: it was freed when the GET's park ended, a
+    PUT took it, and the reply carried bytes that were neither M nor its checksum."""
+    import zmq
+
+    from pagekv.store.wire.protocol import Op, Request, decode_reply, encode_request
+
+    node = served(shm=True, capacity=2 * MIB, max_message_size=8 * MIB)
+    keys, vals = values(fresh_seed(), 100, 100_000)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.setsockopt(zmq.RCVHWM, 1)  # one reply waits in the pipe, the next stays in flight
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        with client(node, bulk=False, shm=False) as c:
+            put_in_steps(c, keys, vals, step=5)
+            settled(node)
+            memory, disk = tiers(node, keys)
+            m = memory[-1]
+            sock.connect(node.address)
+            sock.send_multipart([encode_request(Request(Op.PING, 1))])
+            assert sock.poll(10_000, zmq.POLLIN), "no PING reply"  # it fills the pipe, unread
+            ask = [keys[i] for i in disk[:75]] + [keys[m]]  # 7.5 MB from disk: M is evicted
+            sock.send_multipart([encode_request(Request(Op.GET, 2, keys=ask))])
+            wait_until(lambda: node_stats(node)["disk_waiting"] == 0
+                       and keys[m] not in node.store, 20, "the GET's promotion")  # fmt: skip
+            new_keys, new_vals = values(fresh_seed(), 30, 100_000)
+            put_in_steps(c, new_keys, new_vals, step=5)  # they take whatever space is free
+        sock.recv_multipart()  # the PING's reply
+        head, *frames = sock.recv_multipart()
+        rep = decode_reply(head)
+        assert rep.status[-1] == Status.OK and bytes(frames[-1]) == vals[m]
+    finally:
+        sock.close(0)
+
+
 def test_reserve_of_a_key_on_disk_is_exists(served):
     node = served(shm=True, capacity=8 * MIB)
     keys, vals = values(fresh_seed(), 120, 100_000)

@@ -601,23 +601,30 @@ class StoreNode:
             op = Op.GET if isinstance(wait.work, handlers.DiskGet) else Op.LOCATE
             with self.lock:
                 self.outbox.release(wait.peer, wait.nbytes)
-                try:
-                    rep, out = self._finish(wait.work, wait.keys, blocks)
+                try:  # a GET's blocks are promoted once its reply holds their space
+                    rep, out = self._finish(wait.work, wait.keys, blocks, promote=op is Op.LOCATE)
                 except Exception as e:  # a bug: answered INTERNAL, the node serves on
                     rep, out = self._error_reply(wait.work.req.id, e), []
                 self._sent_blocks = wait.sent
                 self._send(wait.ident, rep, out)
                 if wait.hold is not None:
                     wait.hold.done = True  # the blocks' space now waits for the reply itself
+                if op is Op.GET and self.config.disk_promote:
+                    try:
+                        self._promote(wait.keys, blocks)
+                    except Exception:  # a bug: the blocks stay on disk, the node serves on
+                        log.exception("pagekv store: promoting blocks read from disk failed")
                 self._observe(op, rep, wait.start, "disk")
 
-    def _finish(self, work: Any, keys: list[bytes],
-                blocks: list[DiskBlock | None]) -> tuple[Reply, list[Any]]:  # fmt: skip
-        """The reply to a request whose disk reads are done (under the lock)."""
+    def _finish(self, work: Any, keys: list[bytes], blocks: list[DiskBlock | None],
+                promote: bool = True) -> tuple[Reply, list[Any]]:  # fmt: skip
+        """The reply to a request whose disk reads are done (under the lock); a GET's blocks
+        promoted into memory first where ``promote`` (a reply sent from memory blocks that a
+        promotion evicts must hold their space before: see :meth:`_disk_done`)."""
         if isinstance(work, handlers.DiskGet):
             rep, out = handlers.finish_get(work, blocks)
             self.counters["deferred"] += work.deferred
-            if self.config.disk_promote:
+            if promote and self.config.disk_promote:
                 self._promote(keys, blocks)
             return rep, out
         # a LOCATE: what it finds must be in the segment; what could not be promoted is
