@@ -35,6 +35,7 @@ from pagekv.store.node.disk import (
     DiskTier,
     FileOps,
 )
+from tests.helpers import wait_until
 
 MIB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
@@ -301,6 +302,52 @@ def test_delete_survives_a_restart(tiers):
 
 
 # ---- capacity -----------------------------------------------------------------------------------
+def test_deletes_queued_when_the_shutdown_budget_runs_out_are_still_written(tiers):
+    """close() past its budget drops the blocks still queued (a miss after the restart, said
+    as such), never the deletes: a dropped tombstone served the deleted key again after the
+    restart, and close() called the shutdown clean."""
+    gate, writing = threading.Event(), threading.Event()
+
+    class Slow(FileOps):
+        def pwritev(self, fd, buffers, offset):
+            if not gate.is_set():
+                writing.set()
+                assert gate.wait(20)
+            return super().pwritev(fd, buffers, offset)
+
+    gate.set()
+    tier = tiers(io=Slow())
+    assert offer(tier, 1, 50_000) and tier.flush(10)
+    gate.clear()
+    assert offer(tier, 2, 50_000) and writing.wait(10)  # the writer is busy with block 2
+    assert offer(tier, 3, 50_000) and tier.delete(key_of(1))
+    closed: list[bool] = []
+    closer = threading.Thread(target=lambda: closed.append(tier.close(0.0)))
+    closer.start()
+    wait_until(lambda: tier._closing, 10, "close() to begin")
+    gate.set()
+    closer.join(30)
+    assert closed == [False] and tier.counters["write_dropped_at_close"] == 1  # block 3
+    assert tier.counters["deletes_unsaved"] == 0
+    found = read_all(tiers(), [1, 2, 3])
+    assert found[1] is None and found[3] is None and joined(found[2]) == payload(2, 50_000)
+
+
+def test_a_delete_whose_tombstone_cannot_be_written_is_counted_and_said(tiers, caplog):
+    """A tombstone dropped with its batch (no descriptor free for a new segment) leaves the
+    key to come back after a restart: counted, said, and close() does not call it clean."""
+    first = tiers()
+    assert offer(first, 1, 50_000) and first.close(10)
+    ops = FailingOps()
+    tier = tiers(io=ops)
+    ops.once["open"] = errno.EMFILE  # the segment the tombstone needs
+    with caplog.at_level(logging.WARNING, logger="pagekv.store.disk"):
+        assert tier.delete(key_of(1)) and tier.flush(10)
+    assert tier.counters["deletes_unsaved"] == 1
+    assert "1 delete(s) not saved (no_descriptor)" in caplog.text
+    assert not tier.close(10)
+
+
 def test_reclaim_takes_the_oldest_segments_and_keeps_the_disk_within_capacity(tiers, tmp_path):
     tier = tiers(capacity=4 * MIB, segment_bytes=MIB, rewrite_fraction=0)
     for i in range(120):  # ~12 MiB through a 4 MiB disk

@@ -455,10 +455,13 @@ class DiskTier:
             found = self._index.pop(key) is not None or queued
             if found:
                 self._gone(key)
-            if found and self._error is None and self._tombstones < MAX_TOMBSTONES:
-                self._queue.append(_Write(key, (), 0, 0, FLAG_TOMBSTONE))
-                self._tombstones += 1
-                self._work.notify()
+            if found and self._error is None:
+                if self._tombstones < MAX_TOMBSTONES:
+                    self._queue.append(_Write(key, (), 0, 0, FLAG_TOMBSTONE))
+                    self._tombstones += 1
+                    self._work.notify()
+                else:
+                    self._unsaved_deletes(1, "too many deletes queued")
             return found
 
     def flush(self, timeout_s: float) -> bool:
@@ -524,7 +527,8 @@ class DiskTier:
     def close(self, timeout_s: float = 10.0) -> bool:
         """Write what is queued (what is left after ``timeout_s`` is dropped), seal the active
         segment (synced, its directory written: the next start scans nothing), wait for reads
-        in flight, release the directory. Whether the queue was written in full. Idempotent.
+        in flight, release the directory. Whether the queue was written in full (every delete
+        among it: see :meth:`_unsaved_deletes`). Idempotent.
         The node stops polling :attr:`wakeup_fd` before calling it."""
         with self._lock:
             if self._closing:
@@ -533,7 +537,8 @@ class DiskTier:
             self._close_deadline = time.monotonic() + timeout_s
             self._work.notify_all()
         self._writer.join(timeout_s + 5.0)
-        clean = not self._writer.is_alive() and self.counters["write_dropped_at_close"] == 0
+        dropped = self.counters["write_dropped_at_close"] + self.counters["deletes_unsaved"]
+        clean = not self._writer.is_alive() and dropped == 0
         if self._writer.is_alive():
             log.warning("pagekv disk: the writer is still busy %.0f s after close; leaving it",
                         timeout_s + 5.0)  # fmt: skip
@@ -715,8 +720,9 @@ class DiskTier:
             if self._error is not None or not self._queue:
                 return None
             if self._closing and time.monotonic() > self._close_deadline:
-                self._drop_queue("write_dropped_at_close")
-                return None
+                self._drop_blocks("write_dropped_at_close")  # deletes are still written
+                if not self._queue:
+                    return None
             batch: list[_Write] = []
             nbytes = pieces = 0
             while self._queue:
@@ -820,6 +826,9 @@ class DiskTier:
         with self._lock:
             if self._error is not None:
                 return
+            tombstones = [item for item in items if item.flags & FLAG_TOMBSTONE]
+            if tombstones:
+                self._unsaved_deletes(len(tombstones), counter.removeprefix("write_"))
             for item in items:
                 if item.flags & FLAG_TOMBSTONE:
                     continue
@@ -830,13 +839,44 @@ class DiskTier:
                 self.counters[counter] += 1
             self._room.notify_all()
 
+    def _drop_blocks(self, counter: str) -> None:
+        """Under the lock: forget the blocks queued, keep the deletes (a few bytes each)."""
+        kept: deque = deque()
+        rest: deque = deque()
+        for item in self._queue:
+            tombstone = not isinstance(item, threading.Event) and item.flags & FLAG_TOMBSTONE
+            (kept if tombstone else rest).append(item)
+        self._queue = rest
+        self._drop_queue(counter)
+        self._queue, self._tombstones = kept, len(kept)
+
+    def _unsaved_deletes(self, count: int, why: str) -> None:
+        """Under the lock: ``count`` deletes that no tombstone records on disk: their keys
+        come back after a restart. Counted, said (as the count reaches each power of two),
+        and the shutdown is not clean."""
+        before = self.counters["deletes_unsaved"]
+        self.counters["deletes_unsaved"] = before + count
+        if (before + count).bit_length() > before.bit_length():
+            log.warning(
+                "pagekv disk tier %s: %d delete(s) not saved (%s): those keys are "
+                "served again after a restart",
+                self.config.dir,
+                before + count,
+                why,
+            )
+
     def _drop_queue(self, counter: str) -> None:
         """Under the lock: forget everything queued (flush markers are set)."""
+        tombstones = 0
         for item in self._queue:
             if isinstance(item, threading.Event):
                 item.set()
             elif not item.flags & FLAG_TOMBSTONE:
                 self.counters[counter] += 1
+            else:
+                tombstones += 1
+        if tombstones:
+            self._unsaved_deletes(tombstones, counter.removeprefix("write_"))
         self._queue.clear()
         pending, self._pending = self._pending, {}
         for key in pending:
@@ -966,7 +1006,7 @@ class DiskTier:
 _COUNTERS = (
     "hits", "misses", "read_bytes", "read_ops", "corrupt", "writes", "write_bytes", "write_skipped",
     "rewrites", "write_dropped", "write_nospace", "write_no_descriptor",
-    "write_too_large", "write_dropped_at_close",
+    "write_too_large", "write_dropped_at_close", "deletes_unsaved",
     "write_dropped_off", "reclaimed_segments", "reclaimed_blocks", "reclaimed_bytes",
     "rebuild_blocks", "rebuild_scanned_bytes", "rebuild_torn",
 )  # fmt: skip

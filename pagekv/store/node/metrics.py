@@ -85,6 +85,8 @@ _DISK = {
                                  "segment (peers held them all)"),
     "disk_write_too_large": ("counter", "blocks not written: larger than a segment"),
     "disk_write_dropped_at_close": ("counter", "blocks queued when the shutdown budget ran out"),
+    "disk_deletes_unsaved": ("counter", "deletes whose tombstone was not written (no descriptor "
+                             "or space, too many queued, the tier off): served after a restart"),
     "disk_write_dropped_off": ("counter", "queued blocks dropped as the tier turned off"),
     "disk_reclaimed_segments": ("counter", "segments reclaimed (oldest first)"),
     "disk_reclaimed_blocks": ("counter", "blocks dropped with their reclaimed segment"),
