@@ -439,6 +439,41 @@ def test_a_shutdown_save_rewrites_blocks_whose_segment_its_own_writes_reclaim(ti
     assert queued == len(memory) - 1  # block 43, in the newest segment, was not written again
 
 
+def test_a_restart_with_no_room_for_a_directory_serves_every_block(tiers, tmp_path):
+    """A start after a crash scans the segment that was being written and writes its
+    directory; on a full file system that write fails. The segment is served without one
+    (the next start scans it again), as a running tier does: the whole tier was turned off."""
+
+    class Full(FileOps):  # new files get no data: a full file system
+        def __init__(self) -> None:
+            self.tmp: set[int] = set()
+
+        def open(self, path, flags, mode=0o600):
+            fd = super().open(path, flags, mode)
+            if path.endswith(".tmp"):
+                self.tmp.add(fd)
+            return fd
+
+        def pwritev(self, fd, buffers, offset):
+            if fd in self.tmp:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().pwritev(fd, buffers, offset)
+
+    tier = tiers()
+    for i in range(40):  # sealed segments and the active one
+        offer(tier, i, 60_000)
+    assert tier.flush(10)
+    crashed = tmp_path / "crashed"  # the files as a kill -9 leaves them: no active directory
+    crashed.mkdir()
+    for f in (tmp_path / "disk").iterdir():
+        if f.name != "lock":
+            crashed.joinpath(f.name).write_bytes(f.read_bytes())
+    full = tiers(crashed, io=Full())
+    assert full.on, full.error
+    assert all(joined(b) == payload(i, 60_000) for i, b in read_all(full, range(40)).items())
+    assert not [f.name for f in crashed.iterdir() if f.name.endswith(".tmp")]
+
+
 @pytest.mark.parametrize("torn", ["short", "zeroed"])
 def test_a_torn_tail_is_cut_and_every_whole_record_served(tiers, tmp_path, poisoned, torn):
     tier = tiers(capacity=32 * MIB, segment_bytes=4 * MIB)

@@ -69,7 +69,16 @@ from .disk_format import (
     record_bytes,
     segment_name,
 )
-from .disk_index import DiskIndex, Entry, Recovered, entry_of, recover, write_directory
+from .disk_index import (
+    NO_DESCRIPTOR,
+    NO_SPACE,
+    DiskIndex,
+    Entry,
+    Recovered,
+    entry_of,
+    recover,
+    write_directory,
+)
 from .disk_segment import IOV_MAX, FileOps, Segment, payload_checksum
 
 __all__ = ["DiskBlock", "DiskConfig", "DiskDirLocked", "DiskFormatError", "DiskTier",
@@ -77,8 +86,6 @@ __all__ = ["DiskBlock", "DiskConfig", "DiskDirLocked", "DiskFormatError", "DiskT
 
 log = logging.getLogger("pagekv.store.disk")
 
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE)  # for a moment: a flood of peers holds them all
 _MISCONFIGURED = (errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG,
                   errno.ELOOP)  # fmt: skip
 WRITE_BATCH_BYTES = 16 << 20  # one pwritev carries at most this (and IOV_MAX pieces)
@@ -922,12 +929,7 @@ class DiskTier:
     def _seal(self, seg: Segment) -> None:
         """Sync the segment, write its directory, read it from disk from here on."""
         seg.sync()
-        try:
-            dir_bytes = write_directory(self.io, self.config.dir, seg)
-        except OSError as e:
-            if e.errno not in NO_SPACE + NO_DESCRIPTOR:
-                raise
-            dir_bytes = 0  # without its directory a restart scans it: slower, as correct
+        dir_bytes = write_directory(self.io, self.config.dir, seg)  # 0: none, for now
         seg.records = []
         self.io.fadvise_dontneed(seg.fd)
         if self.config.direct_reads:

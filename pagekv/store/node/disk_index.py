@@ -11,6 +11,7 @@ completed) is cut off. Records are applied in write order (segment ids, then off
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import os
@@ -29,9 +30,20 @@ from .disk_format import (
 )
 from .disk_segment import FileOps, Segment, scan_segment
 
-__all__ = ["DiskIndex", "Entry", "Recovered", "load_directory", "recover", "write_directory"]
+__all__ = [
+    "NO_DESCRIPTOR",
+    "NO_SPACE",
+    "DiskIndex",
+    "Entry",
+    "Recovered",
+    "load_directory",
+    "recover",
+    "write_directory",
+]
 
 log = logging.getLogger("pagekv.store.disk")
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE)  # for a moment: a flood of peers holds them all
 
 
 class Entry(NamedTuple):
@@ -98,19 +110,31 @@ class DiskIndex:
 
 
 def write_directory(io: FileOps, directory: str, seg: Segment) -> int:
-    """Write ``seg``'s directory (call after its data was synced); its size in bytes."""
+    """Write ``seg``'s directory (call after its data was synced); its size in bytes, or 0
+    when the file system has no room or no descriptor for it now (nothing left behind:
+    without its directory the next start scans the segment, slower and as correct). Raises
+    ``OSError`` for the rest."""
     data = pack_directory(seg.id, seg.end, seg.records)
     path = os.path.join(directory, directory_name(seg.id))
     tmp = path + ".tmp"
-    fd = io.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
-        view, offset = memoryview(data), 0
-        while offset < len(data):
-            offset += io.pwritev(fd, [view[offset:]], offset)
-        io.fdatasync(fd)
-    finally:
-        io.close(fd)
-    io.replace(tmp, path)
+        fd = io.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            view, offset = memoryview(data), 0
+            while offset < len(data):
+                offset += io.pwritev(fd, [view[offset:]], offset)
+            io.fdatasync(fd)
+        finally:
+            io.close(fd)
+        io.replace(tmp, path)
+    except OSError as e:
+        if e.errno not in NO_SPACE + NO_DESCRIPTOR:
+            raise
+        try:
+            io.unlink(tmp)
+        except OSError:
+            pass  # never made, or the file system refuses even this: a restart removes it
+        return 0
     return len(data)
 
 
