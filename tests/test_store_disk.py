@@ -501,6 +501,30 @@ def test_a_torn_tail_is_cut_and_every_whole_record_served(tiers, tmp_path, poiso
     assert last.with_suffix(".dir").exists()  # and given its directory: the next start reads it
 
 
+def test_a_damaged_record_is_skipped_and_the_records_after_it_served(tiers, tmp_path, caplog):
+    """A scan (a segment without its directory) that meets a record whose payload fails its
+    checksum skips that record and goes on: it stopped there and cut every intact record
+    after it off the file, and a damaged first record removed the whole file unsaid."""
+    tier = tiers(capacity=32 * MIB, segment_bytes=4 * MIB)
+    for i in range(20):
+        offer(tier, i, 60_000)
+    assert tier.close(10)
+    seg = sorted((tmp_path / "disk").glob("*.seg"))[-1]
+    seg.with_suffix(".dir").unlink()  # scanned at the next start
+    data = bytearray(seg.read_bytes())
+    bad = random.Random(os.urandom(8)).randrange(20)
+    at = data.index(payload(bad, 60_000)[:64]) + 1000
+    data[at] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="pagekv.store.disk"):
+        tier = tiers(capacity=32 * MIB, segment_bytes=4 * MIB)
+    assert "1 damaged record(s) skipped" in caplog.text
+    assert tier.stats()["disk_rebuild_damaged"] == 1 and tier.stats()["disk_blocks"] == 19
+    found = read_all(tier, range(20))
+    assert found[bad] is None
+    assert all(joined(found[i]) == payload(i, 60_000) for i in range(20) if i != bad)
+
+
 WRITER = textwrap.dedent("""
     import random, sys, xxhash
     from pagekv.store.node.disk import DiskConfig, DiskTier

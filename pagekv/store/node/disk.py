@@ -323,6 +323,7 @@ class DiskTier:
         self._used = sum(seg.end for seg in found.segments) + found.directory_bytes
         self.rebuild_seconds = found.seconds
         self.counters.update(rebuild_scanned_bytes=found.scanned_bytes, rebuild_torn=found.torn,
+                             rebuild_damaged=found.damaged,
                              rebuild_blocks=len(found.index))  # fmt: skip
         while self._used > self.config.capacity and self._reclaim_oldest():
             pass
@@ -1010,7 +1011,7 @@ _COUNTERS = (
     "rewrites", "write_dropped", "write_nospace", "write_no_descriptor",
     "write_too_large", "write_dropped_at_close", "deletes_unsaved",
     "write_dropped_off", "reclaimed_segments", "reclaimed_blocks", "reclaimed_bytes",
-    "rebuild_blocks", "rebuild_scanned_bytes", "rebuild_torn",
+    "rebuild_blocks", "rebuild_scanned_bytes", "rebuild_torn", "rebuild_damaged",
 )  # fmt: skip
 
 

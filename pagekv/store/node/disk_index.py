@@ -169,6 +169,7 @@ class Recovered:
     next_id: int = 1
     scanned_bytes: int = 0  # segment bytes read because they had no directory
     torn: int = 0  # segments cut back to their last intact record
+    damaged: int = 0  # records skipped by a scan: a whole header, a payload failing its checksum
     seconds: float = 0.0
 
 
@@ -230,9 +231,15 @@ def _recover_segment(
         return keys, rows, seg
     fd = io.open(path, os.O_RDWR)
     try:
-        records, end = scan_segment(io, fd, size, verify)
+        records, end, damaged = scan_segment(io, fd, size, verify)
         out.scanned_bytes += size
+        if damaged:
+            log.warning("pagekv disk: %s: %d damaged record(s) skipped (their payload fails "
+                        "its checksum)", path, damaged)  # fmt: skip
+            out.damaged += damaged
         if not records:  # created, nothing written (or not even its header): of no use
+            if size > PAGE:
+                log.warning("pagekv disk: %s: no intact record in %d bytes; removed", path, size)
             io.close(fd)
             fd = -1
             io.unlink(path)

@@ -224,22 +224,28 @@ class Segment:
         self.fd = self.dfd = -1
 
 
-def scan_segment(io: FileOps, fd: int, size: int, verify: bool) -> tuple[list[Record], int]:
-    """The intact records of a segment file of ``size`` bytes read through ``fd``, in order,
-    and where the last of them ends: a scan stops at the first record that is not whole and
-    intact (a torn tail: a write cut short by a crash, or bytes damaged). ``verify``: also
-    check each payload against its checksum (else only headers and lengths)."""
+def scan_segment(io: FileOps, fd: int, size: int, verify: bool) -> tuple[list[Record], int, int]:
+    """The intact records of a segment file of ``size`` bytes read through ``fd``, in order;
+    where the last of them ends; and how many records before it were damaged (a whole
+    header whose payload fails its checksum: skipped, the scan goes on). The scan stops at
+    the first record that is not whole (a torn tail: a write cut short by a crash); damaged
+    records after the last intact one are that tail too. ``verify``: also check each payload
+    against its checksum (else only headers and lengths)."""
     head = _pread(io, fd, 0, PAGE)
     if parse_segment_header(head) is None:
-        return [], 0
-    records, pos = [], PAGE
+        return [], 0, 0
+    records, pos, damaged, tail = [], PAGE, 0, 0
     for record, end in _records(io, fd, size, verify):
+        if record is None:
+            tail += 1
+            continue
         records.append(record)
-        pos = end
-    return records, pos
+        pos, damaged, tail = end, damaged + tail, 0
+    return records, pos, damaged
 
 
-def _records(io: FileOps, fd: int, size: int, verify: bool) -> Iterator[tuple[Record, int]]:
+def _records(io: FileOps, fd: int, size: int, verify: bool) -> Iterator[tuple[Record | None, int]]:
+    """Each whole record (None for one whose payload fails its checksum) and where it ends."""
     window, base, pos = bytearray(), 0, PAGE
     while pos < size:
         need = min(size - pos, 1 << 20)  # the largest header (65536 frames) fits
@@ -251,14 +257,15 @@ def _records(io: FileOps, fd: int, size: int, verify: bool) -> Iterator[tuple[Re
         start, end = pos + header.header_len, pos + header.header_len + header.payload_len
         if end > size:
             return
+        intact = True
         if verify and not header.flags & FLAG_TOMBSTONE:
             if end - base > len(window):
                 window, base = _pread(io, fd, pos, max(end - pos, SCAN_CHUNK)), pos
             payload = memoryview(window)[start - base : end - base]
-            if payload_checksum(payload) != header.checksum:
-                return
-        yield Record(header.key, header.flags, header.seq, pos, header.header_len,
-                     header.payload_len, header.checksum), end  # fmt: skip
+            intact = payload_checksum(payload) == header.checksum
+        record = Record(header.key, header.flags, header.seq, pos, header.header_len,
+                        header.payload_len, header.checksum)  # fmt: skip
+        yield (record if intact else None), end
         pos = align_up(end, RECORD_ALIGN)
 
 

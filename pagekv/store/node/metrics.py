@@ -106,6 +106,7 @@ _DISK = {
     "disk_rebuild_blocks": ("gauge", "blocks found on disk at start"),
     "disk_rebuild_scanned_bytes": ("gauge", "bytes scanned at start (segments without directory)"),
     "disk_rebuild_torn": ("gauge", "torn records cut off at start"),
+    "disk_rebuild_damaged": ("gauge", "damaged records skipped at start (payload checksum)"),
 }
 _DISK_HISTOGRAMS = {
     "read": ("pagekv_node_disk_read_seconds", "a disk read, from submission to block checked"),
