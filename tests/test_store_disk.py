@@ -397,6 +397,34 @@ def test_a_smaller_capacity_at_restart_reclaims_down_to_it(tiers, tmp_path):
     assert present == list(range(present[0], 60)) and len(present) == stats["disk_blocks"]
 
 
+def test_a_clean_restart_of_a_tier_at_capacity_reclaims_nothing(tiers, tmp_path):
+    """A segment is made only with room for it and its directory (as large as the largest so
+    far): room for the segment alone let the directory written when it was sealed take the
+    tier over its capacity, and the next start reclaimed a whole segment of stored blocks."""
+    probe = tiers(tmp_path / "probe", capacity=16 * MIB)
+    per = 0
+    while probe.stats()["disk_segments"] < 2:  # how many 4 KiB blocks fill a segment
+        per += 1
+        offer(probe, per, 4096)
+        assert probe.flush(10)
+    per -= 1
+    assert probe.close(10)
+    seg = (tmp_path / "probe" / "0000000000000001.seg").stat().st_size
+    directory = (tmp_path / "probe" / "0000000000000001.dir").stat().st_size
+    capacity = 2 * (seg + directory) + MIB + 1000  # three segments fit only without a directory
+    tier = tiers(capacity=capacity)
+    for i in range(3 * per):
+        offer(tier, i, 4096)
+    assert tier.flush(10)
+    before = tier.stats()
+    assert tier.close(10)
+    files = [f for f in (tmp_path / "disk").iterdir() if f.suffix in (".seg", ".dir")]
+    assert sum(f.stat().st_size for f in files) <= capacity
+    after = tiers(capacity=capacity).stats()
+    assert after["disk_reclaimed_segments"] == 0
+    assert after["disk_blocks"] == before["disk_blocks"]
+
+
 def test_blocks_larger_than_a_segment_are_refused(tiers):
     tier = tiers(segment_bytes=MIB)
     assert not offer(tier, 1, MIB)

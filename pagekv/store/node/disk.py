@@ -903,7 +903,10 @@ class DiskTier:
             return seg
         if seg is not None:
             self._seal(seg)
-        while self._used + self.config.segment_bytes > self.config.capacity:
+        # room for a full segment and its directory (as large as the largest so far)
+        with self._lock:
+            reserve = max((s.dir_bytes for s in self._segments.values()), default=0)
+        while self._used + self.config.segment_bytes + reserve > self.config.capacity:
             if not self._reclaim_oldest():
                 break
         for attempt in (0, 1):
