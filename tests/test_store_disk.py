@@ -425,6 +425,32 @@ def test_a_clean_restart_of_a_tier_at_capacity_reclaims_nothing(tiers, tmp_path)
     assert after["disk_blocks"] == before["disk_blocks"]
 
 
+def test_a_writer_stuck_past_close_keeps_the_directory_locked_until_it_ends(tiers, tmp_path):
+    """close() stops waiting for a writer stuck in a write; the directory must stay locked
+    while that writer may still write to it (a node started on it could read a segment as it
+    changes), and be released the moment the writer ends."""
+    gate, writing = threading.Event(), threading.Event()
+
+    class Stuck(FileOps):
+        def pwritev(self, fd, buffers, offset):
+            writing.set()
+            assert gate.wait(30)
+            return super().pwritev(fd, buffers, offset)
+
+    tier = tiers(io=Stuck())
+    assert offer(tier, 1, 50_000) and writing.wait(10)
+    try:
+        assert not tier.close(0.0)  # waits 5 s for the writer, then leaves it
+        with pytest.raises(DiskDirLocked):
+            DiskTier(DiskConfig(str(tmp_path / "disk"), capacity=16 * MIB, segment_bytes=MIB))
+    finally:
+        gate.set()
+    tier._writer.join(10)
+    assert not tier._writer.is_alive()
+    again = tiers()  # released by the writer as it ended
+    assert joined(read_all(again, [1])[1]) == payload(1, 50_000)
+
+
 def test_blocks_larger_than_a_segment_are_refused(tiers):
     tier = tiers(segment_bytes=MIB)
     assert not offer(tier, 1, MIB)

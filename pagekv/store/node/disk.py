@@ -282,6 +282,7 @@ class DiskTier:
         self._error: str | None = None
         self._closing = False
         self._close_deadline = 0.0
+        self._writer_done = self._release_when_done = False  # see close()
         self._seq = self._next_id = 1
         self._lock_fd = -1
         self.counters = dict.fromkeys(_COUNTERS, 0)
@@ -535,9 +536,10 @@ class DiskTier:
     def close(self, timeout_s: float = 10.0) -> bool:
         """Write what is queued (what is left after ``timeout_s`` is dropped), seal the active
         segment (synced, its directory written: the next start scans nothing), wait for reads
-        in flight, release the directory. Whether the queue was written in full (every delete
-        among it: see :meth:`_unsaved_deletes`). Idempotent.
-        The node stops polling :attr:`wakeup_fd` before calling it."""
+        in flight, release the directory (a writer still stuck releases it when it ends).
+        Whether the queue was written in full (every delete among it: see
+        :meth:`_unsaved_deletes`). Idempotent. The node stops polling :attr:`wakeup_fd` before
+        calling it."""
         with self._lock:
             if self._closing:
                 return False
@@ -546,9 +548,12 @@ class DiskTier:
             self._work.notify_all()
         self._writer.join(timeout_s + 5.0)
         dropped = self.counters["write_dropped_at_close"] + self.counters["deletes_unsaved"]
-        clean = not self._writer.is_alive() and dropped == 0
-        if self._writer.is_alive():
-            log.warning("pagekv disk: the writer is still busy %.0f s after close; leaving it",
+        with self._lock:  # the writer, when it ends, releases the directory in its place
+            stuck = self._release_when_done = not self._writer_done
+        if stuck:
+            log.warning("pagekv disk: the writer is still busy %.0f s after close; leaving it, "
+                        "and the directory locked until it ends (a node started on it "
+                        "meanwhile could read what it still writes)",
                         timeout_s + 5.0)  # fmt: skip
         self._pool.shutdown(wait=True)
         with self._lock:
@@ -557,7 +562,9 @@ class DiskTier:
                 seg.dead = True
         for seg in segments:
             seg.close()
-        self._release_lock()
+        if not stuck:
+            self._release_lock()
+        clean = not stuck and dropped == 0
         self._completions.close()
         return clean and self._error is None
 
@@ -718,6 +725,10 @@ class DiskTier:
             if self._active is not None:
                 seg, self._active = self._active, None
                 self._unref(seg)
+            with self._lock:  # close() gave up waiting: the directory is released here
+                self._writer_done, release = True, self._release_when_done
+            if release:
+                self._release_lock()
 
     def _take(self) -> tuple[list[_Write], threading.Event | None] | None:
         """The next records to write, in queue order (at most one pwritev's worth), or a flush
