@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import queue
 import random
 import socket
 import struct
@@ -35,7 +34,7 @@ from pagekv.store.launch import NodeProcess
 from pagekv.store.wire import native
 from pagekv.store.wire.lane import MAGIC, PREFIX, read_head, send_message
 from pagekv.store.wire.protocol import Reply, decode_request, encode_reply
-from tests.helpers import POISON
+from tests.helpers import POISON, wait_until
 
 MIB = 1 << 20
 
@@ -989,18 +988,133 @@ def test_a_failing_connection_leaves_the_others_their_closing_sentinels(monkeypa
 
     monkeypatch.setattr(lane_module._Conn, "_send", lambda self, call, idle=False: True)
 
-    def reset(self, call):
-        raise ConnectionResetError("reset by the node")
+    def silent(self, call):
+        raise TimeoutError("no answer in time")  # the node's waiting calls are failed too
 
-    monkeypatch.setattr(lane_module._Conn, "_receive", reset)
-    work = queue.SimpleQueue()
+    monkeypatch.setattr(lane_module._Conn, "_receive", silent)
+    lane = lane_module._NodeLane(9)
     fut: concurrent.futures.Future = concurrent.futures.Future()
     for item in [(object(), fut), None, None]:  # a call, then the close of two connections
-        work.put(item)
+        lane.work.put(item)
     cfg = ClientConfig(("tcp://127.0.0.1:9",))
     conn = lane_module._Conn(("127.0.0.1", 9), cfg, SimpleNamespace(limits=[None]), 0, None, 1,
-                             work)  # fmt: skip
+                             lane)  # fmt: skip
     conn.thread.join(10)
     assert not conn.thread.is_alive()
     assert fut.result(timeout=0) is None  # failed like a node failure
-    assert work.qsize() == 1 and work.get_nowait() is None  # the other connection's sentinel
+    assert lane.work.qsize() == 1 and lane.work.get_nowait() is None  # the other's sentinel
+
+
+@pytest.mark.asyncio
+async def test_calls_waiting_when_the_client_closes_are_never_sent(served):
+    """close() ends the calls out on the lane and those still waiting in a node's queue at
+    once: the connection threads took the waiting ones, connected again and sent them after
+    close(), which waited its full 5 s for them."""
+    if native.load() is None:
+        pytest.skip(f"no lane without the native receive: {native.unavailable_reason()}")
+    node = served()
+    fake = _SilentLane()
+    cfg = ClientConfig((node.address,), streams=1, timeout_s=6.0, max_message_bytes=64 << 10)
+    client = AsyncStoreClient(node.address, config=cfg)
+    try:
+        assert await client.ping() == [True]
+        lane_of(client)._ports[0] = fake.port  # a node that never answers its lane
+        into = [bytearray([POISON]) * (64 << 10) for _ in range(4)]  # 4 calls: 2 out, 2 wait
+        task = asyncio.ensure_future(client.get_many([bytes([i]) * 16 for i in range(4)],
+                                                     into=into))  # fmt: skip
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, wait_until, lambda: len(fake.requests) == 2, 10)
+        threads = [c.thread for lane in lane_of(client)._lanes.values() for c in lane.conns]
+        start = time.monotonic()
+        client.close()
+        took = time.monotonic() - start
+        assert not any(t.is_alive() for t in threads) and took < 2.0, took
+        assert await task == [False] * 4
+        assert (fake.connections, len(fake.requests)) == (1, 2)  # nothing sent after close()
+        assert into == [bytearray([POISON]) * (64 << 10)] * 4
+    finally:
+        client.close()
+        fake.listener.close()
+
+
+@pytest.mark.asyncio
+async def test_a_close_while_a_put_hands_out_its_calls_leaves_no_lane_behind(served, monkeypatch):
+    """A put_many yields to the loop between its requests; a close() run then by another task
+    must end the rest: the next request made a new lane after close(), sent it, and left its
+    connection threads running."""
+    if native.load() is None:
+        pytest.skip(f"no lane without the native receive: {native.unavailable_reason()}")
+    from pagekv.store.client import lane as lane_module
+
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 6, 64 << 10)
+    cfg = ClientConfig((node.address,), streams=2, max_message_bytes=64 << 10)  # a value a call
+    client = AsyncStoreClient(node.address, config=cfg)
+    assert await client.ping() == [True]
+    first = asyncio.Event()
+    real_ready = lane_module.ready
+
+    def ready(call):
+        first.set()  # the run yields after handing this call on
+        return real_ready(call)
+
+    monkeypatch.setattr(lane_module, "ready", ready)
+
+    async def closer():
+        await first.wait()
+        client.close()
+
+    try:
+        put = asyncio.ensure_future(client.put_many(keys, values))
+        await asyncio.gather(put, closer())
+        assert not lane_of(client)._lanes, "a lane was made after close()"
+        assert node.stats()["bulk_connections"] <= 2
+    finally:
+        client.close()
+
+
+@pytest.mark.asyncio
+async def test_cancelling_one_put_leaves_another_operation_s_waiting_calls_alone(
+    served, monkeypatch
+):
+    """Cancelling an operation aborts its node's connections; the send that abort interrupts
+    must not fail the calls of other operations waiting in the node's queue (they ended
+    UNAVAILABLE and the node was taken for failed): only a node that does not answer in time
+    fails its waiting calls."""
+    if native.load() is None:
+        pytest.skip(f"no lane without the native receive: {native.unavailable_reason()}")
+    from pagekv.store.node import lane as node_lane
+
+    node = served()
+    rng = random.Random(os.urandom(8))
+    big_key, big = rng.randbytes(16), rng.randbytes(24 << 20)  # more than the socket buffers
+    keys, values = rand_values(rng, 6, 64 << 10)
+    cfg = ClientConfig((node.address,), streams=1, max_message_bytes=32 << 20)
+    client = AsyncStoreClient(node.address, config=cfg)
+    entered, release = threading.Event(), threading.Event()
+    real = node_lane.BulkServer._receive
+
+    def receive(self, conn, head, req, bounce, hashed):  # the node slow to read the big PUT
+        if req.keys[0] == big_key:
+            entered.set()
+            release.wait(30)
+        return real(self, conn, head, req, bounce, hashed)
+
+    try:
+        assert await client.ping() == [True]
+        monkeypatch.setattr(node_lane.BulkServer, "_receive", receive)
+        a = asyncio.ensure_future(client.put_many([big_key], [big]))
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, entered.wait, 10)
+        b = asyncio.ensure_future(client.put_many(keys, values))  # waits behind A's send
+        work = lane_of(client)._lanes[0].work
+        await loop.run_in_executor(None, wait_until, lambda: work.qsize() >= 1, 10)
+        a.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await a
+        release.set()
+        assert await asyncio.wait_for(b, 20) == [Status.OK] * len(keys)
+    finally:
+        release.set()
+        client.close()

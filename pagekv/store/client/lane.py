@@ -36,6 +36,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import errno
 import functools
 import logging
 import queue
@@ -64,6 +65,7 @@ __all__ = ["COUNTERS", "DEPTH", "LaneTransport"]
 
 log = logging.getLogger("pagekv.store")
 DEPTH = 2  # requests out on one connection: the next reply streams while the last is checked
+_STALLED = object()  # a send the node did not take in time (its socket's send timeout)
 CLOSE_WAIT_S = 5.0  # close() waits this long for the connections' threads
 COUNTERS = ("bulk_requests", "bulk_bytes_in", "bulk_bytes_out", "bulk_failures")
 
@@ -76,11 +78,12 @@ class _Conn:
 
     def __init__(self, address: tuple[str, int], config: ClientConfig, router: Router,
                  node: int, lib: native.NativeCopy, bounce_slots: int,
-                 work: queue.SimpleQueue) -> None:  # fmt: skip
+                 lane: _NodeLane) -> None:  # fmt: skip
         self.address, self.config, self.router, self.node = address, config, router, node
         self.limits = router.limits[node] or FALLBACK_LIMITS  # see _limits
         self.lib = lib  # the native receive
-        self.queue = work  # (call, future) items and closing sentinels (None), one per thread
+        self.lane = lane  # whether it was closed, and what a call taken after that gets
+        self.queue = lane.work  # (call, future) items and closing sentinels (None), one each
         self.sock: socket.socket | None = None
         # abort() counts up (client's thread); the connection's thread compares before each
         # send: a socket shut down while this thread was idle is replaced, not sent on
@@ -126,10 +129,13 @@ class _Conn:
                 call, fut = item
                 if not fut.set_running_or_notify_cancel():
                     continue
+                if self.lane.closed:  # the client closed, or the node's lane moved: not sent
+                    fut.set_result(self.lane.left)
+                    continue
                 outcome = self._send(call, idle=not out)
                 if outcome is not True:
-                    fut.set_result(outcome)
-                    self._fail(out, queued=outcome is None)
+                    fut.set_result(None if outcome is _STALLED else outcome)
+                    self._fail(out, queued=outcome is _STALLED)
                     continue
                 out.append((call, fut))
             if not out:
@@ -151,11 +157,11 @@ class _Conn:
                 continue
             except (OSError, ProtocolError) as e:
                 log.debug("pagekv store: bulk lane to %s failed: %s", self.address, e)
-                self._fail(out, queued=True)
+                self._fail(out, queued=_timed_out(e) and not self._aborted())
                 result = None
             except Exception:  # a bug: this call fails like a node failure, the lane goes on
                 log.exception("pagekv store: bulk lane reply could not be handled")
-                self._fail(out, queued=True)
+                self._fail(out)
                 result = None
             if self.sock is None:  # dropped while answering: the rest sent on it are lost
                 self._fail(out)
@@ -179,7 +185,8 @@ class _Conn:
         """The connection is unusable: drop it and fail the calls whose requests went out and,
         with ``queued`` (the node did not answer in time), every call of the node's waiting
         to be sent: each would otherwise wait one more timeout on a connection to the same
-        node (a lane that fails is a node failure: the keys move on)."""
+        node (a lane that fails is a node failure: the keys move on). Any other failure (a
+        reset, a bad reply, an abort) leaves the waiting calls to the node's connections."""
         self._drop()
         while out:
             out.popleft()[1].set_result(None)
@@ -237,7 +244,8 @@ class _Conn:
 
     def _send(self, call: Call, idle: bool = False) -> Any:
         """Send ``call``'s request: True, else its result (None: the node failed it; MOVED: no
-        connection could be made to the lane's port). ``idle``: no request is out on this
+        connection could be made to the lane's port; ``_STALLED``: the node did not take it
+        in time). ``idle``: no request is out on this
         connection. A kept connection that turns out to be closed or reset by the node while
         idle (it restarted, or dropped the connection) is replaced and the request sent once
         more: the node cannot have answered any of it."""
@@ -257,7 +265,7 @@ class _Conn:
             return self._send(call)
         except OSError as e:
             log.debug("pagekv store: bulk send to %s failed: %s", self.address, e)
-            return None
+            return _STALLED if _timed_out(e) else None
         return True
 
     def _receive(self, call: Call) -> tuple[Any, list[Any]]:
@@ -309,11 +317,15 @@ class _NodeLane:
     the connections (with their threads) that take them."""
 
     port: int
-    work: queue.SimpleQueue
-    conns: list[_Conn]
+    work: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
+    conns: list[_Conn] = dataclasses.field(default_factory=list)
+    closed: bool = False
+    left: Any = None  # what a call taken after close() gets: None, or MOVED (the lane moved)
 
-    def close(self) -> None:
-        """End every connection: its calls end (None), then its thread (one sentinel each)."""
+    def close(self, left: Any = None) -> None:
+        """End every connection: the calls out and waiting end (``left``; those out: None),
+        then each thread (one sentinel each)."""
+        self.left, self.closed = left, True
         for _ in self.conns:
             self.work.put(None)
         for conn in self.conns:
@@ -331,6 +343,7 @@ class LaneTransport(Transport):
         self._lib: native.NativeCopy | None = None  # the native receive, loaded by take()
         self._ports: dict[int, int] = {}  # node -> its lane's port, for the nodes taken
         self._lanes: dict[int, _NodeLane] = {}  # node -> its lane in use
+        self._closed = False  # by close(): no lane is made again
         for name in COUNTERS:
             router.counters.setdefault(name, 0)
 
@@ -394,9 +407,13 @@ class LaneTransport(Transport):
                 hashed = call.before_send is not None
                 ready(call)  # a PUT's checksums: the calls handed on before it are being sent
                 fut: concurrent.futures.Future = concurrent.futures.Future()
-                self._lane_for(call.node).work.put((call, fut))
                 fut.add_done_callback(functools.partial(done, call=call))
                 futures.append(fut)
+                if self._closed:  # closed meanwhile (another task, while this one yielded)
+                    fut.set_running_or_notify_cancel()
+                    fut.set_result(None)
+                else:
+                    self._lane_for(call.node).work.put((call, fut))
                 if hashed:  # the loop's other work runs between one request's hashing and the next
                     await asyncio.sleep(0)
             await ended
@@ -413,14 +430,13 @@ class LaneTransport(Transport):
         lane = self._lanes.get(node)
         if lane is None or lane.port != port:
             if lane is not None:
-                lane.close()
+                lane.close(MOVED)  # its calls are run again on what the node's PING tells
             host = self.config.endpoints[node][len("tcp://") :].rsplit(":", 1)[0].strip("[]")
             connections = self.config.streams * len(self.config.endpoints)
             slots = native.RECV_SLOTS if lane_receive_helpers(connections) else 1
-            work: queue.SimpleQueue = queue.SimpleQueue()
-            conns = [_Conn((host, port), self.config, self.router, node, self._lib, slots, work)
-                     for _ in range(self.config.streams)]  # fmt: skip
-            lane = self._lanes[node] = _NodeLane(port, work, conns)
+            lane = self._lanes[node] = _NodeLane(port)
+            lane.conns = [_Conn((host, port), self.config, self.router, node, self._lib, slots,
+                                lane) for _ in range(self.config.streams)]  # fmt: skip
         return lane
 
     def _count(self, call: Call, result: Any) -> None:
@@ -442,6 +458,7 @@ class LaneTransport(Transport):
     def close(self) -> None:
         """Close every connection and wait for their threads (each ends at once: its socket is
         shut down), at most ``CLOSE_WAIT_S`` in all."""
+        self._closed = True
         lanes = list(self._lanes.values())
         self._lanes.clear()
         for lane in lanes:
@@ -453,6 +470,13 @@ class LaneTransport(Transport):
         if any(conn.thread.is_alive() for conn in conns):
             log.warning("pagekv store: bulk lane threads still running %.0f s after close",
                         CLOSE_WAIT_S)  # fmt: skip
+
+
+def _timed_out(e: BaseException) -> bool:
+    """Whether a socket call failed because its timeout passed (the node did not answer)."""
+    return isinstance(e, TimeoutError) or (
+        isinstance(e, OSError) and e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ETIMEDOUT)
+    )
 
 
 def _native_receive() -> tuple[native.NativeCopy | None, str]:
