@@ -336,3 +336,51 @@ def _seen(sub: Subscriber, key: bytes) -> bool:
         if any(key in getattr(ev, "block_hashes", ()) for ev in decode_batch(payload).events):
             return True
     return False
+
+
+def test_a_replay_of_the_whole_buffer_arrives_whole_to_a_subscriber_not_reading_yet(
+    tmp_path, monkeypatch
+):
+    """A replay is sent in one go; a subscriber that reads only once it was sent must still
+    get every buffered batch and the end marker: past the ROUTER's default high-water mark
+    (1000 messages) the rest was dropped without a word, the end marker with it."""
+    import zmq
+
+    from pagekv.store.node import event_publisher as ep
+
+    monkeypatch.setattr(ep, "MAX_BATCH_KEYS", 1)  # a batch a key: a large node's resync, small
+    keys = [os.urandom(16) for _ in range(3000)]
+    sent = threading.Event()
+    real = ep.EventPublisher._serve_replays
+
+    def serve(self, timeout_ms):
+        real(self, timeout_ms)
+        if self.counters["event_replays"]:
+            sent.set()  # every message of the replay is queued for the peer, or dropped
+
+    monkeypatch.setattr(ep.EventPublisher, "_serve_replays", serve)
+    ctx = zmq.Context()
+    pub = ep.EventPublisher(ctx, NodeEvents(1 << 20), lambda: [(MEMORY, keys)],
+                            endpoint=f"ipc://{tmp_path}/events", topic="", buffer=10_000,
+                            replay_endpoint=f"ipc://{tmp_path}/replay")  # fmt: skip
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        wait_until(lambda: pub.counters["event_batches"] > len(keys), 20, "the resync")
+        buffered = [seq for seq, _ in list(pub._buffer)]
+        dealer.connect(pub.replay_endpoint)
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        assert sent.wait(20), "no replay"
+        seqs = []
+        while dealer.poll(5000):
+            frames = dealer.recv_multipart()
+            if frames[2] == ep.END_SEQ:
+                break
+            seqs.append(int.from_bytes(frames[2], "big"))
+        else:
+            raise AssertionError(f"no end marker after {len(seqs)} batches")
+        assert seqs[: len(buffered)] == buffered
+    finally:
+        dealer.close()
+        pub.close()
+        ctx.term()

@@ -155,6 +155,9 @@ class EventPublisher:
             if replay_endpoint:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                # a whole replay and its end marker wait for a peer that is not reading yet
+                # (past the high-water mark a ROUTER drops messages without a word)
+                self._replay.setsockopt(zmq.SNDHWM, buffer + 1)
                 self.replay_endpoint = _bind(self._replay, replay_endpoint)
         except BaseException:
             self._close_sockets()
