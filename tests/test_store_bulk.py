@@ -1118,3 +1118,97 @@ async def test_cancelling_one_put_leaves_another_operation_s_waiting_calls_alone
     finally:
         release.set()
         client.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("end", ["cancel", "close"])
+async def test_a_call_ended_while_its_connection_is_made_is_not_sent(served, monkeypatch, end):
+    """abort() that lands while a connection is being made (no socket to shut down yet) must
+    still end the call: it was sent once connected and waited for, and the run's clean-up held
+    the event loop until the node answered or the timeout passed."""
+    if native.load() is None:
+        pytest.skip(f"no lane without the native receive: {native.unavailable_reason()}")
+    from pagekv.store.client import lane as lane_module
+
+    node = served()
+    fake = _SilentLane()
+    client = AsyncStoreClient(node.address, config=ClientConfig((node.address,), streams=1,
+                                                                timeout_s=3.0))  # fmt: skip
+    connecting, aborted = threading.Event(), threading.Event()
+    real_connect, real_abort = lane_module._Conn._connect, lane_module._Conn.abort
+
+    def connect(self):
+        connecting.set()
+        assert aborted.wait(10)  # the handshake still under way when the call is ended
+        return real_connect(self)
+
+    def abort(self):
+        real_abort(self)
+        aborted.set()
+
+    try:
+        assert await client.ping() == [True]
+        lane_of(client)._ports[0] = fake.port
+        monkeypatch.setattr(lane_module._Conn, "_connect", connect)
+        monkeypatch.setattr(lane_module._Conn, "abort", abort)
+        into = bytearray([POISON]) * 4096
+        task = asyncio.ensure_future(client.get_many([b"k" * 16], into=[into]))
+        assert await asyncio.get_running_loop().run_in_executor(None, connecting.wait, 10)
+        start = time.monotonic()
+        if end == "cancel":
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            client.close()
+            assert await task == [False]
+        assert time.monotonic() - start < 2.0 and not fake.requests
+        assert into == bytearray([POISON]) * 4096
+    finally:
+        client.close()
+        fake.listener.close()
+
+
+@pytest.mark.asyncio
+async def test_requests_out_on_an_aborted_socket_end_before_the_next_is_sent(served, monkeypatch):
+    """A connection with a request still out when abort() lands must end that request before
+    it sends the next on a new socket: the next was sent at once, the reply read for the one
+    still out was the next one's, and the mismatch failed the next one and the node."""
+    if native.load() is None:
+        pytest.skip(f"no lane without the native receive: {native.unavailable_reason()}")
+    from pagekv.store.client import lane as lane_module
+
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 4, 64 << 10)
+    cfg = ClientConfig((node.address,), streams=1, max_message_bytes=64 << 10)  # a value a call
+    client = AsyncStoreClient(node.address, config=cfg)
+    assert await client.put_many(keys, values) == [Status.OK] * 4
+    a_read, aborted = threading.Event(), threading.Event()
+    real_receive, real_abort = lane_module._Conn._receive, lane_module._Conn.abort
+
+    def receive(self, call):
+        result = real_receive(self, call)
+        if call.request.keys == [keys[0]] and not a_read.is_set():
+            a_read.set()  # A's reply read; B's first request is out behind it
+            assert aborted.wait(10)
+        return result
+
+    def abort(self):
+        real_abort(self)
+        aborted.set()
+
+    monkeypatch.setattr(lane_module._Conn, "_receive", receive)
+    monkeypatch.setattr(lane_module._Conn, "abort", abort)
+    try:
+        a = asyncio.ensure_future(client.get_many([keys[0]], into=[bytearray(64 << 10)]))
+        into = [bytearray([POISON]) * (64 << 10) for _ in range(3)]
+        b = asyncio.ensure_future(client.get_many(keys[1:], into=into))
+        assert await asyncio.get_running_loop().run_in_executor(None, a_read.wait, 10)
+        a.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await a
+        got = await asyncio.wait_for(b, 20)  # B's first request was out on the aborted socket
+        assert got[1:] == [True, True] and [bytes(v) for v in into[1:]] == values[2:]
+    finally:
+        client.close()

@@ -118,7 +118,9 @@ class _Conn:
         closing = False
         resent: set[int] = set()  # requests sent again after their connection went stale
         while out or not closing:
-            while len(out) < DEPTH and not closing:
+            # after an abort, the requests out on the shut-down socket end first: a request
+            # sent on a new socket meanwhile would have its reply read as theirs
+            while len(out) < DEPTH and not closing and not (out and self._abort_pending()):
                 try:
                     item = self.queue.get(block=not out)
                 except queue.Empty:
@@ -209,6 +211,10 @@ class _Conn:
             self.limits = limits
         return self.limits
 
+    def _abort_pending(self) -> bool:
+        """Whether :meth:`abort` shut the socket down since :meth:`_aborted` last looked."""
+        return self.aborts != self.aborts_seen
+
     def _aborted(self) -> bool:
         """Whether :meth:`abort` shut the socket down since this was last asked (a closed
         connection is then ours, not the node's: its calls end, nothing is sent again)."""
@@ -254,6 +260,9 @@ class _Conn:
         kept = self.sock is not None
         if not kept and not self._connect():
             return MOVED
+        if not kept and self._aborted():  # ended while the connection was being made
+            self._drop()
+            return None
         header = request_header(call)
         try:
             send_message(self.sock, header, call.payloads)
