@@ -72,8 +72,8 @@ COUNTERS = ("bulk_requests", "bulk_bytes_in", "bulk_bytes_out", "bulk_failures")
 
 class _Conn:
     """One connection of a client to a node's bulk lane and the thread that works it: the
-    thread takes the node's next call from ``work`` (shared by the node's connections)
-    whenever fewer than ``DEPTH`` of its own are out, so a connection that runs faster
+    thread takes the node's next call from its lane's queue (shared by the node's
+    connections) whenever fewer than ``DEPTH`` of its own are out, so a connection that runs faster
     carries more and every connection ends within about a call of the others."""
 
     def __init__(self, address: tuple[str, int], config: ClientConfig, router: Router,
@@ -251,10 +251,10 @@ class _Conn:
     def _send(self, call: Call, idle: bool = False) -> Any:
         """Send ``call``'s request: True, else its result (None: the node failed it; MOVED: no
         connection could be made to the lane's port; ``_STALLED``: the node did not take it
-        in time). ``idle``: no request is out on this
-        connection. A kept connection that turns out to be closed or reset by the node while
-        idle (it restarted, or dropped the connection) is replaced and the request sent once
-        more: the node cannot have answered any of it."""
+        in time). ``idle``: no request is out on this connection. A kept connection that
+        turns out to be closed or reset by the node while idle (it restarted, or dropped the
+        connection) is replaced and the request sent once more: the node cannot have
+        answered any of it."""
         if self._aborted():  # shut down by abort() while idle: never send on it
             self._drop()
         kept = self.sock is not None
