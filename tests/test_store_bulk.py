@@ -1212,3 +1212,34 @@ async def test_requests_out_on_an_aborted_socket_end_before_the_next_is_sent(ser
         assert got[1:] == [True, True] and [bytes(v) for v in into[1:]] == values[2:]
     finally:
         client.close()
+
+
+def test_a_kept_connection_found_closed_behind_a_request_out_sends_both_again(served, monkeypatch):
+    """A node that restarted closed the client's kept connections: the first request on one
+    is found stale by its reply and sent again, but the second, pipelined behind it, found
+    it by a failed send and failed (a miss, the node taken for failed). Both go again on a
+    new connection, once."""
+    if native.load() is None:
+        pytest.skip(f"no lane without the native receive: {native.unavailable_reason()}")
+    from pagekv.store.client import lane as lane_module
+
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 4, 64 << 10)
+    cfg = ClientConfig((node.address,), streams=1, max_message_bytes=64 << 10)  # a value a call
+    real_send = lane_module._Conn._send
+    broken: list[socket.socket] = []
+
+    def send(self, call, idle=False):
+        if not idle and self.sock is not None and not broken:  # a request is out on it
+            broken.append(self.sock)
+            self.sock.shutdown(socket.SHUT_RDWR)  # as the node's close: the send fails
+        return real_send(self, call, idle)
+
+    with StoreClient(node.address, config=cfg) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        monkeypatch.setattr(lane_module._Conn, "_send", send)
+        into = [bytearray([POISON]) * len(v) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert broken and [bytes(b) for b in into] == values
+        assert client.counters["bulk_failures"] == 0 and client.counters["node_failures"] == 0

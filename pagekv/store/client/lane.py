@@ -19,9 +19,10 @@ failure, its keys move on); or :data:`.transport.MOVED` when the lane's port cou
 connected to (the node restarted with its lane elsewhere, or is down: the client PINGs it,
 which tells).
 
-A kept connection the node closed while idle (a send that fails, or a reply that never starts)
-is replaced and the request sent once more: the node cannot have answered any of it (PUTs and
-GETs may be repeated: a value stored once is ``EXISTS`` the second time). A connection that
+A kept connection the node closed (a send that fails, or a reply that never starts) is
+replaced and the requests out on it whose replies were not read are sent once more with the
+one being sent (the node restarted: it has none of them; PUTs and GETs may be repeated: a
+value stored once is ``EXISTS`` the second time). A connection that
 :meth:`_Conn.abort` shut down is never taken for one the node closed: its calls end.
 
 Ownership: a call's ``payloads`` are read and its ``sinks`` written by its connection's thread
@@ -66,6 +67,7 @@ __all__ = ["COUNTERS", "DEPTH", "LaneTransport"]
 log = logging.getLogger("pagekv.store")
 DEPTH = 2  # requests out on one connection: the next reply streams while the last is checked
 _STALLED = object()  # a send the node did not take in time (its socket's send timeout)
+_STALE = object()  # a kept connection the node closed, found by a send behind others out on it
 CLOSE_WAIT_S = 5.0  # close() waits this long for the connections' threads
 COUNTERS = ("bulk_requests", "bulk_bytes_in", "bulk_bytes_out", "bulk_failures")
 
@@ -135,6 +137,12 @@ class _Conn:
                     fut.set_result(self.lane.left)
                     continue
                 outcome = self._send(call, idle=not out)
+                if outcome is _STALE:  # none of what is out on it was answered: sent again
+                    ids = {c.request.id for c, _ in out} | {call.request.id}
+                    again = resent.isdisjoint(ids)
+                    resent.update(ids)
+                    self._resend([*out, (call, fut)], out, again)
+                    continue
                 if outcome is not True:
                     fut.set_result(None if outcome is _STALLED else outcome)
                     self._fail(out, queued=outcome is _STALLED)
@@ -181,7 +189,7 @@ class _Conn:
             if outcome is True:
                 out.append((call, fut))
             else:
-                fut.set_result(outcome)
+                fut.set_result(outcome if outcome is MOVED else None)
 
     def _fail(self, out: collections.deque, queued: bool = False) -> None:
         """The connection is unusable: drop it and fail the calls whose requests went out and,
@@ -251,10 +259,11 @@ class _Conn:
     def _send(self, call: Call, idle: bool = False) -> Any:
         """Send ``call``'s request: True, else its result (None: the node failed it; MOVED: no
         connection could be made to the lane's port; ``_STALLED``: the node did not take it
-        in time). ``idle``: no request is out on this connection. A kept connection that
-        turns out to be closed or reset by the node while idle (it restarted, or dropped the
-        connection) is replaced and the request sent once more: the node cannot have
-        answered any of it."""
+        in time; ``_STALE``: a kept connection the node closed, with requests out on it).
+        ``idle``: no request is out on this connection. A kept connection that turns out to
+        be closed or reset by the node while idle (it restarted, or dropped the connection)
+        is replaced and the request sent once more: the node cannot have answered any of
+        it."""
         if self._aborted():  # shut down by abort() while idle: never send on it
             self._drop()
         kept = self.sock is not None
@@ -267,9 +276,11 @@ class _Conn:
         try:
             send_message(self.sock, header, call.payloads)
         except ConnectionError as e:
-            if not (kept and idle) or self._aborted():
+            if not kept or self._aborted():
                 log.debug("pagekv store: bulk send to %s failed: %s", self.address, e)
                 return None
+            if not idle:  # requests are out on it: they go again with this one (the caller)
+                return _STALE
             self._drop()  # stale: a new connection (or MOVED when the lane moved or went)
             return self._send(call)
         except OSError as e:
