@@ -37,7 +37,6 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
-import errno
 import functools
 import logging
 import queue
@@ -167,7 +166,7 @@ class _Conn:
                 continue
             except (OSError, ProtocolError) as e:
                 log.debug("pagekv store: bulk lane to %s failed: %s", self.address, e)
-                self._fail(out, queued=_timed_out(e) and not self._aborted())
+                self._fail(out, queued=isinstance(e, TimeoutError) and not self._aborted())
                 result = None
             except Exception:  # a bug: this call fails like a node failure, the lane goes on
                 log.exception("pagekv store: bulk lane reply could not be handled")
@@ -285,7 +284,7 @@ class _Conn:
             return self._send(call)
         except OSError as e:
             log.debug("pagekv store: bulk send to %s failed: %s", self.address, e)
-            return _STALLED if _timed_out(e) else None
+            return _STALLED if isinstance(e, TimeoutError) else None  # the wire's timeouts
         return True
 
     def _receive(self, call: Call) -> tuple[Any, list[Any]]:
@@ -490,13 +489,6 @@ class LaneTransport(Transport):
         if any(conn.thread.is_alive() for conn in conns):
             log.warning("pagekv store: bulk lane threads still running %.0f s after close",
                         CLOSE_WAIT_S)  # fmt: skip
-
-
-def _timed_out(e: BaseException) -> bool:
-    """Whether a socket call failed because its timeout passed (the node did not answer)."""
-    return isinstance(e, TimeoutError) or (
-        isinstance(e, OSError) and e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ETIMEDOUT)
-    )
 
 
 def _native_receive() -> tuple[native.NativeCopy | None, str]:

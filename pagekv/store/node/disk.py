@@ -495,16 +495,17 @@ class DiskTier:
         oldest segments). :meth:`close` then writes the queue."""
         deadline = time.monotonic() + timeout_s
         room = self.config.capacity - 2 * self.config.segment_bytes
-        chosen = []
+        chosen, incoming = [], 0
         for key, frames, size, checksum in blocks:
             if not self.config.fits(len(key), len(frames), size):
                 continue
-            room -= record_bytes(len(key), len(frames), size)
-            if room < 0:
+            need = record_bytes(len(key), len(frames), size)
+            if incoming + need > room:
                 break
             chosen.append((key, frames, size, checksum))
+            incoming += need
         with self._lock:
-            kept = self._kept_through(sum(record_bytes(len(k), len(f), n) for k, f, n, _ in chosen))
+            kept = self._kept_through(incoming)
         queued = 0
         for key, frames, size, checksum in chosen:
             with self._lock:
@@ -845,17 +846,18 @@ class DiskTier:
         with self._lock:
             if self._error is not None:
                 return
-            tombstones = [item for item in items if item.flags & FLAG_TOMBSTONE]
-            if tombstones:
-                self._unsaved_deletes(len(tombstones), counter.removeprefix("write_"))
+            tombstones = 0
             for item in items:
                 if item.flags & FLAG_TOMBSTONE:
+                    tombstones += 1
                     continue
                 self._queue_bytes -= item.size
                 if self._pending.get(item.key) is item:
                     del self._pending[item.key]
                     self._gone(item.key)
                 self.counters[counter] += 1
+            if tombstones:
+                self._unsaved_deletes(tombstones, counter.removeprefix("write_"))
             self._room.notify_all()
 
     def _drop_blocks(self, counter: str) -> None:

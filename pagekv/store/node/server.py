@@ -592,6 +592,16 @@ class StoreNode:
         self._promote_skipped += len(skipped)
         return skipped
 
+    def _promote_read(self, keys: list[bytes], blocks: list[DiskBlock | None]) -> None:
+        """A GET's blocks read from disk into memory, with promotion on (under the lock, once
+        its reply holds the space of the memory blocks it sends: a promotion may evict them)."""
+        if not self.config.disk_promote:
+            return
+        try:
+            self._promote(keys, blocks)
+        except Exception:  # a bug: the blocks stay on disk, the node serves on
+            log.exception("pagekv store: promoting blocks read from disk failed")
+
     def _disk_done(self) -> None:
         """Answer the requests whose disk reads have completed."""
         for token, blocks in self.disk.completed():
@@ -601,31 +611,26 @@ class StoreNode:
             op = Op.GET if isinstance(wait.work, handlers.DiskGet) else Op.LOCATE
             with self.lock:
                 self.outbox.release(wait.peer, wait.nbytes)
-                try:  # a GET's blocks are promoted once its reply holds their space
-                    rep, out = self._finish(wait.work, wait.keys, blocks, promote=op is Op.LOCATE)
+                try:
+                    rep, out = self._finish(wait.work, wait.keys, blocks)
                 except Exception as e:  # a bug: answered INTERNAL, the node serves on
                     rep, out = self._error_reply(wait.work.req.id, e), []
                 self._sent_blocks = wait.sent
                 self._send(wait.ident, rep, out)
                 if wait.hold is not None:
                     wait.hold.done = True  # the blocks' space now waits for the reply itself
-                if op is Op.GET and self.config.disk_promote:
-                    try:
-                        self._promote(wait.keys, blocks)
-                    except Exception:  # a bug: the blocks stay on disk, the node serves on
-                        log.exception("pagekv store: promoting blocks read from disk failed")
+                if op is Op.GET:
+                    self._promote_read(wait.keys, blocks)
                 self._observe(op, rep, wait.start, "disk")
 
-    def _finish(self, work: Any, keys: list[bytes], blocks: list[DiskBlock | None],
-                promote: bool = True) -> tuple[Reply, list[Any]]:  # fmt: skip
-        """The reply to a request whose disk reads are done (under the lock); a GET's blocks
-        promoted into memory first where ``promote`` (a reply sent from memory blocks that a
-        promotion evicts must hold their space before: see :meth:`_disk_done`)."""
+    def _finish(self, work: Any, keys: list[bytes],
+                blocks: list[DiskBlock | None]) -> tuple[Reply, list[Any]]:  # fmt: skip
+        """The reply to a request whose disk reads are done (under the lock). A LOCATE's
+        blocks are promoted first (its reply names them in the segment); a GET's by the
+        caller once the reply holds its memory blocks' space (:meth:`_promote_read`)."""
         if isinstance(work, handlers.DiskGet):
             rep, out = handlers.finish_get(work, blocks)
             self.counters["deferred"] += work.deferred
-            if promote and self.config.disk_promote:
-                self._promote(keys, blocks)
             return rep, out
         # a LOCATE: what it finds must be in the segment; what could not be promoted is
         # deferred as what it did not try
@@ -663,6 +668,7 @@ class StoreNode:
                 rep, out = self._finish(planned, planned.keys, blocks)
             except Exception as e:
                 rep, out = self._error_reply(req.id, e), []
+            self._promote_read(planned.keys, blocks)  # the space sent from waits for ``done``
             return self._lane_reply(rep, out, done, start, "disk")
 
     def _answer_lane_put(self, req: Request, receive: Receive) -> Reply:
