@@ -28,6 +28,7 @@ from pagekv.store import (
     StoreNode,
 )
 from pagekv.store import config as store_config
+from pagekv.store.client import lane as lane_module
 from pagekv.store.client.client import INLINE_PUT_BYTES
 from pagekv.store.config import ClientConfig
 from pagekv.store.launch import NodeProcess
@@ -62,6 +63,14 @@ def receive(monkeypatch):
     monkeypatch.setattr(native.NativeCopy, "recv_verify", counted)
     yield
     assert calls, "the native receive was never called"
+
+
+@pytest.fixture
+def lane_needed():
+    """Skips a test of the lane's client side where this process has no native receive (the
+    client takes no lane without it)."""
+    if native.load() is None:
+        pytest.skip(f"no lane without the native receive: {native.unavailable_reason()}")
 
 
 @pytest.fixture
@@ -498,6 +507,7 @@ class _SilentLane:
                 return  # the client hung up
 
 
+@pytest.mark.usefixtures("lane_needed")
 @pytest.mark.asyncio
 @pytest.mark.parametrize("end", ["cancel", "close"])
 async def test_a_call_ended_while_its_reply_is_awaited_is_not_sent_again(served, end):
@@ -505,8 +515,6 @@ async def test_a_call_ended_while_its_reply_is_awaited_is_not_sent_again(served,
     (or closing the client) ends it at once. The shut-down connection must not pass for one
     the node closed while idle, whose request is sent again on a new connection and waited
     for: that kept the loop blocked until the node answered or the timeout (10 s) passed."""
-    if native.load() is None:
-        pytest.skip(f"no lane without the native receive: {native.unavailable_reason()}")
     node = served()
     lane = _SilentLane()
     client = AsyncStoreClient(node.address, config=ClientConfig((node.address,), streams=1))
@@ -814,8 +822,6 @@ async def test_a_stalled_connection_leaves_the_node_s_other_calls_to_the_rest(se
     one connection is held up (a sender on a busy core, a slow socket), the others carry every
     call it has not taken, so a GET ends about when its fastest connections do. Dealt to the
     connections in turn up front, a quarter of the calls waited behind the stalled one."""
-    from pagekv.store.client import lane as lane_module
-
     node = served()
     rng = random.Random(os.urandom(8))
     keys, values = rand_values(rng, 32, 64 << 10)
@@ -984,8 +990,6 @@ def test_a_failing_connection_leaves_the_others_their_closing_sentinels(monkeypa
     connection's thread waiting on the queue for ever."""
     from types import SimpleNamespace
 
-    from pagekv.store.client import lane as lane_module
-
     monkeypatch.setattr(lane_module._Conn, "_send", lambda self, call, idle=False: True)
 
     def silent(self, call):
@@ -1005,13 +1009,12 @@ def test_a_failing_connection_leaves_the_others_their_closing_sentinels(monkeypa
     assert lane.work.qsize() == 1 and lane.work.get_nowait() is None  # the other's sentinel
 
 
+@pytest.mark.usefixtures("lane_needed")
 @pytest.mark.asyncio
 async def test_calls_waiting_when_the_client_closes_are_never_sent(served):
     """close() ends the calls out on the lane and those still waiting in a node's queue at
     once: the connection threads took the waiting ones, connected again and sent them after
     close(), which waited its full 5 s for them."""
-    if native.load() is None:
-        pytest.skip(f"no lane without the native receive: {native.unavailable_reason()}")
     node = served()
     fake = _SilentLane()
     cfg = ClientConfig((node.address,), streams=1, timeout_s=6.0, max_message_bytes=64 << 10)
@@ -1037,15 +1040,12 @@ async def test_calls_waiting_when_the_client_closes_are_never_sent(served):
         fake.listener.close()
 
 
+@pytest.mark.usefixtures("lane_needed")
 @pytest.mark.asyncio
 async def test_a_close_while_a_put_hands_out_its_calls_leaves_no_lane_behind(served, monkeypatch):
     """A put_many yields to the loop between its requests; a close() run then by another task
     must end the rest: the next request made a new lane after close(), sent it, and left its
     connection threads running."""
-    if native.load() is None:
-        pytest.skip(f"no lane without the native receive: {native.unavailable_reason()}")
-    from pagekv.store.client import lane as lane_module
-
     node = served()
     rng = random.Random(os.urandom(8))
     keys, values = rand_values(rng, 6, 64 << 10)
@@ -1074,6 +1074,7 @@ async def test_a_close_while_a_put_hands_out_its_calls_leaves_no_lane_behind(ser
         client.close()
 
 
+@pytest.mark.usefixtures("lane_needed")
 @pytest.mark.asyncio
 async def test_cancelling_one_put_leaves_another_operation_s_waiting_calls_alone(
     served, monkeypatch
@@ -1082,8 +1083,6 @@ async def test_cancelling_one_put_leaves_another_operation_s_waiting_calls_alone
     must not fail the calls of other operations waiting in the node's queue (they ended
     UNAVAILABLE and the node was taken for failed): only a node that does not answer in time
     fails its waiting calls."""
-    if native.load() is None:
-        pytest.skip(f"no lane without the native receive: {native.unavailable_reason()}")
     from pagekv.store.node import lane as node_lane
 
     node = served()
@@ -1120,16 +1119,13 @@ async def test_cancelling_one_put_leaves_another_operation_s_waiting_calls_alone
         client.close()
 
 
+@pytest.mark.usefixtures("lane_needed")
 @pytest.mark.asyncio
 @pytest.mark.parametrize("end", ["cancel", "close"])
 async def test_a_call_ended_while_its_connection_is_made_is_not_sent(served, monkeypatch, end):
     """abort() that lands while a connection is being made (no socket to shut down yet) must
     still end the call: it was sent once connected and waited for, and the run's clean-up held
     the event loop until the node answered or the timeout passed."""
-    if native.load() is None:
-        pytest.skip(f"no lane without the native receive: {native.unavailable_reason()}")
-    from pagekv.store.client import lane as lane_module
-
     node = served()
     fake = _SilentLane()
     client = AsyncStoreClient(node.address, config=ClientConfig((node.address,), streams=1,
@@ -1169,15 +1165,12 @@ async def test_a_call_ended_while_its_connection_is_made_is_not_sent(served, mon
         fake.listener.close()
 
 
+@pytest.mark.usefixtures("lane_needed")
 @pytest.mark.asyncio
 async def test_requests_out_on_an_aborted_socket_end_before_the_next_is_sent(served, monkeypatch):
     """A connection with a request still out when abort() lands must end that request before
     it sends the next on a new socket: the next was sent at once, the reply read for the one
     still out was the next one's, and the mismatch failed the next one and the node."""
-    if native.load() is None:
-        pytest.skip(f"no lane without the native receive: {native.unavailable_reason()}")
-    from pagekv.store.client import lane as lane_module
-
     node = served()
     rng = random.Random(os.urandom(8))
     keys, values = rand_values(rng, 4, 64 << 10)
@@ -1214,15 +1207,12 @@ async def test_requests_out_on_an_aborted_socket_end_before_the_next_is_sent(ser
         client.close()
 
 
+@pytest.mark.usefixtures("lane_needed")
 def test_a_kept_connection_found_closed_behind_a_request_out_sends_both_again(served, monkeypatch):
     """A node that restarted closed the client's kept connections: the first request on one
     is found stale by its reply and sent again, but the second, pipelined behind it, found
     it by a failed send and failed (a miss, the node taken for failed). Both go again on a
     new connection, once."""
-    if native.load() is None:
-        pytest.skip(f"no lane without the native receive: {native.unavailable_reason()}")
-    from pagekv.store.client import lane as lane_module
-
     node = served()
     rng = random.Random(os.urandom(8))
     keys, values = rand_values(rng, 4, 64 << 10)
