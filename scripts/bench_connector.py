@@ -18,7 +18,7 @@ import statistics
 import time
 
 import torch
-from _bench_util import environment, parse_args, write_result
+from _bench_util import FULL_COLLECTIONS, engine_heap, environment, parse_args, write_result
 from _ceilings import memcpy_ceiling, tcp_ceiling
 
 from pagekv.connector import KeyNamespace, KVConnector, KVGeometry
@@ -78,6 +78,8 @@ def run(args, num_nodes: int) -> dict:
         r: dict = dict(nodes=num_nodes, tokens=args.tokens, bytes=n_pages * geo.page_bytes,
                        streams=cfg.streams, copy_threads=cfg.copy_threads,
                        nodes_warmed_bytes=warmed)  # fmt: skip
+        engine_heap()  # the set-up is done: from here on this process is a started engine
+        collections_before = len(FULL_COLLECTIONS.pauses_ms)
         r["save_to_host_s"], _ = timed(lambda: a.save(tokens, slot_ids))
         r["writeback_s"], _ = timed(lambda: a.flush_sync(timeout=600))
         r["lookup_ms"] = timed(lambda: b.lookup(tokens), reps=20)[0] * 1e3
@@ -135,6 +137,7 @@ def run(args, num_nodes: int) -> dict:
             r[key.removesuffix("_s") + "_gbps"] = round(r["bytes"] / r[key] / 1e9, 3)
         r["prefetch_vs_raw_get"] = round(r["raw_store_get_s"] / r["prefetch_s"], 3)
         r["load_vs_copy"] = round(r["contiguous_copy_s"] / r["load_s"], 3)
+        r["gc_full_ms"] = [round(ms, 1) for ms in FULL_COLLECTIONS.pauses_ms[collections_before:]]
         a.close()
         b.close()
         print(f"connector {num_nodes} node(s): {r}", flush=True)

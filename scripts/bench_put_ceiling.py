@@ -19,7 +19,7 @@ import sys
 import time
 
 import zmq
-from _bench_util import environment, parse_args, write_result
+from _bench_util import engine_heap, environment, parse_args, write_result
 from _ceilings import tcp_ceiling
 
 from pagekv.store import Status, StoreClient
@@ -100,6 +100,7 @@ def main() -> None:
         raw_zmq_put(sock, blocks)  # warm
         for k, c in clients.items():
             pagekv_put(c, blocks, f"warm-{k}")
+        engine_heap()  # set up: from here on this process is a started engine
         for r in range(args.rounds):
             row = {}
             row["tcp_hot"], _ = tcp_ceiling(1, 2 * MIB, n, 1)

@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _bench_util import environment, parse_args, write_result
+from _bench_util import engine_heap, environment, parse_args, write_result
 from _ceilings import TcpCeiling, memcpy_ceiling, pin_process, split_cores
 
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
@@ -361,6 +361,7 @@ def main() -> None:
     sections = {"headline": headline, "user": user_rounds, "streams": streams_rows,
                 "peers": peers, "exists": exists_latency, "rss": rss_under_stream,
                 "grid": grid}  # fmt: skip
+    engine_heap()  # from here on this process is a started engine (torch and modules frozen)
     result = {name: fn(args) for name, fn in sections.items() if name in args.only}
     reason = "no raw-TCP peer measured (peers not installed or --skip-peers)"
     print(f"wrote {write_result('bench_store', result, nan_reason=reason)}")

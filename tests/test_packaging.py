@@ -2,6 +2,7 @@
 wheel contents and metadata, a wheel installed in a fresh venv, `make` printing its targets,
 and benchmarks that write outside the tree with no NaN in their JSON."""
 
+import gc
 import json
 import os
 import shutil
@@ -151,3 +152,28 @@ def test_benchmarks_write_outside_the_tree_without_nan(tmp_path, monkeypatch):
     doc = json.loads(path.read_text(), parse_constant=no_constants)
     assert doc["rows"] == [{"gbps": 1.5, "ratio": None}] and doc["peak"] is None and doc["n"] == 3
     assert doc["nulls"] == {"rows[0].ratio": "peer not run", "peak": "peer not run"}
+
+
+def test_benchmarks_freeze_the_heap_and_record_full_collections(tmp_path, monkeypatch):
+    """A benchmark's process is an engine once set up: what is alive is frozen, and each
+    result says how many full collections ran meanwhile and how long the longest took."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    monkeypatch.setenv("RESULTS_DIR", str(tmp_path))
+    import _bench_util
+
+    watch = _bench_util.FULL_COLLECTIONS
+    monkeypatch.setattr(watch, "pauses_ms", [])
+    try:
+        _bench_util.engine_heap()
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000  # pytest's and torch's objects, at least
+        gc.collect(1)  # not a full collection: not counted
+        assert watch.pauses_ms == []
+        gc.collect()
+        _bench_util.engine_heap()  # again (a second set-up): its own collection is not counted
+        doc = json.loads(_bench_util.write_result("unit", {}).read_text())
+    finally:
+        watch.uninstall()
+        gc.unfreeze()
+    assert doc["env"]["gc_frozen"] >= frozen
+    assert doc["env"]["gc_full"]["count"] == 1 and doc["env"]["gc_full"]["max_ms"] >= 0

@@ -183,4 +183,6 @@ def test_value_argument_errors(node):
             client.put_many([b"k"], [42])
         with pytest.raises(ValueError, match="read-only"):
             client.get_many([b"k"], into=[[bytearray(2), b"ro"]])
+        with pytest.raises(ValueError, match="read-only"):  # a flat view is taken as it is
+            client.get_many([b"k"], into=[memoryview(b"ro")])
         assert node.node.store.used == 0

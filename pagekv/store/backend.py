@@ -141,6 +141,10 @@ def byte_views(value: Any, writable: bool, what: str) -> list[memoryview]:
     / ``ValueError`` naming ``what`` otherwise)."""
     if type(value) is bytes and not writable:
         return [memoryview(value)]
+    if type(value) is memoryview and value.format == "B" and value.ndim == 1:
+        if writable and value.readonly:
+            raise ValueError(f"{what}: a read-only buffer cannot be read into")
+        return [value]  # already flat bytes (a host page's view): the same view, no new one
     try:
         views = [memoryview(value)]
     except TypeError:

@@ -240,11 +240,12 @@ class Router:
         now = time.monotonic()
         healthy = [usable[n] and h.is_up(now) for n, h in enumerate(self.health)]
         resort = [usable[n] and not healthy[n] for n in range(len(self.endpoints))]
-        out = []
+        out, shared = [], {}  # one list per distinct answer: a batch's keys share a few
         for key in keys:
             ranked = self.ranking(key)
             up = [n for n in ranked if healthy[n]]
-            out.append(up[:k] + [n for n in ranked[:k] if resort[n]])
+            nodes = up[:k] + [n for n in ranked[:k] if resort[n]]
+            out.append(shared.setdefault(tuple(nodes), nodes))
         return out
 
     def failed(self, node: int, why: str = "did not answer") -> None:
