@@ -134,6 +134,51 @@ def test_overlapping_prefetches_share_fetches(node, pair):
     assert b.cache.num_held == 0
 
 
+def test_a_long_prefetch_sends_its_first_batch_before_preparing_the_next(
+    node, monkeypatch, request
+):
+    """A prefetch's keys go to the store as batches in key order, the first small and each
+    next twice as long: each batch is handed to the store's transports before the next one
+    is prepared, so the first requests leave without waiting for the whole prompt's. The
+    pages arrive whole and correct."""
+    from pagekv.connector import fetch
+
+    src, dst = caches(), caches(poisoned=True)
+    a, b = connector(node, src), connector(node, dst)
+    request.addfinalizer(a.close)
+    request.addfinalizer(b.close)
+    page = GEO.page_bytes
+    monkeypatch.setattr(fetch, "FIRST_BATCH_BYTES", 2 * page)
+    monkeypatch.setattr(fetch, "MOST_BATCH_BYTES", 8 * page)
+    tokens = stored(a, 20 * GEO.page_size)
+    keys = b.keys(tokens)
+    events: list[tuple[str, int]] = []
+    get_many, exchange = b.store.get_many, b.store._exchange
+
+    async def recording_get_many(batch_keys, *args, **kwargs):
+        events.append(("prepare", keys.index(batch_keys[0])))
+        assert batch_keys == keys[keys.index(batch_keys[0]) :][: len(batch_keys)]
+        return await get_many(batch_keys, *args, **kwargs)
+
+    async def recording_exchange(batch):
+        if batch and batch[0].request.op.name == "GET":
+            events.append(("send", min(keys.index(k) for c in batch for k in c.request.keys)))
+        return await exchange(batch)
+
+    assert b.lookup(tokens) == len(tokens)  # as an engine does first: the node is known
+    monkeypatch.setattr(b.store, "get_many", recording_get_many)
+    monkeypatch.setattr(b.store, "_exchange", recording_exchange)
+    handle = asyncio.run(b.prefetch(tokens))
+    assert handle.fetched == 20
+    assert fetch.batches(20, page) == [(0, 2), (2, 6), (6, 14), (14, 20)]
+    assert events == [(step, start) for start in (0, 2, 6, 14) for step in ("prepare", "send")]
+    slots = torch.randperm(NUM_SLOTS)[: len(tokens)]
+    b.load(handle, slots)
+    for s, d in zip(src, dst):
+        assert bits_equal(d[:, slots], s[:, : len(tokens)])
+    b.release(handle)
+
+
 def test_deadline_is_best_effort_and_fetches_finish(pair):
     a, b = pair
     tokens = stored(a, 40)

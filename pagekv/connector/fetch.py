@@ -3,17 +3,21 @@
 Runs on the connector's loop. One fetch per key at a time (``inflight``): a prefetch that wants
 a key another one is already fetching waits for that fetch. Pages are *handed over*: when a
 fetched page is published, every prefetch still waiting for it gets its own hold at once (under
-the cache lock), so nothing can evict the page between its arrival and its use. One batch per
-prefetch goes to the store, and each page is published the moment it arrives (the client's
-per-key ``on_arrival``), so a prefetch with a deadline returns the leading pages that came in
-time. When the pool is short, the leading keys that fit are fetched.
+the cache lock), so nothing can evict the page between its arrival and its use. The keys a
+prefetch fetches go to the store in key order, as a few batches (``get_many`` calls, a task each):
+the first of ``FIRST_BATCH_BYTES``, each next twice the last, up to ``MOST_BATCH_BYTES``, so
+that the first requests leave while the client still prepares the later ones (a batch's
+preparation costs a few microseconds a key: on the H200 host a 4 GiB prefetch of 2048 pages
+from 3 nodes had its first page 24 ms after the call instead of 32, at the same GB/s). Each page is published the moment it arrives (the client's per-key
+``on_arrival``), so a prefetch with a deadline returns the leading pages that came in time.
+When the pool is short, the leading keys that fit are fetched.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,9 +26,24 @@ from pagekv.errors import StoreError
 from .host_pool import HostPagePool
 from .page_cache import PageCache
 
-__all__ = ["Fetcher", "Waiter"]
+__all__ = ["FIRST_BATCH_BYTES", "MOST_BATCH_BYTES", "Fetcher", "Waiter", "batches"]
 
 log = logging.getLogger("pagekv.connector")
+FIRST_BATCH_BYTES = 128 << 20  # a fetch's first get_many: its requests leave soonest
+MOST_BATCH_BYTES = 1 << 30  # each next batch doubles up to this
+
+
+def batches(count: int, page_bytes: int) -> list[tuple[int, int]]:
+    """``[start, end)`` runs of a fetch of ``count`` pages, in order: the first of about
+    ``FIRST_BATCH_BYTES`` (at least one page), each next twice as long, up to
+    ``MOST_BATCH_BYTES``."""
+    runs, start = [], 0
+    size = max(1, FIRST_BATCH_BYTES // page_bytes)
+    most = max(size, MOST_BATCH_BYTES // page_bytes)
+    while start < count:
+        runs.append((start, min(count, start + size)))
+        start, size = start + size, min(most, 2 * size)
+    return runs
 
 
 @dataclass(eq=False)
@@ -91,15 +110,35 @@ class Fetcher:
             if len(pages) < len(todo):
                 self.counters["prefetch_pool_short"] += len(todo) - len(pages)
             if pages:
-                task = loop.create_task(self._fetch(list(zip(todo, pages))))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._start(self._fetch_in_batches(list(zip(todo, pages))))
         return futures
+
+    def _start(self, job: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(job)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def forget(self, waiter: Waiter) -> None:
         """``waiter`` stops waiting (done or out of time): no page is handed to it any more."""
         for entry in self.inflight.values():
             entry.waiters.discard(waiter)
+
+    async def _fetch_in_batches(self, fetch: list[tuple[bytes, int]]) -> None:
+        """Start the fetch's :func:`batches` in order, each once the last one has run up to its
+        first wait (its requests handed to the transports), so the first requests leave
+        before the later batches are prepared. Keys of batches not started (cancelled) are
+        resolved as misses and their pages released: no waiter hangs."""
+        started = 0
+        try:
+            for start, end in batches(len(fetch), self.pool.page_bytes):
+                self._start(self._fetch(fetch[start:end]))
+                started = end
+                await asyncio.sleep(0)  # that batch runs now, up to its first wait
+        finally:
+            rest = fetch[started:]
+            for key, _ in rest:
+                self._resolve(key, None)
+            self.cache.release([page for _, page in rest])
 
     async def _fetch(self, batch: list[tuple[bytes, int]]) -> None:
         """Fetch keys into their pages; each page is published and handed over the moment its
