@@ -566,8 +566,11 @@ def test_a_damaged_record_is_skipped_and_the_records_after_it_served(tiers, tmp_
     seg = sorted((tmp_path / "disk").glob("*.seg"))[-1]
     seg.with_suffix(".dir").unlink()  # scanned at the next start
     data = bytearray(seg.read_bytes())
-    bad = random.Random(os.urandom(8)).randrange(20)
-    at = data.index(payload(bad, 60_000)[:64]) + 1000
+    where = {i: data.index(payload(i, 60_000)[:64]) for i in range(20)}
+    # not the file's last record: a damaged record with no intact one after it is a torn
+    # tail (cut off, as a write that had not completed)
+    bad = random.Random(os.urandom(8)).choice(sorted(where, key=where.get)[:-1])
+    at = where[bad] + 1000
     data[at] ^= 0xFF
     seg.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="pagekv.store.disk"):
@@ -577,6 +580,30 @@ def test_a_damaged_record_is_skipped_and_the_records_after_it_served(tiers, tmp_
     found = read_all(tier, range(20))
     assert found[bad] is None
     assert all(joined(found[i]) == payload(i, 60_000) for i in range(20) if i != bad)
+
+
+def test_a_damaged_last_record_is_cut_as_a_torn_tail(tiers, tmp_path):
+    """The file's last record failing its checksum, with no intact record after it, is what a
+    write cut short by a crash leaves: the scan cuts it off (torn, not damaged) and serves the
+    rest."""
+    tier = tiers(capacity=32 * MIB, segment_bytes=4 * MIB)
+    for i in range(20):
+        offer(tier, i, 60_000)
+    assert tier.close(10)
+    seg = sorted((tmp_path / "disk").glob("*.seg"))[-1]
+    seg.with_suffix(".dir").unlink()  # scanned at the next start
+    data = bytearray(seg.read_bytes())
+    where = {i: data.index(payload(i, 60_000)[:64]) for i in range(20)}
+    last = max(where, key=where.get)
+    data[where[last] + 1000] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    tier = tiers(capacity=32 * MIB, segment_bytes=4 * MIB)
+    stats = tier.stats()
+    assert stats["disk_rebuild_torn"] == 1 and stats["disk_rebuild_damaged"] == 0
+    assert stats["disk_blocks"] == 19
+    found = read_all(tier, range(20))
+    assert found[last] is None
+    assert all(joined(found[i]) == payload(i, 60_000) for i in range(20) if i != last)
 
 
 WRITER = textwrap.dedent("""
