@@ -8,9 +8,10 @@ prefetch fetches go to the store in key order, as a few batches (``get_many`` ca
 the first of ``FIRST_BATCH_BYTES``, each next twice the last, up to ``MOST_BATCH_BYTES``, so
 that the first requests leave while the client still prepares the later ones (a batch's
 preparation costs a few microseconds a key: on the H200 host a 4 GiB prefetch of 2048 pages
-from 3 nodes had its first page 24 ms after the call instead of 32, at the same GB/s). Each page is published the moment it arrives (the client's per-key
-``on_arrival``), so a prefetch with a deadline returns the leading pages that came in time.
-When the pool is short, the leading keys that fit are fetched.
+from 3 nodes had its first page 24 ms after the call instead of 32, at the same GB/s). Each
+page is published the moment it arrives (the client's per-key ``on_arrival``), so a prefetch
+with a deadline returns the leading pages that came in time. When the pool is short, the
+leading keys that fit are fetched.
 """
 
 from __future__ import annotations
