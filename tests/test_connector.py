@@ -179,6 +179,28 @@ def test_a_long_prefetch_sends_its_first_batch_before_preparing_the_next(
     b.release(handle)
 
 
+def test_fetches_cancelled_before_they_ran_end_every_key(pair):
+    """Closing cancels the fetches in flight, also those whose task has not taken its first
+    step yet (started in the same loop turn): their keys end as misses and their pages go
+    back, so no prefetch waits on them forever."""
+    from pagekv.connector.fetch import Waiter
+
+    a, b = pair
+    tokens = stored(a, 20)
+    free = b.pool.num_free
+
+    async def want_then_cancel():
+        waiter = Waiter()
+        futures = b.fetcher.want(b.keys(tokens), waiter)
+        await b.fetcher.cancel()  # before the fetch's task ran at all
+        await asyncio.sleep(0)  # the cancelled tasks' done callbacks
+        return [f.result() if f.done() else "pending" for f in futures], dict(b.fetcher.inflight)
+
+    results, inflight = b._loop.call(want_then_cancel(), 10)
+    assert results == [None] * 5 and not inflight
+    assert b.pool.num_free == free and b.cache.num_held == 0
+
+
 def test_deadline_is_best_effort_and_fetches_finish(pair):
     a, b = pair
     tokens = stored(a, 40)

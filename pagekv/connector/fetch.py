@@ -65,6 +65,18 @@ class _Inflight:
     waiters: set[Waiter] = field(default_factory=set)
 
 
+@dataclass(eq=False)
+class _Batch:
+    """Keys being fetched into their pages, in key order, and which of them have ended (handed
+    over, or ended as a miss)."""
+
+    pairs: list[tuple[bytes, int]]  # (key, page)
+    ended: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.ended = [False] * len(self.pairs)
+
+
 class Fetcher:
     def __init__(
         self, cache: PageCache, pool: HostPagePool, store: Any, counters: dict[str, float]
@@ -111,46 +123,54 @@ class Fetcher:
             if len(pages) < len(todo):
                 self.counters["prefetch_pool_short"] += len(todo) - len(pages)
             if pages:
-                self._start(self._fetch_in_batches(list(zip(todo, pages))))
+                whole = _Batch(list(zip(todo, pages)))
+                self._start(self._fetch_in_batches(whole), whole)
         return futures
 
-    def _start(self, job: Coroutine[Any, Any, None]) -> None:
+    def _start(self, job: Coroutine[Any, Any, None], batch: _Batch) -> None:
+        """Run ``job`` (over ``batch``) as a task. When it ends, the keys of ``batch`` it left
+        unresolved are misses (:meth:`_miss_rest`): none where it ran, all of them where it
+        was cancelled before its first step (the connector closing), which runs no
+        ``finally`` of its own."""
         task = asyncio.get_running_loop().create_task(job)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _: self._miss_rest(batch))
+
+    def _miss_rest(self, batch: _Batch) -> None:
+        """End each key of ``batch`` not ended yet as a miss (its waiters told None) and
+        release its page. Idempotent."""
+        rest = [i for i, ended in enumerate(batch.ended) if not ended]
+        for i in rest:
+            batch.ended[i] = True
+            self._resolve(batch.pairs[i][0], None)
+        self.cache.release([batch.pairs[i][1] for i in rest])
 
     def forget(self, waiter: Waiter) -> None:
         """``waiter`` stops waiting (done or out of time): no page is handed to it any more."""
         for entry in self.inflight.values():
             entry.waiters.discard(waiter)
 
-    async def _fetch_in_batches(self, fetch: list[tuple[bytes, int]]) -> None:
+    async def _fetch_in_batches(self, whole: _Batch) -> None:
         """Start the fetch's :func:`batches` in order, each once the last one has run up to its
         first wait (its requests handed to the transports), so the first requests leave
-        before the later batches are prepared. Keys of batches not started (cancelled) are
-        resolved as misses and their pages released: no waiter hangs."""
-        started = 0
-        try:
-            for start, end in batches(len(fetch), self.pool.page_bytes):
-                self._start(self._fetch(fetch[start:end]))
-                started = end
-                await asyncio.sleep(0)  # that batch runs now, up to its first wait
-        finally:
-            rest = fetch[started:]
-            for key, _ in rest:
-                self._resolve(key, None)
-            self.cache.release([page for _, page in rest])
+        before the later batches are prepared. A key handed to a batch is ended in
+        ``whole`` (its batch ends it); those never handed (cancelled) end as misses."""
+        for start, end in batches(len(whole.pairs), self.pool.page_bytes):
+            batch = _Batch(whole.pairs[start:end])
+            whole.ended[start:end] = [True] * (end - start)
+            self._start(self._fetch(batch), batch)
+            await asyncio.sleep(0)  # that batch runs now, up to its first wait
 
-    async def _fetch(self, batch: list[tuple[bytes, int]]) -> None:
+    async def _fetch(self, batch: _Batch) -> None:
         """Fetch keys into their pages; each page is published and handed over the moment its
         value is verified and in place (``on_arrival``), so a prefetch with a deadline keeps
-        the leading pages that came in time. Every key is resolved whatever happens, so no
-        waiter can hang."""
-        done = [False] * len(batch)
+        the leading pages that came in time. Every key is ended whatever happens (missing,
+        corrupt, failed or cancelled: :meth:`_miss_rest`), so no waiter can hang."""
 
         def arrived(i: int) -> None:
-            key, page = batch[i]
-            done[i] = True
+            key, page = batch.pairs[i]
+            batch.ended[i] = True
             if self.cache.publish(key, page):
                 self.counters["bytes_in"] += self.pool.page_bytes
                 self._resolve(key, page, own=True)  # this fetch's hold goes to a waiter
@@ -159,16 +179,14 @@ class Fetcher:
                 self.cache.release([page])
 
         try:
-            views = self.pool.page_views([p for _, p in batch])
-            await self.store.get_many([k for k, _ in batch], into=views, on_arrival=arrived)
+            views = self.pool.page_views([p for _, p in batch.pairs])
+            keys = [k for k, _ in batch.pairs]
+            await self.store.get_many(keys, into=views, on_arrival=arrived)
         except StoreError as e:
             self.counters["store_errors"] += 1
-            log.debug("pagekv: fetch of %d pages failed: %s", len(batch), e)
-        finally:  # missing, corrupt, failed or cancelled
-            rest = [(key, page) for (key, page), got in zip(batch, done) if not got]
-            for key, _ in rest:
-                self._resolve(key, None)
-            self.cache.release([p for _, p in rest])
+            log.debug("pagekv: fetch of %d pages failed: %s", len(batch.pairs), e)
+        finally:
+            self._miss_rest(batch)
 
     def _resolve(
         self, key: bytes, page: int | None, *, existing: bool = False, own: bool = False
