@@ -6,9 +6,10 @@ fetched page is published, every prefetch still waiting for it gets its own hold
 the cache lock), so nothing can evict the page between its arrival and its use. The keys a
 prefetch fetches go to the store in key order, as a few batches (``get_many`` calls, a task each):
 the first of ``FIRST_BATCH_BYTES``, each next twice the last, up to ``MOST_BATCH_BYTES``, so
-that the first requests leave while the client still prepares the later ones (a batch's
-preparation costs a few microseconds a key: on the H200 host a 4 GiB prefetch of 2048 pages
-from 3 nodes had its first page 24 ms after the call instead of 32, at the same GB/s). Each
+that over the bulk lane the first requests leave while the client still prepares the later
+ones (a batch's preparation costs a few microseconds a key: on the H200 host a 4 GiB prefetch
+of 2048 pages from 3 nodes had its first page 24 ms after the call instead of 32, at the same
+GB/s; see :meth:`Fetcher._fetch_in_batches` for the other routes). Each
 page is published the moment it arrives (the client's per-key ``on_arrival``), so a prefetch
 with a deadline returns the leading pages that came in time. When the pool is short, the
 leading keys that fit are fetched.
@@ -128,10 +129,11 @@ class Fetcher:
         return futures
 
     def _start(self, job: Coroutine[Any, Any, None], batch: _Batch) -> None:
-        """Run ``job`` (over ``batch``) as a task. When it ends, the keys of ``batch`` it left
-        unresolved are misses (:meth:`_miss_rest`): none where it ran, all of them where it
-        was cancelled before its first step (the connector closing), which runs no
-        ``finally`` of its own."""
+        """Run ``job`` (over ``batch``) as a task. When it ends, the keys of ``batch`` not ended
+        yet end as misses (:meth:`_miss_rest`): all of them where it was cancelled before its
+        first step (the connector closing: such a task runs no ``finally`` of its own), none
+        where a fetch ran to its end, the keys not yet handed to a batch where the
+        coordinator was cancelled."""
         task = asyncio.get_running_loop().create_task(job)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -153,9 +155,12 @@ class Fetcher:
 
     async def _fetch_in_batches(self, whole: _Batch) -> None:
         """Start the fetch's :func:`batches` in order, each once the last one has run up to its
-        first wait (its requests handed to the transports), so the first requests leave
-        before the later batches are prepared. A key handed to a batch is ended in
-        ``whole`` (its batch ends it); those never handed (cancelled) end as misses."""
+        first wait. Over the bulk lane to a node already known (a lookup PINGed it) that wait
+        comes after its requests are queued to the lane's connections, so the first requests
+        leave before the later batches are prepared; elsewhere (ZeroMQ, the same-host
+        shortcut, a node to PING first) a batch waits earlier and the next ones are prepared
+        before its requests leave, in key order all the same. A key handed to a batch is ended
+        in ``whole`` (its batch ends it); those never handed (cancelled) end as misses."""
         for start, end in batches(len(whole.pairs), self.pool.page_bytes):
             batch = _Batch(whole.pairs[start:end])
             whole.ended[start:end] = [True] * (end - start)
@@ -170,8 +175,9 @@ class Fetcher:
 
         def arrived(i: int) -> None:
             key, page = batch.pairs[i]
+            fresh = self.cache.publish(key, page)  # raising: the key ends as a miss, below
             batch.ended[i] = True
-            if self.cache.publish(key, page):
+            if fresh:
                 self.counters["bytes_in"] += self.pool.page_bytes
                 self._resolve(key, page, own=True)  # this fetch's hold goes to a waiter
             else:  # cached meanwhile by a save: hand that one over
