@@ -1208,6 +1208,75 @@ async def test_requests_out_on_an_aborted_socket_end_before_the_next_is_sent(ser
 
 
 @pytest.mark.usefixtures("lane_needed")
+@pytest.mark.asyncio
+async def test_cancelling_one_get_fails_no_other_operation_s_request(served, monkeypatch):
+    """Cancelling an operation aborts its node's connections so that nothing writes into its
+    buffers once it has returned; another operation's request out on an aborted connection
+    (pipelined behind the cancelled one's) is not the node's failure: it goes again on a new
+    connection and gets its value, and the node is not taken for failed (it was: a miss, and
+    the node backed off)."""
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 4, 64 << 10)
+    cfg = ClientConfig((node.address,), streams=1, max_message_bytes=64 << 10)  # a value a call
+    client = AsyncStoreClient(node.address, config=cfg)
+    assert await client.put_many(keys, values) == [Status.OK] * 4
+    b_queued, a_read, aborted = threading.Event(), threading.Event(), threading.Event()
+    real_send, real_receive = lane_module._Conn._send, lane_module._Conn._receive
+    real_abort = lane_module._Conn.abort
+
+    def send(self, call, idle=False):  # A goes out once B's calls wait: B's first follows it
+        if call.request.keys == [keys[0]]:
+            assert b_queued.wait(10)
+        return real_send(self, call, idle)
+
+    def receive(self, call):
+        result = real_receive(self, call)
+        if call.request.keys == [keys[0]]:
+            a_read.set()  # A's reply read; B's first request is out behind it
+            assert aborted.wait(10)
+        return result
+
+    def abort(self):
+        real_abort(self)
+        aborted.set()
+
+    def answer(self, req):  # B's first reply leaves the node only once the abort landed
+        if getattr(req, "keys", None) == [keys[1]]:
+            aborted.wait(10)
+        return real_answer(self, req)
+
+    from pagekv.store.node import lane as node_lane
+
+    real_answer = node_lane.BulkServer._answer
+    monkeypatch.setattr(node_lane.BulkServer, "_answer", answer)
+    monkeypatch.setattr(lane_module._Conn, "_send", send)
+    monkeypatch.setattr(lane_module._Conn, "_receive", receive)
+    monkeypatch.setattr(lane_module._Conn, "abort", abort)
+    loop = asyncio.get_running_loop()
+    try:
+        a = asyncio.ensure_future(client.get_many([keys[0]], into=[bytearray(64 << 10)]))
+        into = [bytearray([POISON]) * (64 << 10) for _ in range(3)]
+        b = asyncio.ensure_future(client.get_many(keys[1:], into=into))
+        await loop.run_in_executor(
+            None, wait_until, lambda: lane_of(client)._lanes[0].work.qsize() >= 3, 10
+        )
+        b_queued.set()
+        assert await loop.run_in_executor(None, a_read.wait, 10)
+        a.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await a
+        assert await asyncio.wait_for(b, 20) == [True] * 3
+        assert [bytes(v) for v in into] == values[1:]
+        assert client.counters["node_failures"] == 0 and client.counters["bulk_failures"] == 0
+        assert not lane_of(client)._lanes[0].abandoned
+    finally:
+        b_queued.set()
+        aborted.set()
+        client.close()
+
+
+@pytest.mark.usefixtures("lane_needed")
 def test_a_kept_connection_found_closed_behind_a_request_out_sends_both_again(served, monkeypatch):
     """A node that restarted closed the client's kept connections: the first request on one
     is found stale by its reply and sent again, but the second, pipelined behind it, found

@@ -23,7 +23,9 @@ A kept connection the node closed (a send that fails, or a reply that never star
 replaced and the requests out on it whose replies were not read are sent once more with the
 one being sent (the node restarted: it has none of them; PUTs and GETs may be repeated: a
 value stored once is ``EXISTS`` the second time). A connection that
-:meth:`_Conn.abort` shut down is never taken for one the node closed: its calls end.
+:meth:`_Conn.abort` shut down is never taken for one the node closed: the calls on it of a
+run that ended early (``_NodeLane.abandoned``) or of a closed lane end, and the others (of
+operations still waiting) are sent once more on a new connection.
 
 Ownership: a call's ``payloads`` are read and its ``sinks`` written by its connection's thread
 until its future is done; :meth:`LaneTransport.run` cancels its calls not yet taken up, stops
@@ -67,6 +69,7 @@ log = logging.getLogger("pagekv.store")
 DEPTH = 2  # requests out on one connection: the next reply streams while the last is checked
 _STALLED = object()  # a send the node did not take in time (its socket's send timeout)
 _STALE = object()  # a kept connection the node closed, found by a send behind others out on it
+_ABORTED = object()  # a send that abort() cut short or forestalled
 CLOSE_WAIT_S = 5.0  # close() waits this long for the connections' threads
 COUNTERS = ("bulk_requests", "bulk_bytes_in", "bulk_bytes_out", "bulk_failures")
 
@@ -136,6 +139,9 @@ class _Conn:
                     fut.set_result(self.lane.left)
                     continue
                 outcome = self._send(call, idle=not out)
+                if outcome is _ABORTED:
+                    self._end_aborted([*out, (call, fut)], out, resent)
+                    continue
                 if outcome is _STALE:  # none of what is out on it was answered: sent again
                     ids = {c.request.id for c, _ in out} | {call.request.id}
                     again = resent.isdisjoint(ids)
@@ -153,9 +159,8 @@ class _Conn:
             try:
                 result = self._receive(call)
             except ClosedBetweenMessages:
-                if self._aborted():  # shut down by abort(), not by the node: the calls end
-                    self._fail(out)
-                    fut.set_result(None)
+                if self._aborted():  # shut down by abort(), not by the node
+                    self._end_aborted([(call, fut), *out], out, resent)
                     continue
                 # nothing of the reply came: the node may have restarted and never read the
                 # request. PUTs and GETs may be repeated: send them again on a new connection
@@ -165,8 +170,11 @@ class _Conn:
                 self._resend([(call, fut), *out], out, again)
                 continue
             except (OSError, ProtocolError) as e:
+                if self._aborted():  # cut short by abort(), not by the node
+                    self._end_aborted([(call, fut), *out], out, resent)
+                    continue
                 log.debug("pagekv store: bulk lane to %s failed: %s", self.address, e)
-                self._fail(out, queued=isinstance(e, TimeoutError) and not self._aborted())
+                self._fail(out, queued=isinstance(e, TimeoutError))
                 result = None
             except Exception:  # a bug: this call fails like a node failure, the lane goes on
                 log.exception("pagekv store: bulk lane reply could not be handled")
@@ -176,6 +184,22 @@ class _Conn:
                 self._fail(out)
             fut.set_result(result)
         self._drop()
+
+    def _end_aborted(self, calls: list, out: collections.deque, resent: set[int]) -> None:
+        """:meth:`abort` shut this connection down under ``calls`` (those sent on it, in
+        order). The calls of a run that ended early (the lane's ``abandoned``) or of a closed
+        lane end (None); the others, of operations still waiting, go once more on a new
+        connection: an abort for another operation is not the node's failure."""
+        keep = []
+        for call, fut in calls:
+            if self.lane.closed or call.request.id in self.lane.abandoned:
+                fut.set_result(None)
+            else:
+                keep.append((call, fut))
+        ids = {call.request.id for call, _ in keep}
+        again = resent.isdisjoint(ids)
+        resent.update(ids)
+        self._resend(keep, out, again)
 
     def _resend(self, calls: list, out: collections.deque, again: bool) -> None:
         """Send ``calls`` (their connection went stale) on a new connection (``again``: the
@@ -270,12 +294,14 @@ class _Conn:
             return MOVED
         if not kept and self._aborted():  # ended while the connection was being made
             self._drop()
-            return None
+            return _ABORTED
         header = request_header(call)
         try:
             send_message(self.sock, header, call.payloads)
         except ConnectionError as e:
-            if not kept or self._aborted():
+            if self._aborted():
+                return _ABORTED
+            if not kept:
                 log.debug("pagekv store: bulk send to %s failed: %s", self.address, e)
                 return None
             if not idle:  # requests are out on it: they go again with this one (the caller)
@@ -340,6 +366,9 @@ class _NodeLane:
     conns: list[_Conn] = dataclasses.field(default_factory=list)
     closed: bool = False
     left: Any = None  # what a call taken after close() gets: None, or MOVED (the lane moved)
+    # requests out whose run ended early (cancelled, or a callback raised): an abort ends
+    # them; the other requests on an aborted connection are sent again
+    abandoned: set[int] = dataclasses.field(default_factory=set)
 
     def close(self, left: Any = None) -> None:
         """End every connection: the calls out and waiting end (``left``; those out: None),
@@ -437,10 +466,18 @@ class LaneTransport(Transport):
                     await asyncio.sleep(0)
             await ended
         finally:
-            running = [fut for fut in futures if not fut.done() and not fut.cancel()]
+            running = {fut for fut in futures if not fut.done() and not fut.cancel()}
             if running:  # sent, or being sent (those not yet taken up were cancelled)
-                self.abort({call.node for call in calls})
+                mine = [(c, self._lanes.get(c.node)) for c, f in zip(calls, futures)
+                        if f in running]  # fmt: skip
+                for call, lane in mine:
+                    if lane is not None:
+                        lane.abandoned.add(call.request.id)
+                self.abort({call.node for call, _ in mine})
                 concurrent.futures.wait(running)
+                for call, lane in mine:
+                    if lane is not None:
+                        lane.abandoned.discard(call.request.id)
         return results
 
     def _lane_for(self, node: int) -> _NodeLane:
