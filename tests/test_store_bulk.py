@@ -1277,6 +1277,109 @@ async def test_cancelling_one_get_fails_no_other_operation_s_request(served, mon
 
 
 @pytest.mark.usefixtures("lane_needed")
+@pytest.mark.asyncio
+async def test_a_get_cancelled_as_its_connection_takes_it_is_never_sent(served, monkeypatch):
+    """The connection has taken A's GET (behind B's, out on it) when A is cancelled: A is not
+    sent (it was, on a new socket, and its run held the loop until the node answered), and
+    B's request, out on the aborted socket, goes again and gets its value."""
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 2, 64 << 10)
+    cfg = ClientConfig((node.address,), streams=1, max_message_bytes=64 << 10)  # a value a call
+    client = AsyncStoreClient(node.address, config=cfg)
+    assert await client.put_many(keys, values) == [Status.OK] * 2
+    a_queued, a_taken, aborted = threading.Event(), threading.Event(), threading.Event()
+    real_send, real_abort = lane_module._Conn._send, lane_module._Conn.abort
+    sent: list[tuple[bytes, object]] = []
+
+    def send(self, call, idle=False):
+        key = call.request.keys[0]
+        if key == keys[1] and not sent:
+            assert a_queued.wait(10)  # B goes out once A waits: A is taken right after
+        if key == keys[0] and not a_taken.is_set():
+            a_taken.set()  # A taken up; its run is cancelled now
+            assert aborted.wait(10)
+        outcome = real_send(self, call, idle)
+        sent.append((key, outcome))
+        return outcome
+
+    def abort(self):
+        real_abort(self)
+        aborted.set()
+
+    monkeypatch.setattr(lane_module._Conn, "_send", send)
+    monkeypatch.setattr(lane_module._Conn, "abort", abort)
+    loop = asyncio.get_running_loop()
+    work = lane_of(client)
+    try:
+        into = [bytearray([POISON]) * (64 << 10)]
+        b = asyncio.ensure_future(client.get_many([keys[1]], into=into))
+        await loop.run_in_executor(None, wait_until, lambda: 0 in work._lanes, 10)
+        await loop.run_in_executor(None, wait_until, lambda: work._lanes[0].work.qsize() == 0, 10)
+        a = asyncio.ensure_future(client.get_many([keys[0]], into=[bytearray(64 << 10)]))
+        await loop.run_in_executor(None, wait_until, lambda: work._lanes[0].work.qsize() >= 1, 10)
+        a_queued.set()
+        assert await loop.run_in_executor(None, a_taken.wait, 10)
+        a.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await a
+        assert await asyncio.wait_for(b, 20) == [True] and bytes(into[0]) == values[1]
+        assert all(outcome is not True for key, outcome in sent if key == keys[0])
+        assert client.counters["node_failures"] == 0 and client.counters["bulk_failures"] == 0
+    finally:
+        a_queued.set()
+        aborted.set()
+        client.close()
+
+
+@pytest.mark.usefixtures("lane_needed")
+@pytest.mark.asyncio
+async def test_an_abort_during_the_sending_again_sorts_the_calls_again(served, monkeypatch):
+    """Another operation's cancel aborts the connection B's two GETs are out on; while they
+    are sent again, a second abort lands: both are sent again once more (B's first was sent
+    on the socket the second abort shut down, then read B's second reply as its own: both
+    failed, the node taken for failed)."""
+    from pagekv.store.node import lane as node_lane
+
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 2, 64 << 10)
+    cfg = ClientConfig((node.address,), streams=1, max_message_bytes=64 << 10)  # a value a call
+    client = AsyncStoreClient(node.address, config=cfg)
+    assert await client.put_many(keys, values) == [Status.OK] * 2
+    release = threading.Event()
+    real_send, real_answer = lane_module._Conn._send, node_lane.BulkServer._answer
+    sends: list[bytes] = []
+
+    def send(self, call, idle=False):
+        sends.append(call.request.keys[0])
+        if len(sends) == 4:  # B's second, sent again: a second abort lands now
+            self.abort()
+        return real_send(self, call, idle)
+
+    def answer(self, req):  # the node holds B's first reply until the first abort landed
+        if getattr(req, "keys", None) == [keys[0]]:
+            release.wait(10)
+        return real_answer(self, req)
+
+    monkeypatch.setattr(lane_module._Conn, "_send", send)
+    monkeypatch.setattr(node_lane.BulkServer, "_answer", answer)
+    loop = asyncio.get_running_loop()
+    try:
+        into = [bytearray([POISON]) * (64 << 10) for _ in range(2)]
+        b = asyncio.ensure_future(client.get_many(keys, into=into))
+        await loop.run_in_executor(None, wait_until, lambda: len(sends) >= 2, 10)
+        lane_of(client).abort({0})  # as another operation's cancel: none of B's is abandoned
+        release.set()
+        assert await asyncio.wait_for(b, 20) == [True, True]
+        assert [bytes(v) for v in into] == values and len(sends) >= 4
+        assert client.counters["node_failures"] == 0 and client.counters["bulk_failures"] == 0
+    finally:
+        release.set()
+        client.close()
+
+
+@pytest.mark.usefixtures("lane_needed")
 def test_a_kept_connection_found_closed_behind_a_request_out_sends_both_again(served, monkeypatch):
     """A node that restarted closed the client's kept connections: the first request on one
     is found stale by its reply and sent again, but the second, pipelined behind it, found

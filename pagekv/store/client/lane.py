@@ -25,12 +25,13 @@ one being sent (the node restarted: it has none of them; PUTs and GETs may be re
 value stored once is ``EXISTS`` the second time). A connection that
 :meth:`_Conn.abort` shut down is never taken for one the node closed: the calls on it of a
 run that ended early (``_NodeLane.abandoned``) or of a closed lane end, and the others (of
-operations still waiting) are sent once more on a new connection.
+operations still waiting) are sent again on a new connection, as often as aborts land (an
+abort is not the node's failure).
 
 Ownership: a call's ``payloads`` are read and its ``sinks`` written by its connection's thread
-until its future is done; :meth:`LaneTransport.run` cancels its calls not yet taken up, stops
-the node's connections (:meth:`LaneTransport.abort`) and waits for the other futures before it
-returns early (cancelled, or a callback raised).
+until its future is done; :meth:`LaneTransport.run` returning early (cancelled, or a callback
+raised) cancels its calls not yet taken up, marks the others abandoned, shuts down the
+connections of the lanes they went to (:meth:`_NodeLane.abort`) and waits for their futures.
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ class _Conn:
         self.thread.start()
 
     def abort(self) -> None:
-        """End the calls on this connection now (each gets None); the next call reconnects
-        (also when the connection was idle: its socket is shut down all the same)."""
+        """Shut this connection down now: the calls on it of runs that ended early end (None),
+        the others go again on a new connection (:meth:`_end_aborted`); the next call
+        reconnects (also when the connection was idle)."""
         self.aborts += 1
         sock = self.sock
         if sock is not None:
@@ -140,7 +142,7 @@ class _Conn:
                     continue
                 outcome = self._send(call, idle=not out)
                 if outcome is _ABORTED:
-                    self._end_aborted([*out, (call, fut)], out, resent)
+                    self._end_aborted([*out, (call, fut)], out)
                     continue
                 if outcome is _STALE:  # none of what is out on it was answered: sent again
                     ids = {c.request.id for c, _ in out} | {call.request.id}
@@ -160,7 +162,7 @@ class _Conn:
                 result = self._receive(call)
             except ClosedBetweenMessages:
                 if self._aborted():  # shut down by abort(), not by the node
-                    self._end_aborted([(call, fut), *out], out, resent)
+                    self._end_aborted([(call, fut), *out], out)
                     continue
                 # nothing of the reply came: the node may have restarted and never read the
                 # request. PUTs and GETs may be repeated: send them again on a new connection
@@ -171,7 +173,7 @@ class _Conn:
                 continue
             except (OSError, ProtocolError) as e:
                 if self._aborted():  # cut short by abort(), not by the node
-                    self._end_aborted([(call, fut), *out], out, resent)
+                    self._end_aborted([(call, fut), *out], out)
                     continue
                 log.debug("pagekv store: bulk lane to %s failed: %s", self.address, e)
                 self._fail(out, queued=isinstance(e, TimeoutError))
@@ -185,32 +187,41 @@ class _Conn:
             fut.set_result(result)
         self._drop()
 
-    def _end_aborted(self, calls: list, out: collections.deque, resent: set[int]) -> None:
+    def _end_aborted(self, calls: list, out: collections.deque) -> None:
         """:meth:`abort` shut this connection down under ``calls`` (those sent on it, in
-        order). The calls of a run that ended early (the lane's ``abandoned``) or of a closed
-        lane end (None); the others, of operations still waiting, go once more on a new
-        connection: an abort for another operation is not the node's failure."""
+        order, and the one about to be): those of operations still waiting go again on a new
+        connection (an abort for another operation is not the node's failure, and does not
+        use up a call's one sending again after a stale connection), the rest end."""
+        self._resend(self._still_wanted(calls), out, again=True)
+
+    def _still_wanted(self, calls: list) -> list:
+        """End the calls of a run that ended early (the lane's ``abandoned``), or all of them
+        when the lane is closed (None each); return the others, in order."""
         keep = []
         for call, fut in calls:
             if self.lane.closed or call.request.id in self.lane.abandoned:
                 fut.set_result(None)
             else:
                 keep.append((call, fut))
-        ids = {call.request.id for call, _ in keep}
-        again = resent.isdisjoint(ids)
-        resent.update(ids)
-        self._resend(keep, out, again)
+        return keep
 
     def _resend(self, calls: list, out: collections.deque, again: bool) -> None:
-        """Send ``calls`` (their connection went stale) on a new connection (``again``: the
-        first time, else they fail); those that cannot be sent get their outcome (MOVED when
-        no new connection can be made)."""
+        """Send ``calls`` (their connection went stale or was aborted) on a new connection
+        (``again``; else they fail); those that cannot be sent get their outcome (MOVED when
+        no new connection can be made). An abort that lands meanwhile sorts those sent and
+        those still to send again (:meth:`_still_wanted`) and starts over."""
         self._drop()
         out.clear()
-        for call, fut in calls:
+        todo = collections.deque(calls)
+        while todo:
+            call, fut = todo.popleft()
             outcome = self._send(call) if again else None
             if outcome is True:
                 out.append((call, fut))
+            elif outcome is _ABORTED:
+                todo = collections.deque(self._still_wanted([*out, (call, fut), *todo]))
+                self._drop()
+                out.clear()
             else:
                 fut.set_result(outcome if outcome is MOVED else None)
 
@@ -219,7 +230,7 @@ class _Conn:
         with ``queued`` (the node did not answer in time), every call of the node's waiting
         to be sent: each would otherwise wait one more timeout on a connection to the same
         node (a lane that fails is a node failure: the keys move on). Any other failure (a
-        reset, a bad reply, an abort) leaves the waiting calls to the node's connections."""
+        reset, a bad reply) leaves the waiting calls to the node's connections."""
         self._drop()
         while out:
             out.popleft()[1].set_result(None)
@@ -287,8 +298,9 @@ class _Conn:
         be closed or reset by the node while idle (it restarted, or dropped the connection)
         is replaced and the request sent once more: the node cannot have answered any of
         it."""
-        if self._aborted():  # shut down by abort() while idle: never send on it
+        if self._aborted():  # shut down by abort(): never sent on (the caller sorts the calls)
             self._drop()
+            return _ABORTED
         kept = self.sock is not None
         if not kept and not self._connect():
             return MOVED
@@ -376,6 +388,10 @@ class _NodeLane:
         self.left, self.closed = left, True
         for _ in self.conns:
             self.work.put(None)
+        self.abort()
+
+    def abort(self) -> None:
+        """Shut every connection down now (:meth:`_Conn.abort`)."""
         for conn in self.conns:
             conn.abort()
 
@@ -449,7 +465,8 @@ class LaneTransport(Transport):
             except RuntimeError:  # the loop closed: the run ended, nothing to hand on
                 return
 
-        futures = []
+        futures: list[concurrent.futures.Future] = []
+        placed: list[tuple[Call, _NodeLane | None]] = []  # each call and the lane it went to
         try:
             for call in calls:
                 hashed = call.before_send is not None
@@ -460,24 +477,26 @@ class LaneTransport(Transport):
                 if self._closed:  # closed meanwhile (another task, while this one yielded)
                     fut.set_running_or_notify_cancel()
                     fut.set_result(None)
+                    placed.append((call, None))
                 else:
-                    self._lane_for(call.node).work.put((call, fut))
+                    lane = self._lane_for(call.node)
+                    placed.append((call, lane))
+                    lane.work.put((call, fut))
                 if hashed:  # the loop's other work runs between one request's hashing and the next
                     await asyncio.sleep(0)
             await ended
         finally:
             running = {fut for fut in futures if not fut.done() and not fut.cancel()}
             if running:  # sent, or being sent (those not yet taken up were cancelled)
-                mine = [(c, self._lanes.get(c.node)) for c, f in zip(calls, futures)
-                        if f in running]  # fmt: skip
+                # marked before the abort: a connection that sees the abort sees them too
+                mine = [(c, lane) for (c, lane), f in zip(placed, futures) if f in running]
                 for call, lane in mine:
-                    if lane is not None:
-                        lane.abandoned.add(call.request.id)
-                self.abort({call.node for call, _ in mine})
+                    lane.abandoned.add(call.request.id)
+                for lane in {id(lane): lane for _, lane in mine}.values():
+                    lane.abort()
                 concurrent.futures.wait(running)
                 for call, lane in mine:
-                    if lane is not None:
-                        lane.abandoned.discard(call.request.id)
+                    lane.abandoned.discard(call.request.id)
         return results
 
     def _lane_for(self, node: int) -> _NodeLane:
@@ -505,11 +524,11 @@ class LaneTransport(Transport):
             counters["bulk_bytes_out"] += call.nbytes if call.request.op is Op.PUT else 0
 
     def abort(self, nodes: set[int]) -> None:
-        """End the calls on ``nodes``' connections now (each gets None)."""
+        """Shut ``nodes``' connections down now (:meth:`_Conn.abort`)."""
         for node in nodes:
             lane = self._lanes.get(node)
-            for conn in lane.conns if lane is not None else ():
-                conn.abort()
+            if lane is not None:
+                lane.abort()
 
     def close(self) -> None:
         """Close every connection and wait for their threads (each ends at once: its socket is
