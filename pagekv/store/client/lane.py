@@ -93,6 +93,10 @@ class _Conn:
         # abort() counts up (client's thread); the connection's thread compares before each
         # send: a socket shut down while this thread was idle is replaced, not sent on
         self.aborts = self.aborts_seen = 0
+        # abort()'s count and shutdown, their consuming (_aborted) and the socket's swaps
+        # (_connect, _drop) never interleave: an abort shuts down the socket it was counted
+        # for, never a new one made after its count was consumed
+        self._abort_lock = threading.Lock()
         # the receive's bounce buffer (see recv_values): this connection's thread's alone;
         # RECV_SLOTS chunks give its receives a helper thread, one chunk none
         self.bounce = bytearray(native.BLOCK_BYTES * bounce_slots)
@@ -103,13 +107,13 @@ class _Conn:
         """Shut this connection down now: the calls on it of runs that ended early end (None),
         the others go again on a new connection (:meth:`_end_aborted`); the next call
         reconnects (also when the connection was idle)."""
-        self.aborts += 1
-        sock = self.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread in recv/send
-            except OSError:
-                pass  # not connected (any more): nothing to wake
+        with self._abort_lock:
+            self.aborts += 1
+            if self.sock is not None:
+                try:
+                    self.sock.shutdown(socket.SHUT_RDWR)  # wakes the thread in recv/send
+                except OSError:
+                    pass  # not connected (any more): nothing to wake
 
     def join(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) for this connection's thread to end after :meth:`close`:
@@ -259,16 +263,18 @@ class _Conn:
 
     def _aborted(self) -> bool:
         """Whether :meth:`abort` shut the socket down since this was last asked (a closed
-        connection is then ours, not the node's: its calls end, nothing is sent again)."""
-        if self.aborts == self.aborts_seen:
-            return False
-        self.aborts_seen = self.aborts
-        return True
+        connection is then ours, not the node's: :meth:`_end_aborted` sorts its calls)."""
+        with self._abort_lock:
+            if self.aborts == self.aborts_seen:
+                return False
+            self.aborts_seen = self.aborts
+            return True
 
     def _drop(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+        with self._abort_lock:
+            sock, self.sock = self.sock, None
+        if sock is not None:
+            sock.close()
 
     def _connect(self) -> bool:
         cfg = self.config
@@ -287,7 +293,8 @@ class _Conn:
         if cfg.socket_buffer:  # 0: leave it to the kernel's TCP autotuning
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.socket_buffer)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, cfg.socket_buffer)
-        self.sock = sock
+        with self._abort_lock:
+            self.sock = sock
         return True
 
     def _send(self, call: Call, idle: bool = False) -> Any:
