@@ -1119,6 +1119,28 @@ async def test_cancelling_one_put_leaves_another_operation_s_waiting_calls_alone
         client.close()
 
 
+def watch_aborts(monkeypatch) -> threading.Event:
+    """An event set each time a lane connection's abort() has shut it down."""
+    aborted, real_abort = threading.Event(), lane_module._Conn.abort
+
+    def abort(self):
+        real_abort(self)
+        aborted.set()
+
+    monkeypatch.setattr(lane_module._Conn, "abort", abort)
+    return aborted
+
+
+async def one_stream_client(node, count):
+    """A client of ``node`` over one lane connection, one 64 KiB value a request, with
+    ``count`` such values stored: (client, keys, values)."""
+    keys, values = rand_values(random.Random(os.urandom(8)), count, 64 << 10)
+    cfg = ClientConfig((node.address,), streams=1, max_message_bytes=64 << 10)
+    client = AsyncStoreClient(node.address, config=cfg)
+    assert await client.put_many(keys, values) == [Status.OK] * count
+    return client, keys, values
+
+
 @pytest.mark.usefixtures("lane_needed")
 @pytest.mark.asyncio
 @pytest.mark.parametrize("end", ["cancel", "close"])
@@ -1130,23 +1152,18 @@ async def test_a_call_ended_while_its_connection_is_made_is_not_sent(served, mon
     fake = _SilentLane()
     client = AsyncStoreClient(node.address, config=ClientConfig((node.address,), streams=1,
                                                                 timeout_s=3.0))  # fmt: skip
-    connecting, aborted = threading.Event(), threading.Event()
-    real_connect, real_abort = lane_module._Conn._connect, lane_module._Conn.abort
+    connecting, real_connect = threading.Event(), lane_module._Conn._connect
 
     def connect(self):
         connecting.set()
         assert aborted.wait(10)  # the handshake still under way when the call is ended
         return real_connect(self)
 
-    def abort(self):
-        real_abort(self)
-        aborted.set()
-
     try:
         assert await client.ping() == [True]
         lane_of(client)._ports[0] = fake.port
         monkeypatch.setattr(lane_module._Conn, "_connect", connect)
-        monkeypatch.setattr(lane_module._Conn, "abort", abort)
+        aborted = watch_aborts(monkeypatch)
         into = bytearray([POISON]) * 4096
         task = asyncio.ensure_future(client.get_many([b"k" * 16], into=[into]))
         assert await asyncio.get_running_loop().run_in_executor(None, connecting.wait, 10)
@@ -1171,14 +1188,9 @@ async def test_requests_out_on_an_aborted_socket_end_before_the_next_is_sent(ser
     """A connection with a request still out when abort() lands must end that request before
     it sends the next on a new socket: the next was sent at once, the reply read for the one
     still out was the next one's, and the mismatch failed the next one and the node."""
-    node = served()
-    rng = random.Random(os.urandom(8))
-    keys, values = rand_values(rng, 4, 64 << 10)
-    cfg = ClientConfig((node.address,), streams=1, max_message_bytes=64 << 10)  # a value a call
-    client = AsyncStoreClient(node.address, config=cfg)
-    assert await client.put_many(keys, values) == [Status.OK] * 4
-    a_read, aborted = threading.Event(), threading.Event()
-    real_receive, real_abort = lane_module._Conn._receive, lane_module._Conn.abort
+    client, keys, values = await one_stream_client(served(), 4)
+    a_read, aborted = threading.Event(), watch_aborts(monkeypatch)
+    real_receive = lane_module._Conn._receive
 
     def receive(self, call):
         result = real_receive(self, call)
@@ -1187,12 +1199,7 @@ async def test_requests_out_on_an_aborted_socket_end_before_the_next_is_sent(ser
             assert aborted.wait(10)
         return result
 
-    def abort(self):
-        real_abort(self)
-        aborted.set()
-
     monkeypatch.setattr(lane_module._Conn, "_receive", receive)
-    monkeypatch.setattr(lane_module._Conn, "abort", abort)
     try:
         a = asyncio.ensure_future(client.get_many([keys[0]], into=[bytearray(64 << 10)]))
         into = [bytearray([POISON]) * (64 << 10) for _ in range(3)]
@@ -1215,15 +1222,9 @@ async def test_cancelling_one_get_fails_no_other_operation_s_request(served, mon
     (pipelined behind the cancelled one's) is not the node's failure: it goes again on a new
     connection and gets its value, and the node is not taken for failed (it was: a miss, and
     the node backed off)."""
-    node = served()
-    rng = random.Random(os.urandom(8))
-    keys, values = rand_values(rng, 4, 64 << 10)
-    cfg = ClientConfig((node.address,), streams=1, max_message_bytes=64 << 10)  # a value a call
-    client = AsyncStoreClient(node.address, config=cfg)
-    assert await client.put_many(keys, values) == [Status.OK] * 4
-    b_queued, a_read, aborted = threading.Event(), threading.Event(), threading.Event()
+    client, keys, values = await one_stream_client(served(), 4)
+    b_queued, a_read, aborted = threading.Event(), threading.Event(), watch_aborts(monkeypatch)
     real_send, real_receive = lane_module._Conn._send, lane_module._Conn._receive
-    real_abort = lane_module._Conn.abort
 
     def send(self, call, idle=False):  # A goes out once B's calls wait: B's first follows it
         if call.request.keys == [keys[0]]:
@@ -1237,10 +1238,6 @@ async def test_cancelling_one_get_fails_no_other_operation_s_request(served, mon
             assert aborted.wait(10)
         return result
 
-    def abort(self):
-        real_abort(self)
-        aborted.set()
-
     def answer(self, req):  # B's first reply leaves the node only once the abort landed
         if getattr(req, "keys", None) == [keys[1]]:
             aborted.wait(10)
@@ -1252,7 +1249,6 @@ async def test_cancelling_one_get_fails_no_other_operation_s_request(served, mon
     monkeypatch.setattr(node_lane.BulkServer, "_answer", answer)
     monkeypatch.setattr(lane_module._Conn, "_send", send)
     monkeypatch.setattr(lane_module._Conn, "_receive", receive)
-    monkeypatch.setattr(lane_module._Conn, "abort", abort)
     loop = asyncio.get_running_loop()
     try:
         a = asyncio.ensure_future(client.get_many([keys[0]], into=[bytearray(64 << 10)]))
@@ -1282,14 +1278,9 @@ async def test_a_get_cancelled_as_its_connection_takes_it_is_never_sent(served, 
     """The connection has taken A's GET (behind B's, out on it) when A is cancelled: A is not
     sent (it was, on a new socket, and its run held the loop until the node answered), and
     B's request, out on the aborted socket, goes again and gets its value."""
-    node = served()
-    rng = random.Random(os.urandom(8))
-    keys, values = rand_values(rng, 2, 64 << 10)
-    cfg = ClientConfig((node.address,), streams=1, max_message_bytes=64 << 10)  # a value a call
-    client = AsyncStoreClient(node.address, config=cfg)
-    assert await client.put_many(keys, values) == [Status.OK] * 2
-    a_queued, a_taken, aborted = threading.Event(), threading.Event(), threading.Event()
-    real_send, real_abort = lane_module._Conn._send, lane_module._Conn.abort
+    client, keys, values = await one_stream_client(served(), 2)
+    a_queued, a_taken, aborted = threading.Event(), threading.Event(), watch_aborts(monkeypatch)
+    real_send = lane_module._Conn._send
     sent: list[tuple[bytes, object]] = []
 
     def send(self, call, idle=False):
@@ -1303,12 +1294,7 @@ async def test_a_get_cancelled_as_its_connection_takes_it_is_never_sent(served, 
         sent.append((key, outcome))
         return outcome
 
-    def abort(self):
-        real_abort(self)
-        aborted.set()
-
     monkeypatch.setattr(lane_module._Conn, "_send", send)
-    monkeypatch.setattr(lane_module._Conn, "abort", abort)
     loop = asyncio.get_running_loop()
     work = lane_of(client)
     try:
@@ -1341,12 +1327,7 @@ async def test_an_abort_during_the_sending_again_sorts_the_calls_again(served, m
     failed, the node taken for failed)."""
     from pagekv.store.node import lane as node_lane
 
-    node = served()
-    rng = random.Random(os.urandom(8))
-    keys, values = rand_values(rng, 2, 64 << 10)
-    cfg = ClientConfig((node.address,), streams=1, max_message_bytes=64 << 10)  # a value a call
-    client = AsyncStoreClient(node.address, config=cfg)
-    assert await client.put_many(keys, values) == [Status.OK] * 2
+    client, keys, values = await one_stream_client(served(), 2)
     release = threading.Event()
     real_send, real_answer = lane_module._Conn._send, node_lane.BulkServer._answer
     sends: list[bytes] = []

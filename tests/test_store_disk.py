@@ -555,24 +555,32 @@ def test_a_torn_tail_is_cut_and_every_whole_record_served(tiers, tmp_path, poiso
     assert last.with_suffix(".dir").exists()  # and given its directory: the next start reads it
 
 
-def test_a_damaged_record_is_skipped_and_the_records_after_it_served(tiers, tmp_path, caplog):
-    """A scan (a segment without its directory) that meets a record whose payload fails its
-    checksum skips that record and goes on: it stopped there and cut every intact record
-    after it off the file, and a damaged first record removed the whole file unsaid."""
+def _damage_a_record(tiers, tmp_path, pick):
+    """20 records of 60,000 bytes written to one segment and the tier closed, the segment's
+    directory removed (the next start scans it), and one record's payload flipped: ``pick``
+    chooses it from the records' indices in file order. Returns its index."""
     tier = tiers(capacity=32 * MIB, segment_bytes=4 * MIB)
     for i in range(20):
         offer(tier, i, 60_000)
     assert tier.close(10)
     seg = sorted((tmp_path / "disk").glob("*.seg"))[-1]
-    seg.with_suffix(".dir").unlink()  # scanned at the next start
+    seg.with_suffix(".dir").unlink()
     data = bytearray(seg.read_bytes())
     where = {i: data.index(payload(i, 60_000)[:64]) for i in range(20)}
+    bad = pick(sorted(where, key=where.get))
+    data[where[bad] + 1000] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    return bad
+
+
+def test_a_damaged_record_is_skipped_and_the_records_after_it_served(tiers, tmp_path, caplog):
+    """A scan (a segment without its directory) that meets a record whose payload fails its
+    checksum skips that record and goes on: it stopped there and cut every intact record
+    after it off the file, and a damaged first record removed the whole file unsaid."""
     # not the file's last record: a damaged record with no intact one after it is a torn
     # tail (cut off, as a write that had not completed)
-    bad = random.Random(os.urandom(8)).choice(sorted(where, key=where.get)[:-1])
-    at = where[bad] + 1000
-    data[at] ^= 0xFF
-    seg.write_bytes(bytes(data))
+    rng = random.Random(os.urandom(8))
+    bad = _damage_a_record(tiers, tmp_path, lambda order: rng.choice(order[:-1]))
     with caplog.at_level(logging.WARNING, logger="pagekv.store.disk"):
         tier = tiers(capacity=32 * MIB, segment_bytes=4 * MIB)
     assert "1 damaged record(s) skipped" in caplog.text
@@ -586,17 +594,7 @@ def test_a_damaged_last_record_is_cut_as_a_torn_tail(tiers, tmp_path):
     """The file's last record failing its checksum, with no intact record after it, is what a
     write cut short by a crash leaves: the scan cuts it off (torn, not damaged) and serves the
     rest."""
-    tier = tiers(capacity=32 * MIB, segment_bytes=4 * MIB)
-    for i in range(20):
-        offer(tier, i, 60_000)
-    assert tier.close(10)
-    seg = sorted((tmp_path / "disk").glob("*.seg"))[-1]
-    seg.with_suffix(".dir").unlink()  # scanned at the next start
-    data = bytearray(seg.read_bytes())
-    where = {i: data.index(payload(i, 60_000)[:64]) for i in range(20)}
-    last = max(where, key=where.get)
-    data[where[last] + 1000] ^= 0xFF
-    seg.write_bytes(bytes(data))
+    last = _damage_a_record(tiers, tmp_path, lambda order: order[-1])
     tier = tiers(capacity=32 * MIB, segment_bytes=4 * MIB)
     stats = tier.stats()
     assert stats["disk_rebuild_torn"] == 1 and stats["disk_rebuild_damaged"] == 0
