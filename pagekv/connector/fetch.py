@@ -72,7 +72,7 @@ class _Batch:
     over, or ended as a miss)."""
 
     pairs: list[tuple[bytes, int]]  # (key, page)
-    ended: list[bool] = field(default_factory=list)
+    ended: list[bool] = field(init=False)
 
     def __post_init__(self) -> None:
         self.ended = [False] * len(self.pairs)

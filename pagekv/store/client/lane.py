@@ -216,16 +216,13 @@ class _Conn:
         those still to send again (:meth:`_still_wanted`) and starts over."""
         self._drop()
         out.clear()
-        todo = collections.deque(calls)
-        while todo:
-            call, fut = todo.popleft()
+        for i, (call, fut) in enumerate(calls):
             outcome = self._send(call) if again else None
             if outcome is True:
                 out.append((call, fut))
-            elif outcome is _ABORTED:
-                todo = collections.deque(self._still_wanted([*out, (call, fut), *todo]))
-                self._drop()
-                out.clear()
+            elif outcome is _ABORTED:  # sort those sent and those left anew, and start over
+                self._resend(self._still_wanted([*out, *calls[i:]]), out, again)
+                return
             else:
                 fut.set_result(outcome if outcome is MOVED else None)
 
@@ -375,7 +372,7 @@ def _places(call: Call, reply: Any, sizes: tuple[int, ...]) -> list[Any]:
     return frames
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _NodeLane:
     """A node's lane as a client uses it: its port, the calls waiting for a connection, and
     the connections (with their threads) that take them."""
@@ -499,7 +496,7 @@ class LaneTransport(Transport):
                 mine = [(c, lane) for (c, lane), f in zip(placed, futures) if f in running]
                 for call, lane in mine:
                     lane.abandoned.add(call.request.id)
-                for lane in {id(lane): lane for _, lane in mine}.values():
+                for lane in {lane for _, lane in mine}:
                     lane.abort()
                 concurrent.futures.wait(running)
                 for call, lane in mine:
