@@ -8,6 +8,7 @@ check that the native call did the receiving."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import os
 import random
@@ -1007,6 +1008,42 @@ def test_a_failing_connection_leaves_the_others_their_closing_sentinels(monkeypa
     assert not conn.thread.is_alive()
     assert fut.result(timeout=0) is None  # failed like a node failure
     assert lane.work.qsize() == 1 and lane.work.get_nowait() is None  # the other's sentinel
+
+
+@pytest.mark.parametrize("failure", ["stalled", "moved"])
+def test_a_resend_stops_at_the_first_send_that_fails(monkeypatch, failure):
+    """Calls sent again on a new connection (theirs went stale or was aborted): a send that
+    fails there ends that connection, as any failed send does. Those sent before it and after
+    it end with it (MOVED each when no connection could be made, so the client PINGs the node
+    and runs them on what it says); none is sent behind a message the node got only part of
+    (a stalled send), nor tries to connect once more per call."""
+    from types import SimpleNamespace
+
+    outcome = {"stalled": lane_module._STALLED, "moved": lane_module.MOVED}[failure]
+    outcomes = iter([True, outcome] if failure == "stalled" else [outcome])
+    sent = []
+
+    def send(self, call, idle=False):
+        sent.append(call.request.id)
+        return next(outcomes)  # a third send would raise StopIteration
+
+    monkeypatch.setattr(lane_module._Conn, "_send", send)
+    lane = lane_module._NodeLane(9)
+    cfg = ClientConfig(("tcp://127.0.0.1:9",))
+    conn = lane_module._Conn(("127.0.0.1", 9), cfg, SimpleNamespace(limits=[None]), 0, None, 1,
+                             lane)  # fmt: skip
+    try:
+        calls = [(SimpleNamespace(request=SimpleNamespace(id=i)), concurrent.futures.Future())
+                 for i in range(4)]  # fmt: skip
+        out: collections.deque = collections.deque()
+        conn._resend(calls, out, again=True)  # its thread is idle, waiting for work
+        left = lane_module.MOVED if failure == "moved" else None
+        assert sent == ([0, 1] if failure == "stalled" else [0])
+        assert [fut.result(timeout=0) for _, fut in calls] == [left] * 4
+        assert not out and conn.sock is None
+    finally:
+        lane.work.put(None)
+        conn.thread.join(10)
 
 
 @pytest.mark.usefixtures("lane_needed")

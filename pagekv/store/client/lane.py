@@ -211,20 +211,27 @@ class _Conn:
 
     def _resend(self, calls: list, out: collections.deque, again: bool) -> None:
         """Send ``calls`` (their connection went stale or was aborted) on a new connection
-        (``again``; else they fail); those that cannot be sent get their outcome (MOVED when
-        no new connection can be made). An abort that lands meanwhile sorts those sent and
-        those still to send again (:meth:`_still_wanted`) and starts over."""
+        (``again``; else they fail). A send that fails ends the new connection as in
+        :meth:`_run`: that call, those sent before it and those after it end (MOVED each when no
+        new connection could be made, else None; one that stalled also fails the node's
+        waiting calls): nothing is sent behind a message the node got only part of. An abort
+        that lands meanwhile sorts those sent and those still to send again
+        (:meth:`_still_wanted`) and starts over."""
         self._drop()
         out.clear()
         for i, (call, fut) in enumerate(calls):
             outcome = self._send(call) if again else None
             if outcome is True:
                 out.append((call, fut))
-            elif outcome is _ABORTED:  # sort those sent and those left anew, and start over
+                continue
+            if outcome is _ABORTED:  # sort those sent and those left anew, and start over
                 self._resend(self._still_wanted([*out, *calls[i:]]), out, again)
                 return
-            else:
-                fut.set_result(outcome if outcome is MOVED else None)
+            left = outcome if outcome is MOVED else None
+            for _, unsent in calls[i:]:
+                unsent.set_result(left)
+            self._fail(out, queued=outcome is _STALLED)
+            return
 
     def _fail(self, out: collections.deque, queued: bool = False) -> None:
         """The connection is unusable: drop it and fail the calls whose requests went out and,
