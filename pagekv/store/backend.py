@@ -139,8 +139,8 @@ class StoreBackend(abc.ABC):
 def byte_views(value: Any, writable: bool, what: str) -> list[memoryview]:
     """A value's frames as flat byte views: one bytes-like, or a sequence of them (``TypeError``
     / ``ValueError`` naming ``what`` otherwise)."""
-    if type(value) is bytes and not writable:
-        return [memoryview(value)]
+    if (type(value) is bytes and not writable) or type(value) is bytearray:
+        return [memoryview(value)]  # flat bytes already (a bytearray's view is writable)
     if type(value) is memoryview and value.format == "B" and value.ndim == 1:
         if writable and value.readonly:
             raise ValueError(f"{what}: a read-only buffer cannot be read into")

@@ -135,7 +135,9 @@ def get(
     ZeroMQ, copies) its reply's values, which a transport may run off the client's thread
     before the reply is handled (see :class:`.routing.Call`)."""
     out: list[Any] = [None] * len(keys)
-    expected = None if into is None else [sum(t.nbytes for t in targets) for targets in into]
+    expected = None
+    if into is not None:
+        expected = [t[0].nbytes if len(t) == 1 else sum(v.nbytes for v in t) for t in into]
     checked: dict[int, str] = {}  # key -> outcome of its copy done by a prepare (pool thread)
 
     def check(i: int, cs: int, frames: list[Any], digest: int | None = None) -> str:
