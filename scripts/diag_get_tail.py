@@ -16,10 +16,12 @@ Every request's times on its client connection are recorded (request sent, reply
 payload in), so a round splits into *start* (the call until each connection's first reply
 starts), *receive* (a reply's head to its last byte), *between* (a reply's last byte to the
 next one's head) and *tail* (a connection's last payload in until the round's end), summed
-over connections; and the first request of each connection in the round: when the client's
-loop handed the batch to the lane (``run_us``), when each connection sent it, when the node's
-connection thread had read it and began its reply (a hook loaded into the node's process;
-``time.perf_counter_ns`` is CLOCK_MONOTONIC in both), and when the client read the reply's head.
+over connections (where the payload lands in the call that reads the head, the head is seen
+once its payload is in: *receive* then shows within *between*); and the first request of each
+connection in the round: when the client's loop handed the batch to the lane (``run_us``),
+when each connection sent it, when the node's connection thread had read it and began its
+reply (a hook loaded into the node's process; ``time.perf_counter_ns`` is CLOCK_MONOTONIC in
+both), and when the client read the reply's head.
 
     python scripts/diag_get_tail.py [--streams 8] [--rounds 10]
 """
@@ -71,8 +73,8 @@ def instrument() -> None:
     lane_mod._Conn._send, lane_mod._Conn._receive = timed_send, timed_receive
     read_head = lane_mod.read_head
 
-    def timed_head(sock, **kw):
-        head = read_head(sock, **kw)
+    def timed_head(sock, *args, **kw):
+        head = read_head(sock, *args, **kw)
         EVENTS.append((threading.get_ident(), 0, "head", time.perf_counter_ns()))
         return head
 
@@ -93,8 +95,8 @@ import atexit, json, os, threading, time
 from pagekv.store.node import lane as L
 EV = []
 read_head, send_message = L.read_head, L.send_message
-def timed_head(sock, **kw):
-    head = read_head(sock, **kw)
+def timed_head(sock, *args, **kw):
+    head = read_head(sock, *args, **kw)
     if head is not None:
         EV.append((threading.get_ident(), "head", time.perf_counter_ns()))
     return head

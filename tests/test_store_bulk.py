@@ -34,7 +34,7 @@ from pagekv.store.client.client import INLINE_PUT_BYTES
 from pagekv.store.config import ClientConfig
 from pagekv.store.launch import NodeProcess
 from pagekv.store.wire import native
-from pagekv.store.wire.lane import MAGIC, PREFIX, read_head, send_message
+from pagekv.store.wire.lane import HEAD_BYTES, MAGIC, PREFIX, read_head, send_message, timeval
 from pagekv.store.wire.protocol import Reply, decode_request, encode_reply
 from tests.helpers import POISON, wait_until
 
@@ -51,17 +51,23 @@ def receive(monkeypatch):
     compiler); checks after the test that it did the receiving in this process (nodes in other
     processes are not counted)."""
     calls = []
-    real = native.NativeCopy.recv_verify
+    real, real_message = native.NativeCopy.recv_verify, native.NativeCopy.recv_message
 
     def counted(self, *args, **kwargs):
         calls.append(1)
         return real(self, *args, **kwargs)
+
+    def counted_message(self, *args, **kwargs):  # a head, and the payload where expected
+        if kwargs.get("frames"):
+            calls.append(1)
+        return real_message(self, *args, **kwargs)
 
     monkeypatch.setenv("PAGEKV_NATIVE_COPY", "auto")
     if native.load() is None:
         pytest.skip(f"native receive unavailable: {native.unavailable_reason()}")
     monkeypatch.setenv("PAGEKV_NATIVE_COPY", "on")
     monkeypatch.setattr(native.NativeCopy, "recv_verify", counted)
+    monkeypatch.setattr(native.NativeCopy, "recv_message", counted_message)
     yield
     assert calls, "the native receive was never called"
 
@@ -309,7 +315,12 @@ def test_no_lane_beside_curve_or_when_off(tmp_path):
 
 
 def _raw(port: int) -> socket.socket:
+    """A raw lane connection as the client makes one: blocking, its waits bounded by the
+    socket's own timeouts (read_head's native receive needs a blocking socket)."""
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.settimeout(None)
+    for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        s.setsockopt(socket.SOL_SOCKET, option, timeval(10))
     return s
 
 
@@ -324,7 +335,14 @@ def _hung_up(sock: socket.socket) -> bool:
 def _answer(sock: socket.socket) -> Reply | None:
     from pagekv.store.wire.protocol import decode_reply
 
-    head = read_head(sock, max_frames=16, max_frame_bytes=1 << 20, max_payload_bytes=1 << 20)
+    head = read_head(
+        sock,
+        native.load(),
+        bytearray(HEAD_BYTES),
+        max_frames=16,
+        max_frame_bytes=1 << 20,
+        max_payload_bytes=1 << 20,
+    )
     return decode_reply(head.header) if head is not None else None
 
 
@@ -408,8 +426,8 @@ def test_a_node_killed_mid_transfer_gives_misses_never_wrong_data():
 def _found_reply_head(conn: socket.socket, checksum: int, nbytes: int) -> bytes:
     """Read one GET from ``conn`` and return the head of its reply as a fake lane sends it:
     its one key found, one frame of ``nbytes`` with ``checksum`` (the frame's bytes follow)."""
-    head = read_head(conn, max_frames=8, max_frame_bytes=1 << 20,
-                     max_payload_bytes=1 << 20)  # fmt: skip
+    head = read_head(conn, native.load(), bytearray(HEAD_BYTES), max_frames=8,
+                     max_frame_bytes=1 << 20, max_payload_bytes=1 << 20)  # fmt: skip
     req = decode_request(head.header)
     rep = encode_reply(Reply(req.id, status=[0], sums=[checksum], counts=[1]))
     return PREFIX.pack(MAGIC, len(rep), 1, nbytes) + struct.pack("<Q", nbytes) + rep
@@ -438,6 +456,53 @@ class _StallingLane:
             except OSError:
                 pass  # the client hung up: what it must do when it stops waiting
             self.finished.set()
+
+
+class _ShapeLane:
+    """A fake node's bulk lane that answers one GET of two keys: the first found as a value of
+    two frames of ``n`` bytes, the second not found. The frames fit two destinations of ``n``
+    bytes each, one per key, so the client receives them there with the head."""
+
+    def __init__(self, frames: list[bytes], checksum: int) -> None:
+        self.frames, self.checksum = frames, checksum
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            head = read_head(conn, native.load(), bytearray(HEAD_BYTES), max_frames=8,
+                             max_frame_bytes=1 << 20, max_payload_bytes=1 << 20)  # fmt: skip
+            req = decode_request(head.header)
+            rep = Reply(req.id, status=[0, int(Status.NOT_FOUND)], sums=[self.checksum],
+                        counts=[2])  # fmt: skip
+            send_message(conn, encode_reply(rep), self.frames)
+            conn.recv(1)  # until the client hangs up
+
+
+@pytest.mark.usefixtures("receive")
+@pytest.mark.asyncio
+async def test_a_reply_whose_frames_fit_the_destinations_but_not_its_keys_is_a_miss(served):
+    """Frames received with their head land in the call's destinations in order. When the
+    reply then says they are not one per key (a found value of two frames where its key's
+    destination is one, the next key not found), no key takes them: both are misses, never
+    the other key's bytes as a value."""
+    import xxhash
+
+    node = served()
+    rng = random.Random(os.urandom(8))
+    frames = [rng.randbytes(64 << 10) for _ in range(2)]
+    lane = _ShapeLane(frames, xxhash.xxh3_64_intdigest(b"".join(frames)))
+    client = AsyncStoreClient(node.address, config=ClientConfig((node.address,), streams=1))
+    try:
+        assert await client.ping() == [True]
+        lane_of(client)._ports[0] = lane.port  # this node's GETs go to the fake lane
+        into = [bytearray([POISON]) * (64 << 10) for _ in range(2)]
+        assert await client.get_many([b"a" * 16, b"b" * 16], into=into) == [False, False]
+        assert client.router.counters["size_mismatch"] == 1
+    finally:
+        client.close()
 
 
 @pytest.mark.usefixtures("receive")
@@ -500,7 +565,8 @@ class _SilentLane:
         with conn:
             try:
                 while True:
-                    head = read_head(conn, max_frames=8, max_frame_bytes=1 << 20,
+                    head = read_head(conn, native.load(), bytearray(HEAD_BYTES),
+                                     max_frames=8, max_frame_bytes=1 << 20,
                                      max_payload_bytes=1 << 20)  # fmt: skip
                     self.requests.append(decode_request(head.header).id)
                     self.got_one.set()
@@ -938,7 +1004,14 @@ def _lane_reply(sock: socket.socket) -> tuple[Reply, list[bytes]]:
     from pagekv.store.wire.lane import recv_exact
     from pagekv.store.wire.protocol import decode_reply
 
-    head = read_head(sock, max_frames=64, max_frame_bytes=64 << 20, max_payload_bytes=64 << 20)
+    head = read_head(
+        sock,
+        native.load(),
+        bytearray(HEAD_BYTES),
+        max_frames=64,
+        max_frame_bytes=64 << 20,
+        max_payload_bytes=64 << 20,
+    )
     frames = []
     for size in head.sizes:
         buf = bytearray(size)

@@ -6,11 +6,13 @@ processes building into one fresh cache end with one library. The native receive
 peer that closes or stalls (what arrived is in place), a shutdown from another thread, bad
 input refused before a byte is read."""
 
+import errno
 import logging
 import mmap
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -369,6 +371,107 @@ def _timeval(seconds: float) -> bytes:
     from pagekv.store.wire.lane import timeval
 
     return timeval(seconds)
+
+
+def _message(header: bytes, frames: list[bytes], magic: bytes = b"PKB1") -> bytes:
+    """A bulk-lane message (pagekv.store.wire.lane's framing)."""
+    sizes = [len(f) for f in frames]
+    prefix = struct.pack("<4sIIQ", magic, len(header), len(sizes), sum(sizes))
+    return prefix + struct.pack(f"<{len(sizes)}Q", *sizes) + header + b"".join(frames)
+
+
+LIMITS = dict(max_header=1 << 20, max_frames=64, max_frame_bytes=8 << 20, max_payload=64 << 20)
+
+
+@pytest.mark.parametrize("slots", [1, native.RECV_SLOTS], ids=["one-slot", "handed-over"])
+def test_recv_message_lands_a_payload_where_expected_and_leaves_any_other(lib, rng, slots):
+    """One call reads a message's head and, when its frames are exactly the ones expected (as
+    many, each of the same size), its payload into them, hashed per value; a message whose
+    frames differ (a size, or their number) has its head read and its payload left on the
+    socket, whole, for the next receive."""
+    counts = [2, 1, 1]
+    sizes = [int(n) for n in rng.choice(SIZES[1:], sum(counts))]
+    data = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    header = rng.integers(0, 256, 300, dtype=np.uint8).tobytes()
+    expected = [xxh3(data[0], data[1]), xxh3(data[2]), xxh3(data[3])]
+    head = poisoned(native.BLOCK_BYTES)
+    a, b = socket.socketpair()
+    with a, b:
+        sender = _send_in_thread(a, [_message(header, data)] * 3)
+        frames = [poisoned(n) for n in sizes]
+        got = lib.recv_message(b.fileno(), head, **LIMITS, frames=frames, counts=counts,
+                               bounce=poisoned(BLOCK * slots))  # fmt: skip
+        assert (got.code, got.landed, got.digests) == (0, True, expected)
+        assert [bytes(f) for f in frames] == data
+        assert bytes(head[20 + 8 * len(sizes) : got.head_bytes]) == header
+        assert got.received == got.head_bytes + sum(sizes)
+        for other in ([poisoned(n) for n in sizes[:-1]],  # one frame fewer
+                      [poisoned(n + 1 if k == 2 else n) for k, n in enumerate(sizes)]):  # fmt: skip
+            got = lib.recv_message(b.fileno(), head, **LIMITS, frames=other,
+                                   counts=[1] * len(other), bounce=poisoned(BLOCK))  # fmt: skip
+            assert (got.code, got.landed, got.digests) == (0, False, None)
+            assert all(bytes(f) == bytes([POISON]) * len(f) for f in other)  # nothing written
+            assert struct.unpack_from(f"<{len(sizes)}Q", head, 20) == tuple(sizes)
+            frames = [poisoned(n) for n in sizes]  # the payload is still there, whole
+            assert lib.recv_verify(b.fileno(), frames, counts, bounce=poisoned(BLOCK)) == expected
+            assert [bytes(f) for f in frames] == data
+        sender.join()
+
+
+def test_recv_message_says_how_a_message_ended_or_broke_its_limits(lib):
+    """Each outcome has its code, and only what a code says was read is read: the end of the
+    connection before a byte (1) or within the head (2), a message not in the lane's framing
+    (3), over a limit (4: checked on the prefix, and on the sizes), a head larger than the
+    buffer (5: its prefix read, its size said), nothing within the socket's receive timeout
+    (-EAGAIN, nothing received)."""
+
+    def one(data: bytes, *, shut: bool = True, cap: int = 4096, **limits) -> native.Message:
+        a, b = socket.socketpair()
+        with a, b:
+            a.sendall(data)
+            if shut:
+                a.shutdown(socket.SHUT_WR)
+            b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 50_000))
+            return lib.recv_message(b.fileno(), bytearray(cap), **{**LIMITS, **limits})
+
+    ok = _message(b"h" * 40, [b"x" * 10, b"y" * 20])
+    assert one(ok).code == 0 and one(ok).head_bytes == 20 + 16 + 40
+    assert one(b"").code == 1
+    assert (one(ok[:10]).code, one(ok[:10]).received) == (2, 10)
+    assert one(ok[:30]).code == 2  # within the sizes
+    assert one(_message(b"h", [], magic=b"HTTP")).code == 3
+    assert one(ok, max_frames=1).code == 4
+    assert one(ok, max_header=39).code == 4
+    assert one(ok, max_payload=29).code == 4
+    assert one(ok, max_frame_bytes=19).code == 4  # on the sizes
+    sizes_lie = bytearray(ok)
+    struct.pack_into("<Q", sizes_lie, 20, 11)  # the sizes add up to 31, the prefix says 30
+    assert one(bytes(sizes_lie)).code == 4
+    big = one(ok, cap=40)
+    assert (big.code, big.head_bytes, big.received) == (5, 76, 20)
+    idle = one(b"", shut=False)
+    assert (idle.code, idle.received) == (-errno.EAGAIN, 0)
+    stalled = one(ok[:25], shut=False)
+    assert (stalled.code, stalled.received) == (-errno.EAGAIN, 25)
+
+
+def test_read_head_reads_a_head_larger_than_its_buffer(lib, rng):
+    """A head past the reader's buffer (a PUT of many frames) is read on after its prefix: the
+    same head as with a buffer that holds it, its payload left to read."""
+    from pagekv.store.wire.lane import read_head
+
+    frames = [rng.integers(0, 256, 5, dtype=np.uint8).tobytes() for _ in range(50)]
+    header = rng.integers(0, 256, 500, dtype=np.uint8).tobytes()
+    heads = []
+    for cap in (64, 4096):
+        a, b = socket.socketpair()
+        with a, b:
+            a.sendall(_message(header, frames))
+            heads.append(read_head(b, lib, bytearray(cap), max_frames=64, max_frame_bytes=64,
+                                   max_payload_bytes=1 << 20))  # fmt: skip
+            assert b.recv(250, socket.MSG_WAITALL) == b"".join(frames)
+    assert heads[0] == heads[1]
+    assert (heads[0].header, heads[0].sizes, heads[0].landed) == (header, (5,) * 50, False)
 
 
 def test_copy_checksum_same_digest_native_and_off(fresh_cache, monkeypatch, rng):

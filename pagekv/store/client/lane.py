@@ -5,10 +5,12 @@ wait in one queue, and each connection takes the next whenever it has room (``DE
 
 Each connection's thread sends a request (a PUT's values straight from the caller's buffers:
 ``sendmsg``, no copy in user space) and reads the reply, a GET's frames into its destinations
-(``Call.sinks``) when their sizes match, all of a reply's frames in one native call without the
-GIL, each 256 KiB hashed right after it arrived (large frames through the connection's bounce
-buffer: :func:`..wire.lane.recv_values`; by a helper thread while the next ones arrive, where
-the client's connections leave cores for it: :func:`..config.lane_receive_helpers`), then runs
+(``Call.sinks``) when their sizes match, the reply's head and, when its frames are exactly the
+destinations, its frames in one native call without the GIL (:func:`..wire.lane.read_head`;
+else the frames in a second), each 256 KiB hashed right after it arrived (large frames through
+the connection's bounce buffer: :func:`..wire.lane.recv_values`; by a helper thread while the
+next ones arrive, where the client's connections leave cores for it:
+:func:`..config.lane_receive_helpers`), then runs
 the call's ``prepare`` there (which compares those digests). A PUT's checksums are computed on
 the loop's thread as its call is handed to the connection (:meth:`LaneTransport.run`), so the
 next request's values are hashed while this one is sent. Up to ``DEPTH`` requests are out on a
@@ -53,6 +55,7 @@ from pagekv.errors import ProtocolError
 from ..config import ClientConfig, lane_receive_helpers
 from ..wire import native
 from ..wire.lane import (
+    HEAD_BYTES,
     ClosedBetweenMessages,
     new_buffer,
     read_head,
@@ -100,6 +103,7 @@ class _Conn:
         # the receive's bounce buffer (see recv_values): this connection's thread's alone;
         # RECV_SLOTS chunks give its receives a helper thread, one chunk none
         self.bounce = bytearray(native.BLOCK_BYTES * bounce_slots)
+        self.head = bytearray(HEAD_BYTES)  # each reply's head lands here (read_head)
         self.thread = threading.Thread(target=self._run, name="pagekv-bulk-client", daemon=True)
         self.thread.start()
 
@@ -344,9 +348,15 @@ class _Conn:
         timeout = self.config.timeout_for(call.nbytes)  # as the ZeroMQ path's deadline
         deadline_ns = time.monotonic_ns() + int(timeout * 1e9)  # the whole reply's
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(timeout))
-        head = read_head(self.sock, max_frames=max(1, len(call.request.keys)) * limits.max_frames,
+        # where the reply's frames go when every key is found as expected: they are received
+        # there in the call that reads the head (no hand-over of the GIL in between)
+        sinks = [view for views in call.sinks for view in views] if call.sinks else []
+        head = read_head(self.sock, self.lib, self.head,
+                         max_frames=max(1, len(call.request.keys)) * limits.max_frames,
                          max_frame_bytes=limits.max_message_size,
-                         max_payload_bytes=limits.max_message_size)  # fmt: skip
+                         max_payload_bytes=limits.max_message_size, into=sinks,
+                         counts=[len(views) for views in call.sinks] if sinks else None,
+                         bounce=self.bounce, deadline_ns=deadline_ns)  # fmt: skip
         reply = decode_reply(head.header)
         if reply.id != call.request.id:
             if reply.id == 0 and reply.code is not Code.OK and not head.sizes:
@@ -354,8 +364,13 @@ class _Conn:
                 return reply, []
             raise ProtocolError(Code.BAD_HEADER, f"reply {reply.id} to request {call.request.id}")
         frames = _places(call, reply, head.sizes)
-        counts = reply.counts if reply.code is Code.OK else None
-        call.digests = recv_values(self.sock, frames, counts, self.lib, self.bounce, deadline_ns)
+        if head.landed:  # the digests are the sinks' values': theirs only if each is in place
+            in_place = len(frames) == len(sinks) and all(f is s for f, s in zip(frames, sinks))
+            call.digests = head.digests if in_place else None  # else hashed again (prepare)
+        else:
+            counts = reply.counts if reply.code is Code.OK else None
+            call.digests = recv_values(self.sock, frames, counts, self.lib, self.bounce,
+                                       deadline_ns)  # fmt: skip
         if call.prepare is not None:
             call.prepare(reply, frames)
         return reply, frames

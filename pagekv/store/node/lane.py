@@ -50,7 +50,16 @@ from pagekv.errors import ProtocolError
 
 from ..config import lane_receive_helpers
 from ..wire import native
-from ..wire.lane import Head, PeerClosed, new_buffer, read_head, recv_values, send_message, timeval
+from ..wire.lane import (
+    HEAD_BYTES,
+    Head,
+    PeerClosed,
+    new_buffer,
+    read_head,
+    recv_values,
+    send_message,
+    timeval,
+)
 from ..wire.protocol import Code, Op, Reply, Request, decode_request, encode_reply
 
 __all__ = ["Answer", "BulkServer", "LaneLimits", "Receive", "SendDone", "StorePut"]
@@ -172,12 +181,13 @@ class BulkServer:
     def _serve(self, conn: socket.socket) -> None:
         stall = timeval(self.limits.stall_s)
         bounce: list[Any] = []  # this connection's receive bounce, made for its first PUT
+        head = bytearray(HEAD_BYTES)  # each request's head lands here (read_head)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, stall)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, stall)
-            while not self._closed and self._one(conn, bounce):
+            while not self._closed and self._one(conn, head, bounce):
                 pass
         except (PeerClosed, OSError):
             pass  # the client went, stalled, or the node is stopping: this connection ends
@@ -189,11 +199,12 @@ class BulkServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _one(self, conn: socket.socket, bounce: list[Any]) -> bool:
+    def _one(self, conn: socket.socket, buffer: bytearray, bounce: list[Any]) -> bool:
         """Read one request and answer it; False when the connection must be closed."""
         lim = self.limits
         try:
-            head = read_head(conn, max_frames=lim.max_frames, max_frame_bytes=lim.max_frame_bytes,
+            head = read_head(conn, self.lib, buffer, max_frames=lim.max_frames,
+                             max_frame_bytes=lim.max_frame_bytes,
                              max_payload_bytes=lim.max_payload_bytes, idle_ok=True)  # fmt: skip
         except ProtocolError as e:  # over a limit or not our framing: say why, then hang up
             return self._refuse(conn, Reply(0, code=e.code, error=str(e)))

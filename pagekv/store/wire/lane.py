@@ -1,5 +1,5 @@
-"""Framing of the bulk lane: pagekv messages over a plain TCP connection (see :mod:`.bulk_server`
-and :mod:`.bulk_client`; docs/protocol.md, "Bulk lane").
+"""Framing of the bulk lane: pagekv messages over a plain TCP connection (see :mod:`..node.lane`
+and :mod:`..client.lane`; docs/protocol.md, "Bulk lane").
 
 The bulk lane carries the same messages as the ZeroMQ socket (a msgpack header, then payload
 frames; :mod:`.protocol`), framed so that the receiver knows every frame's size before it reads
@@ -19,7 +19,9 @@ connection closed: a stream cannot be resynchronised without reading what it dec
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import socket
 import struct
 from collections.abc import Sequence
@@ -38,8 +40,8 @@ except ImportError:  # pragma: no cover - a store-only install
 from . import native
 from .protocol import MAX_HEADER_BYTES, SHARED_BUFFER_BYTES, Code
 
-__all__ = ["MAGIC", "Head", "PeerClosed", "new_buffer", "read_head", "recv_exact", "recv_values",
-           "send_message", "timeval"]  # fmt: skip
+__all__ = ["HEAD_BYTES", "MAGIC", "Head", "PeerClosed", "new_buffer", "read_head", "recv_exact",
+           "recv_values", "send_message", "timeval"]  # fmt: skip
 
 log = logging.getLogger("pagekv.store")
 MAGIC = b"PKB1"
@@ -57,11 +59,18 @@ class ClosedBetweenMessages(PeerClosed):
 
 @dataclass(frozen=True)
 class Head:
-    """A message's prefix, sizes and header, read and checked; its frames are still to read."""
+    """A message's prefix, sizes and header, read and checked; its frames are still to read
+    unless ``landed`` (received into the frames the reader expected, ``digests`` per value:
+    see :func:`read_head`)."""
 
     header: bytes
     sizes: tuple[int, ...]
     payload_bytes: int
+    landed: bool = False
+    digests: list[int] | None = None
+
+
+HEAD_BYTES = 64 << 10  # a reader's head buffer: heads up to this size come in one native call
 
 
 def new_buffer(size: int) -> Any:
@@ -148,43 +157,70 @@ def send_message(sock: socket.socket, header: bytes, frames: Sequence[Any]) -> i
 
 def read_head(
     sock: socket.socket,
+    lib: native.NativeCopy,
+    buffer: Any,
     *,
     max_frames: int,
     max_frame_bytes: int,
     max_payload_bytes: int,
     idle_ok: bool = False,
+    into: Sequence[Any] = (),
+    counts: Sequence[int] | None = None,
+    bounce: Any = None,
+    deadline_ns: int = 0,
 ) -> Head | None:
-    """Read and check a message's prefix, sizes and header. Returns None, with ``idle_ok``,
-    when the receive timeout passes with no byte of a new message (the caller decides whether
-    to wait on). Raises ``PeerClosed`` at the end of the stream (also between messages),
-    ``ProtocolError`` (``BAD_HEADER``: not a bulk message; ``TOO_LARGE``: over a limit; nothing
-    more is read) or the errors of :func:`recv_exact`."""
-    prefix = bytearray(PREFIX.size)
-    view = memoryview(prefix)
-    try:
-        first = sock.recv_into(view, PREFIX.size, socket.MSG_WAITALL)
-    except BlockingIOError:
-        if idle_ok:
-            return None
-        raise TimeoutError("no message for the socket's receive timeout") from None
-    except ConnectionResetError:
-        raise ClosedBetweenMessages("connection reset") from None
-    if first == 0:
+    """Read and check a message's prefix, sizes and header with the native receive ``lib``
+    (:meth:`.native.NativeCopy.recv_message`: one call, the GIL released), into ``buffer``
+    (the calling thread's, ``HEAD_BYTES``; a larger head is read on after its prefix). With
+    ``into`` (where the message's payload is expected to go: the writable frames of a reply
+    the caller waits for), a payload whose frames are exactly those (as many, each of the same
+    size) is received into them in the same call, hashed per value of ``counts`` (frames per
+    value) through ``bounce``, ``deadline_ns`` as :func:`recv_values`'s: ``Head.landed``;
+    otherwise it is left to read. Returns None, with ``idle_ok``, when the receive timeout
+    passes with no byte of a new message (the caller decides whether to wait on). Raises
+    ``ClosedBetweenMessages`` when the connection ends (closed, shut down or reset) before a
+    byte of the message, ``PeerClosed`` when it ends within it, ``ProtocolError``
+    (``BAD_HEADER``: not a bulk message; ``TOO_LARGE``: over a limit; nothing more is read),
+    ``TimeoutError`` when a receive timeout passes within the message (or its deadline), the
+    ``OSError`` of a failed receive for the rest."""
+    got = lib.recv_message(sock.fileno(), buffer, max_header=MAX_HEADER_BYTES,
+                           max_frames=max_frames, max_frame_bytes=max_frame_bytes,
+                           max_payload=max_payload_bytes, frames=into, counts=counts,
+                           bounce=bounce, deadline_ns=deadline_ns)  # fmt: skip
+    code = got.code
+    if code == 1:
         raise ClosedBetweenMessages("connection closed")
-    if first < PREFIX.size:
-        recv_exact(sock, view[first:])
-    magic, header_bytes, count, payload = PREFIX.unpack(prefix)
-    if magic != MAGIC:
+    if code == 2:
+        raise PeerClosed(f"connection closed after {got.received} bytes of a message")
+    if code == 3:
         raise ProtocolError(Code.BAD_HEADER, "not a pagekv bulk message")
-    if header_bytes > MAX_HEADER_BYTES or count > max_frames or payload > max_payload_bytes:
-        raise ProtocolError(
-            Code.TOO_LARGE,
-            f"message of {header_bytes} header bytes, {count} frames, {payload} payload bytes "
-            f"is over the limits ({MAX_HEADER_BYTES}, {max_frames}, {max_payload_bytes})",
-        )
-    raw = bytearray(8 * count + header_bytes)
-    recv_exact(sock, memoryview(raw))
-    sizes = struct.unpack_from(f"<{count}Q", raw)
-    if sum(sizes) != payload or (sizes and max(sizes) > max_frame_bytes):
+    if code < 0:
+        err = -code
+        if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ETIMEDOUT):
+            if got.received == 0 and err != errno.ETIMEDOUT:
+                if idle_ok:
+                    return None
+                raise TimeoutError("no message for the socket's receive timeout")
+            raise TimeoutError(f"a message stalled after {got.received} bytes")
+        raise OSError(err, os.strerror(err))
+    _, header_bytes, count, payload = PREFIX.unpack_from(buffer)
+    if code == 4:
+        if header_bytes > MAX_HEADER_BYTES or count > max_frames or payload > max_payload_bytes:
+            raise ProtocolError(
+                Code.TOO_LARGE,
+                f"message of {header_bytes} header bytes, {count} frames, {payload} payload "
+                f"bytes is over the limits ({MAX_HEADER_BYTES}, {max_frames}, "
+                f"{max_payload_bytes})",
+            )
         raise ProtocolError(Code.TOO_LARGE, "frame sizes over the limit or not adding up")
-    return Head(bytes(raw[8 * count :]), sizes, payload)
+    view = memoryview(buffer)
+    if code == 5:  # larger than the buffer: its prefix came, the rest is read here
+        whole = bytearray(got.head_bytes)
+        whole[: PREFIX.size] = view[: PREFIX.size]
+        recv_exact(sock, memoryview(whole)[PREFIX.size :])
+        view = memoryview(whole)
+    sizes = struct.unpack_from(f"<{count}Q", view, PREFIX.size)
+    if code == 5 and (sum(sizes) != payload or (sizes and max(sizes) > max_frame_bytes)):
+        raise ProtocolError(Code.TOO_LARGE, "frame sizes over the limit or not adding up")
+    header = bytes(view[PREFIX.size + 8 * count : PREFIX.size + 8 * count + header_bytes])
+    return Head(header, sizes, payload, got.landed, got.digests)

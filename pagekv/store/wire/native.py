@@ -7,8 +7,9 @@ streamed into place): XXH3-64, seed 0, streamed, the same digest as ``xxhash.xxh
 the same bytes; one ctypes call for many values, optionally on several threads. It replaces
 numpy's copy plus xxhash's update per chunk, which hands the GIL over twice per chunk (see
 :mod:`.copies`, which uses it when it is available). :meth:`NativeCopy.recv_verify` does the
-same for a bulk-lane message's frames arriving on a socket (see :mod:`.bulk_wire`): one call,
-the GIL released, each chunk hashed as it lands.
+same for a bulk-lane message's frames arriving on a socket (see :mod:`.lane`): one call, the
+GIL released, each chunk hashed as it lands; :meth:`NativeCopy.recv_message` reads a whole
+message, its head and, where its frames are the ones expected, its payload, in one call.
 
 * Build: ``$CC`` (default ``cc``; may hold arguments, e.g. ``ccache gcc``) with ``CFLAGS``,
   on first use, into ``$PAGEKV_CACHE_DIR`` (default ``~/.cache/pagekv``). The library's name
@@ -26,6 +27,8 @@ the GIL released, each chunk hashed as it lands.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import errno
 import functools
 import hashlib
 import logging
@@ -46,15 +49,16 @@ from pagekv import env
 from pagekv.build_cache import build_once
 from pagekv.errors import NativeCopyUnavailable
 
-__all__ = ["BLOCK_BYTES", "RECV_SLOTS", "NativeCopy", "NativeCopyUnavailable", "Piece", "Value",
-           "build_library", "load", "load_or_reason", "mode", "unavailable_reason"]  # fmt: skip
+__all__ = ["BLOCK_BYTES", "RECV_SLOTS", "Message", "NativeCopy", "NativeCopyUnavailable", "Piece",
+           "Value", "build_library", "load", "load_or_reason", "mode",
+           "unavailable_reason"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "copy_verify.c"
 HEADER = CSRC / "third_party" / "xxhash" / "xxhash.h"
 BASE_CFLAGS = ("-O3", "-fPIC", "-shared", "-pthread")  # no -march=native: runs on any host
-ABI = 6
+ABI = 7
 BLOCK_BYTES = 256 << 10  # copied then hashed while in L2
 RECV_SLOTS = 4  # chunks in a receive's bounce: received into while a helper hashes the last
 MAX_THREADS = 64  # the C side's cap
@@ -177,7 +181,14 @@ class NativeCopy:
                          ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64,
                          ctypes.POINTER(ctypes.c_uint64)]  # fmt: skip
         recv.restype = ctypes.c_int
-        self._lib, self._fn, self._recv = lib, fn, recv
+        message = lib.pagekv_recv_message
+        u64 = ctypes.c_uint64
+        message.argtypes = [ctypes.c_int, ctypes.c_void_p, u64, u64, u64, u64, u64,
+                            ctypes.POINTER(Piece), u64, ctypes.POINTER(Value), u64, u64,
+                            ctypes.c_void_p, u64, u64, ctypes.POINTER(u64), ctypes.POINTER(u64),
+                            ctypes.POINTER(ctypes.c_int)]  # fmt: skip
+        message.restype = ctypes.c_int
+        self._lib, self._fn, self._recv, self._message = lib, fn, recv, message
 
     def copy_verify(
         self,
@@ -291,6 +302,77 @@ class NativeCopy:
         if rc < 0:
             raise OSError(-rc, f"{os.strerror(-rc)} after {received.value} of {total} bytes")
         return None if counts is None else [out[v].digest for v in range(len(spans))]
+
+    def recv_message(
+        self,
+        fd: int,
+        head: Any,
+        *,
+        max_header: int,
+        max_frames: int,
+        max_frame_bytes: int,
+        max_payload: int,
+        frames: Sequence[Any] = (),
+        counts: Sequence[int] | None = None,
+        bounce: Any = None,
+        chunk_bytes: int = BLOCK_BYTES,
+        deadline_ns: int = 0,
+    ) -> Message:
+        """Receive one bulk-lane message's head (prefix, sizes, header: see
+        :mod:`.lane`) from the blocking socket ``fd`` into ``head`` (a writable buffer of at
+        least 20 bytes, the caller's) and, when its frames are exactly ``frames`` (as many,
+        each of the same size: where the caller expects them to go), its payload into them as
+        :meth:`recv_verify` receives (``counts``, ``bounce``, ``chunk_bytes``, ``deadline_ns``
+        as there): one call, the GIL released for all of it. The head's receives wait as the
+        socket's ``SO_RCVTIMEO`` says; the limits are checked before what they bound is read.
+        Returns what came (:class:`Message`); raises only for bad arguments (``ValueError``,
+        ``TypeError``), before reading. The caller must keep ``fd`` open for the call (another
+        thread may ``shutdown`` it to end the call)."""
+        if frames and (bounce is None or type(chunk_bytes) is not int or chunk_bytes <= 0):
+            raise ValueError("frames need a bounce and a positive chunk_bytes")
+        if counts is not None and (any(c < 0 for c in counts) or sum(counts) != len(frames)):
+            raise ValueError(f"counts {list(counts)} do not add up to {len(frames)} frames")
+        keep: list[Any] = []
+        at, cap = _address(head, True, "head", keep)
+        if cap < 20:
+            raise ValueError(f"a head buffer of {cap} bytes cannot hold a message's prefix")
+        plan = [(_address(f, True, f"frame {k}", keep)[0], None, memoryview(f).nbytes)
+                for k, f in enumerate(frames)]  # fmt: skip
+        pieces = (Piece * max(1, len(plan)))(*plan)
+        spans, first = [], 0
+        for count in counts or ():
+            spans.append((first, count, 0))
+            first += count
+        out = (Value * max(1, len(spans)))(*spans)
+        bounce_at, bounce_size = _address(bounce, True, "bounce", keep) if frames else (None, 0)
+        head_bytes, received, landed = ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_int(0)
+        rc = self._message(fd, at, cap, max_header, max_frames, max_frame_bytes, max_payload,
+                           pieces, len(plan), out, len(spans), chunk_bytes, bounce_at,
+                           bounce_size, deadline_ns, ctypes.byref(head_bytes),
+                           ctypes.byref(received), ctypes.byref(landed))  # fmt: skip
+        del keep
+        if rc == -errno.EINVAL:  # pragma: no cover - the arguments are checked above
+            raise ValueError("pagekv_recv_message refused its arguments")
+        digests = [out[v].digest for v in range(len(spans))] if landed.value and spans else None
+        return Message(rc, head_bytes.value, received.value, bool(landed.value), digests)
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """What :meth:`NativeCopy.recv_message` received. ``code``: 0 the head is in the buffer
+    (``head_bytes`` of it), and the payload in the frames when ``landed`` (``digests`` per
+    value when counts were given); 1 the connection ended before any byte of the message
+    (closed, shut down or reset); 2 it ended mid-message; 3 not the lane's framing (only the
+    prefix was read); 4 over a limit (the prefix, or the prefix and sizes, read); 5 the head is
+    larger than the buffer (only the prefix was read, ``head_bytes`` is the head's size);
+    below 0: ``-errno`` of a failed receive (``-EAGAIN``: the socket's receive timeout passed
+    with nothing read in one receive). ``received``: the message's bytes that came."""
+
+    code: int
+    head_bytes: int
+    received: int
+    landed: bool
+    digests: list[int] | None
 
 
 def _address(obj: Any, writable: bool, what: str, keep: list[Any]) -> tuple[int, int]:

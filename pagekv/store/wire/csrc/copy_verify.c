@@ -35,7 +35,7 @@
 #include <immintrin.h>
 #endif
 
-#define PAGEKV_COPY_VERIFY_ABI 6
+#define PAGEKV_COPY_VERIFY_ABI 7
 #define MAX_THREADS 64
 /* pagekv_recv_verify: pieces from this size are received through the caller's bounce buffer
  * (see there); smaller ones straight into place. */
@@ -374,6 +374,40 @@ static int recv_chunks(int fd, const pagekv_piece *pieces, uint64_t npieces, uin
     return 0;
 }
 
+/* pagekv_recv_verify's work once its arguments are checked (see there). */
+static int recv_values(int fd, const pagekv_piece *pieces, uint64_t npieces,
+                       pagekv_value *values, uint64_t nvalues, uint64_t chunk_bytes,
+                       unsigned char *bounce, uint64_t bounce_bytes, uint64_t deadline_ns,
+                       uint64_t *received) {
+    hasher_t h = {.values = values, .nvalues = nvalues};
+    uint64_t slots = bounce_bytes / chunk_bytes, to_bounce = 0;
+    if (slots > MAX_SLOTS) slots = MAX_SLOTS;
+    for (uint64_t p = 0; p < npieces; p++)
+        if (pieces[p].nbytes >= BOUNCE_MIN_BYTES) to_bounce += pieces[p].nbytes;
+    handoff_t q = {.given = 0, .done = 0, .end = 0, .h = &h};
+    pthread_mutex_init(&q.lock, NULL);
+    pthread_cond_init(&q.more, NULL);
+    pthread_cond_init(&q.room, NULL);
+    pthread_t id; /* no thread to be had: this one does all of it */
+    int helped = slots >= 2 && to_bounce >= 2 * chunk_bytes &&
+                 pthread_create(&id, NULL, helper, &q) == 0;
+    recv_clock clock = {.deadline = deadline_ns, .armed = 0};
+    int rc = recv_chunks(fd, pieces, npieces, chunk_bytes, bounce, helped ? slots : 1, received,
+                         &h, helped ? &q : NULL, &clock);
+    if (helped) {
+        pthread_mutex_lock(&q.lock);
+        q.end = 1;
+        pthread_cond_signal(&q.more);
+        pthread_mutex_unlock(&q.lock);
+        pthread_join(id, NULL);
+    }
+    pthread_cond_destroy(&q.room);
+    pthread_cond_destroy(&q.more);
+    pthread_mutex_destroy(&q.lock);
+    if (rc == 0) hasher_finish(&h);
+    return rc;
+}
+
 /* Receive `npieces` pieces, in order, from the connected blocking socket `fd`, each into its
  * place (pieces[k].dst, pieces[k].nbytes; src is not used), `chunk_bytes` at a time (recv with
  * MSG_WAITALL). Pieces of at least BOUNCE_MIN_BYTES are received chunk by chunk into `bounce`
@@ -404,31 +438,80 @@ int pagekv_recv_verify(int fd, const pagekv_piece *pieces, uint64_t npieces,
     *received = 0;
     if (chunk_bytes == 0 || !values_cover(values, nvalues, npieces)) return -EINVAL;
     if (bounce == NULL || bounce_bytes < chunk_bytes) return -EINVAL;
-    hasher_t h = {.values = values, .nvalues = nvalues};
-    uint64_t slots = bounce_bytes / chunk_bytes, to_bounce = 0;
-    if (slots > MAX_SLOTS) slots = MAX_SLOTS;
-    for (uint64_t p = 0; p < npieces; p++)
-        if (pieces[p].nbytes >= BOUNCE_MIN_BYTES) to_bounce += pieces[p].nbytes;
-    handoff_t q = {.given = 0, .done = 0, .end = 0, .h = &h};
-    pthread_mutex_init(&q.lock, NULL);
-    pthread_cond_init(&q.more, NULL);
-    pthread_cond_init(&q.room, NULL);
-    pthread_t id; /* no thread to be had: this one does all of it */
-    int helped = slots >= 2 && to_bounce >= 2 * chunk_bytes &&
-                 pthread_create(&id, NULL, helper, &q) == 0;
-    recv_clock clock = {.deadline = deadline_ns, .armed = 0};
-    int rc = recv_chunks(fd, pieces, npieces, chunk_bytes, bounce, helped ? slots : 1, received,
-                         &h, helped ? &q : NULL, &clock);
-    if (helped) {
-        pthread_mutex_lock(&q.lock);
-        q.end = 1;
-        pthread_cond_signal(&q.more);
-        pthread_mutex_unlock(&q.lock);
-        pthread_join(id, NULL);
+    return recv_values(fd, pieces, npieces, values, nvalues, chunk_bytes, bounce, bounce_bytes,
+                       deadline_ns, received);
+}
+
+/* A bulk-lane message's framing (pagekv.store.wire.lane): a prefix "<4sIIQ" (magic, header
+ * bytes, frame count, payload bytes), the frames' sizes "<{count}Q", the header, the frames. */
+#define LANE_PREFIX 20u
+
+static uint64_t le_bytes(const unsigned char *p, int n) {
+    uint64_t v = 0;
+    for (int i = n - 1; i >= 0; i--) v = v << 8 | p[i];
+    return v;
+}
+
+/* One bulk-lane message from the connected blocking socket `fd`, in one call (the GIL released
+ * for all of it): its prefix, sizes and header into `head` (head_cap bytes, at least
+ * LANE_PREFIX), each receive waiting as the socket's SO_RCVTIMEO says; then, when its frames
+ * are exactly `pieces` (as many, each of the same size: the caller's destinations for the
+ * message it expects) and there are any, its payload into them as pagekv_recv_verify receives
+ * it (`values` hashed, `deadline_ns` for the payload) and `*landed` = 1. Otherwise the payload
+ * is left on the socket for the caller.
+ * Limits, checked before what they bound is read: header bytes <= max_header, frames <=
+ * max_frames, payload bytes <= max_payload; each frame <= max_frame_bytes and the sizes
+ * adding up to the payload's bytes.
+ * Returns 0 (the head in head[0 .. *head_bytes)); 1: the connection ended (closed, shut down
+ * or reset) before any byte of the message; 2: it ended mid-message; 3: not this framing (only
+ * the prefix was read); 4: over a limit (only the prefix, or the prefix and the sizes, were
+ * read); 5: the head is larger than head_cap (only the prefix was read, into head;
+ * *head_bytes is its size); -errno: a receive failed (-EAGAIN / -EWOULDBLOCK: SO_RCVTIMEO
+ * passed with nothing read in one receive; `*received` tells whether any byte had come) or, as
+ * pagekv_recv_verify's, the payload's. `*received`: the bytes of the message received. */
+int pagekv_recv_message(int fd, unsigned char *head, uint64_t head_cap, uint64_t max_header,
+                        uint64_t max_frames, uint64_t max_frame_bytes, uint64_t max_payload,
+                        const pagekv_piece *pieces, uint64_t npieces, pagekv_value *values,
+                        uint64_t nvalues, uint64_t chunk_bytes, unsigned char *bounce,
+                        uint64_t bounce_bytes, uint64_t deadline_ns, uint64_t *head_bytes,
+                        uint64_t *received, int *landed) {
+    *head_bytes = 0;
+    *received = 0;
+    *landed = 0;
+    if (head == NULL || head_cap < LANE_PREFIX) return -EINVAL;
+    if (npieces && (chunk_bytes == 0 || !values_cover(values, nvalues, npieces) ||
+                    bounce == NULL || bounce_bytes < chunk_bytes))
+        return -EINVAL;
+    recv_clock socket_timeout = {.deadline = 0, .armed = 0};
+    int rc = recv_all(fd, head, LANE_PREFIX, received, &socket_timeout);
+    if (rc != 0) {
+        if (*received == 0 && (rc == 1 || rc == -ECONNRESET)) return 1;
+        return rc == 1 ? 2 : rc;
     }
-    pthread_cond_destroy(&q.room);
-    pthread_cond_destroy(&q.more);
-    pthread_mutex_destroy(&q.lock);
-    if (rc == 0) hasher_finish(&h);
-    return rc;
+    if (memcmp(head, "PKB1", 4) != 0) return 3;
+    uint64_t header = le_bytes(head + 4, 4), count = le_bytes(head + 8, 4);
+    uint64_t payload = le_bytes(head + 12, 8);
+    if (header > max_header || count > max_frames || payload > max_payload) return 4;
+    uint64_t need = LANE_PREFIX + 8 * count + header;
+    *head_bytes = need;
+    if (need > head_cap) return 5;
+    rc = recv_all(fd, head + LANE_PREFIX, need - LANE_PREFIX, received, &socket_timeout);
+    if (rc != 0) return rc == 1 ? 2 : rc;
+    uint64_t sum = 0;
+    int expected = count == npieces;
+    for (uint64_t i = 0; i < count; i++) {
+        uint64_t size = le_bytes(head + LANE_PREFIX + 8 * i, 8);
+        if (size > max_frame_bytes) return 4;
+        sum += size; /* at most max_frames * max_frame_bytes: no overflow */
+        if (expected && size != pieces[i].nbytes) expected = 0;
+    }
+    if (sum != payload) return 4;
+    if (!expected || count == 0) return 0;
+    uint64_t head_received = *received, got = 0;
+    rc = recv_values(fd, pieces, npieces, values, nvalues, chunk_bytes, bounce, bounce_bytes,
+                     deadline_ns, &got);
+    *received = head_received + got;
+    if (rc != 0) return rc == 1 ? 2 : rc;
+    *landed = 1;
+    return 0;
 }
