@@ -336,8 +336,8 @@ class NativeCopy:
         at, cap = _address(head, True, "head", keep)
         if cap < 20:
             raise ValueError(f"a head buffer of {cap} bytes cannot hold a message's prefix")
-        plan = [(_address(f, True, f"frame {k}", keep)[0], None, memoryview(f).nbytes)
-                for k, f in enumerate(frames)]  # fmt: skip
+        plan = [(dst, None, n) for dst, n in
+                (_address(f, True, f"frame {k}", keep) for k, f in enumerate(frames))]  # fmt: skip
         pieces = (Piece * max(1, len(plan)))(*plan)
         spans, first = [], 0
         for count in counts or ():
