@@ -459,48 +459,63 @@ class _StallingLane:
 
 
 class _ShapeLane:
-    """A fake node's bulk lane that answers one GET of two keys: the first found as a value of
-    two frames of ``n`` bytes, the second not found. The frames fit two destinations of ``n``
-    bytes each, one per key, so the client receives them there with the head."""
+    """A fake node's bulk lane that answers one GET with ``values`` (per key: None, not found,
+    or its frames), each frame of ``n`` bytes: frames that fit destinations of ``n`` bytes
+    each, one per key, so that the client receives them there with the head."""
 
-    def __init__(self, frames: list[bytes], checksum: int) -> None:
-        self.frames, self.checksum = frames, checksum
+    def __init__(self, values: list[list[bytes] | None]) -> None:
+        self.values = values
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
+        import xxhash
+
         conn, _ = self.listener.accept()
         with conn:
             head = read_head(conn, native.load(), bytearray(HEAD_BYTES), max_frames=8,
                              max_frame_bytes=1 << 20, max_payload_bytes=1 << 20)  # fmt: skip
             req = decode_request(head.header)
-            rep = Reply(req.id, status=[0, int(Status.NOT_FOUND)], sums=[self.checksum],
-                        counts=[2])  # fmt: skip
-            send_message(conn, encode_reply(rep), self.frames)
+            found = [v for v in self.values if v is not None]
+            rep = Reply(req.id, status=[int(Status.NOT_FOUND if v is None else Status.OK)
+                                        for v in self.values],
+                        sums=[xxhash.xxh3_64_intdigest(b"".join(v)) for v in found],
+                        counts=[len(v) for v in found])  # fmt: skip
+            send_message(conn, encode_reply(rep), [f for v in found for f in v])
             conn.recv(1)  # until the client hangs up
 
 
 @pytest.mark.usefixtures("receive")
 @pytest.mark.asyncio
-async def test_a_reply_whose_frames_fit_the_destinations_but_not_its_keys_is_a_miss(served):
+@pytest.mark.parametrize("shape", ["two frames, then not found", "not found, one, two frames"])
+async def test_frames_that_fit_the_destinations_but_not_their_keys_are_sorted_out(served, shape):
     """Frames received with their head land in the call's destinations in order. When the
-    reply then says they are not one per key (a found value of two frames where its key's
-    destination is one, the next key not found), no key takes them: both are misses, never
-    the other key's bytes as a value."""
-    import xxhash
-
+    reply then places them otherwise (a found value of two frames where its key's destination
+    is one, a key not found before a found one), each key is checked with its own value's
+    frames wherever they landed: a key found as the destination expects is a hit with its
+    bytes, the others misses, never another key's bytes as a value."""
     node = served()
     rng = random.Random(os.urandom(8))
-    frames = [rng.randbytes(64 << 10) for _ in range(2)]
-    lane = _ShapeLane(frames, xxhash.xxh3_64_intdigest(b"".join(frames)))
+    n = 64 << 10
+    frame = [rng.randbytes(n) for _ in range(3)]
+    if shape == "two frames, then not found":
+        values, expect = [frame[:2], None], [False, False]
+    else:
+        values, expect = [None, frame[:1], frame[1:]], [False, True, False]
+    lane = _ShapeLane(values)
     client = AsyncStoreClient(node.address, config=ClientConfig((node.address,), streams=1))
     try:
         assert await client.ping() == [True]
         lane_of(client)._ports[0] = lane.port  # this node's GETs go to the fake lane
-        into = [bytearray([POISON]) * (64 << 10) for _ in range(2)]
-        assert await client.get_many([b"a" * 16, b"b" * 16], into=into) == [False, False]
+        into = [bytearray([POISON]) * n for _ in values]
+        keys = [bytes([97 + k]) * 16 for k in range(len(values))]
+        assert await client.get_many(keys, into=into) == expect
+        for k, hit in enumerate(expect):
+            if hit:
+                assert bytes(into[k]) == b"".join(values[k])
         assert client.router.counters["size_mismatch"] == 1
+        assert client.router.counters["checksum_mismatch"] == 0
     finally:
         client.close()
 

@@ -364,9 +364,12 @@ class _Conn:
                 return reply, []
             raise ProtocolError(Code.BAD_HEADER, f"reply {reply.id} to request {call.request.id}")
         frames = _places(call, reply, head.sizes)
-        if head.landed:  # the digests are the sinks' values': theirs only if each is in place
-            in_place = len(frames) == len(sinks) and all(f is s for f, s in zip(frames, sinks))
-            call.digests = head.digests if in_place else None  # else hashed again (prepare)
+        if head.landed:  # frame i is in sinks[i]; the digests are per key of the sinks
+            if all(f is s for f, s in zip(frames, sinks)):
+                call.digests = head.digests  # every key found, each frame in its own sink
+            else:  # placed otherwise by the header (rare): each key's frames are taken from
+                # copies of where they landed, made before any is copied into its place
+                frames, call.digests = [bytearray(s) for s in sinks], None
         else:
             counts = reply.counts if reply.code is Code.OK else None
             call.digests = recv_values(self.sock, frames, counts, self.lib, self.bounce,
