@@ -4,17 +4,17 @@ thread each, when this process has the native receive (:mod:`..wire.native`). A 
 wait in one queue, and each connection takes the next whenever it has room (``DEPTH``).
 
 Each connection's thread sends a request (a PUT's values straight from the caller's buffers:
-``sendmsg``, no copy in user space) and reads the reply, a GET's frames into its destinations
-(``Call.sinks``) when their sizes match, the reply's head and, when its frames are exactly the
-destinations, its frames in one native call without the GIL (:func:`..wire.lane.read_head`;
-else the frames in a second), each 256 KiB hashed right after it arrived (large frames through
-the connection's bounce buffer: :func:`..wire.lane.recv_values`; by a helper thread while the
-next ones arrive, where the client's connections leave cores for it:
-:func:`..config.lane_receive_helpers`), then runs
-the call's ``prepare`` there (which compares those digests). A PUT's checksums are computed on
-the loop's thread as its call is handed to the connection (:meth:`LaneTransport.run`), so the
-next request's values are hashed while this one is sent. Up to ``DEPTH`` requests are out on a
-connection, so the node starts the next while this thread checks the last reply. Each result
+``sendmsg``, no copy in user space) and reads the reply without the GIL: its head and, when its
+frames are exactly the call's destinations (``Call.sinks``), its frames into them, in one native
+call (:func:`..wire.lane.read_head`); else, after the head, each frame into its destination when
+the sizes match (:func:`..wire.lane.recv_values`). Each 256 KiB is hashed right after it arrived
+(large frames through the connection's bounce buffer; by a helper thread while the next ones
+arrive, where the client's connections leave cores for it:
+:func:`..config.lane_receive_helpers`). The thread then runs the call's ``prepare`` (which
+compares those digests). A PUT's checksums are computed on the loop's thread as its call is
+handed to the connection (:meth:`LaneTransport.run`), so the next request's values are hashed
+while this one is sent. Up to ``DEPTH`` requests are out on a connection, so the node starts the
+next while this thread checks the last reply. Each result
 goes back to the loop through a ``concurrent.futures.Future``: ``(reply, frames)``; ``None``
 when the node failed the request (no answer in time, a reset, a malformed reply: as any node
 failure, its keys move on); or :data:`.transport.MOVED` when the lane's port could not be
