@@ -276,19 +276,8 @@ class NativeCopy:
             raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
         if type(deadline_ns) is not int or deadline_ns < 0:
             raise ValueError(f"deadline_ns must be an int >= 0, got {deadline_ns!r}")
-        if counts is not None and (any(c < 0 for c in counts) or sum(counts) != len(frames)):
-            raise ValueError(f"counts {list(counts)} do not add up to {len(frames)} frames")
         keep: list[Any] = []  # the numpy views: they hold each buffer's export until we return
-        plan: list[tuple[int, None, int]] = []
-        for k, frame in enumerate(frames):
-            dst, n = _address(frame, True, f"frame {k}", keep)
-            plan.append((dst, None, n))
-        pieces = (Piece * max(1, len(plan)))(*plan)
-        spans, first = [], 0
-        for count in counts or ():
-            spans.append((first, count, 0))
-            first += count
-        out = (Value * max(1, len(spans)))(*spans)
+        plan, pieces, spans, out = _receive_plan(frames, counts, keep)
         at, size = _address(bounce, True, "bounce", keep)
         if size < chunk_bytes:
             raise ValueError(f"bounce of {size} bytes is smaller than a chunk ({chunk_bytes})")
@@ -330,20 +319,11 @@ class NativeCopy:
         thread may ``shutdown`` it to end the call)."""
         if frames and (bounce is None or type(chunk_bytes) is not int or chunk_bytes <= 0):
             raise ValueError("frames need a bounce and a positive chunk_bytes")
-        if counts is not None and (any(c < 0 for c in counts) or sum(counts) != len(frames)):
-            raise ValueError(f"counts {list(counts)} do not add up to {len(frames)} frames")
         keep: list[Any] = []
+        plan, pieces, spans, out = _receive_plan(frames, counts, keep)
         at, cap = _address(head, True, "head", keep)
         if cap < 20:
             raise ValueError(f"a head buffer of {cap} bytes cannot hold a message's prefix")
-        plan = [(dst, None, n) for dst, n in
-                (_address(f, True, f"frame {k}", keep) for k, f in enumerate(frames))]  # fmt: skip
-        pieces = (Piece * max(1, len(plan)))(*plan)
-        spans, first = [], 0
-        for count in counts or ():
-            spans.append((first, count, 0))
-            first += count
-        out = (Value * max(1, len(spans)))(*spans)
         bounce_at, bounce_size = _address(bounce, True, "bounce", keep) if frames else (None, 0)
         head_bytes, received, landed = ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_int(0)
         rc = self._message(fd, at, cap, max_header, max_frames, max_frame_bytes, max_payload,
@@ -373,6 +353,23 @@ class Message:
     received: int
     landed: bool
     digests: list[int] | None
+
+
+def _receive_plan(
+    frames: Sequence[Any], counts: Sequence[int] | None, keep: list[Any]
+) -> tuple[list[tuple[int, None, int]], Any, list, Any]:
+    """A receive's frames as ``pagekv_piece``s and ``counts`` (frames per value, or None: not
+    hashed) as ``pagekv_value``s: (plan, pieces, spans, values). ``ValueError`` for counts
+    that do not add up to the frames; the buffers' errors as :func:`_address`'s."""
+    if counts is not None and (any(c < 0 for c in counts) or sum(counts) != len(frames)):
+        raise ValueError(f"counts {list(counts)} do not add up to {len(frames)} frames")
+    plan = [(dst, None, n) for dst, n in
+            (_address(f, True, f"frame {k}", keep) for k, f in enumerate(frames))]  # fmt: skip
+    spans, first = [], 0
+    for count in counts or ():
+        spans.append((first, count, 0))
+        first += count
+    return plan, (Piece * max(1, len(plan)))(*plan), spans, (Value * max(1, len(spans)))(*spans)
 
 
 def _address(obj: Any, writable: bool, what: str, keep: list[Any]) -> tuple[int, int]:

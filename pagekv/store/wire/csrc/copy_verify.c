@@ -374,6 +374,14 @@ static int recv_chunks(int fd, const pagekv_piece *pieces, uint64_t npieces, uin
     return 0;
 }
 
+/* Whether a receive's arguments are usable: values covering the pieces in order, a chunk of
+ * at least a byte, a bounce of at least a chunk (see pagekv_recv_verify). */
+static int recv_args_ok(const pagekv_value *values, uint64_t nvalues, uint64_t npieces,
+                        uint64_t chunk_bytes, const unsigned char *bounce, uint64_t bounce_bytes) {
+    return chunk_bytes != 0 && values_cover(values, nvalues, npieces) && bounce != NULL &&
+           bounce_bytes >= chunk_bytes;
+}
+
 /* pagekv_recv_verify's work once its arguments are checked (see there). */
 static int recv_values(int fd, const pagekv_piece *pieces, uint64_t npieces,
                        pagekv_value *values, uint64_t nvalues, uint64_t chunk_bytes,
@@ -436,8 +444,7 @@ int pagekv_recv_verify(int fd, const pagekv_piece *pieces, uint64_t npieces,
                        unsigned char *bounce, uint64_t bounce_bytes, uint64_t deadline_ns,
                        uint64_t *received) {
     *received = 0;
-    if (chunk_bytes == 0 || !values_cover(values, nvalues, npieces)) return -EINVAL;
-    if (bounce == NULL || bounce_bytes < chunk_bytes) return -EINVAL;
+    if (!recv_args_ok(values, nvalues, npieces, chunk_bytes, bounce, bounce_bytes)) return -EINVAL;
     return recv_values(fd, pieces, npieces, values, nvalues, chunk_bytes, bounce, bounce_bytes,
                        deadline_ns, received);
 }
@@ -479,8 +486,7 @@ int pagekv_recv_message(int fd, unsigned char *head, uint64_t head_cap, uint64_t
     *received = 0;
     *landed = 0;
     if (head == NULL || head_cap < LANE_PREFIX) return -EINVAL;
-    if (npieces && (chunk_bytes == 0 || !values_cover(values, nvalues, npieces) ||
-                    bounce == NULL || bounce_bytes < chunk_bytes))
+    if (npieces && !recv_args_ok(values, nvalues, npieces, chunk_bytes, bounce, bounce_bytes))
         return -EINVAL;
     recv_clock socket_timeout = {.deadline = 0, .armed = 0};
     int rc = recv_all(fd, head, LANE_PREFIX, received, &socket_timeout);
