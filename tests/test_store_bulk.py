@@ -433,18 +433,29 @@ def _found_reply_head(conn: socket.socket, checksum: int, nbytes: int) -> bytes:
     return PREFIX.pack(MAGIC, len(rep), 1, nbytes) + struct.pack("<Q", nbytes) + rep
 
 
-class _StallingLane:
+class _FakeLane:
+    """A fake node's bulk lane on a loopback port (``port``): a subclass sets what it serves,
+    then calls this, which starts its ``_run`` (accepting on ``listener``) on a thread."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class _StallingLane(_FakeLane):
     """A fake node's bulk lane: answers a GET with the value's first half, then waits for
     ``release`` before sending the rest (a slow or stuck node, deterministically)."""
 
     def __init__(self, value: bytes, checksum: int) -> None:
         self.value, self.checksum = value, checksum
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
         self.half_sent, self.release, self.finished = (threading.Event() for _ in range(3))
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self) -> None:
+    def _run(self) -> None:
         conn, _ = self.listener.accept()
         with conn:
             n = len(self.value)
@@ -458,18 +469,16 @@ class _StallingLane:
             self.finished.set()
 
 
-class _ShapeLane:
+class _ShapeLane(_FakeLane):
     """A fake node's bulk lane that answers one GET with ``values`` (per key: None, not found,
     or its frames), each frame of ``n`` bytes: frames that fit destinations of ``n`` bytes
     each, one per key, so that the client receives them there with the head."""
 
     def __init__(self, values: list[list[bytes] | None]) -> None:
         self.values = values
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self) -> None:
+    def _run(self) -> None:
         import xxhash
 
         conn, _ = self.listener.accept()
@@ -556,18 +565,16 @@ async def test_a_cancelled_get_never_leaves_the_lane_writing_into_the_buffer(ser
         client.close()
 
 
-class _SilentLane:
+class _SilentLane(_FakeLane):
     """A fake node's bulk lane that reads requests and never answers (a stuck node): counts
     its connections and the requests it read."""
 
     def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
         self.connections, self.requests = 0, []
         self.got_one = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
+    def _run(self) -> None:
         while True:
             try:
                 conn, _ = self.listener.accept()
@@ -662,17 +669,15 @@ async def test_a_reply_read_while_the_loop_forgot_the_nodes_limits_is_read_whole
         client.close()
 
 
-class _TricklingLane:
+class _TricklingLane(_FakeLane):
     """A fake node's bulk lane that answers a GET with the value 64 KiB at a time, one piece
     every ``pause_s`` (a node on a failing link: never idle long, never done)."""
 
     def __init__(self, value: bytes, checksum: int, pause_s: float) -> None:
         self.value, self.checksum, self.pause_s = value, checksum, pause_s
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self) -> None:
+    def _run(self) -> None:
         conn, _ = self.listener.accept()
         with conn:
             n = len(self.value)
