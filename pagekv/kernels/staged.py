@@ -9,14 +9,16 @@ kernel reading host memory over PCIe tops out at ~0.92. The kernel's part runs d
 device on ``SCATTER_BLOCKS`` thread blocks, overlapped with the next chunks' copies.
 
 Chunks of ``CHUNK_BYTES`` take turns over ``DMA_STREAMS`` streams (each chunk one copy call on
-its stream, no side lanes: the streams keep the copy engines busy, and no chunk boundary
-waits for every stream) and ``BUFFERS`` staging buffers. Measured (H100, 2026-11-26, all-layer
-loads / saves against the pinned contiguous copy, 16-token pages, 128 MiB / 1 GiB / 4 GiB):
-loads 0.947-0.983 (TP-8 0.96-0.98, MLA-576 0.95-0.98, Llama-3-8B 0.95-0.98; the kernel
-0.91-0.93); saves 0.92-0.97 for MLA-576 and Llama-3-8B but 0.85-0.88 for TP-8 (256 KiB
-device-to-host copies), where the kernel saves 0.93-0.95. Chunks of 4 or 8 MiB, 2 streams or
-128 blocks were no better; one 128 MiB chunk at a time, each copy call split over 16 lanes,
-0.94-0.97 and only for multi-GiB transfers (every call joined its lanes).
+its stream: the streams keep the copy engines busy, and no chunk boundary waits for every
+stream) and ``BUFFERS`` staging buffers. Measured (H200, 2026-11-28, ``scripts/diag_staged.py``,
+all-layer loads / saves against the pinned contiguous copy, the shapes whose runs are 4-36 KiB:
+TP-8 pages of 16-128 tokens, Llama-3-8B and MLA-576 at 16, MLA-576 at 32): at 256 MiB loads
+0.936-0.951 and saves 0.884-0.950 (the kernel 0.915-0.921 / 0.934-0.945), at 1 GiB loads
+0.956-0.971 and saves 0.891-0.965; TP-8 saves of 16 / 32-token pages stay at 0.89 / 0.92 (256 /
+512 KiB device-to-host copies), where the kernel saves 0.94. 64 scatter blocks moved more than
+32 at 256 MiB (11 of 14 pairs, up to +0.04), the same at 1 GiB; a first chunk of 1 MiB
+doubling up to ``CHUNK_BYTES``, 8 MiB chunks, or each chunk's copy split over 4 streams
+(``DMA_LANES``) did not move more.
 
 The cost: every byte crosses device memory three times (the copy into the buffer, the kernel's
 read of it and its write into the caches) instead of once. Beside a graph-captured decode
@@ -62,10 +64,12 @@ from .layout import DeviceKV, device_indices
 __all__ = ["BUFFERS", "CHUNK_BYTES", "DMA_STREAMS", "RING_BYTES", "SCATTER_BLOCKS", "page_transfer"]
 
 CHUNK_BYTES = 16 << 20  # pages per DMA call and per kernel launch: at least one page
+# streams each chunk's DMA call is split over (the copy-engine entry's lanes): more moved less
+DMA_LANES = 1
 BUFFERS = 4  # staging buffers of a chunk each, used in turn (at most RING_BYTES together)
 RING_BYTES = 64 << 20
 DMA_STREAMS = 4  # chunks in turn on these; the copy engines work on several at once
-SCATTER_BLOCKS = 32
+SCATTER_BLOCKS = 64
 _MAX_PAGE_BYTES = (1 << 31) - 1  # the copy-engine entry takes a row's bytes as a C int
 
 # kernel(load, staging pages, ids_d, slots_d, num_blocks): the page kernel between the staging
@@ -142,7 +146,7 @@ def _dma(
         buffer.device.index or 0, int(load), host.data_ptr(),
         (ctypes.c_int64 * 1)(buffer.data_ptr()), ids.data_ptr(), rows.data_ptr(), ids.numel(),
         host.shape[0], n_rows, page_bytes, page_bytes, page_bytes, 1, 1, 1, 0, 1,
-        copy_engine.FLAGS, 1, copy_engine.MAX_OPS, stream.cuda_stream, stats,
+        copy_engine.FLAGS, DMA_LANES, copy_engine.MAX_OPS, stream.cuda_stream, stats,
     )  # fmt: skip
     if err == 0:
         return True

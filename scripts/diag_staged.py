@@ -1,0 +1,103 @@
+"""Staged backend settings (GPU): all-layer loads and saves through the device staging ring
+against the pinned contiguous copy, for the shapes whose runs no DMA backend moves at 0.95
+(runs of 4-36 KiB), with the ring's settings swept in the same rounds.
+
+Variants (over :mod:`pagekv.kernels.staged`'s module settings, each named in full): 16 MiB
+chunks with 32 scatter blocks, that with each chunk's DMA call split over 4 streams
+(``DMA_LANES``: the copy-engine entry's lanes), with 64 scatter blocks (shipped since this
+sweep), with 8 MiB chunks over 8 buffers. The kernel in the same rounds. Medians over
+``--reps`` rounds of (copy time / staged time). (benchmarks/results/diag_staged.json also
+holds a first chunk of 1 MiB doubling up to 16 MiB, ``ramp1``: tried and not kept, it moved
+no more; its other variants are this file's with the ramp.)
+
+    python scripts/diag_staged.py [--mib 256,1024] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from _bench_util import environment, parse_args, write_result
+from bench_kernels import GEOMETRIES, Setup, ceiling_fns, interleaved, kernel_fns, ratio
+
+from pagekv.connector import KVGeometry
+from pagekv.kernels import load, save, staged
+
+SHAPES = [("llama3-8b-tp8", 16), ("llama3-8b-tp8", 32), ("llama3-8b-tp8", 64),
+          ("llama3-8b-tp8", 128), ("llama3-8b", 16), ("mla-576", 16), ("mla-576", 32)]  # fmt: skip
+MIB = 1 << 20
+VARIANTS = {  # every setting named, so that the names hold whatever staged.py ships
+    "blocks32": {"SCATTER_BLOCKS": 32, "DMA_LANES": 1, "CHUNK_BYTES": 16 * MIB, "BUFFERS": 4},
+    "blocks32_lanes4": {
+        "SCATTER_BLOCKS": 32,
+        "DMA_LANES": 4,
+        "CHUNK_BYTES": 16 * MIB,
+        "BUFFERS": 4,
+    },
+    "blocks64": {"SCATTER_BLOCKS": 64, "DMA_LANES": 1, "CHUNK_BYTES": 16 * MIB, "BUFFERS": 4},
+    "blocks32_chunk8": {"SCATTER_BLOCKS": 32, "DMA_LANES": 1, "CHUNK_BYTES": 8 * MIB, "BUFFERS": 8},
+}
+
+
+def variant_fn(st: Setup, settings: dict, is_load: bool):
+    """A transfer under ``settings`` (set for the call) with a ring of its own (made for them
+    on its first call)."""
+    missing = [name for name in settings if not hasattr(staged, name)]
+    assert not missing, f"staged.py has no setting {missing}"
+    settings = {**settings, "_devices": {}}
+    defaults = {name: getattr(staged, name) for name in settings}
+
+    def call() -> None:
+        for name, value in settings.items():
+            setattr(staged, name, value)
+        try:
+            if is_load:
+                got = load(st.host, st.ids_cpu, st.kv, st.slots_cpu, backend="staged",
+                           validate=False)  # fmt: skip
+            else:
+                got = save(st.kv, st.slots_cpu, st.host, st.ids_cpu, backend="staged",
+                           validate=False)  # fmt: skip
+            assert got == "staged", got
+        finally:
+            for name, value in defaults.items():
+                setattr(staged, name, value)
+
+    return call
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", default="256,1024")
+    ap.add_argument("--reps", type=int, default=5)
+    args = parse_args(ap)
+    sizes = [int(m) * MIB for m in args.mib.split(",")]
+    raw = torch.empty(max(sizes) + (64 * MIB), dtype=torch.uint8).pin_memory()
+    raw.random_()
+    rows = []
+    for nbytes in sizes:
+        for name, page in SHAPES:
+            geo = KVGeometry(page_size=page, **GEOMETRIES[name])
+            st = Setup(raw, geo, nbytes)
+            ceil, kern = ceiling_fns(raw, st.nbytes), kernel_fns(st)
+            row = {"geometry": name, "page": page, "run_kib": geo.page_size * geo.item_bytes / 1024,
+                   "mib": nbytes // MIB}  # fmt: skip
+            for is_load, ceiling in ((True, "ceiling_h2d"), (False, "ceiling_d2h")):
+                d = "load" if is_load else "save"
+                fns = {ceiling: ceil[ceiling], f"kernel_{d}": kern[f"kernel_{d}"]}
+                for v, settings in VARIANTS.items():
+                    fns[v] = variant_fn(st, settings, is_load)
+                times = interleaved(fns, args.reps)
+                row[f"kernel_{d}"] = ratio(times, ceiling, f"kernel_{d}")
+                for v in VARIANTS:
+                    row[f"{v}_{d}"] = ratio(times, ceiling, v)
+            print(row, flush=True)
+            rows.append(row)
+            del st
+            torch.cuda.empty_cache()
+    write_result("diag_staged", {"env_note": environment()["date"], "variants": VARIANTS,
+                                 "rows": rows})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
