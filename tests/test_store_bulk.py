@@ -332,18 +332,9 @@ def _hung_up(sock: socket.socket) -> bool:
         return True
 
 
-def _answer(sock: socket.socket) -> Reply | None:
-    from pagekv.store.wire.protocol import decode_reply
-
-    head = read_head(
-        sock,
-        native.load(),
-        bytearray(HEAD_BYTES),
-        max_frames=16,
-        max_frame_bytes=1 << 20,
-        max_payload_bytes=1 << 20,
-    )
-    return decode_reply(head.header) if head is not None else None
+def _answer(sock: socket.socket) -> Reply:
+    """The node's next reply on a raw lane connection, read within a 1 MiB node's limits."""
+    return _lane_reply(sock, max_frames=16, max_bytes=1 << 20)[0]
 
 
 def test_malformed_and_oversized_messages_get_an_error_and_the_node_serves_on(served):
@@ -1019,8 +1010,11 @@ def _lane_get(sock: socket.socket, rid: int, keys: list[bytes]) -> None:
     send_message(sock, encode_request(Request(Op.GET, rid, keys)), [])
 
 
-def _lane_reply(sock: socket.socket) -> tuple[Reply, list[bytes]]:
-    """A GET reply read whole off a raw lane connection: the reply and its frames."""
+def _lane_reply(
+    sock: socket.socket, max_frames: int = 64, max_bytes: int = 64 << 20
+) -> tuple[Reply, list[bytes]]:
+    """A reply read whole off a raw lane connection, within these limits (a frame's bytes and
+    the payload's): the reply and its frames."""
     from pagekv.store.wire.lane import recv_exact
     from pagekv.store.wire.protocol import decode_reply
 
@@ -1028,9 +1022,9 @@ def _lane_reply(sock: socket.socket) -> tuple[Reply, list[bytes]]:
         sock,
         native.load(),
         bytearray(HEAD_BYTES),
-        max_frames=64,
-        max_frame_bytes=64 << 20,
-        max_payload_bytes=64 << 20,
+        max_frames=max_frames,
+        max_frame_bytes=max_bytes,
+        max_payload_bytes=max_bytes,
     )
     frames = []
     for size in head.sizes:
