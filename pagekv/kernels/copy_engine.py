@@ -6,19 +6,20 @@ it far more than a DMA copy of the same bytes: docs/benchmarks.md). Descriptors 
 host from CPU page ids and slots: one 1-D copy per run of consecutive slots and (layer, K/V),
 split over ``LANES`` streams ordered after the caller's stream and joined back to it by events.
 
-Two forms. Batched 1-D copies (:func:`page_transfer`): on the H200 (docs/benchmarks.md, "copy
-engine") over 16 streams 0.96-0.99 of the pinned contiguous copy for runs >= 32 KiB, collapsing
-(0.05-0.2) below ~28 KiB, where each copy's fixed cost (~1.4 us of engine time) outweighs its
-bytes. Its host cost grows with the copies: ~0.5 us each, and the call waits for the engines
-once the driver's queue is full, so the calling thread is held for most of a transfer of 32 KiB
-runs: ``auto`` (:mod:`.copy_table`) takes it on the caller's thread only where its measured host
-time stays within the kernel's, and elsewhere only where a thread of the connector's own issues
-it (:mod:`pagekv.connector.copy_issuer`), never for runs under ``ops.COPY_ENGINE_MIN_RUN``
-(``ops.DEFERRED_COPY_ENGINE_MIN_RUN`` where the issuer enqueues it). Pitched copies
-(:func:`pitched_transfer`, the ``pitched`` backend): where each K/V's layers lie at one distance
-(:attr:`~.layout.DeviceKV.layer_pitches`), all layers of a run are one 2-D copy, whose cost is
-per row (~45 ns), so small runs stay on the DMA engines (H100: 0.63 / 0.77 / 0.88 / 0.92 of the
-copy for rows of 4 / 8 / 16 / 32 KiB); ~1-2.5 us of host time per copy, on the caller's stream.
+Two forms. Batched 1-D copies (:func:`page_transfer`): on the H200 (docs/benchmarks.md, "Copy
+engine") over 16 streams 0.96-0.99 of the pinned contiguous copy for runs >= 64 KiB, 0.63-0.97
+from one run to the next at 32-36 KiB, collapsing (0.04-0.2) below ~28 KiB, where each copy's
+fixed cost (~1.4 us of engine time) outweighs its bytes. Its host cost grows with the copies:
+~0.5 us each, and the call waits for the engines once the driver's queue is full, so the calling
+thread is held for most of a transfer of 32 KiB runs: ``auto`` (:mod:`.copy_table`) takes it on
+the caller's thread only where its measured host time stays within the kernel's, and elsewhere
+only where a thread of the connector's own issues it (:mod:`pagekv.connector.copy_issuer`),
+never for runs under ``ops.COPY_ENGINE_MIN_RUN`` (``ops.DEFERRED_COPY_ENGINE_MIN_RUN`` where the
+issuer enqueues it). Pitched copies (:func:`pitched_transfer`, the ``pitched`` backend): where
+each K/V's layers lie at one distance (:attr:`~.layout.DeviceKV.layer_pitches`), all layers of a
+run are one 2-D copy, whose cost is per row (~45 ns), so small runs stay on the DMA engines
+(H200: 0.47 / 0.65-0.69 / 0.78-0.89 / 0.87 of the copy for runs of 4 / 8 / 16-18 / 32 KiB);
+~1-2.5 us of host time per copy, on the caller's stream.
 
 Availability is found at run time: the library must be built with CUDA >= 12.8 and the driver
 must be >= 12.8 (:func:`supported`). A call the driver refuses is logged once and the device
