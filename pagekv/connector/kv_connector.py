@@ -68,9 +68,10 @@ from .hashing import KeyNamespace, page_keys
 from .host_pool import HostPagePool
 from .index import KVIndex, client_config
 from .layerwise import LayerLoad
-from .lifecycle import close_connector, register_exit_flush
+from .lifecycle import drain_writeback, register_exit_flush
 from .loop import LoopThread
 from .page_cache import PageCache
+from .policy import FetchPolicy
 from .staging import IndexStaging
 from .streaming_load import StreamingLoad
 from .transfer_indices import host_ids, launch
@@ -157,9 +158,9 @@ class KVConnector:
         self._closed = False
         # host <-> device copies (load, load_async, save) by the backend they used
         self.transfer_backends: collections.Counter[str] = collections.Counter()
-        # a fetch-or-recompute policy (pagekv.connector.policy.FetchPolicy) the engine consults;
-        # its decisions and their inputs show in stats()["policy"]
-        self.policy: Any = None
+        # a fetch-or-recompute policy the engine consults; its decisions and their inputs show
+        # in stats()["policy"]
+        self.policy: FetchPolicy | None = None
         register_exit_flush(self)
 
     # ---- keys and arguments ----------------------------------------------------------------
@@ -555,4 +556,17 @@ class KVConnector:
         if self._closed:
             return
         self._closed = True
-        close_connector(self, self.close_timeout_s if timeout_s is None else timeout_s)
+        timeout_s = self.close_timeout_s if timeout_s is None else timeout_s
+        drain_writeback(self._loop, self.writeback, timeout_s)
+        try:
+            self._loop.call(self.fetcher.cancel(), 5.0)
+        except TimeoutError:
+            log.warning("pagekv: close: fetches did not stop within 5 s")
+        self.index.close()
+        self._loop.close()
+        if self._issuer is not None:
+            self._issuer.close()  # what it was given is enqueued and done
+        for stream in (self._save_stream, self._load_stream):
+            if stream is not None:
+                stream.synchronize()  # no copy may touch the pool once it is unregistered
+        self.pool.close()

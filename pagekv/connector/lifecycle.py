@@ -1,29 +1,33 @@
-"""How a connector ends: drain the write-back within a bound, stop the loop, wait for the GPU
-streams, then unregister the pinned pool. And what happens when a process exits without
-``close()``: pending write-backs are flushed for at most ``PAGEKV_EXIT_FLUSH_S`` seconds
-(default 10) at exit, and whatever could not be written is logged with its count."""
+"""How a connector's write-back ends. At ``close()`` it is drained within a bound and what is
+left is dropped and logged (:meth:`KVConnector.close` then stops the loop, waits for the GPU
+streams and unregisters the pinned pool). When a process exits without ``close()``, pending
+write-backs are flushed for at most ``PAGEKV_EXIT_FLUSH_S`` seconds (default 10) and whatever
+could not be written is logged with its count."""
 
 from __future__ import annotations
 
 import atexit
 import logging
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from pagekv import env
 from pagekv.errors import WriteBackFailed
 
-__all__ = ["close_connector", "register_exit_flush"]
+if TYPE_CHECKING:
+    from .loop import LoopThread
+    from .writeback import WriteBack
+
+__all__ = ["drain_writeback", "register_exit_flush"]
 
 log = logging.getLogger("pagekv.connector")
-_live: weakref.WeakSet = weakref.WeakSet()
+_live: weakref.WeakSet[Closable] = weakref.WeakSet()
 _registered = False
 
 
-def close_connector(conn: Any, timeout_s: float) -> None:
-    """Ordered shutdown of a :class:`KVConnector` (see module docstring). Never raises on store
-    trouble: a write-back that cannot finish in ``timeout_s`` is dropped and logged."""
-    loop, writeback = conn._loop, conn.writeback
+def drain_writeback(loop: LoopThread, writeback: WriteBack, timeout_s: float) -> None:
+    """A closing connector's first step: wait for its write-back at most ``timeout_s``, then
+    drop (and log) what is left. Never raises on store trouble."""
     try:
         loop.call(writeback.drain(), timeout_s)
     except TimeoutError:
@@ -32,25 +36,25 @@ def close_connector(conn: Any, timeout_s: float) -> None:
                     "(they were not written to the store)", timeout_s, dropped)  # fmt: skip
     except WriteBackFailed as e:
         log.warning("pagekv: close: %s", e)
-    try:
-        loop.call(conn.fetcher.cancel(), 5.0)
-    except TimeoutError:
-        log.warning("pagekv: close: fetches did not stop within 5 s")
-    conn.index.close()
-    loop.close()
-    if conn._issuer is not None:
-        conn._issuer.close()  # what it was given is enqueued and done
-    for stream in (conn._save_stream, conn._load_stream):
-        if stream is not None:
-            stream.synchronize()  # no copy may touch the pool once it is unregistered
-    conn.pool.close()
 
 
-async def _drop_all(writeback: Any) -> int:
+async def _drop_all(writeback: WriteBack) -> int:
     return writeback.drop_all()
 
 
-def register_exit_flush(conn: Any) -> None:
+class Closable(Protocol):
+    """What the exit flush needs of a connector."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def writeback(self) -> WriteBack: ...
+
+    def close(self, timeout_s: float | None = None) -> None: ...
+
+
+def register_exit_flush(conn: Closable) -> None:
     """Flush ``conn``'s write-back at interpreter exit if it was never closed."""
     global _registered
     _live.add(conn)
