@@ -21,7 +21,7 @@ import time
 from collections import Counter as _Tally
 from collections.abc import Callable, Iterator
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
@@ -37,6 +37,10 @@ from prometheus_client.utils import floatToGoString
 import pagekv
 
 from ..wire.protocol import Code, Op, Status
+
+if TYPE_CHECKING:
+    from .monitor import ConnectionMonitor
+    from .server import StoreNode
 
 __all__ = [
     "LATENCY_BUCKETS",
@@ -137,7 +141,7 @@ _SKIP = {"address", "pid", "uptime_s"}
 class NodeCollector:
     """Reads ``node.stats()`` at each scrape. ``monitor``: a :class:`ConnectionMonitor` or None."""
 
-    def __init__(self, node: Any, monitor: Any = None) -> None:
+    def __init__(self, node: StoreNode, monitor: ConnectionMonitor | None = None) -> None:
         self.node = node
         self.monitor = monitor
 
@@ -168,7 +172,7 @@ class NodeCollector:
                 yield _untyped(f"pagekv_node_{key}", f"node stat {key}", value)
         yield requests
         yield errors
-        disk = getattr(self.node, "disk", None)
+        disk = self.node.disk
         if disk is not None:
             for name, snap in disk.histograms().items():
                 yield _histogram(*_DISK_HISTOGRAMS[name], snap)
@@ -313,7 +317,7 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
-def node_metrics(node: Any, monitor: Any, host: str, port: int,
+def node_metrics(node: StoreNode, monitor: ConnectionMonitor | None, host: str, port: int,
                  health: HealthCheck | None = None) -> MetricsServer:  # fmt: skip
     """Registry for ``node`` (its stats, per-request hook, this process), served on host:port.
     Installs the hook as ``node.observe``."""
