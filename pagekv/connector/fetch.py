@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagekv.errors import StoreError
+from pagekv.store.backend import StoreBackend
 
 from .host_pool import HostPagePool
 from .page_cache import PageCache
@@ -80,7 +81,7 @@ class _Batch:
 
 class Fetcher:
     def __init__(
-        self, cache: PageCache, pool: HostPagePool, store: Any, counters: dict[str, float]
+        self, cache: PageCache, pool: HostPagePool, store: StoreBackend, counters: dict[str, float]
     ) -> None:
         self.cache, self.pool, self.store, self.counters = cache, pool, store, counters
         self.inflight: dict[bytes, _Inflight] = {}

@@ -28,6 +28,7 @@ from typing import Any
 
 from pagekv.errors import CopyFailed, StoreError, WriteBackFailed
 from pagekv.store import Status
+from pagekv.store.backend import StoreBackend
 
 from .host_pool import HostPagePool
 from .loop import RateLimitedLog
@@ -50,7 +51,7 @@ def notify(listener: Callable[[list[bytes]], Any] | None, keys: list[bytes]) -> 
 
 class WriteBack:
     def __init__(
-        self, cache: PageCache, pool: HostPagePool, store: Any, max_pages: int,
+        self, cache: PageCache, pool: HostPagePool, store: StoreBackend, max_pages: int,
         counters: dict[str, float], on_stored: Callable[[list[bytes]], Any] | None = None,
         on_unsaved: Callable[[list[bytes]], Any] | None = None,
     ) -> None:  # fmt: skip
