@@ -264,12 +264,17 @@ def test_a_node_that_exits_before_ready_says_so_with_its_log():
 def test_sigusr1_writes_every_threads_stack_and_the_node_serves_on():
     node = NodeProcess("--capacity", "16MiB").start()
     try:
-        before = len(node.log)
+        assert "most recent call first" not in "".join(node.log)
         node.proc.send_signal(signal.SIGUSR1)
-        # the node may not have entered serve_forever yet: its ready line comes just before
-        wait_until(lambda: "run_serve" in "".join(list(node.log)[before:]), 10,
-                   "the stacks in the node's log")  # fmt: skip
-        assert "most recent call first" in "".join(list(node.log)[before:])
+        # the whole log: it keeps its last lines only, so a count taken before is no index into
+        # it; the node may not have entered serve_forever yet (its ready line comes just before)
+        try:
+            wait_until(lambda: "run_serve" in "".join(node.log), 30, "the stacks in the log")
+        except AssertionError:
+            state = "running" if node.proc.poll() is None else f"exited {node.proc.returncode}"
+            log = "".join(node.log)
+            raise AssertionError(f"no stacks in the node's log ({state}):\n{log}") from None
+        assert "most recent call first" in "".join(node.log)
         with StoreClient(node.address, timeout_s=5) as client:
             assert client.put_many([b"after-the-dump!!"], [b"v"]) == [Status.OK]
         assert node.proc.poll() is None
