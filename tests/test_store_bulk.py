@@ -34,7 +34,15 @@ from pagekv.store.client.client import INLINE_PUT_BYTES
 from pagekv.store.config import ClientConfig
 from pagekv.store.launch import NodeProcess
 from pagekv.store.wire import native
-from pagekv.store.wire.lane import HEAD_BYTES, MAGIC, PREFIX, read_head, send_message, timeval
+from pagekv.store.wire.lane import (
+    HEAD_BYTES,
+    MAGIC,
+    PREFIX,
+    SAME_HOST_SOCKET_BUFFER,
+    read_head,
+    send_message,
+    timeval,
+)
 from pagekv.store.wire.protocol import Reply, decode_request, encode_reply
 from tests.helpers import POISON, wait_until
 
@@ -141,6 +149,31 @@ def test_socket_buffer_sizes_the_lane_connections_at_both_ends(served):
         for sock in ends:
             for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 assert sock.getsockopt(socket.SOL_SOCKET, option) == 2 * size
+
+
+@pytest.mark.usefixtures("receive")
+def test_same_host_lane_connections_take_small_socket_buffers_by_default(served):
+    """With no ``socket_buffer`` set, a lane connection whose two ends have one address (here
+    loopback) takes SAME_HOST_SOCKET_BUFFER at both ends instead of autotuning's megabytes;
+    values still arrive exact. Fails without the rule (the kernel's autotuned sizes)."""
+    node = served()
+    rng = random.Random(os.urandom(8))
+    keys, values = rand_values(rng, 8, 1 << 20)
+    cfg = ClientConfig((node.address,), streams=2)
+    with StoreClient(node.address, config=cfg) as client:
+        assert client.put_many(keys, values) == [Status.OK] * len(keys)
+        into = [bytearray([POISON]) * len(v) for v in values]
+        assert client.get_many(keys, into=into) == [True] * len(keys)
+        assert [bytes(b) for b in into] == values
+        assert client.routes()[0].get == "lane"
+        ends = [conn.sock for conn in lane_of(client)._lanes[0].conns if conn.sock is not None]
+        ends += node.bulk._connections()
+        assert len(ends) >= 2
+        for sock in ends:
+            assert sock.getsockname()[0] == sock.getpeername()[0]
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                got = sock.getsockopt(socket.SOL_SOCKET, option)
+                assert got == 2 * SAME_HOST_SOCKET_BUFFER  # the kernel reports twice the size
 
 
 @pytest.mark.usefixtures("receive")

@@ -61,6 +61,7 @@ from ..wire.lane import (
     read_head,
     recv_values,
     send_message,
+    size_socket_buffers,
     timeval,
 )
 from ..wire.protocol import Code, Op, Status, decode_reply
@@ -298,9 +299,7 @@ class _Conn:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, wait)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, wait)
-        if cfg.socket_buffer:  # 0: leave it to the kernel's TCP autotuning
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.socket_buffer)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, cfg.socket_buffer)
+        size_socket_buffers(sock, cfg.socket_buffer)
         with self._abort_lock:
             self.sock = sock
         return True
