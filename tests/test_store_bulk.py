@@ -152,10 +152,11 @@ def test_socket_buffer_sizes_the_lane_connections_at_both_ends(served):
 
 
 @pytest.mark.usefixtures("receive")
-def test_same_host_lane_connections_take_small_socket_buffers_by_default(served):
+def test_same_host_lane_connections_take_small_reply_buffers_by_default(served):
     """With no ``socket_buffer`` set, a lane connection whose two ends have one address (here
-    loopback) takes SAME_HOST_SOCKET_BUFFER at both ends instead of autotuning's megabytes;
-    values still arrive exact. Fails without the rule (the kernel's autotuned sizes)."""
+    loopback) carries GET replies through SAME_HOST_SOCKET_BUFFER (the node's send buffer, the
+    client's receive buffer) instead of autotuning's megabytes; values still arrive exact.
+    Fails without the rule (the kernel's autotuned sizes)."""
     node = served()
     rng = random.Random(os.urandom(8))
     keys, values = rand_values(rng, 8, 1 << 20)
@@ -166,12 +167,12 @@ def test_same_host_lane_connections_take_small_socket_buffers_by_default(served)
         assert client.get_many(keys, into=into) == [True] * len(keys)
         assert [bytes(b) for b in into] == values
         assert client.routes()[0].get == "lane"
-        ends = [conn.sock for conn in lane_of(client)._lanes[0].conns if conn.sock is not None]
-        ends += node.bulk._connections()
-        assert len(ends) >= 2
-        for sock in ends:
-            assert sock.getsockname()[0] == sock.getpeername()[0]
-            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        clients = [c.sock for c in lane_of(client)._lanes[0].conns if c.sock is not None]
+        nodes = node.bulk._connections()
+        assert clients and nodes
+        for ends, option in ((clients, socket.SO_RCVBUF), (nodes, socket.SO_SNDBUF)):
+            for sock in ends:
+                assert sock.getsockname()[0] == sock.getpeername()[0]
                 got = sock.getsockopt(socket.SOL_SOCKET, option)
                 assert got == 2 * SAME_HOST_SOCKET_BUFFER  # the kernel reports twice the size
 

@@ -143,7 +143,7 @@ class NodeConfig:
     curve_allow: str | None = None  # directory of allowed client public certificates
     io_threads: int = 0  # ZeroMQ I/O threads; 0: default_io_threads()
     # every connection's SO_SNDBUF/SO_RCVBUF (ZeroMQ, lane); 0: the kernel's autotuning, but
-    # 256 KiB for a same-host lane connection (wire.lane.size_socket_buffers)
+    # 256 KiB for a same-host lane connection's GET replies (wire.lane.size_socket_buffers)
     socket_buffer: int = 0
     window: int = 8  # requests a client may have outstanding on one connection
     recv_hwm: int = 2  # complete requests queued per connection before TCP pushes back
@@ -327,7 +327,7 @@ class ClientConfig:
     backoff_min_s: float = 0.25
     backoff_max_s: float = 8.0
     curve: CurveClientKeys | None = None
-    socket_buffer: int = 0  # 0: autotuning, 256 KiB on same-host lanes (size_socket_buffers)
+    socket_buffer: int = 0  # 0: autotuning, 256 KiB for same-host GET replies (lane)
     max_message_bytes: int = 16 << 20  # requests are also cut to each node's advertised limits
     connect_timeout_s: float | None = None  # None: timeout_s
     streams: int | None = None  # connections per node; None: default_streams(len(endpoints))

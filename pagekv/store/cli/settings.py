@@ -85,7 +85,7 @@ _NODE_HELP: dict[str, tuple[str, str]] = {
     "verify_threads": ("threads checking large PUTs' checksums (0: half the cores, 1 to 8)", "int"),
     "socket_buffer": (
         "every connection's SO_SNDBUF/SO_RCVBUF bytes (ZeroMQ and lane); 0: TCP autotuning, "
-        "except 256 KiB for a lane connection within one host",
+        "except 256 KiB for the GET replies of a lane connection within one host",
         "size",
     ),
     "max_frames": ("most payload frames in one request", "int"),

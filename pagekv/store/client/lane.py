@@ -299,7 +299,7 @@ class _Conn:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, wait)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, wait)
-        size_socket_buffers(sock, cfg.socket_buffer)
+        size_socket_buffers(sock, cfg.socket_buffer, replies_out=False)
         with self._abort_lock:
             self.sock = sock
         return True

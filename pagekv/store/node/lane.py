@@ -103,8 +103,9 @@ StorePut = Callable[[Request, Receive], Reply]
 class LaneLimits:
     """What the lane enforces: connections served at once, keys per request, how long a peer
     may stall mid-message (seconds), and a PUT's frames, bytes per frame and payload bytes;
-    ``socket_buffer``: each connection's SO_SNDBUF/SO_RCVBUF (0: same-host connections
-    ``SAME_HOST_SOCKET_BUFFER``, others the kernel's autotuning: :func:`size_socket_buffers`)."""
+    ``socket_buffer``: each connection's SO_SNDBUF/SO_RCVBUF (0: a same-host connection's send
+    buffer ``SAME_HOST_SOCKET_BUFFER``, the rest the kernel's autotuning; see
+    :func:`size_socket_buffers`)."""
 
     connections: int
     max_keys: int
@@ -189,7 +190,7 @@ class BulkServer:
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, stall)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, stall)
-            size_socket_buffers(conn, self.limits.socket_buffer)
+            size_socket_buffers(conn, self.limits.socket_buffer, replies_out=True)
             while not self._closed and self._one(conn, head, bounce):
                 pass
         except (PeerClosed, OSError):

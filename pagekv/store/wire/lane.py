@@ -82,29 +82,34 @@ def new_buffer(size: int) -> Any:
     return bytearray(size)
 
 
-# A same-host connection's SO_SNDBUF/SO_RCVBUF where none is configured. Over loopback there is
-# no bandwidth-delay product to cover, and what autotuning lets pile up in a connection's
-# buffers (megabytes) leaves the cache between the sender's copy in and the receiver's copy out:
-# 8-stream GETs moved 1.12x as much with 256 KiB (H200, 8 interleaved rounds, higher in all 8;
-# 512 KiB 1.10x, 1 MiB 1.03x, 128 KiB 1.05x, 4 MiB 0.99x: scripts/diag_socket_buffer.py).
-# Across hosts the kernel's autotuning stays: a fixed buffer caps a connection at buffer / RTT.
+# The buffers of a same-host connection's GET-reply direction where none is configured. Over
+# loopback there is no bandwidth-delay product to cover, and what autotuning lets pile up in a
+# connection's buffers (megabytes) leaves the cache between the sender's copy in and the
+# receiver's copy out: 8-stream GETs moved 1.12x as much with 256 KiB (H200, both directions,
+# 8 interleaved rounds, higher in all 8; 512 KiB 1.10x, 1 MiB 1.03x, 128 KiB 1.05x, 4 MiB 0.99x:
+# scripts/diag_socket_buffer.py), one-stream GETs 1.26-1.50x on 2 cores. PUTs moved less with
+# both directions small on 2 cores (0.85-0.94x), so their direction keeps autotuning. Across
+# hosts autotuning stays: a fixed buffer caps a connection at buffer / RTT.
 SAME_HOST_SOCKET_BUFFER = 256 << 10
 
 
-def size_socket_buffers(sock: socket.socket, configured: int) -> None:
-    """Set a connected lane socket's SO_SNDBUF/SO_RCVBUF: ``configured`` where it is not 0,
-    else :data:`SAME_HOST_SOCKET_BUFFER` when both ends have one address (loopback, or one of
-    the host's own addresses, which the kernel also delivers locally), else nothing (the
-    kernel's autotuning)."""
-    size = configured
-    if not size:
-        try:
-            size = SAME_HOST_SOCKET_BUFFER if sock.getsockname()[0] == sock.getpeername()[0] else 0
-        except OSError:
-            size = 0  # no longer connected: whoever uses it next finds out
-    if size:
+def size_socket_buffers(sock: socket.socket, configured: int, replies_out: bool) -> None:
+    """Size a connected lane socket's buffers: both to ``configured`` where it is not 0; else,
+    when both ends have one address (loopback, or one of the host's own addresses, which the
+    kernel also delivers locally), the direction that carries GET replies to
+    :data:`SAME_HOST_SOCKET_BUFFER` (``replies_out``: the node's SO_SNDBUF; else the client's
+    SO_RCVBUF); the rest keeps the kernel's autotuning (PUTs moved less with small buffers)."""
+    if configured:
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            sock.setsockopt(socket.SOL_SOCKET, option, size)
+            sock.setsockopt(socket.SOL_SOCKET, option, configured)
+        return
+    try:
+        same_host = sock.getsockname()[0] == sock.getpeername()[0]
+    except OSError:
+        return  # no longer connected: whoever uses it next finds out
+    if same_host:
+        option = socket.SO_SNDBUF if replies_out else socket.SO_RCVBUF
+        sock.setsockopt(socket.SOL_SOCKET, option, SAME_HOST_SOCKET_BUFFER)
 
 
 def timeval(seconds: float) -> bytes:
