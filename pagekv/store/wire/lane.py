@@ -87,7 +87,7 @@ def new_buffer(size: int) -> Any:
 # connection's buffers (megabytes) leaves the cache between the sender's copy in and the
 # receiver's copy out: 8-stream GETs moved 1.12x as much with 256 KiB (H200, both directions,
 # 8 interleaved rounds, higher in all 8; 512 KiB 1.10x, 1 MiB 1.03x, 128 KiB 1.05x, 4 MiB 0.99x:
-# scripts/diag_socket_buffer.py), one-stream GETs 1.26-1.50x on 2 cores. PUTs moved less with
+# scripts/diag_socket_buffer.py), one-stream GETs 1.26-1.52x on 2 cores. PUTs moved less with
 # both directions small on 2 cores (0.85-0.94x), so their direction keeps autotuning. Across
 # hosts autotuning stays: a fixed buffer caps a connection at buffer / RTT.
 SAME_HOST_SOCKET_BUFFER = 256 << 10
