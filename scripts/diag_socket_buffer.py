@@ -7,8 +7,11 @@ MiB of payload sit in socket buffers between the node's copy in and the client's
 and may leave the cache before they are read. This times ``bench_store``'s streams round (256
 x 2 MiB put, then got into the same destinations, one node with 8 I/O threads, an
 ``AsyncStoreClient`` with 8 streams over the lane) for nodes and clients whose connections
-take ``--socket-buffer`` S (0: autotuning), in interleaved rounds with the hot and cold
-8-stream ceilings, each round's nodes in a rotated order.
+take ``--socket-buffer`` S (both directions, both ends), in interleaved rounds with the hot and
+cold 8-stream ceilings, each round's nodes in a rotated order. S = 0 is the default: since
+98e5ed2 that is 256 KiB for same-host GET replies (``wire.lane.size_socket_buffers``); the run
+in benchmarks/results/diag_socket_buffer.json (e6d21bd) predates it, its 0 the kernel's
+autotuning.
 
     python scripts/diag_socket_buffer.py [--sizes 0,256K,1M,4M] [--rounds 6]
 """
