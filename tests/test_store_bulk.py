@@ -128,27 +128,43 @@ def test_values_round_trip_over_the_lane_into_place(served):
     assert stats["bulk_requests"] >= 4 and stats["bulk_bytes_out"] >= sum(map(len, values))
 
 
-@pytest.mark.usefixtures("receive")
-def test_socket_buffer_sizes_the_lane_connections_at_both_ends(served):
-    """``socket_buffer`` (``--socket-buffer``) is every connection's SO_SNDBUF/SO_RCVBUF, the
-    lane's too, at the node and at the client; values still arrive exact."""
-    size = 96 << 10  # the kernel reports twice what was asked (its bookkeeping)
-    node = served(socket_buffer=size)
+def lane_socket_ends(node, **config) -> tuple[list[dict], list[dict]]:
+    """PUT and GET 8 random 1 MiB values through a 2-stream client (``config``: more
+    ClientConfig fields) over ``node``'s lane, checked exact, then every open lane connection's
+    client and node ends as read before the client closes: ``{SO_SNDBUF: bytes, SO_RCVBUF:
+    bytes, "same_host": both ends at one address}``; at least one end on each side."""
     rng = random.Random(os.urandom(8))
     keys, values = rand_values(rng, 8, 1 << 20)
-    cfg = ClientConfig((node.address,), streams=2, socket_buffer=size)
+    cfg = ClientConfig((node.address,), streams=2, **config)
     with StoreClient(node.address, config=cfg) as client:
         assert client.put_many(keys, values) == [Status.OK] * len(keys)
         into = [bytearray([POISON]) * len(v) for v in values]
         assert client.get_many(keys, into=into) == [True] * len(keys)
         assert [bytes(b) for b in into] == values
         assert client.routes()[0].get == "lane"
-        ends = [conn.sock for conn in lane_of(client)._lanes[0].conns if conn.sock is not None]
-        ends += node.bulk._connections()
-        assert len(ends) >= 2
-        for sock in ends:
-            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                assert sock.getsockopt(socket.SOL_SOCKET, option) == 2 * size
+        socks = [c.sock for c in lane_of(client)._lanes[0].conns if c.sock is not None]
+        sides = [[_buffers(sock) for sock in socks],
+                 [_buffers(sock) for sock in node.bulk._connections()]]  # fmt: skip
+    assert all(sides)
+    return sides[0], sides[1]
+
+
+def _buffers(sock: socket.socket) -> dict:
+    out: dict = {opt: sock.getsockopt(socket.SOL_SOCKET, opt)
+                 for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF)}  # fmt: skip
+    out["same_host"] = sock.getsockname()[0] == sock.getpeername()[0]
+    return out
+
+
+@pytest.mark.usefixtures("receive")
+def test_socket_buffer_sizes_the_lane_connections_at_both_ends(served):
+    """``socket_buffer`` (``--socket-buffer``) is every connection's SO_SNDBUF/SO_RCVBUF, the
+    lane's too, at the node and at the client; values still arrive exact."""
+    size = 96 << 10  # the kernel reports twice what was asked (its bookkeeping)
+    node = served(socket_buffer=size)
+    clients, nodes = lane_socket_ends(node, socket_buffer=size)
+    for end in clients + nodes:
+        assert end[socket.SO_SNDBUF] == end[socket.SO_RCVBUF] == 2 * size
 
 
 @pytest.mark.usefixtures("receive")
@@ -157,24 +173,11 @@ def test_same_host_lane_connections_take_small_reply_buffers_by_default(served):
     loopback) carries GET replies through SAME_HOST_SOCKET_BUFFER (the node's send buffer, the
     client's receive buffer) instead of autotuning's megabytes; values still arrive exact.
     Fails without the rule (the kernel's autotuned sizes)."""
-    node = served()
-    rng = random.Random(os.urandom(8))
-    keys, values = rand_values(rng, 8, 1 << 20)
-    cfg = ClientConfig((node.address,), streams=2)
-    with StoreClient(node.address, config=cfg) as client:
-        assert client.put_many(keys, values) == [Status.OK] * len(keys)
-        into = [bytearray([POISON]) * len(v) for v in values]
-        assert client.get_many(keys, into=into) == [True] * len(keys)
-        assert [bytes(b) for b in into] == values
-        assert client.routes()[0].get == "lane"
-        clients = [c.sock for c in lane_of(client)._lanes[0].conns if c.sock is not None]
-        nodes = node.bulk._connections()
-        assert clients and nodes
-        for ends, option in ((clients, socket.SO_RCVBUF), (nodes, socket.SO_SNDBUF)):
-            for sock in ends:
-                assert sock.getsockname()[0] == sock.getpeername()[0]
-                got = sock.getsockopt(socket.SOL_SOCKET, option)
-                assert got == 2 * SAME_HOST_SOCKET_BUFFER  # the kernel reports twice the size
+    clients, nodes = lane_socket_ends(served())
+    for ends, option in ((clients, socket.SO_RCVBUF), (nodes, socket.SO_SNDBUF)):
+        for end in ends:
+            assert end["same_host"]
+            assert end[option] == 2 * SAME_HOST_SOCKET_BUFFER  # the kernel reports twice
 
 
 @pytest.mark.usefixtures("receive")
