@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from _bench_util import engine_heap, environment, parse_args, write_result
@@ -182,17 +184,10 @@ def _paths_rounds(args, k: int, hot: TcpCeiling, cold: TcpCeiling, blocks: list,
     side's CPUs when ``sides``), each round after the ceilings' own; and each path's client's
     copy threads."""
     gb = sum(map(len, blocks)) / 1e9
-    loop = asyncio.new_event_loop()
-    nodes, clients = [], {}
-    try:
-        for path in args.paths:  # the same ceilings for each data path
-            node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k),
-                               cpus=sides[0] if sides else None).start(warm=True)  # fmt: skip
-            nodes.append(node)
-            cfg = ClientConfig((node.address,), timeout_s=30, streams=k,
-                               bulk=path == "bulk", copy_threads=args.copy_threads)  # fmt: skip
-            clients[path] = AsyncStoreClient(node.address, config=cfg)
-            loop.run_until_complete(_timed_round(clients[path], blocks, into, "warm"))
+    # the same ceilings for each data path
+    setups = {path: ((), dict(bulk=path == "bulk", copy_threads=args.copy_threads))
+              for path in args.paths}  # fmt: skip
+    with stream_clients(k, setups, blocks, into, sides[0] if sides else None) as (loop, clients):
         rounds: dict[str, list[dict]] = {path: [] for path in args.paths}
         for r in range(args.rounds):
             (tcp_put, tcp_get), (cold_put, cold_get) = hot.round(), cold.round()
@@ -202,13 +197,33 @@ def _paths_rounds(args, k: int, hot: TcpCeiling, cold: TcpCeiling, blocks: list,
                                          tcp_put_gbps=tcp_put, tcp_get_gbps=tcp_get,
                                          tcp_cold_put_gbps=cold_put,
                                          tcp_cold_get_gbps=cold_get))  # fmt: skip
+        return rounds, {path: client.config.copy_threads for path, client in clients.items()}
+
+
+@contextlib.contextmanager
+def stream_clients(k: int, setups: dict, blocks: list, into: list,
+                   cpus: frozenset[int] | None = None) -> Iterator:  # fmt: skip
+    """For each ``name: (node flags, ClientConfig fields)`` of ``setups``: a node with ``k`` I/O
+    threads (warmed, on ``cpus``) and an ``AsyncStoreClient`` with ``k`` streams on it, each
+    through one untimed round of ``blocks``. Yields (their event loop, {name: client}); closes
+    the clients, stops the nodes and closes the loop on the way out."""
+    loop = asyncio.new_event_loop()
+    nodes, clients = [], {}
+    try:
+        for name, (flags, fields) in setups.items():
+            node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k), *flags,
+                               cpus=cpus).start(warm=True)  # fmt: skip
+            nodes.append(node)
+            cfg = ClientConfig((node.address,), timeout_s=30, streams=k, **fields)
+            clients[name] = AsyncStoreClient(node.address, config=cfg)
+            loop.run_until_complete(_timed_round(clients[name], blocks, into, "warm"))
+        yield loop, clients
     finally:
         for client in clients.values():
             client.close()
         for node in nodes:
             node.stop()
         loop.close()
-    return rounds, {path: client.config.copy_threads for path, client in clients.items()}
 
 
 def _streams_row(rounds: list[dict], first: dict | None, **row) -> dict:

@@ -19,17 +19,14 @@ autotuning.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 
 from _bench_util import engine_heap, environment, parse_args, write_result
 from _ceilings import TcpCeiling
-from bench_store import MIB, _timed_round
+from bench_store import MIB, _timed_round, stream_clients
 
 from pagekv.env import parse_size
-from pagekv.store import AsyncStoreClient, ClientConfig
-from pagekv.store.launch import NodeProcess
 from pagekv.store.node.memory import tune_malloc_for_blocks
 
 
@@ -47,19 +44,10 @@ def main() -> None:
     into = [bytearray(size) for _ in range(n)]
     gb = n * size / 1e9
     engine_heap()
-    loop = asyncio.new_event_loop()
-    nodes, clients = [], {}
     rounds: dict[int, list[dict]] = {s: [] for s in sizes}
-    try:
-        with TcpCeiling(k, size, n // k) as hot, TcpCeiling(k, size, n // k, cold=True) as cold:
-            for s in sizes:
-                node = NodeProcess("--capacity", "1GiB", "--io-threads", str(k),
-                                   "--socket-buffer", str(s)).start(warm=True)  # fmt: skip
-                nodes.append(node)
-                cfg = ClientConfig((node.address,), timeout_s=30, streams=k, bulk=True,
-                                   socket_buffer=s)  # fmt: skip
-                clients[s] = AsyncStoreClient(node.address, config=cfg)
-                loop.run_until_complete(_timed_round(clients[s], blocks, into, "warm"))
+    setups = {s: (("--socket-buffer", str(s)), dict(bulk=True, socket_buffer=s)) for s in sizes}
+    with TcpCeiling(k, size, n // k) as hot, TcpCeiling(k, size, n // k, cold=True) as cold:
+        with stream_clients(k, setups, blocks, into) as (loop, clients):
             for r in range(args.rounds):
                 (_, hot_get), (_, cold_get) = hot.round(), cold.round()
                 order = sizes[r % len(sizes) :] + sizes[: r % len(sizes)]
@@ -71,12 +59,6 @@ def main() -> None:
                 print(f"round {r}: hot {hot_get:.1f} cold {cold_get:.1f} | " + " | ".join(
                     f"{s >> 10} KiB get {rounds[s][-1]['get_gbps']:.1f}" for s in sizes),
                     flush=True)  # fmt: skip
-    finally:
-        for client in clients.values():
-            client.close()
-        for node in nodes:
-            node.stop()
-        loop.close()
     base = sizes[0]
     rows = []
     for s in sizes:
