@@ -43,7 +43,7 @@ from pagekv.connector import KVGeometry
 from pagekv.connector.copy_issuer import Completion, CopyIssuer
 from pagekv.connector.staging import IndexStaging
 from pagekv.connector.transfer_indices import launch
-from pagekv.kernels import DeviceKV, calibrate, copy_engine, load
+from pagekv.kernels import DeviceKV, calibrate, copy_engine, load, staged
 
 DEV = torch.device("cuda")
 GIB = 1 << 30
@@ -143,17 +143,21 @@ class Loads:
                              layers=(layer,))  # fmt: skip
                 out.events[-1].wait(self.stream)  # the host waits until it is enqueued
                 return f"issuer:{out.backend}"
-            backend, _, lanes = how.partition("@")  # copy_engine@N: over N streams
+            # copy_engine@N: over N streams; staged@N: N scatter blocks
+            backend, _, count = how.partition("@")
             cpu = backend != "kernel"  # auto: CPU indices, as the connector passes them
             ids = (self.ids_cpu if cpu else self.ids)[:pages]
             slots = (self.slots_cpu if cpu else self.slots)[:pages]
-            saved = copy_engine.LANES
-            copy_engine.LANES = int(lanes) if lanes else saved
+            module, name = (
+                (staged, "SCATTER_BLOCKS") if backend == "staged" else (copy_engine, "LANES")
+            )
+            saved = getattr(module, name)
+            setattr(module, name, int(count) if count else saved)
             try:
                 return load(self.host, ids, self.kv, slots, layer=layer, backend=backend,
                             validate=False)  # fmt: skip
             finally:
-                copy_engine.LANES = saved
+                setattr(module, name, saved)
 
     def timed(self, how: str) -> tuple[torch.cuda.Event, torch.cuda.Event, str]:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -169,7 +173,7 @@ def _ms(ref: torch.cuda.Event, ev: torch.cuda.Event) -> float:
 
 def decode_beside(args: argparse.Namespace, step: DecodeStep, loads: Loads) -> dict:
     ce = [f"copy_engine@{n}" for n in args.ce_lanes] if copy_engine.supported(0) else []
-    ce += ["staged"] if copy_engine.supported(0) else []
+    ce += [f"staged@{n}" for n in args.staged_blocks] if copy_engine.supported(0) else []
     backends = ["plain_copy", "kernel", *ce, "pitched", "auto", "issuer", "direct"]
     if args.backends:
         backends = [b for b in backends if b in args.backends or b == "plain_copy"]
@@ -405,6 +409,8 @@ def main() -> None:
                     help="part 1: only these loads (and the plain copy)")  # fmt: skip
     ap.add_argument("--ce-lanes", type=lambda s: [int(x) for x in s.split(",")],
                     default=[copy_engine.LANES], help="copy-engine streams to compare")  # fmt: skip
+    ap.add_argument("--staged-blocks", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[staged.SCATTER_BLOCKS], help="staged scatter blocks")  # fmt: skip
     args = parse_args(ap)
     os.environ["PAGEKV_COPY_BACKEND"] = "auto"  # the "auto" rows measure the opt-in table
     env = environment()

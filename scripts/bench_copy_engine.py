@@ -28,7 +28,11 @@ pages: 32 KiB runs, 64 copies a page), for 1 and 16 streams, from 16 MiB to 1 Gi
 host time stops growing with the copies' count alone and follows the transfer, the driver's
 queue is full and the call waits for the copy engines.
 
+``--setting`` times ``auto`` and ``connector`` (and the layer-by-layer load) under another
+``PAGEKV_COPY_BACKEND`` (e.g. ``copy_engine``) instead of the default.
+
     python scripts/bench_copy_engine.py [--mib 256] [--reps 5] [--only all_layers,one_layer,enqueue]
+                                        [--setting auto]
 """
 
 from __future__ import annotations
@@ -278,8 +282,9 @@ def main() -> None:
     ap.add_argument("--page-sizes", type=ints, default=[16, 32, 64, 128])
     ap.add_argument("--layer-mib", type=ints, default=[4, 16])
     ap.add_argument("--only", default="all_layers,one_layer,enqueue")
+    ap.add_argument("--setting", default="auto", help="PAGEKV_COPY_BACKEND for auto/connector")
     args = parse_args(ap)
-    os.environ["PAGEKV_COPY_BACKEND"] = "auto"  # the default, whatever the caller's setting
+    os.environ["PAGEKV_COPY_BACKEND"] = args.setting  # the default unless asked, whatever the env
     env = environment()
     ce = f"copy engine {copy_engine._support(0)} {copy_engine.disabled_reason(0) or 'ok'}"
     print(f"# {env['device']} torch {env['torch']} cuda {env.get('cuda')} {env['commit']}; {ce}; "

@@ -1,4 +1,4 @@
-"""Diagnostic (GPU): one all-layer transfer split between the kernel and the copy engine at once.
+"""Diagnostic (GPU): one all-layer transfer split between the kernel and a DMA backend at once.
 
 The kernel moves 0.91-0.93 of the pinned copy whatever the run (its SMs' reads of host memory
 are the bound); the copy engine, for runs under 32 KiB, 0.04-0.4 (its cost per copy). Issued
@@ -6,7 +6,11 @@ together on disjoint pages, the kernel on the caller's stream and the copy engin
 stream forked from it and joined back, they share the bus: this times the split against the
 contiguous pinned copy of the same bytes, for the copy engine's share of the pages from 0 up.
 
+``--dma pitched`` puts the share on the pitched copy instead (0.47-0.93 of the copy alone for
+4-36 KiB runs: a row's cost, not the bus).
+
     python scripts/diag_hybrid.py [--mib 256,1024] [--reps 5] [--save out.json]
+                                  [--dma copy_engine|pitched] [--shares 0,0.1] [--shapes g:16]
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ SHAPES = [("llama3-8b-tp8", 16), ("llama3-8b-tp8", 64), ("mla-576", 16), ("llama
 SHARES = {True: (0.0, 0.03, 0.06, 0.1, 0.15, 0.2), False: (0.0, 0.05, 0.1, 0.2, 0.3)}
 
 
-def split_fn(st: Setup, n: int, share: float, is_load: bool, blocks: int | None):
-    """The transfer of ``n`` pages: the last ``share`` of them on the copy engine (side stream),
+def split_fn(st: Setup, n: int, share: float, is_load: bool, blocks: int | None, dma: str):
+    """The transfer of ``n`` pages: the last ``share`` of them on ``dma`` (side stream),
     the rest on the kernel (current stream), joined back to the current stream."""
     k = n - round(n * share)
     main, side = torch.cuda.current_stream(), torch.cuda.Stream()
@@ -47,11 +51,11 @@ def split_fn(st: Setup, n: int, share: float, is_load: bool, blocks: int | None)
             with torch.cuda.stream(side):
                 if is_load:
                     took = load(st.host, st.ids_cpu[k:n], st.kv, st.slots_cpu[k:n],
-                                backend="copy_engine", validate=False)  # fmt: skip
+                                backend=dma, validate=False)  # fmt: skip
                 else:
                     took = save(st.kv, st.slots_cpu[k:n], st.host, st.ids_cpu[k:n],
-                                backend="copy_engine", validate=False)  # fmt: skip
-            assert took == "copy_engine", took
+                                backend=dma, validate=False)  # fmt: skip
+            assert took == dma, took
             join.record(side)
             main.wait_event(join)
 
@@ -63,14 +67,21 @@ def main() -> None:
     ap.add_argument("--mib", default="256,1024")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--save", default="")
+    ap.add_argument("--dma", default="copy_engine", choices=["copy_engine", "pitched"])
+    ap.add_argument("--shares", default="", help="the DMA backend's shares (both directions)")
+    ap.add_argument("--shapes", default="", help="geometry:page,... (default: SHAPES)")
     args = ap.parse_args()
+    shares = {d: [float(x) for x in args.shares.split(",")] for d in (True, False)} \
+        if args.shares else SHARES  # fmt: skip
+    shapes = [(g, int(p)) for g, p in (x.split(":") for x in args.shapes.split(","))] \
+        if args.shapes else SHAPES  # fmt: skip
     sizes = [int(x) << 20 for x in args.mib.split(",")]
     raw_host = torch.empty(max(sizes), dtype=torch.uint8).pin_memory()
     raw_host.random_()
     env = environment()
     print(f"# {env['device']} commit {env['commit']}", flush=True)
     rows = []
-    for name, page in SHAPES:
+    for name, page in shapes:
         geo = KVGeometry(page_size=page, **GEOMETRIES[name])
         for nbytes in sizes:
             st = Setup(raw_host, geo, nbytes)
@@ -80,9 +91,9 @@ def main() -> None:
                 d = "load" if is_load else "save"
                 fns = {f"ceiling_{'h2d' if is_load else 'd2h'}": ceiling_fns(raw_host, moved)[
                     f"ceiling_{'h2d' if is_load else 'd2h'}"]}  # fmt: skip
-                for share in SHARES[is_load]:
+                for share in shares[is_load]:
                     for blocks in (None, 8) if is_load else (None,):
-                        fns[f"{share}/{blocks}"] = split_fn(st, n, share, is_load, blocks)
+                        fns[f"{share}/{blocks}"] = split_fn(st, n, share, is_load, blocks, args.dma)
                 t = interleaved(fns, args.reps)
                 ceiling = next(iter(fns))
                 out = {k: ratio(t, ceiling, k) for k in fns if k != ceiling}

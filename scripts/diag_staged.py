@@ -3,12 +3,9 @@ against the pinned contiguous copy, for the shapes whose runs no DMA backend mov
 (runs of 4-36 KiB), with the ring's settings swept in the same rounds.
 
 Variants (over :mod:`pagekv.kernels.staged`'s module settings, each named in full): 16 MiB
-chunks with 32 scatter blocks, that with each chunk's DMA call split over 4 streams
-(``DMA_LANES``: the copy-engine entry's lanes), with 64 scatter blocks (shipped since this
-sweep), with 8 MiB chunks over 8 buffers. The kernel in the same rounds. Medians over
-``--reps`` rounds of (copy time / staged time). (benchmarks/results/diag_staged.json also
-holds a first chunk of 1 MiB doubling up to 16 MiB, ``ramp1``: tried and not kept, it moved
-no more; its other variants are this file's with the ramp.)
+chunks over 4 buffers with 64 scatter blocks and no taper, and with the chunks halving down
+to 1 MiB at the transfer's end (a save's start) on 64, 8, 4 and 2 scatter blocks. The kernel
+in the same rounds. Medians over ``--reps`` rounds of (copy time / staged time).
 
     python scripts/diag_staged.py [--mib 256,1024] [--reps 5]
 """
@@ -28,15 +25,16 @@ SHAPES = [("llama3-8b-tp8", 16), ("llama3-8b-tp8", 32), ("llama3-8b-tp8", 64),
           ("llama3-8b-tp8", 128), ("llama3-8b", 16), ("mla-576", 16), ("mla-576", 32)]  # fmt: skip
 MIB = 1 << 20
 VARIANTS = {  # every setting named, so that the names hold whatever staged.py ships
-    "blocks32": {"SCATTER_BLOCKS": 32, "DMA_LANES": 1, "CHUNK_BYTES": 16 * MIB, "BUFFERS": 4},
-    "blocks32_lanes4": {
-        "SCATTER_BLOCKS": 32,
-        "DMA_LANES": 4,
-        "CHUNK_BYTES": 16 * MIB,
-        "BUFFERS": 4,
+    "blocks64": {"SCATTER_BLOCKS": 64, "TAPER_BYTES": 0, "CHUNK_BYTES": 16 * MIB, "BUFFERS": 4},
+    **{
+        f"blocks{b}_taper1": {
+            "SCATTER_BLOCKS": b,
+            "TAPER_BYTES": MIB,
+            "CHUNK_BYTES": 16 * MIB,
+            "BUFFERS": 4,
+        }
+        for b in (64, 8, 4, 2)
     },
-    "blocks64": {"SCATTER_BLOCKS": 64, "DMA_LANES": 1, "CHUNK_BYTES": 16 * MIB, "BUFFERS": 4},
-    "blocks32_chunk8": {"SCATTER_BLOCKS": 32, "DMA_LANES": 1, "CHUNK_BYTES": 8 * MIB, "BUFFERS": 8},
 }
 
 
@@ -70,13 +68,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", default="256,1024")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--shapes", default="", help="geometry:page,... (default: all seven)")
     args = parse_args(ap)
     sizes = [int(m) * MIB for m in args.mib.split(",")]
     raw = torch.empty(max(sizes) + (64 * MIB), dtype=torch.uint8).pin_memory()
     raw.random_()
     rows = []
     for nbytes in sizes:
-        for name, page in SHAPES:
+        shapes = [(g, int(p)) for g, p in (x.split(":") for x in args.shapes.split(","))] \
+            if args.shapes else SHAPES  # fmt: skip
+        for name, page in shapes:
             geo = KVGeometry(page_size=page, **GEOMETRIES[name])
             st = Setup(raw, geo, nbytes)
             ceil, kern = ceiling_fns(raw, st.nbytes), kernel_fns(st)

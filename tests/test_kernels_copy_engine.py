@@ -2,6 +2,7 @@
 choice and cache, the descriptors' arguments, and the fallback to the kernel when the driver
 refuses a call (a stand-in library)."""
 
+import itertools
 import json
 import logging
 import math
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from pagekv.connector import HostPagePool, KVGeometry
-from pagekv.kernels import DeviceKV, copy_engine, copy_table, jit, layout, load, save
+from pagekv.kernels import DeviceKV, copy_engine, copy_table, jit, layout, load, save, staged
 from pagekv.kernels.copy_table import CopyTable, Entry, Shape
 from pagekv.kernels.layout import mean_run_bytes
 
@@ -355,3 +356,23 @@ def test_copy_engine_backend_on_cpu_tensors_is_an_error_and_auto_is_torch(monkey
     for setting in ("copy_engine", "kernel", "direct", "pitched"):
         monkeypatch.setenv("PAGEKV_COPY_BACKEND", setting)
         assert load(pool.buffer, [0], kv, torch.arange(16)) == "torch"  # no GPU: the reference
+
+
+@pytest.mark.parametrize("n", [1, 3, 63, 64, 65, 127, 128, 129, 1000, 1024])
+@pytest.mark.parametrize("min_per", [1, 4, 64])
+def test_staged_chunks_cover_every_page_once_and_taper_where_no_dma_hides_the_kernel(n, min_per):
+    per = 64
+    for is_load in (True, False):
+        bounds = staged.chunks(n, per, min_per, is_load)
+        sizes = [end - first for first, end in bounds]
+        assert bounds[0][0] == 0 and bounds[-1][1] == n, bounds
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds)), bounds
+        assert all(0 < size <= per for size in sizes), sizes
+        tail = sizes if is_load else sizes[::-1]  # the load's end, the save's start
+        if min_per >= per:  # no taper: full chunks, then the rest
+            assert tail == [per] * (n // per) + [n % per] * (n % per > 0), sizes
+        else:
+            assert tail[-1] <= min_per, sizes  # the unhidden kernel step is at most min_per
+            big = [s for s in tail if s > min_per]
+            assert big == sorted(big, reverse=True), sizes  # never growing towards that end
+            assert len(bounds) <= n // per + 2 + math.ceil(math.log2(per)), sizes

@@ -10,22 +10,24 @@ device on ``SCATTER_BLOCKS`` thread blocks, overlapped with the next chunks' cop
 
 Chunks of ``CHUNK_BYTES`` take turns over ``DMA_STREAMS`` streams (each chunk one copy call on
 its stream: the streams keep the copy engines busy, and no chunk boundary waits for every
-stream) and ``BUFFERS`` staging buffers. Measured (H200, 2026-11-28, ``scripts/diag_staged.py``,
+stream) and ``BUFFERS`` staging buffers; the last one to two chunks' pages of a load (the first
+of a save) go in chunks halving down to ``TAPER_BYTES`` (:func:`chunks`), so that the one
+kernel step no DMA overlaps is small. Measured (H200, 2026-11-28, ``scripts/diag_staged.py``,
 all-layer loads / saves against the pinned contiguous copy, the shapes whose runs are 4-36 KiB:
 TP-8 pages of 16-128 tokens, Llama-3-8B and MLA-576 at 16, MLA-576 at 32): at 256 MiB loads
-0.936-0.951 and saves 0.884-0.950 (the kernel 0.915-0.921 / 0.934-0.945), at 1 GiB loads
-0.956-0.971 and saves 0.891-0.965; TP-8 saves of 16 / 32-token pages stay at 0.89 / 0.92 (256 /
-512 KiB device-to-host copies), where the kernel saves 0.94. 64 scatter blocks moved more than
-32 at 256 MiB (11 of 14 pairs, up to +0.04), the same at 1 GiB; a first chunk of 1 MiB
-doubling up to ``CHUNK_BYTES``, 8 MiB chunks, or each chunk's copy split over 4 streams
-(``DMA_LANES``) did not move more.
+0.907-0.958 and saves 0.876-0.952 (the kernel 0.911-0.940 / 0.930-0.939), at 1 GiB loads
+0.959-0.973 and saves 0.885-0.962 (the kernel 0.923-0.936 / 0.942-0.946); TP-8 saves of 16 /
+32-token pages stay at 0.88-0.89 / 0.90-0.93 (256 / 512 KiB device-to-host copies). The taper
+against none: at 256 MiB loads higher for 5 of 7 shapes (median +0.015), saves for 7 of 7; at 1
+GiB within +-0.013. 8 scatter blocks move as much as 64 from 1 GiB, 2 blocks 0.66-0.75.
 
 The cost: every byte crosses device memory three times (the copy into the buffer, the kernel's
 read of it and its write into the caches) instead of once. Beside a graph-captured decode
-(memory-bound: 2.6 TB/s of weights) a 4 GiB load slowed each step x1.09, against x1.05 for a
-plain contiguous copy of the same bytes, x1.035-1.085 for the kernel and x1.004-1.04 for the
-copy engine (H100, scripts/bench_beside_compute.py, TP-8 and Llama-3-8B pages). So ``auto``
-never takes it: it is for a transfer that nothing runs beside (``backend="staged"`` or
+(memory-bound: 3.6 TB/s of weights) a 4 GiB load at 52-53 GB/s costs each step 1.7-2.3x the
+extra time a plain contiguous copy of the same bytes costs (64, 8 or 4 scatter blocks; 2 blocks
+1.1x, moving 40 GB/s), where the kernel costs 0.9-2.2x and the pitched copy 0.26-0.62x (H200,
+scripts/bench_beside_compute.py, TP-8 and MLA-576 pages). So ``auto`` never takes it: it is
+for a transfer that nothing runs beside (``backend="staged"`` or
 ``PAGEKV_COPY_BACKEND=staged``).
 
 Per chunk ``k`` (buffer ``k % BUFFERS``, DMA stream ``k % DMA_STREAMS``):
@@ -61,15 +63,27 @@ import torch
 from . import copy_engine
 from .layout import DeviceKV, device_indices
 
-__all__ = ["BUFFERS", "CHUNK_BYTES", "DMA_STREAMS", "RING_BYTES", "SCATTER_BLOCKS", "page_transfer"]
+__all__ = [
+    "BUFFERS",
+    "CHUNK_BYTES",
+    "DMA_STREAMS",
+    "RING_BYTES",
+    "SCATTER_BLOCKS",
+    "TAPER_BYTES",
+    "chunks",
+    "page_transfer",
+]
 
 CHUNK_BYTES = 16 << 20  # pages per DMA call and per kernel launch: at least one page
-# streams each chunk's DMA call is split over (the copy-engine entry's lanes): more moved less
+# streams each chunk's DMA call is split over (the copy-engine entry's lanes): 4 moved no more
 DMA_LANES = 1
 BUFFERS = 4  # staging buffers of a chunk each, used in turn (at most RING_BYTES together)
 RING_BYTES = 64 << 20
 DMA_STREAMS = 4  # chunks in turn on these; the copy engines work on several at once
 SCATTER_BLOCKS = 64
+# the chunks at the end of a load (the start of a save) halve down to this, so the one kernel
+# step no DMA overlaps (the last scatter, the first gather) moves this much; 0: no taper
+TAPER_BYTES = 1 << 20
 _MAX_PAGE_BYTES = (1 << 31) - 1  # the copy-engine entry takes a row's bytes as a C int
 
 # kernel(load, staging pages, ids_d, slots_d, num_blocks): the page kernel between the staging
@@ -118,6 +132,31 @@ def _state(device: torch.device) -> _Device:
         if state is None:
             state = _devices[device.index or 0] = _Device(device)
         return state
+
+
+def chunks(n: int, per: int, min_per: int, load: bool) -> list[tuple[int, int]]:
+    """``(first, end)`` of each chunk of ``n`` pages, at most ``per`` each. With a taper
+    (``min_per < per``) the last ``per`` to ``2 * per`` pages go in halves down to ``min_per`` --
+    at the end of a load, at the start of a save (the order reversed), where no DMA hides the
+    kernel's step."""
+    sizes: list[int] = []
+    left = n
+    while left >= (2 * per if min_per < per else per + 1):
+        sizes.append(per)
+        left -= per
+    while left > min_per:
+        take = max(min_per, left - left // 2)
+        sizes.append(take)
+        left -= take
+    if left:
+        sizes.append(left)
+    if not load:
+        sizes.reverse()
+    bounds, first = [], 0
+    for size in sizes:
+        bounds.append((first, first + size))
+        first += size
+    return bounds
 
 
 def _in_range(ids: torch.Tensor, slots: torch.Tensor, num_pages: int, num_slots: int) -> bool:
@@ -188,12 +227,14 @@ def page_transfer(
         order = main.record_event()
         for stream in st.streams:
             stream.wait_event(order)
-        rows = torch.arange(n, dtype=torch.int64) % per  # row of each page in its chunk's buffer
+        min_per = max(1, TAPER_BYTES // page_bytes) if TAPER_BYTES else per
+        bounds = chunks(n, per, min_per, load)
+        rows = torch.cat([torch.arange(end - first, dtype=torch.int64) for first, end in bounds])
         rows_d = device_indices(rows.masked_fill((ids < 0) | (ids >= host.shape[0]), -1), dev)
         slots_d = device_indices(slots, dev)
         shape = (per, *geo.host_page_shape)
-        for k, first in enumerate(range(0, n, per)):
-            b, end = k % len(st.buffers), min(n, first + per)
+        for k, (first, end) in enumerate(bounds):
+            b = k % len(st.buffers)
             staged = st.buffers[b][: per * page_bytes].view(geo.dtype).view(shape)
             stream = st.streams[k % len(st.streams)]
             if load:

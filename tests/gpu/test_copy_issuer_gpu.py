@@ -258,11 +258,17 @@ def test_transfer_layers_matches_the_reference(backend, layers, direction):
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 @pytest.mark.parametrize("direction", ["load", "save"])
-def test_kernel_layers_in_one_call_match_the_reference(where, index_dtype, mla, direction):
-    """The kernel's one-call layer-by-layer transfer: every entry (a layer, all layers, a layer
-    twice) against the reference, with out-of-range pages and slots skipped; a reader waiting
-    on event i sees the layers of entries 0..i written; the whole ordered after the stream's
-    earlier work."""
+@pytest.mark.parametrize("backend", ["kernel", "copy_engine"])
+def test_layers_in_one_call_match_the_reference(backend, where, index_dtype, mla, direction):
+    """The kernel's and the copy engine's one-call layer-by-layer transfer: every entry (a
+    layer, all layers, a layer twice) against the reference, with out-of-range pages and slots
+    skipped; a reader waiting on event i sees the layers of entries 0..i written (the copy
+    engine's lanes run on from entry to entry: only the events order them); the whole ordered
+    after the stream's earlier work."""
+    if backend == "copy_engine":
+        require_copy_engine()
+        if where == "cuda":
+            pytest.skip("CUDA index tensors take the kernel (reading them would sync)")
     geo = geometry(torch.bfloat16, mla, 1152 if mla else 512, 16, num_layers=5)
     n_pages, num_slots = 12, 12 * 16 + 30
     pool = HostPagePool(geo, n_pages + 2)
@@ -295,8 +301,8 @@ def test_kernel_layers_in_one_call_match_the_reference(where, index_dtype, mla, 
     with torch.cuda.stream(stream):
         torch.cuda._sleep(2_000_000)  # earlier work: the entries come after it
         used, events = transfer_layers(direction == "load", pool.buffer, idx[0], kv, idx[1],
-                                       layers, backend="kernel")  # fmt: skip
-    assert used == "kernel" and len(events) == len(layers)
+                                       layers, backend=backend)  # fmt: skip
+    assert used == backend and len(events) == len(layers)
     snaps = []
     for event in events:  # on streams of their own, each right after its event
         side = torch.cuda.Stream(DEV)

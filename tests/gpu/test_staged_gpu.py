@@ -25,8 +25,8 @@ DEV = torch.device("cuda", 0)
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Fresh staging state: chunks of 3 pages, 2 buffers taking turns over 3 DMA streams (so
-    buffers are reused while streams differ)."""
+    """Fresh staging state: chunks of 3 pages tapering to 1, 2 buffers taking turns over 3 DMA
+    streams (so buffers are reused while streams differ, and chunks differ in size)."""
     require_copy_engine()
     monkeypatch.setattr(staged, "_devices", {})
     monkeypatch.setattr(staged, "BUFFERS", 2)
@@ -34,6 +34,7 @@ def small_chunks(monkeypatch):
 
     def chunk_for(geo):
         monkeypatch.setattr(staged, "CHUNK_BYTES", 3 * geo.page_bytes)
+        monkeypatch.setattr(staged, "TAPER_BYTES", geo.page_bytes)  # the last 3-5 pages: 2, 1..
 
     return chunk_for
 
