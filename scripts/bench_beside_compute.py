@@ -43,7 +43,7 @@ from pagekv.connector import KVGeometry
 from pagekv.connector.copy_issuer import Completion, CopyIssuer
 from pagekv.connector.staging import IndexStaging
 from pagekv.connector.transfer_indices import launch
-from pagekv.kernels import DeviceKV, calibrate, copy_engine, load, staged
+from pagekv.kernels import DeviceKV, calibrate, copy_engine, load, ops, staged
 
 DEV = torch.device("cuda")
 GIB = 1 << 30
@@ -143,11 +143,21 @@ class Loads:
                              layers=(layer,))  # fmt: skip
                 out.events[-1].wait(self.stream)  # the host waits until it is enqueued
                 return f"issuer:{out.backend}"
-            # copy_engine@N: over N streams; staged@N: N scatter blocks
+            # copy_engine@N: over N streams; staged@N: N scatter blocks; kernel@N: N blocks
             backend, _, count = how.partition("@")
             cpu = backend != "kernel"  # auto: CPU indices, as the connector passes them
             ids = (self.ids_cpu if cpu else self.ids)[:pages]
             slots = (self.slots_cpu if cpu else self.slots)[:pages]
+            if backend == "kernel":  # kernel@B or kernel@BxT: B blocks (of T threads)
+                blocks, _, threads = count.partition("x")
+                saved = ops.THREADS
+                ops.THREADS = int(threads) if threads else saved
+                n_blocks = int(blocks) if blocks else None
+                try:
+                    return load(self.host, ids, self.kv, slots, layer=layer, backend=backend,
+                                validate=False, num_blocks=n_blocks)  # fmt: skip
+                finally:
+                    ops.THREADS = saved
             module, name = (
                 (staged, "SCATTER_BLOCKS") if backend == "staged" else (copy_engine, "LANES")
             )
@@ -174,7 +184,8 @@ def _ms(ref: torch.cuda.Event, ev: torch.cuda.Event) -> float:
 def decode_beside(args: argparse.Namespace, step: DecodeStep, loads: Loads) -> dict:
     ce = [f"copy_engine@{n}" for n in args.ce_lanes] if copy_engine.supported(0) else []
     ce += [f"staged@{n}" for n in args.staged_blocks] if copy_engine.supported(0) else []
-    backends = ["plain_copy", "kernel", *ce, "pitched", "auto", "issuer", "direct"]
+    kernels = [f"kernel@{n}" for n in args.kernel_blocks]
+    backends = ["plain_copy", "kernel", *kernels, *ce, "pitched", "auto", "issuer", "direct"]
     if args.backends:
         backends = [b for b in backends if b in args.backends or b == "plain_copy"]
     # warm-up, and each load's time alone (sizes the decode run beside it)
@@ -409,6 +420,8 @@ def main() -> None:
                     help="part 1: only these loads (and the plain copy)")  # fmt: skip
     ap.add_argument("--ce-lanes", type=lambda s: [int(x) for x in s.split(",")],
                     default=[copy_engine.LANES], help="copy-engine streams to compare")  # fmt: skip
+    ap.add_argument("--kernel-blocks", type=lambda s: [x for x in s.split(",") if x], default=[],
+                    help="the kernel on these blocks (B or BxT: of T threads) too")  # fmt: skip
     ap.add_argument("--staged-blocks", type=lambda s: [int(x) for x in s.split(",")],
                     default=[staged.SCATTER_BLOCKS], help="staged scatter blocks")  # fmt: skip
     args = parse_args(ap)
