@@ -4,22 +4,26 @@ The GPU's copy engines move the bytes, so no SM is taken from the model running 
 transfer (the kernels take 4-8 thread blocks and, measured beside a graph-captured decode, cost
 it far more than a DMA copy of the same bytes: docs/benchmarks.md). Descriptors are built on the
 host from CPU page ids and slots: one 1-D copy per run of consecutive slots and (layer, K/V),
-split over ``LANES`` streams ordered after the caller's stream and joined back to it by events.
+split over ``LANES`` streams ordered after the caller's stream and joined back to it by events
+for an all-layer transfer; a one-layer transfer's go on ``LAYER_LANES`` (one: the caller's
+stream), since the engines take each stream's driver call in turn at a fixed cost.
 
 Two forms. Batched 1-D copies (:func:`page_transfer`): on the H200 (docs/benchmarks.md, "Copy
 engine") over 16 streams 0.96-0.99 of the pinned contiguous copy for runs >= 64 KiB, 0.63-0.97
-from one run to the next at 32-36 KiB, collapsing (0.04-0.2) below ~28 KiB, where each copy's
-fixed cost (~1.4 us of engine time) outweighs its bytes. Its host cost grows with the copies:
-~0.5 us each, and the call waits for the engines once the driver's queue is full, so the calling
-thread is held for most of a transfer of 32 KiB runs: ``auto`` (:mod:`.copy_table`) takes it on
-the caller's thread only where its measured host time stays within the kernel's, and elsewhere
-only where a thread of the connector's own issues it (:mod:`pagekv.connector.copy_issuer`),
-never for runs under ``ops.COPY_ENGINE_MIN_RUN`` (``ops.DEFERRED_COPY_ENGINE_MIN_RUN`` where the
-issuer enqueues it). Pitched copies (:func:`pitched_transfer`, the ``pitched`` backend): where
-each K/V's layers lie at one distance (:attr:`~.layout.DeviceKV.layer_pitches`), all layers of a
-run are one 2-D copy, whose cost is per row (~45 ns), so small runs stay on the DMA engines
-(H200: 0.47 / 0.65-0.69 / 0.78-0.89 / 0.87 of the copy for runs of 4 / 8 / 16-18 / 32 KiB);
-~1-2.5 us of host time per copy, on the caller's stream.
+from one run to the next at 32-36 KiB (one layer on one stream: 0.93-0.99 of the copy in device
+time from 4 MiB a layer for 32-36 KiB runs, 0.78-0.97 for 18 KiB), collapsing (0.04-0.2) below
+~28 KiB, where each copy's fixed cost (~1.4 us of engine time) outweighs its bytes. Its host
+cost grows with the copies: ~0.5 us each, and the call waits for the engines once the driver's
+queue is full, so the calling thread is held for most of a transfer of 32 KiB runs: ``auto``
+(:mod:`.copy_table`) takes it on the caller's thread only where its measured host time stays
+within the kernel's, and elsewhere only where a thread of the connector's own issues it
+(:mod:`pagekv.connector.copy_issuer`), never for runs under ``ops.COPY_ENGINE_MIN_RUN``
+(``ops.DEFERRED_COPY_ENGINE_MIN_RUN`` where the issuer enqueues it). Pitched copies
+(:func:`pitched_transfer`, the ``pitched`` backend): where each K/V's layers lie at one distance
+(:attr:`~.layout.DeviceKV.layer_pitches`), all layers of a run are one 2-D copy, whose cost is
+per row (~45 ns), so small runs stay on the DMA engines (H200: 0.47 / 0.65-0.69 / 0.78-0.89 /
+0.87 of the copy for runs of 4 / 8 / 16-18 / 32 KiB); ~1-2.5 us of host time per copy, on the
+caller's stream.
 
 Availability is found at run time: the library must be built with CUDA >= 12.8 and the driver
 must be >= 12.8 (:func:`supported`). A call the driver refuses is logged once and the device
@@ -47,6 +51,7 @@ from .layout import DeviceKV, mean_run_bytes
 
 __all__ = [
     "LANES",
+    "LAYER_LANES",
     "disabled_reason",
     "page_transfer",
     "page_transfer_layers",
@@ -65,6 +70,11 @@ FLAGS = 1
 # all-layer 256 MiB: runs of 32-36 KiB 0.93-0.94 of the bus on 4 streams, 0.95-0.97 on 8, 0.97
 # on 16; runs >= 64 KiB 0.98-0.99 on 4-16).
 LANES = 16
+# ... and those of a one-layer transfer: the engines take a stream's driver calls in turn at a
+# few us each, a fixed cost per layer that 16 calls make the bound (H200, layer by layer, 32
+# layers of 4 MiB, 32-128 KiB runs, device time: 0.60-0.64 of the bus on 16 streams, 0.75-0.77
+# on 8, 0.84-0.88 on 4, 0.91-0.92 on 2, 0.94-1.02 on 1; scripts/diag_ce_layers.py)
+LAYER_LANES = 1
 # Descriptors per driver call; a call the driver refuses as invalid is split in halves.
 MAX_OPS = 16384
 
@@ -129,8 +139,9 @@ def page_transfer(
     contiguous tensors. Returns False, after one log line for the device, when the driver
     refused the call: nothing of it may be relied on and the caller runs the kernel."""
     stats = (ctypes.c_int64 * 2)()
+    lanes = LANES if layer_count == kv.geometry.num_layers else LAYER_LANES
     err = lib.pagekv_ce_page_transfer(
-        *_transfer_args(load, host, kv, ids, slots), layer_begin, layer_count, FLAGS, LANES,
+        *_transfer_args(load, host, kv, ids, slots), layer_begin, layer_count, FLAGS, lanes,
         MAX_OPS, stream, stats,
     )  # fmt: skip
     return _report(err, stats, load, kv, ids)
@@ -156,7 +167,7 @@ def page_transfer_layers(
     stats, done = (ctypes.c_int64 * 2)(), ctypes.c_int(0)
     err = lib.pagekv_ce_page_transfer_layers(
         *_transfer_args(load, host, kv, ids, slots), which, len(layers), handles, FLAGS, LANES,
-        MAX_OPS, stream, stats, ctypes.byref(done),
+        LAYER_LANES, MAX_OPS, stream, stats, ctypes.byref(done),
     )  # fmt: skip
     _report(err, stats, load, kv, ids)
     return done.value

@@ -314,7 +314,8 @@ def calibrate(device: int | None = None, *, force: bool = False) -> CopyTable:
         name = torch.cuda.get_device_name(index)
         driver = copy_engine._support(index)
         library = Path(getattr(lib, "_name", "lib")).name
-        form = f"lanes={copy_engine.LANES},flags={copy_engine.FLAGS}"
+        form = (f"lanes={copy_engine.LANES},layer_lanes={copy_engine.LAYER_LANES},"
+                f"flags={copy_engine.FLAGS}")  # fmt: skip
         key = table_key(name, driver, f"{library}|{form}")
         path = table_path(cache_dir(), key)
         if force and path.exists():

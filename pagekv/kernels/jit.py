@@ -155,7 +155,7 @@ _SIGNATURES["pagekv_pitched_page_transfer"] = (
     ctypes.c_int,
 )
 _SIGNATURES["pagekv_ce_page_transfer_layers"] = (
-    [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 4 + [_P, _I, _P, _I, _I, _L, _P]
+    [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 4 + [_P, _I, _P, _I, _I, _I, _L, _P]
     + [ctypes.POINTER(_L), ctypes.POINTER(_I)],
     ctypes.c_int,
 )  # fmt: skip

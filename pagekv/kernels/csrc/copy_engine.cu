@@ -339,15 +339,18 @@ int pagekv_pitched_page_transfer(int device, int load, char* host, const int64_t
 // The transfer of pagekv_ce_page_transfer once per entry of ``layers`` (a layer, or -1 for all
 // layers at once), in that order, recording ``events[i]`` on ``stream`` after entry i: a
 // layer-by-layer load in one call (one GIL hand-off for the caller, whose thread the driver
-// work keeps for ~0.5-1 us per copy). ``done`` (may be null) receives the entries issued and
-// recorded before an error; ``stats`` as there, summed.
+// work keeps for ~0.5-1 us per copy). An all-layer entry's copies go over ``lanes`` streams, a
+// one-layer entry's over ``layer_lanes``: the engines take each driver call in turn at a few
+// us a call, which 16 calls a layer make the bound of a layer-by-layer transfer. ``done`` (may
+// be null) receives the entries issued and recorded before an error; ``stats`` as there, summed.
 int pagekv_ce_page_transfer_layers(int device, int load, char* host, const int64_t* layer_ptrs,
                                    const int64_t* page_ids, const int64_t* slots, int64_t n_pages,
                                    int64_t num_host_pages, int64_t num_slots, int64_t page_bytes,
                                    int64_t slot_stride, int item_bytes, int page_size, int num_kv,
                                    int num_layers, const int* layers, int n_entries,
-                                   cudaEvent_t* events, int flags, int lanes, int64_t max_ops,
-                                   cudaStream_t stream, int64_t* stats, int* done) {
+                                   cudaEvent_t* events, int flags, int lanes, int layer_lanes,
+                                   int64_t max_ops, cudaStream_t stream, int64_t* stats,
+                                   int* done) {
   if (done) *done = 0;
   if (stats) stats[0] = stats[1] = 0;
   if (n_entries < 0 || (n_entries > 0 && (!layers || !events)))
@@ -358,8 +361,8 @@ int pagekv_ce_page_transfer_layers(int device, int load, char* host, const int64
     int err = pagekv_ce_page_transfer(device, load, host, layer_ptrs, page_ids, slots, n_pages,
                                       num_host_pages, num_slots, page_bytes, slot_stride,
                                       item_bytes, page_size, num_kv, num_layers,
-                                      all ? 0 : layers[i], all ? num_layers : 1, flags, lanes,
-                                      max_ops, stream, part);
+                                      all ? 0 : layers[i], all ? num_layers : 1, flags,
+                                      all ? lanes : layer_lanes, max_ops, stream, part);
     if (stats) {
       stats[0] += part[0];
       stats[1] += part[1];
