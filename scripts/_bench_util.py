@@ -8,6 +8,7 @@ the tree. JSON holds no NaN: a value that was not measured is null, and ``nulls`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import gc
 import json
@@ -17,6 +18,7 @@ import platform
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,22 @@ import torch
 
 SAVED_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 _save = False
+
+
+@contextlib.contextmanager
+def overridden(module: Any, **values: Any) -> Iterator[None]:
+    """``module``'s settings ``values`` (module attributes, which must exist) for the block, the
+    previous ones restored after it."""
+    missing = [name for name in values if not hasattr(module, name)]
+    assert not missing, f"{module.__name__} has no setting {missing}"
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def parse_args(ap: argparse.ArgumentParser) -> argparse.Namespace:

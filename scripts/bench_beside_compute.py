@@ -37,7 +37,7 @@ import statistics
 import time
 
 import torch
-from _bench_util import environment, parse_args, write_result
+from _bench_util import environment, overridden, parse_args, write_result
 
 from pagekv.connector import KVGeometry
 from pagekv.connector.copy_issuer import Completion, CopyIssuer
@@ -148,26 +148,17 @@ class Loads:
             cpu = backend != "kernel"  # auto: CPU indices, as the connector passes them
             ids = (self.ids_cpu if cpu else self.ids)[:pages]
             slots = (self.slots_cpu if cpu else self.slots)[:pages]
+            num_blocks, module, values = None, copy_engine, {}
             if backend == "kernel":  # kernel@B or kernel@BxT: B blocks (of T threads)
                 blocks, _, threads = count.partition("x")
-                saved = ops.THREADS
-                ops.THREADS = int(threads) if threads else saved
-                n_blocks = int(blocks) if blocks else None
-                try:
-                    return load(self.host, ids, self.kv, slots, layer=layer, backend=backend,
-                                validate=False, num_blocks=n_blocks)  # fmt: skip
-                finally:
-                    ops.THREADS = saved
-            module, name = (
-                (staged, "SCATTER_BLOCKS") if backend == "staged" else (copy_engine, "LANES")
-            )
-            saved = getattr(module, name)
-            setattr(module, name, int(count) if count else saved)
-            try:
+                num_blocks = int(blocks) if blocks else None
+                module, values = ops, ({"THREADS": int(threads)} if threads else {})
+            elif count:
+                module = staged if backend == "staged" else copy_engine
+                values = {"SCATTER_BLOCKS" if backend == "staged" else "LANES": int(count)}
+            with overridden(module, **values):
                 return load(self.host, ids, self.kv, slots, layer=layer, backend=backend,
-                            validate=False)  # fmt: skip
-            finally:
-                setattr(module, name, saved)
+                            validate=False, num_blocks=num_blocks)  # fmt: skip
 
     def timed(self, how: str) -> tuple[torch.cuda.Event, torch.cuda.Event, str]:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from _bench_util import environment, parse_args, write_result
+from _bench_util import environment, overridden, parse_args, write_result
 from bench_kernels import GEOMETRIES, Setup, ceiling_fns, gbps, interleaved, ratio
 
 from pagekv.connector import KVGeometry
@@ -200,25 +200,21 @@ def enqueue_probe(raw_host: torch.Tensor) -> list[dict]:
     geo = KVGeometry(page_size=16, **GEOMETRIES["llama3-8b"])
     st = Setup(raw_host, geo, raw_host.numel())
     rows = []
-    saved = copy_engine.LANES
-    try:
-        for lanes in (1, 16):
-            copy_engine.LANES = lanes
-            for mib in (16, 64, 256, 1024):
-                n = min(st.n_pages, (mib << 20) // geo.page_bytes)
-                fn = _call(load, st.host, st.ids_cpu[:n], st.kv, st.slots_cpu[:n], layer=None,
-                           backend="copy_engine")  # fmt: skip
+    for lanes in (1, 16):
+        for mib in (16, 64, 256, 1024):
+            n = min(st.n_pages, (mib << 20) // geo.page_bytes)
+            fn = _call(load, st.host, st.ids_cpu[:n], st.kv, st.slots_cpu[:n], layer=None,
+                       backend="copy_engine")  # fmt: skip
+            with overridden(copy_engine, LANES=lanes):
                 fn()
                 host, total = device_ms(fn)
-                copies = n * geo.num_layers * geo.num_kv
-                r = dict(lanes=lanes, mib=round(n * geo.page_bytes / 2**20), copies=copies,
-                         enqueue_ms=round(host, 2), total_ms=round(total, 2),
-                         us_per_copy=round(host * 1e3 / copies, 3),
-                         enqueue_share=round(host / total, 3))  # fmt: skip
-                print(f"ce enqueue {r}", flush=True)
-                rows.append(r)
-    finally:
-        copy_engine.LANES = saved
+            copies = n * geo.num_layers * geo.num_kv
+            r = dict(lanes=lanes, mib=round(n * geo.page_bytes / 2**20), copies=copies,
+                     enqueue_ms=round(host, 2), total_ms=round(total, 2),
+                     us_per_copy=round(host * 1e3 / copies, 3),
+                     enqueue_share=round(host / total, 3))  # fmt: skip
+            print(f"ce enqueue {r}", flush=True)
+            rows.append(r)
     return rows
 
 

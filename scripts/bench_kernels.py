@@ -32,6 +32,15 @@ GEOMETRIES = {
 }
 
 
+def parse_shapes(text: str) -> list[tuple[str, int]]:
+    """``geometry:page,...`` (names of :data:`GEOMETRIES`) as (geometry, page size) pairs."""
+    shapes = [(name, int(page)) for name, page in (x.split(":") for x in text.split(","))]
+    unknown = [name for name, _ in shapes if name not in GEOMETRIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown geometries {unknown}: {sorted(GEOMETRIES)}")
+    return shapes
+
+
 def median_ms(fn, reps: int, warmup: int = 2, inner: int = 3) -> float:
     """Median over ``reps`` of the CUDA-event time of ``inner`` back-to-back calls, per call:
     the GPU stays busy, so Python launch overhead overlaps the previous call's copy."""

@@ -19,26 +19,22 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _bench_util import environment, parse_args, write_result
+from _bench_util import environment, overridden, parse_args, write_result
 from bench_copy_engine import held_interleaved
-from bench_kernels import GEOMETRIES, Setup, ceiling_fns, interleaved, ratio
+from bench_kernels import GEOMETRIES, Setup, ceiling_fns, interleaved, parse_shapes, ratio
 
 from pagekv.connector import KVGeometry
 from pagekv.kernels import copy_engine, transfer_layers
 
-SHAPES = "llama3-8b:16,llama3-8b-tp8:128,mla-576:32,llama3-8b:64"
+SHAPES = [("llama3-8b", 16), ("llama3-8b-tp8", 128), ("mla-576", 32), ("llama3-8b", 64)]
 MIB = 1 << 20
 
 
 def variant(st: Setup, layers: list[int | None], lanes: int, is_load: bool):
     def call() -> None:
-        saved = copy_engine.LAYER_LANES
-        copy_engine.LAYER_LANES = lanes
-        try:
+        with overridden(copy_engine, LAYER_LANES=lanes):
             used, _ = transfer_layers(is_load, st.host, st.ids_cpu, st.kv, st.slots_cpu, layers,
                                       backend="copy_engine")  # fmt: skip
-        finally:
-            copy_engine.LAYER_LANES = saved
         assert used == "copy_engine", used
 
     return call
@@ -48,7 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", default="128,512")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--shapes", type=parse_shapes, default=SHAPES, help="geometry:page,...")
     ap.add_argument("--lanes", type=lambda x: [int(n) for n in x.split(",")],
                     default=[1, 2, 4, 8, 16], help="streams of a layer's copies")  # fmt: skip
     args = parse_args(ap)
@@ -57,7 +53,7 @@ def main() -> None:
     raw.random_()
     rows = []
     for nbytes in sizes:
-        for name, page in ((g, int(p)) for g, p in (x.split(":") for x in args.shapes.split(","))):
+        for name, page in args.shapes:
             geo = KVGeometry(page_size=page, **GEOMETRIES[name])
             st = Setup(raw, geo, nbytes)
             every = list(range(geo.num_layers))

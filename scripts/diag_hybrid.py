@@ -21,7 +21,7 @@ import statistics
 
 import torch
 from _bench_util import environment
-from bench_kernels import GEOMETRIES, Setup, ceiling_fns, interleaved, ratio
+from bench_kernels import GEOMETRIES, Setup, ceiling_fns, interleaved, parse_shapes, ratio
 
 from pagekv.connector import KVGeometry
 from pagekv.kernels import load, save
@@ -69,19 +69,17 @@ def main() -> None:
     ap.add_argument("--save", default="")
     ap.add_argument("--dma", default="copy_engine", choices=["copy_engine", "pitched"])
     ap.add_argument("--shares", default="", help="the DMA backend's shares (both directions)")
-    ap.add_argument("--shapes", default="", help="geometry:page,... (default: SHAPES)")
+    ap.add_argument("--shapes", type=parse_shapes, default=SHAPES, help="geometry:page,...")
     args = ap.parse_args()
     shares = {d: [float(x) for x in args.shares.split(",")] for d in (True, False)} \
         if args.shares else SHARES  # fmt: skip
-    shapes = [(g, int(p)) for g, p in (x.split(":") for x in args.shapes.split(","))] \
-        if args.shapes else SHAPES  # fmt: skip
     sizes = [int(x) << 20 for x in args.mib.split(",")]
     raw_host = torch.empty(max(sizes), dtype=torch.uint8).pin_memory()
     raw_host.random_()
     env = environment()
     print(f"# {env['device']} commit {env['commit']}", flush=True)
     rows = []
-    for name, page in shapes:
+    for name, page in args.shapes:
         geo = KVGeometry(page_size=page, **GEOMETRIES[name])
         for nbytes in sizes:
             st = Setup(raw_host, geo, nbytes)

@@ -7,7 +7,7 @@ chunks over 4 buffers with 64 scatter blocks and no taper, and with the chunks h
 to 1 MiB at the transfer's end (a save's start) on 64, 8, 4 and 2 scatter blocks. The kernel
 in the same rounds. Medians over ``--reps`` rounds of (copy time / staged time).
 
-    python scripts/diag_staged.py [--mib 256,1024] [--reps 5]
+    python scripts/diag_staged.py [--mib 256,1024] [--reps 5] [--shapes llama3-8b-tp8:16,...]
 """
 
 from __future__ import annotations
@@ -15,8 +15,16 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _bench_util import environment, parse_args, write_result
-from bench_kernels import GEOMETRIES, Setup, ceiling_fns, interleaved, kernel_fns, ratio
+from _bench_util import environment, overridden, parse_args, write_result
+from bench_kernels import (
+    GEOMETRIES,
+    Setup,
+    ceiling_fns,
+    interleaved,
+    kernel_fns,
+    parse_shapes,
+    ratio,
+)
 
 from pagekv.connector import KVGeometry
 from pagekv.kernels import load, save, staged
@@ -41,25 +49,17 @@ VARIANTS = {  # every setting named, so that the names hold whatever staged.py s
 def variant_fn(st: Setup, settings: dict, is_load: bool):
     """A transfer under ``settings`` (set for the call) with a ring of its own (made for them
     on its first call)."""
-    missing = [name for name in settings if not hasattr(staged, name)]
-    assert not missing, f"staged.py has no setting {missing}"
     settings = {**settings, "_devices": {}}
-    defaults = {name: getattr(staged, name) for name in settings}
 
     def call() -> None:
-        for name, value in settings.items():
-            setattr(staged, name, value)
-        try:
+        with overridden(staged, **settings):
             if is_load:
                 got = load(st.host, st.ids_cpu, st.kv, st.slots_cpu, backend="staged",
                            validate=False)  # fmt: skip
             else:
                 got = save(st.kv, st.slots_cpu, st.host, st.ids_cpu, backend="staged",
                            validate=False)  # fmt: skip
-            assert got == "staged", got
-        finally:
-            for name, value in defaults.items():
-                setattr(staged, name, value)
+        assert got == "staged", got
 
     return call
 
@@ -68,16 +68,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", default="256,1024")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--shapes", default="", help="geometry:page,... (default: all seven)")
+    ap.add_argument("--shapes", type=parse_shapes, default=SHAPES, help="geometry:page,...")
     args = parse_args(ap)
     sizes = [int(m) * MIB for m in args.mib.split(",")]
     raw = torch.empty(max(sizes) + (64 * MIB), dtype=torch.uint8).pin_memory()
     raw.random_()
     rows = []
     for nbytes in sizes:
-        shapes = [(g, int(p)) for g, p in (x.split(":") for x in args.shapes.split(","))] \
-            if args.shapes else SHAPES  # fmt: skip
-        for name, page in shapes:
+        for name, page in args.shapes:
             geo = KVGeometry(page_size=page, **GEOMETRIES[name])
             st = Setup(raw, geo, nbytes)
             ceil, kern = ceiling_fns(raw, st.nbytes), kernel_fns(st)
