@@ -283,16 +283,23 @@ def test_mean_run_bytes():
 # ---- fallback when the driver refuses a call -------------------------------------------------
 class RefusingLib:
     """Stands in for the library: every copy-engine call, batched or pitched, is refused with
-    cudaErrorInvalidValue; ``calls`` keeps their arguments."""
+    cudaErrorInvalidValue (``AcceptingLib``: succeeds); ``calls`` keeps their arguments."""
+
+    result = 1
 
     def __init__(self):
         self.calls = []
 
-    def _refuse(self, *args):
+    def _answer(self, *args):
         self.calls.append(args)
-        return 1
+        return self.result
 
-    pagekv_ce_page_transfer = pagekv_pitched_page_transfer = _refuse
+    pagekv_ce_page_transfer = pagekv_pitched_page_transfer = _answer
+    pagekv_ce_page_transfer_layers = _answer
+
+
+class AcceptingLib(RefusingLib):
+    result = 0
 
 
 def test_refused_call_is_logged_once_and_the_device_stops_using_it(monkeypatch, caplog):
@@ -316,22 +323,6 @@ def test_refused_call_is_logged_once_and_the_device_stops_using_it(monkeypatch, 
     assert args[15:20] == (0, 4, copy_engine.FLAGS, copy_engine.LANES, copy_engine.MAX_OPS)
 
 
-class AcceptingLib:
-    """Stands in for the library: every batched copy-engine call succeeds; ``calls`` keeps
-    (entry, arguments)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def pagekv_ce_page_transfer(self, *args):
-        self.calls.append(("one", args))
-        return 0
-
-    def pagekv_ce_page_transfer_layers(self, *args):
-        self.calls.append(("layers", args))
-        return 0
-
-
 def test_an_all_layer_transfer_spreads_over_lanes_and_a_layer_takes_layer_lanes(monkeypatch):
     monkeypatch.setattr(copy_engine, "LANES", 16)
     monkeypatch.setattr(copy_engine, "LAYER_LANES", 1)
@@ -342,14 +333,14 @@ def test_an_all_layer_transfer_spreads_over_lanes_and_a_layer_takes_layer_lanes(
     lib = AcceptingLib()
     assert copy_engine.page_transfer(lib, True, pool.buffer, kv, ids, slots, 0, GEO.num_layers, 0)
     assert copy_engine.page_transfer(lib, False, pool.buffer, kv, ids, slots, 2, 1, 0)
-    (_, every), (_, one) = lib.calls
+    every, one = lib.calls
     assert every[15:19] == (0, GEO.num_layers, copy_engine.FLAGS, 16)
     assert one[15:19] == (2, 1, copy_engine.FLAGS, 1)
     lib.calls.clear()
     events = [type("Event", (), {"cuda_event": 0})() for _ in range(3)]
     copy_engine.page_transfer_layers(lib, True, pool.buffer, kv, ids, slots, [None, 0, 1],
                                      events, 0)  # fmt: skip
-    ((_, args),) = lib.calls
+    (args,) = lib.calls
     assert list(args[15][:3]) == [-1, 0, 1] and args[16] == 3
     assert args[18:21] == (copy_engine.FLAGS, 16, 1)  # lanes, layer lanes
 

@@ -263,9 +263,8 @@ def test_transfer_layers_matches_the_reference(backend, layers, direction):
 def test_layers_in_one_call_match_the_reference(backend, where, index_dtype, mla, direction):
     """The kernel's and the copy engine's one-call layer-by-layer transfer: every entry (a
     layer, all layers, a layer twice) against the reference, with out-of-range pages and slots
-    skipped; a reader waiting on event i sees the layers of entries 0..i written (the copy
-    engine's lanes run on from entry to entry: only the events order them); the whole ordered
-    after the stream's earlier work."""
+    skipped; a reader waiting on event i sees the layers of entries 0..i written; the whole
+    ordered after the stream's earlier work."""
     if backend == "copy_engine":
         require_copy_engine()
     geo = geometry(torch.bfloat16, mla, 1152 if mla else 512, 16, num_layers=5)
