@@ -23,7 +23,8 @@ each time), against the same decode alone, in alternated pairs; with the host ti
 enqueuing the loads took (an engine's step thread would wait that long). ``connector``: the loads
 as the connector's ``load_async`` runs them (the table's choice; the copy engine enqueued by
 the connector's issuer thread, :mod:`pagekv.connector.copy_issuer`), so the enqueue time is
-the submitting thread's only; ``connector_ce`` the same with the copy engine for every layer.
+the submitting thread's only; ``connector_ce`` the same with the copy engine for every layer,
+``connector_ce@N`` with each layer's copies over N streams (``--layer-lanes``).
 
     python scripts/bench_beside_compute.py [--rounds 7] [--engine-sizes 1,4] [--skip-engine]
                                            [--skip-decode]
@@ -118,6 +119,7 @@ class Loads:
         self.ids_cpu = torch.randperm(self.n_pages)
         self.slots, self.ids = self.slots_cpu.to(DEV), self.ids_cpu.to(DEV)
         self.stream = torch.cuda.Stream()
+        self.dma_stream = torch.cuda.Stream()  # hybrid@: the pitched share, forked and joined
         self.issuer: CopyIssuer | None = None
         self.staging: IndexStaging | None = None
 
@@ -145,6 +147,8 @@ class Loads:
                 return f"issuer:{out.backend}"
             # copy_engine@N: over N streams; staged@N: N scatter blocks; kernel@N: N blocks
             backend, _, count = how.partition("@")
+            if backend == "hybrid":  # hybrid@B:S: the kernel on B blocks, share S pitched
+                return self._hybrid(pages, layer, count)
             cpu = backend != "kernel"  # auto: CPU indices, as the connector passes them
             ids = (self.ids_cpu if cpu else self.ids)[:pages]
             slots = (self.slots_cpu if cpu else self.slots)[:pages]
@@ -159,6 +163,22 @@ class Loads:
             with overridden(module, **values):
                 return load(self.host, ids, self.kv, slots, layer=layer, backend=backend,
                             validate=False, num_blocks=num_blocks)  # fmt: skip
+
+    def _hybrid(self, pages: int, layer: int | None, spec: str) -> str:
+        """The first pages on the kernel (``B`` blocks, on this stream), the last ``S`` of them
+        as pitched copies on a stream forked from this one and joined back."""
+        blocks, _, share = spec.partition(":")
+        k = pages - round(pages * float(share))
+        fork = torch.cuda.Event()
+        fork.record(self.stream)
+        load(self.host, self.ids[:k], self.kv, self.slots[:k], layer=layer, backend="kernel",
+             validate=False, num_blocks=int(blocks))  # fmt: skip
+        self.dma_stream.wait_event(fork)
+        with torch.cuda.stream(self.dma_stream):
+            took = load(self.host, self.ids_cpu[k:pages], self.kv, self.slots_cpu[k:pages],
+                        layer=layer, backend="pitched", validate=False)  # fmt: skip
+        self.stream.wait_stream(self.dma_stream)
+        return f"kernel+{took}"
 
     def timed(self, how: str) -> tuple[torch.cuda.Event, torch.cuda.Event, str]:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -176,6 +196,7 @@ def decode_beside(args: argparse.Namespace, step: DecodeStep, loads: Loads) -> d
     ce = [f"copy_engine@{n}" for n in args.ce_lanes] if copy_engine.supported(0) else []
     ce += [f"staged@{n}" for n in args.staged_blocks] if copy_engine.supported(0) else []
     kernels = [f"kernel@{n}" for n in args.kernel_blocks]
+    kernels += [f"hybrid@{h}" for h in args.hybrid]
     backends = ["plain_copy", "kernel", *kernels, *ce, "pitched", "auto", "issuer", "direct"]
     if args.backends:
         backends = [b for b in backends if b in args.backends or b == "plain_copy"]
@@ -274,7 +295,8 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
             # table's choice, or (connector_ce) the copy engine whatever the table says
             n = max(1, size // geo.page_bytes)
             ids, slots = loads.ids_cpu[:n].tolist(), loads.slots_cpu[:n]
-            os.environ["PAGEKV_COPY_BACKEND"] = "copy_engine" if how == "connector_ce" else "auto"
+            ce = how.startswith("connector_ce")
+            os.environ["PAGEKV_COPY_BACKEND"] = "copy_engine" if ce else "auto"
             outs = []
             try:
                 for _ in range(repeats):
@@ -308,12 +330,15 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
     backends += [f"copy_engine@{n}" for n in args.ce_lanes] if copy_engine.supported(0) else []
     backends += ["auto", "connector"]
     backends += ["connector_ce"] if copy_engine.supported(0) else []
+    backends += [f"connector_ce@{n}" for n in args.layer_lanes] if copy_engine.supported(0) else []
 
     def one(how: str | None, size: int, repeats: int = 0) -> dict:
         state.clear()
         state.update(how=how, size=size, repeats=repeats)
         prompt = torch.randint(0, cfg.model.vocab_size, (prompt_len,), generator=gen).tolist()
-        r = engine.generate(Request(prompt, args.engine_tokens + 1, reuse=False, save=False))
+        lanes = {"LAYER_LANES": int(how.partition("@")[2])} if how and "@" in how else {}
+        with overridden(copy_engine, **lanes):  # connector_ce@N: a layer's copies on N streams
+            r = engine.generate(Request(prompt, args.engine_tokens + 1, reuse=False, save=False))
         out = dict(
             tokens_per_s=round(r.decode_tokens_per_s, 2), decode_ms=round(r.decode_s * 1e3, 2)
         )
@@ -413,6 +438,18 @@ def main() -> None:
                     default=[copy_engine.LANES], help="copy-engine streams to compare")  # fmt: skip
     ap.add_argument("--kernel-blocks", type=lambda s: [x for x in s.split(",") if x], default=[],
                     help="the kernel on these blocks (B or BxT: of T threads) too")  # fmt: skip
+    ap.add_argument(
+        "--hybrid",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=[],
+        help="B:S,...: the kernel on B blocks with share S of the pages pitched",
+    )
+    ap.add_argument(
+        "--layer-lanes",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[],
+        help="part 2: connector_ce with a layer's copies on N streams",
+    )
     ap.add_argument("--staged-blocks", type=lambda s: [int(x) for x in s.split(",")],
                     default=[staged.SCATTER_BLOCKS], help="staged scatter blocks")  # fmt: skip
     args = parse_args(ap)

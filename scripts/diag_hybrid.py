@@ -11,6 +11,7 @@ contiguous pinned copy of the same bytes, for the copy engine's share of the pag
 
     python scripts/diag_hybrid.py [--mib 256,1024] [--reps 5] [--save out.json]
                                   [--dma copy_engine|pitched] [--shares 0,0.1] [--shapes g:16]
+                                  [--blocks 0,2]
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ def main() -> None:
     ap.add_argument("--save", default="")
     ap.add_argument("--dma", default="copy_engine", choices=["copy_engine", "pitched"])
     ap.add_argument("--shares", default="", help="the DMA backend's shares (both directions)")
+    ap.add_argument(
+        "--blocks",
+        type=lambda s: [int(x) or None for x in s.split(",")],
+        default=[None, 8],
+        help="the kernel's blocks on loads (0: its default)",
+    )
     ap.add_argument("--shapes", type=parse_shapes, default=SHAPES, help="geometry:page,...")
     args = ap.parse_args()
     shares = {d: [float(x) for x in args.shares.split(",")] for d in (True, False)} \
@@ -90,7 +97,7 @@ def main() -> None:
                 fns = {f"ceiling_{'h2d' if is_load else 'd2h'}": ceiling_fns(raw_host, moved)[
                     f"ceiling_{'h2d' if is_load else 'd2h'}"]}  # fmt: skip
                 for share in shares[is_load]:
-                    for blocks in (None, 8) if is_load else (None,):
+                    for blocks in args.blocks if is_load else (None,):
                         fns[f"{share}/{blocks}"] = split_fn(st, n, share, is_load, blocks, args.dma)
                 t = interleaved(fns, args.reps)
                 ceiling = next(iter(fns))
