@@ -67,10 +67,11 @@ def test_sources_compile_and_library_loads(tmp_path):
     assert err == 1  # layers 3..4 of 4
     # copy engine: bad arguments are refused before any CUDA call
     ce = lib.pagekv_ce_page_transfer
-    good = [0, 1, None, None, None, None, 1, 1, 1, 1, 256, 256, 16, 2, 4, 0, 4, 1, 2, 16384,
+    good = [0, 1, None, None, None, None, 1, 1, 1, 1, 256, 256, 16, 2, 4, 0, 4, 1, 2, 2, 16384,
             None, None]  # fmt: skip
-    # K/V groups, layers, first layer, page size, lanes (two), descriptors per call
-    bad = ((13, 3), (16, 5), (15, -1), (12, 0), (18, 0), (18, 17), (19, 0))
+    # K/V groups, layers, first layer, page size, lanes and layer lanes (two each), descriptors
+    # per call
+    bad = ((13, 3), (16, 5), (15, -1), (12, 0), (18, 0), (18, 17), (19, 0), (19, 17), (20, 0))
     for index, value in bad:
         args = list(good)
         args[index] = value

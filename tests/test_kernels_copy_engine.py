@@ -320,10 +320,13 @@ def test_refused_call_is_logged_once_and_the_device_stops_using_it(monkeypatch, 
     assert not copy_engine.supported(0) and "cudaError 1" in copy_engine.disabled_reason(0)
     assert copy_engine.supported(1)  # another device keeps it
     args = lib.calls[0]
-    assert args[15:20] == (0, 4, copy_engine.FLAGS, copy_engine.LANES, copy_engine.MAX_OPS)
+    assert args[15:21] == (0, 4, copy_engine.FLAGS, copy_engine.LANES, copy_engine.LAYER_LANES,
+                           copy_engine.MAX_OPS)  # fmt: skip
 
 
-def test_an_all_layer_transfer_spreads_over_lanes_and_a_layer_takes_layer_lanes(monkeypatch):
+def test_every_call_gives_the_library_both_lane_counts(monkeypatch):
+    """The library picks LANES for an all-layer transfer and LAYER_LANES for fewer layers
+    (checked on the GPU by the streams it reports using); both entries get both settings."""
     monkeypatch.setattr(copy_engine, "LANES", 16)
     monkeypatch.setattr(copy_engine, "LAYER_LANES", 1)
     both = torch.empty(2, GEO.num_layers, 100, 2, 64, dtype=torch.bfloat16)
@@ -334,8 +337,8 @@ def test_an_all_layer_transfer_spreads_over_lanes_and_a_layer_takes_layer_lanes(
     assert copy_engine.page_transfer(lib, True, pool.buffer, kv, ids, slots, 0, GEO.num_layers, 0)
     assert copy_engine.page_transfer(lib, False, pool.buffer, kv, ids, slots, 2, 1, 0)
     every, one = lib.calls
-    assert every[15:19] == (0, GEO.num_layers, copy_engine.FLAGS, 16)
-    assert one[15:19] == (2, 1, copy_engine.FLAGS, 1)
+    assert every[15:20] == (0, GEO.num_layers, copy_engine.FLAGS, 16, 1)
+    assert one[15:20] == (2, 1, copy_engine.FLAGS, 16, 1)
     lib.calls.clear()
     events = [type("Event", (), {"cuda_event": 0})() for _ in range(3)]
     copy_engine.page_transfer_layers(lib, True, pool.buffer, kv, ids, slots, [None, 0, 1],

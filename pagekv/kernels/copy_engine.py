@@ -6,7 +6,8 @@ it far more than a DMA copy of the same bytes: docs/benchmarks.md). Descriptors 
 host from CPU page ids and slots: one 1-D copy per run of consecutive slots and (layer, K/V),
 split over ``LANES`` streams ordered after the caller's stream and joined back to it by events
 for an all-layer transfer; a one-layer transfer's go on ``LAYER_LANES`` (one: the caller's
-stream), since the engines take each stream's driver call in turn at a fixed cost.
+stream), since the engines take each stream's driver call in turn at a fixed cost (the library
+picks one of the two by the layers a call moves).
 
 Two forms. Batched 1-D copies (:func:`page_transfer`): on the H200 (docs/benchmarks.md, "Copy
 engine") over 16 streams 0.96-0.99 of the pinned contiguous copy for runs >= 64 KiB, 0.63-0.97
@@ -80,8 +81,8 @@ MAX_OPS = 16384
 
 _failed: dict[int, str] = {}
 _pitched_failed: dict[int, str] = {}
-# [descriptors sent, driver calls split after a refusal] of the last call (diagnostics)
-last_stats: tuple[int, int] = (0, 0)
+# [descriptors sent, driver calls split after a refusal, streams used] of the last call
+last_stats: tuple[int, int, int] = (0, 0, 0)
 _lock = threading.Lock()
 
 
@@ -138,11 +139,10 @@ def page_transfer(
     kernel launch there would be. ``ids`` ``[n]`` and ``slots`` ``[n, page_size]`` are CPU int64
     contiguous tensors. Returns False, after one log line for the device, when the driver
     refused the call: nothing of it may be relied on and the caller runs the kernel."""
-    stats = (ctypes.c_int64 * 2)()
-    lanes = LANES if layer_count == kv.geometry.num_layers else LAYER_LANES
+    stats = (ctypes.c_int64 * 3)()
     err = lib.pagekv_ce_page_transfer(
-        *_transfer_args(load, host, kv, ids, slots), layer_begin, layer_count, FLAGS, lanes,
-        MAX_OPS, stream, stats,
+        *_transfer_args(load, host, kv, ids, slots), layer_begin, layer_count, FLAGS, LANES,
+        LAYER_LANES, MAX_OPS, stream, stats,
     )  # fmt: skip
     return _report(err, stats, load, kv, ids)
 
@@ -164,7 +164,7 @@ def page_transfer_layers(
     device) when the driver refused a call: the caller runs the rest on the kernel. The events
     must exist (torch creates a CUDA event at its first ``record``)."""
     which, handles = layer_entries(layers, events)
-    stats, done = (ctypes.c_int64 * 2)(), ctypes.c_int(0)
+    stats, done = (ctypes.c_int64 * 3)(), ctypes.c_int(0)
     err = lib.pagekv_ce_page_transfer_layers(
         *_transfer_args(load, host, kv, ids, slots), which, len(layers), handles, FLAGS, LANES,
         LAYER_LANES, MAX_OPS, stream, stats, ctypes.byref(done),
@@ -191,7 +191,7 @@ def pitched_transfer(
     pitches = kv.layer_pitches
     if pitches is None:
         raise ValueError("the pitched copy needs each K/V's layers at one distance")
-    stats = (ctypes.c_int64 * 2)()
+    stats = (ctypes.c_int64 * 3)()
     args = _transfer_args(load, host, kv, ids, slots)
     err = lib.pagekv_pitched_page_transfer(
         *args[:4], (ctypes.c_int64 * len(pitches))(*pitches), *args[4:], stream, stats,
@@ -228,7 +228,7 @@ def _report(
     the device's first failure of this ``form`` is kept in ``failed`` (None: the batched
     copies', as :func:`fail`) and said once."""
     global last_stats
-    last_stats = (stats[0], stats[1])
+    last_stats = (stats[0], stats[1], stats[2])
     if err == 0:
         return True
     why = (f"{form} {'load' if load else 'save'} failed with cudaError {err} "

@@ -147,7 +147,7 @@ _SIGNATURES["pagekv_direct_page_transfer"] = (
 _SIGNATURES["pagekv_copy_engine_support"] = ([_I], ctypes.c_int)
 _SIGNATURES["pagekv_slot_runs"] = ([_P, _L, _I, ctypes.POINTER(_L)], ctypes.c_int)
 _SIGNATURES["pagekv_ce_page_transfer"] = (
-    [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 8 + [_L, _P, ctypes.POINTER(_L)],
+    [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 9 + [_L, _P, ctypes.POINTER(_L)],
     ctypes.c_int,
 )
 _SIGNATURES["pagekv_pitched_page_transfer"] = (

@@ -161,9 +161,11 @@ def test_copy_engine_layouts_bounds_and_stream_order(
 ):
     """Every cache layout against the reference, with out-of-range page ids and slots
     skipped (validate=False), ordered after and before the stream's neighbouring work, on one
-    stream or split over the default lanes (7 descriptors per driver call)."""
+    stream or split over the default lanes (7 descriptors per driver call) for all layers and
+    two streams for one layer, as the library reports using."""
     require_copy_engine()
     monkeypatch.setattr(copy_engine, "LANES", lanes)
+    monkeypatch.setattr(copy_engine, "LAYER_LANES", min(lanes, 2))
     if lanes > 1:
         monkeypatch.setattr(copy_engine, "MAX_OPS", 7)
     geo = geometry(torch.bfloat16, mla, 1152 if mla else 512, page_size, num_layers=4)
@@ -197,6 +199,9 @@ def test_copy_engine_layouts_bounds_and_stream_order(
                 a.copy_(b)
             got = save(DeviceKV.from_caches(geo, *src), slots, pool.buffer, ids, layer=lay,
                        backend="copy_engine", validate=False)  # fmt: skip
+        streams = copy_engine.LANES if lay is None else copy_engine.LAYER_LANES
+        sent, _, used = copy_engine.last_stats
+        assert used == min(streams, sent), (copy_engine.last_stats, lay)
         stream.synchronize()  # the stream alone: it must have waited for the copies
         assert got == "copy_engine" and bits_equal(pool.buffer, want), ("save", layout, lay)
 

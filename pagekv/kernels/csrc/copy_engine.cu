@@ -190,19 +190,23 @@ int pagekv_slot_runs(const int64_t* slots, int64_t n_pages, int page_size, int64
 }
 
 // page_ids [n_pages] and slots [n_pages * page_size] are host int64 arrays, read during the
-// call. The copies are split over ``lanes`` streams (see "Streams" above). ``max_ops`` bounds
-// the descriptors per driver call. ``stats`` (may be null) receives [descriptors sent, calls
-// split after a refusal].
+// call. The copies of an all-layer transfer (``layer_count == num_layers``) are split over
+// ``lanes`` streams (see "Streams" above), those of a transfer of fewer layers over
+// ``layer_lanes``: the engines take each stream's driver call in turn at a few us a call, a
+// fixed cost that 16 calls a layer make the bound of a layer-by-layer transfer. ``max_ops``
+// bounds the descriptors per driver call. ``stats`` (may be null) receives [descriptors sent,
+// calls split after a refusal, streams used].
 int pagekv_ce_page_transfer(int device, int load, char* host, const int64_t* layer_ptrs,
                             const int64_t* page_ids, const int64_t* slots, int64_t n_pages,
                             int64_t num_host_pages, int64_t num_slots, int64_t page_bytes,
                             int64_t slot_stride, int item_bytes, int page_size, int num_kv,
                             int num_layers, int layer_begin, int layer_count, int flags,
-                            int lanes, int64_t max_ops, cudaStream_t stream, int64_t* stats) {
-  if (stats) stats[0] = stats[1] = 0;
+                            int lanes, int layer_lanes, int64_t max_ops, cudaStream_t stream,
+                            int64_t* stats) {
+  if (stats) stats[0] = stats[1] = stats[2] = 0;
   if (layer_count <= 0 || layer_begin < 0 || layer_begin + layer_count > num_layers ||
       item_bytes <= 0 || page_size <= 0 || (num_kv != 1 && num_kv != 2) || lanes < 1 ||
-      lanes > kMaxLanes || max_ops < 1)
+      lanes > kMaxLanes || layer_lanes < 1 || layer_lanes > kMaxLanes || max_ops < 1)
     return static_cast<int>(cudaErrorInvalidValue);
 #if CUDART_VERSION < 12080
   (void)load; (void)host; (void)layer_ptrs; (void)page_ids; (void)slots; (void)n_pages;
@@ -239,7 +243,8 @@ int pagekv_ce_page_transfer(int device, int load, char* host, const int64_t* lay
   // legacy default stream, so a call there runs wholly on side streams)
   const bool legacy = is_legacy(stream);
   const unsigned fl = static_cast<unsigned>(flags);
-  int used = static_cast<int>(std::min<size_t>(static_cast<size_t>(lanes), total));
+  const int wanted = layer_count == num_layers ? lanes : layer_lanes;
+  int used = static_cast<int>(std::min<size_t>(static_cast<size_t>(wanted), total));
   std::unique_lock<std::mutex> lock(lanes_mutex, std::defer_lock);
   Lanes* l = nullptr;
   cudaStream_t targets[kMaxLanes];
@@ -277,6 +282,7 @@ int pagekv_ce_page_transfer(int device, int load, char* host, const int64_t* lay
   if (stats) {
     stats[0] = static_cast<int64_t>(sent);
     stats[1] = splits;
+    stats[2] = used;
   }
   return static_cast<int>(err);
 #endif
@@ -291,14 +297,14 @@ int pagekv_ce_page_transfer(int device, int load, char* host, const int64_t* lay
 // keeps runs under 32 KiB on the DMA engines at all. Plain cudaMemcpy2DAsync calls (capturable;
 // any CUDA version), ~1-2.5 us of host time each. Bounds as pagekv_ce_page_transfer's. A pitch
 // must be at least the layer's extent and at most cudaDevAttrMaxPitch (checked: an invalid
-// value, nothing enqueued). ``stats`` (may be null) receives [copies sent, 0].
+// value, nothing enqueued). ``stats`` (may be null) receives [copies sent, 0, 1].
 int pagekv_pitched_page_transfer(int device, int load, char* host, const int64_t* layer_ptrs,
                                  const int64_t* layer_pitch, const int64_t* page_ids,
                                  const int64_t* slots, int64_t n_pages, int64_t num_host_pages,
                                  int64_t num_slots, int64_t page_bytes, int64_t slot_stride,
                                  int item_bytes, int page_size, int num_kv, int num_layers,
                                  cudaStream_t stream, int64_t* stats) {
-  if (stats) stats[0] = stats[1] = 0;
+  if (stats) stats[0] = stats[1] = stats[2] = 0;
   if (item_bytes <= 0 || page_size <= 0 || (num_kv != 1 && num_kv != 2) || num_layers < 1 ||
       !layer_pitch || slot_stride < item_bytes)
     return static_cast<int>(cudaErrorInvalidValue);
@@ -332,17 +338,19 @@ int pagekv_pitched_page_transfer(int device, int load, char* host, const int64_t
     return err == cudaSuccess;
   });
   if (err != cudaSuccess) cudaGetLastError();  // the next kernel launch must not see it
-  if (stats) stats[0] = sent;
+  if (stats) {
+    stats[0] = sent;
+    stats[2] = 1;
+  }
   return static_cast<int>(err);
 }
 
 // The transfer of pagekv_ce_page_transfer once per entry of ``layers`` (a layer, or -1 for all
 // layers at once), in that order, recording ``events[i]`` on ``stream`` after entry i: a
 // layer-by-layer load in one call (one GIL hand-off for the caller, whose thread the driver
-// work keeps for ~0.5-1 us per copy). An all-layer entry's copies go over ``lanes`` streams, a
-// one-layer entry's over ``layer_lanes``: the engines take each driver call in turn at a few
-// us a call, which 16 calls a layer make the bound of a layer-by-layer transfer. ``done`` (may
-// be null) receives the entries issued and recorded before an error; ``stats`` as there, summed.
+// work keeps for ~0.5-1 us per copy), ``lanes`` and ``layer_lanes`` as there. ``done`` (may be
+// null) receives the entries issued and recorded before an error; ``stats`` as there: the
+// descriptors and splits summed, the most streams any entry used.
 int pagekv_ce_page_transfer_layers(int device, int load, char* host, const int64_t* layer_ptrs,
                                    const int64_t* page_ids, const int64_t* slots, int64_t n_pages,
                                    int64_t num_host_pages, int64_t num_slots, int64_t page_bytes,
@@ -352,20 +360,21 @@ int pagekv_ce_page_transfer_layers(int device, int load, char* host, const int64
                                    int64_t max_ops, cudaStream_t stream, int64_t* stats,
                                    int* done) {
   if (done) *done = 0;
-  if (stats) stats[0] = stats[1] = 0;
+  if (stats) stats[0] = stats[1] = stats[2] = 0;
   if (n_entries < 0 || (n_entries > 0 && (!layers || !events)))
     return static_cast<int>(cudaErrorInvalidValue);
   for (int i = 0; i < n_entries; ++i) {
     const bool all = layers[i] < 0;
-    int64_t part[2] = {0, 0};
+    int64_t part[3] = {0, 0, 0};
     int err = pagekv_ce_page_transfer(device, load, host, layer_ptrs, page_ids, slots, n_pages,
                                       num_host_pages, num_slots, page_bytes, slot_stride,
                                       item_bytes, page_size, num_kv, num_layers,
-                                      all ? 0 : layers[i], all ? num_layers : 1, flags,
-                                      all ? lanes : layer_lanes, max_ops, stream, part);
+                                      all ? 0 : layers[i], all ? num_layers : 1, flags, lanes,
+                                      layer_lanes, max_ops, stream, part);
     if (stats) {
       stats[0] += part[0];
       stats[1] += part[1];
+      stats[2] = std::max(stats[2], part[2]);
     }
     if (err != 0) return err;
     cudaError_t e = cudaEventRecord(events[i], stream);
