@@ -303,6 +303,8 @@ def _page_transfer(
     num_blocks: int | None,
     validate: bool,
 ) -> str:
+    """:func:`load` or :func:`save`: the checks, the torch path and ``auto``'s choice; the CUDA
+    backends in :func:`_cuda_page_transfer`. Returns the backend used."""
     geo = kv.geometry
     _check_backend(backend)
     check_host(geo, host)
@@ -317,10 +319,11 @@ def _page_transfer(
         )
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
         raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-    dev = kv.device
-    host_ok = dev.type == "cuda" and _reachable(host, dev)
+    host_ok = kv.device.type == "cuda" and _reachable(host, kv.device)
     lib = _kernel_lib(backend, host_ok, "CUDA caches and a pinned host")
-    if lib is None:
+    if lib is not None and backend == "auto":
+        backend = _auto_backend(load, kv, ids, s, layer)
+    if lib is None or backend == "torch":
         # Checked above when validate; else the reference checks (the torch path cannot skip
         # out-of-range indices the way the kernels do).
         if load and validate:
@@ -332,54 +335,87 @@ def _page_transfer(
         else:
             reference.save_ref(kv, s, host, ids, layer=layer)
         return "torch"
-    if backend == "auto":
-        backend = _auto_backend(load, kv, ids, s, layer)
-        if backend == "torch":
-            return _page_transfer(load, host, ids, kv, s, layer, "torch", None, validate)
-    l0, nl = (0, geo.num_layers) if layer is None else (layer, 1)
-    stream = current_stream(dev.index)
-    if backend == "copy_engine":
-        index = dev.index or 0
-        if copy_engine.supported(index):
-            ids_h, s_h = _host_indices(ids, s)
-            if copy_engine.page_transfer(lib, load, host, kv, ids_h, s_h, l0, nl, stream):
-                return "copy_engine"
-        else:
-            copy_engine.fail(index, copy_engine.disabled_reason(index) or "unavailable")
-        backend = "kernel"  # said once per device by copy_engine.fail
-    if backend == "staged" and layer is None:
-        ids_h, s_h = _host_indices(ids, s)
+    return _cuda_page_transfer(lib, load, host, ids, kv, s, layer, backend, num_blocks)
 
-        def kernel(load_: bool, pages: torch.Tensor, ids_d: torch.Tensor, s_d: torch.Tensor,
-                   blocks: int) -> None:  # fmt: skip
-            _kernel_launch(lib, load_, _device_address(pages, dev), pages.shape[0], kv, ids_d,
-                           s_d, None, blocks or num_blocks, stream)  # fmt: skip
 
-        if staged.page_transfer(lib, load, host, kv, ids_h, s_h, kernel):
-            return "staged"
-    if backend == "staged":
-        backend = "kernel"  # one layer, a save with indices out of range, no copy engine
-    if backend == "pitched":
-        if layer is None and _pitched_ok(kv):
-            ids_h, s_h = _host_indices(ids, s)
-            if copy_engine.pitched_transfer(lib, load, host, kv, ids_h, s_h, stream):
-                return "pitched"
-        backend = "kernel"  # one layer, layers at uneven distances, a failed call (said once)
+def _cuda_page_transfer(
+    lib: ctypes.CDLL,
+    load: bool,
+    host: torch.Tensor,
+    ids: torch.Tensor,
+    kv: DeviceKV,
+    s: torch.Tensor,
+    layer: int | None,
+    backend: str,
+    num_blocks: int,
+) -> str:
+    """The transfer on ``backend`` (checked indices), on the current stream: a DMA backend
+    that cannot take it (one layer where it moves all layers, caches it does not suit, a call
+    the driver refused: said once per device) leaves it to the kernel."""
+    stream = current_stream(kv.device.index)
+    if backend in ("copy_engine", "staged", "pitched"):
+        if _dma_transfer(lib, backend, load, host, ids, kv, s, layer, num_blocks, stream):
+            return backend
+        backend = "kernel"
     if backend == "direct":
+        geo = kv.geometry
+        l0, nl = (0, geo.num_layers) if layer is None else (layer, 1)
         ids_h, s_h = _direct_bounds(ids, s, host.shape[0], kv.num_slots)
         err = lib.pagekv_direct_page_transfer(
-            dev.index, int(load), host.data_ptr(), kv.layer_ptr_array, ids_h.data_ptr(),
+            kv.device.index, int(load), host.data_ptr(), kv.layer_ptr_array, ids_h.data_ptr(),
             s_h.data_ptr(), ids_h.numel(), geo.page_bytes, kv.slot_stride_bytes, geo.item_bytes,
             geo.page_size, geo.num_kv, geo.num_layers, l0, nl, stream,
         )  # fmt: skip
-    else:
-        _kernel_launch(lib, load, _reachable_address(host, dev), host.shape[0], kv,
-                       device_indices(ids, dev), device_indices(s, dev), layer, num_blocks,
-                       stream)  # fmt: skip
+        if err != 0:
+            what = "load" if load else "save"
+            raise RuntimeError(f"pagekv direct {what} failed: cudaError {err}")
         return backend
-    if err != 0:
-        raise RuntimeError(f"pagekv {backend} {'load' if load else 'save'} failed: cudaError {err}")
-    return backend
+    dev = kv.device
+    _kernel_launch(lib, load, _reachable_address(host, dev), host.shape[0], kv,
+                   device_indices(ids, dev), device_indices(s, dev), layer, num_blocks,
+                   stream)  # fmt: skip
+    return "kernel"
+
+
+def _dma_transfer(
+    lib: ctypes.CDLL,
+    backend: str,
+    load: bool,
+    host: torch.Tensor,
+    ids: torch.Tensor,
+    kv: DeviceKV,
+    s: torch.Tensor,
+    layer: int | None,
+    num_blocks: int,
+    stream: int,
+) -> bool:
+    """The transfer on the copy engine, the staged backend or the pitched copy, from host
+    copies of the indices; False (nothing of it enqueued, or a refused call's part to be
+    redone) where the kernel must move it."""
+    index = kv.device.index or 0
+    if backend == "copy_engine":
+        if not copy_engine.supported(index):
+            copy_engine.fail(index, copy_engine.disabled_reason(index) or "unavailable")
+            return False
+        ids_h, s_h = _host_indices(ids, s)
+        l0, nl = (0, kv.geometry.num_layers) if layer is None else (layer, 1)
+        return copy_engine.page_transfer(lib, load, host, kv, ids_h, s_h, l0, nl, stream)
+    if layer is not None:
+        return False  # the staged and the pitched copies move all layers at once
+    if backend == "pitched":
+        if not _pitched_ok(kv):
+            return False
+        ids_h, s_h = _host_indices(ids, s)
+        return copy_engine.pitched_transfer(lib, load, host, kv, ids_h, s_h, stream)
+    dev = kv.device
+
+    def kernel(load_: bool, pages: torch.Tensor, ids_d: torch.Tensor, s_d: torch.Tensor,
+               blocks: int) -> None:  # fmt: skip
+        _kernel_launch(lib, load_, _device_address(pages, dev), pages.shape[0], kv, ids_d,
+                       s_d, None, blocks or num_blocks, stream)  # fmt: skip
+
+    ids_h, s_h = _host_indices(ids, s)
+    return staged.page_transfer(lib, load, host, kv, ids_h, s_h, kernel)
 
 
 def _kernel_launch(
