@@ -390,8 +390,9 @@ def _dma_transfer(
     stream: int,
 ) -> bool:
     """The transfer on the copy engine, the staged backend or the pitched copy, from host
-    copies of the indices; False (nothing of it enqueued, or a refused call's part to be
-    redone) where the kernel must move it."""
+    copies of the indices; False where the kernel must move it all (one layer for a backend
+    that moves all layers at once, caches it does not suit, a call the driver refused: nothing
+    of that call is relied on)."""
     index = kv.device.index or 0
     if backend == "copy_engine":
         if not copy_engine.supported(index):
