@@ -39,6 +39,7 @@ import time
 
 import torch
 from _bench_util import environment, overridden, parse_args, write_result
+from bench_kernels import GEOMETRIES, split_fn
 
 from pagekv.connector import KVGeometry
 from pagekv.connector.copy_issuer import Completion, CopyIssuer
@@ -119,7 +120,6 @@ class Loads:
         self.ids_cpu = torch.randperm(self.n_pages)
         self.slots, self.ids = self.slots_cpu.to(DEV), self.ids_cpu.to(DEV)
         self.stream = torch.cuda.Stream()
-        self.dma_stream = torch.cuda.Stream()  # hybrid@: the pitched share, forked and joined
         self.issuer: CopyIssuer | None = None
         self.staging: IndexStaging | None = None
 
@@ -148,7 +148,10 @@ class Loads:
             # copy_engine@N: over N streams; staged@N: N scatter blocks; kernel@N: N blocks
             backend, _, count = how.partition("@")
             if backend == "hybrid":  # hybrid@B:S: the kernel on B blocks, share S pitched
-                return self._hybrid(pages, layer, count)
+                assert layer is None, "the pitched share moves all layers"
+                blocks, _, share = count.partition(":")
+                took = split_fn(self, pages, float(share), True, int(blocks), "pitched")()
+                return f"kernel+{took}"
             cpu = backend != "kernel"  # auto: CPU indices, as the connector passes them
             ids = (self.ids_cpu if cpu else self.ids)[:pages]
             slots = (self.slots_cpu if cpu else self.slots)[:pages]
@@ -163,22 +166,6 @@ class Loads:
             with overridden(module, **values):
                 return load(self.host, ids, self.kv, slots, layer=layer, backend=backend,
                             validate=False, num_blocks=num_blocks)  # fmt: skip
-
-    def _hybrid(self, pages: int, layer: int | None, spec: str) -> str:
-        """The first pages on the kernel (``B`` blocks, on this stream), the last ``S`` of them
-        as pitched copies on a stream forked from this one and joined back."""
-        blocks, _, share = spec.partition(":")
-        k = pages - round(pages * float(share))
-        fork = torch.cuda.Event()
-        fork.record(self.stream)
-        load(self.host, self.ids[:k], self.kv, self.slots[:k], layer=layer, backend="kernel",
-             validate=False, num_blocks=int(blocks))  # fmt: skip
-        self.dma_stream.wait_event(fork)
-        with torch.cuda.stream(self.dma_stream):
-            took = load(self.host, self.ids_cpu[k:pages], self.kv, self.slots_cpu[k:pages],
-                        layer=layer, backend="pitched", validate=False)  # fmt: skip
-        self.stream.wait_stream(self.dma_stream)
-        return f"kernel+{took}"
 
     def timed(self, how: str) -> tuple[torch.cuda.Event, torch.cuda.Event, str]:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -421,8 +408,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--alone-steps", type=int, default=12)
     ap.add_argument("--load-gib", type=float, default=4.0)
-    ap.add_argument("--geometry", default="llama3-8b",
-                    choices=["llama3-8b", "llama3-8b-tp8", "mla-576"])  # fmt: skip
+    ap.add_argument("--geometry", default="llama3-8b", choices=list(GEOMETRIES))
     ap.add_argument("--page-size", type=int, default=16, help="tokens per page (part 1)")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-decode", action="store_true", help="part 2 (the engine) only")
@@ -456,12 +442,7 @@ def main() -> None:
     os.environ["PAGEKV_COPY_BACKEND"] = "auto"  # the "auto" rows measure the opt-in table
     env = environment()
     print(f"# {env['device']} torch {env['torch']} cuda {env.get('cuda')} commit {env['commit']}")
-    spec = {
-        "llama3-8b": dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bf16"),
-        "llama3-8b-tp8": dict(num_layers=32, num_kv_heads=1, head_dim=128, dtype="bf16"),
-        "mla-576": dict(num_layers=61, num_kv_heads=1, head_dim=576, dtype="bf16", kind="mla"),
-    }[args.geometry]
-    geo = KVGeometry(page_size=args.page_size, **spec)
+    geo = KVGeometry(page_size=args.page_size, **GEOMETRIES[args.geometry])
     t = time.perf_counter()
     loads = Loads(int(args.load_gib * GIB), geo)
     table = calibrate(0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Protocol
 
 import torch
 from _bench_util import environment, parse_args, write_result
@@ -156,6 +157,52 @@ def kernel_fns(st: Setup, blocks: int | None = None) -> dict:
             st.kv, st.slots, st.host, st.ids, num_blocks=blocks, backend="kernel", validate=False
         ),
     }
+
+
+class Pages(Protocol):
+    """Host pages, device caches and their indices, as :class:`Setup` holds them."""
+
+    host: torch.Tensor
+    kv: DeviceKV
+    ids: torch.Tensor  # [n] on the device
+    slots: torch.Tensor  # [n, page_size] on the device
+    ids_cpu: torch.Tensor
+    slots_cpu: torch.Tensor
+
+
+def split_fn(st: Pages, n: int, share: float, is_load: bool, blocks: int | None, dma: str):
+    """The all-layer transfer of ``st``'s first ``n`` pages split: the last ``share`` of them
+    on ``dma`` (CPU indices) on a stream forked from the current one and joined back, the rest
+    on the kernel (``blocks``; device indices) on the current stream. The returned call gives
+    the backend the DMA share took ("" when it has no pages)."""
+    k = n - round(n * share)
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    fork, join = torch.cuda.Event(), torch.cuda.Event()
+
+    def run() -> str:
+        fork.record(main)
+        if k:
+            if is_load:
+                load(st.host, st.ids[:k], st.kv, st.slots[:k], backend="kernel",
+                     validate=False, num_blocks=blocks)  # fmt: skip
+            else:
+                save(st.kv, st.slots[:k], st.host, st.ids[:k], backend="kernel",
+                     validate=False, num_blocks=blocks)  # fmt: skip
+        if k == n:
+            return ""
+        side.wait_event(fork)
+        with torch.cuda.stream(side):
+            if is_load:
+                took = load(st.host, st.ids_cpu[k:n], st.kv, st.slots_cpu[k:n], backend=dma,
+                            validate=False)  # fmt: skip
+            else:
+                took = save(st.kv, st.slots_cpu[k:n], st.host, st.ids_cpu[k:n], backend=dma,
+                            validate=False)  # fmt: skip
+        join.record(side)
+        main.wait_event(join)
+        return took
+
+    return run
 
 
 def ceiling_fns(raw_host: torch.Tensor, nbytes: int) -> dict:
