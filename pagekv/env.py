@@ -158,25 +158,29 @@ KERNELS = _var("KERNELS", _choice("auto", "torch", "cuda"), "auto",
                "torch reference with one warning), `torch` (always the reference), `cuda` (the "
                "kernels or an error saying why)", "auto, torch, cuda")  # fmt: skip
 COPY_BACKEND = _var("COPY_BACKEND", _choice("auto", "kernel", "copy_engine", "pitched", "direct",
-                                             "staged", "torch"),
+                                             "split", "staged", "torch"),
                     "auto", "what GPU transfers with `backend=\"auto\"` use: `auto` (per transfer "
                     "shape, from a table measured once per GPU and cached: the faster DMA "
                     "backend, which takes no SMs (the copy engine for runs of at least 64 KiB, "
                     "the pitched copy for all layers), where it is within 10% of the fastest "
                     "(for the connector's issuer thread, whose transfers run beside the engine's "
-                    "compute: within 50%, the copy engine from 32 KiB), else the fastest; a "
+                    "compute: within 50%, the copy engine from 32 KiB; failing that the split "
+                    "where it is within 50%), else the fastest; a "
                     "backend whose host time per call exceeds the kernel's only where the "
                     "connector's issuer thread enqueues it, never on the caller's thread; the "
                     "kernel for CUDA index tensors and graph capture), or one of `kernel`, "
                     "`copy_engine` (the kernel where the driver lacks batched copies), `pitched` "
                     "(all layers as one 2-D copy per run of slots and K/V, where each K/V's "
-                    "layers lie at one distance; else the kernel), `direct`, "
+                    "layers lie at one distance; else the kernel), `direct`, `split` (all "
+                    "layers shared between the kernel on 2 thread blocks and the pitched copy "
+                    "beside it, each share from the measured table; where the pitched copy "
+                    "suits, else the kernel), "
                     "`staged` (all-layer transfers as whole-page copies through a device buffer, "
                     "the kernel for one layer: 0.96-0.97 of the bus for loads of runs under 64 "
                     "KiB from 1 GiB, where the kernel moves 0.92, and it costs a decode beside "
                     "it 1.7-2.3x a plain copy's slowdown; "
                     "never taken by `auto`), `torch` for every transfer",
-                    "auto, kernel, copy_engine, pitched, direct, staged, torch")  # fmt: skip
+                    "auto, kernel, copy_engine, pitched, direct, split, staged, torch")  # fmt: skip
 NATIVE_COPY = _var("NATIVE_COPY", _choice("auto", "on", "off"), "auto",
                    "the native checked copy and receive (C, built with `$CC` on first use): "
                    "`auto` (when it builds, else numpy with one warning; clients then use no "

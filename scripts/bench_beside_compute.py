@@ -6,14 +6,15 @@ in one CUDA graph and replayed on a stream of its own, each replay timed with ev
 stream (never a device-wide sync). In each round and for each load -- a plain contiguous
 ``cudaMemcpyAsync`` of the same bytes, the kernel, the copy engine, the staged backend (whole
 pages through a device buffer, a kernel device to device), the pitched copy (a 2-D DMA copy per
-run of slots and K/V, a row per layer), ``auto`` (with ``PAGEKV_COPY_BACKEND=auto``, set here:
-what the measured table picks for CPU indices on the caller's thread), ``issuer`` (what the
-connector enqueues: the table's choice for its issuer thread, the load enqueued there), the
-direct backend -- the
-step is timed alone, then beside a 4 GiB all-layer load on a side stream; only steps that start
-and end inside the load's window (events on the side stream) count. A round's slowdown is the
-median beside over the median alone; the figure is the median over rounds, and the ratio of a
-backend's extra time to the plain copy's, per round, then its median.
+run of slots and K/V, a row per layer), the split (the kernel on 2 blocks beside the pitched
+copy, the table's share; ``split@B:S``: on B blocks with share S pitched), ``auto`` (with
+``PAGEKV_COPY_BACKEND=auto``, set here: what the measured table picks for CPU indices on the
+caller's thread), ``issuer`` (what the connector enqueues: the table's choice for its issuer
+thread, the load enqueued there), the direct backend -- the step is timed alone, then beside
+a 4 GiB all-layer load on a side stream; only steps that start and end inside the load's
+window (events on the side stream) count. A round's slowdown is the median beside over the
+median alone; the figure is the median over rounds, and the ratio of a backend's extra time to
+the plain copy's, per round, then its median.
 
 Part 2, the reference engine (``pagekv.engine``, Llama-3-8B shape, random weights, decode steps
 replayed from CUDA graphs): decode tokens/s of one request while other requests' prefixes of
@@ -39,13 +40,13 @@ import time
 
 import torch
 from _bench_util import environment, overridden, parse_args, write_result
-from bench_kernels import GEOMETRIES, split_fn
+from bench_kernels import GEOMETRIES
 
 from pagekv.connector import KVGeometry
 from pagekv.connector.copy_issuer import Completion, CopyIssuer
 from pagekv.connector.staging import IndexStaging
 from pagekv.connector.transfer_indices import launch
-from pagekv.kernels import DeviceKV, calibrate, copy_engine, load, ops, staged
+from pagekv.kernels import DeviceKV, calibrate, copy_engine, load, ops, save, staged
 
 DEV = torch.device("cuda")
 GIB = 1 << 30
@@ -99,10 +100,10 @@ class DecodeStep:
 
 class Loads:
     """4 GiB of KV (``geo``: its pages) in pinned host pages and a device cache, and
-    the ways to move it host -> device on a side stream."""
+    the ways to move it host -> device (``saves``: device -> host) on a side stream."""
 
-    def __init__(self, total: int, geo: KVGeometry) -> None:
-        self.geo = geo
+    def __init__(self, total: int, geo: KVGeometry, saves: bool = False) -> None:
+        self.geo, self.saves = geo, saves
         self.n_pages = total // geo.page_bytes
         self.nbytes = self.n_pages * geo.page_bytes
         self.raw_host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
@@ -126,9 +127,12 @@ class Loads:
     def run(self, how: str, layer: int | None = None, nbytes: int = 0) -> str:
         """Enqueue one load of every page (or of ``layer``: ``nbytes`` of pages) on the side
         stream; the plain copy moves the same number of bytes contiguously."""
+        assert layer is None or not self.saves, "saves move all layers here"
         with torch.cuda.stream(self.stream):
             if how == "plain_copy":
-                if layer is None:
+                if self.saves:
+                    self.raw_host.copy_(self.dev_flat, non_blocking=True)
+                elif layer is None:
                     self.dev_flat.copy_(self.raw_host, non_blocking=True)
                 else:
                     n = nbytes // self.geo.num_layers
@@ -140,23 +144,23 @@ class Loads:
             if how == "issuer":  # as the connector enqueues it: the table's deferred choice
                 if self.issuer is None:
                     self.issuer, self.staging = CopyIssuer(DEV), IndexStaging()
-                out = launch(True, self.kv, self.host, self.ids_cpu[:pages].tolist(),
+                out = launch(not self.saves, self.kv, self.host, self.ids_cpu[:pages].tolist(),
                              self.slots_cpu[:pages], self.staging, self.issuer,
                              layers=(layer,))  # fmt: skip
                 out.events[-1].wait(self.stream)  # the host waits until it is enqueued
                 return f"issuer:{out.backend}"
             # copy_engine@N: over N streams; staged@N: N scatter blocks; kernel@N: N blocks
             backend, _, count = how.partition("@")
-            if backend == "hybrid":  # hybrid@B:S: the kernel on B blocks, share S pitched
-                assert layer is None, "the pitched share moves all layers"
-                blocks, _, share = count.partition(":")
-                took = split_fn(self, pages, float(share), True, int(blocks), "pitched")()
-                return f"kernel+{took}"
             cpu = backend != "kernel"  # auto: CPU indices, as the connector passes them
             ids = (self.ids_cpu if cpu else self.ids)[:pages]
             slots = (self.slots_cpu if cpu else self.slots)[:pages]
-            num_blocks, module, values = None, copy_engine, {}
-            if backend == "kernel":  # kernel@B or kernel@BxT: B blocks (of T threads)
+            num_blocks, module, values, share = None, copy_engine, {}, None
+            if backend == "split":  # split@B:S: the kernel on B blocks, share S pitched
+                assert layer is None, "the split moves all layers"
+                blocks, _, share_s = count.partition(":")
+                num_blocks = int(blocks) if blocks else None
+                share = float(share_s) if share_s else None
+            elif backend == "kernel":  # kernel@B or kernel@BxT: B blocks (of T threads)
                 blocks, _, threads = count.partition("x")
                 num_blocks = int(blocks) if blocks else None
                 module, values = ops, ({"THREADS": int(threads)} if threads else {})
@@ -164,8 +168,11 @@ class Loads:
                 module = staged if backend == "staged" else copy_engine
                 values = {"SCATTER_BLOCKS" if backend == "staged" else "LANES": int(count)}
             with overridden(module, **values):
+                if self.saves:
+                    return save(self.kv, slots, self.host, ids, backend=backend, validate=False,
+                                num_blocks=num_blocks, dma_share=share)  # fmt: skip
                 return load(self.host, ids, self.kv, slots, layer=layer, backend=backend,
-                            validate=False, num_blocks=num_blocks)  # fmt: skip
+                            validate=False, num_blocks=num_blocks, dma_share=share)  # fmt: skip
 
     def timed(self, how: str) -> tuple[torch.cuda.Event, torch.cuda.Event, str]:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -183,8 +190,9 @@ def decode_beside(args: argparse.Namespace, step: DecodeStep, loads: Loads) -> d
     ce = [f"copy_engine@{n}" for n in args.ce_lanes] if copy_engine.supported(0) else []
     ce += [f"staged@{n}" for n in args.staged_blocks] if copy_engine.supported(0) else []
     kernels = [f"kernel@{n}" for n in args.kernel_blocks]
-    kernels += [f"hybrid@{h}" for h in args.hybrid]
-    backends = ["plain_copy", "kernel", *kernels, *ce, "pitched", "auto", "issuer", "direct"]
+    kernels += [f"split@{h}" for h in args.split]
+    backends = ["plain_copy", "kernel", *kernels, *ce, "pitched", "split", "auto", "issuer",
+                "direct"]  # fmt: skip
     if args.backends:
         backends = [b for b in backends if b in args.backends or b == "plain_copy"]
     # warm-up, and each load's time alone (sizes the decode run beside it)
@@ -424,11 +432,13 @@ def main() -> None:
                     default=[copy_engine.LANES], help="copy-engine streams to compare")  # fmt: skip
     ap.add_argument("--kernel-blocks", type=lambda s: [x for x in s.split(",") if x], default=[],
                     help="the kernel on these blocks (B or BxT: of T threads) too")  # fmt: skip
+    ap.add_argument("--saves", action="store_true",
+                    help="part 1: 4 GiB saves (device -> host) instead of loads")  # fmt: skip
     ap.add_argument(
-        "--hybrid",
+        "--split",
         type=lambda s: [x for x in s.split(",") if x],
         default=[],
-        help="B:S,...: the kernel on B blocks with share S of the pages pitched",
+        help="B:S,...: the split with the kernel on B blocks and share S of the pages pitched",
     )
     ap.add_argument(
         "--layer-lanes",
@@ -444,7 +454,7 @@ def main() -> None:
     print(f"# {env['device']} torch {env['torch']} cuda {env.get('cuda')} commit {env['commit']}")
     geo = KVGeometry(page_size=args.page_size, **GEOMETRIES[args.geometry])
     t = time.perf_counter()
-    loads = Loads(int(args.load_gib * GIB), geo)
+    loads = Loads(int(args.load_gib * GIB), geo, saves=args.saves)
     table = calibrate(0)
     print(
         f"setup {time.perf_counter() - t:.1f} s; copy table: {len(table.entries)} shapes",

@@ -173,8 +173,24 @@ class Pages(Protocol):
 def split_fn(st: Pages, n: int, share: float, is_load: bool, blocks: int | None, dma: str):
     """The all-layer transfer of ``st``'s first ``n`` pages split: the last ``share`` of them
     on ``dma`` (CPU indices) on a stream forked from the current one and joined back, the rest
-    on the kernel (``blocks``; device indices) on the current stream. The returned call gives
-    the backend the DMA share took ("" when it has no pages)."""
+    on the kernel (``blocks``, None: its default; device indices) on the current stream. The
+    returned call gives the backend the DMA share took ("" when it has no pages). ``pitched``
+    is the library's split backend (``backend="split"``); ``copy_engine`` (batched copies for
+    the share, which the library does not offer) is built here."""
+    if dma == "pitched":
+        blocks = blocks or (ops.LOAD_BLOCKS if is_load else ops.SAVE_BLOCKS)
+        shared = round(n * share) > 0
+
+        def library() -> str:
+            if is_load:
+                took = load(st.host, st.ids_cpu[:n], st.kv, st.slots_cpu[:n], backend="split",
+                            validate=False, num_blocks=blocks, dma_share=share)  # fmt: skip
+            else:
+                took = save(st.kv, st.slots_cpu[:n], st.host, st.ids_cpu[:n], backend="split",
+                            validate=False, num_blocks=blocks, dma_share=share)  # fmt: skip
+            return ("pitched" if took == "split" else took) if shared else ""
+
+        return library
     k = n - round(n * share)
     main, side = torch.cuda.current_stream(), torch.cuda.Stream()
     fork, join = torch.cuda.Event(), torch.cuda.Event()

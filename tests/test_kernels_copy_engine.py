@@ -47,7 +47,7 @@ def pick(load=True, all_layers=True, run=4096, total=16 << 20, allowed=ALL, tabl
 def test_setting_defaults_to_auto(monkeypatch):
     monkeypatch.delenv("PAGEKV_COPY_BACKEND", raising=False)
     assert jit.copy_backend_setting() == "auto"
-    for value in ("auto", "COPY_ENGINE", " direct ", "torch", "kernel"):
+    for value in ("auto", "COPY_ENGINE", " direct ", "torch", "kernel", "split"):
         monkeypatch.setenv("PAGEKV_COPY_BACKEND", value)
         assert jit.copy_backend_setting() == value.strip().lower()
     monkeypatch.setenv("PAGEKV_COPY_BACKEND", "dma")
@@ -144,6 +144,59 @@ def test_the_faster_dma_backend_is_preferred_within_the_slack():
     assert slow_host.best(every) == "kernel" and slow_host.best(every, deferred=True) == "pitched"
 
 
+def _with_split(kernel, pitched, split_s, share=math.nan, run=4096.0, total=1 << 20):
+    seconds = (("kernel", kernel), ("pitched", pitched), ("split", split_s))
+    host = (("kernel", 1e-5), ("pitched", 1e-3), ("split", 1e-3))  # both hold the host
+    return Entry(Shape(True, True, run, total), seconds, host, share)
+
+
+def test_deferred_transfers_take_the_split_where_no_dma_backend_is_within_the_slack():
+    """The split (the kernel on 2 blocks beside the pitched copy) is offered to the issuer only;
+    it is taken where no DMA backend is within the deferred slack and it is, and never on the
+    caller's thread, where its host time bars it."""
+    every = ("kernel", "pitched", "split")
+    wide = copy_table.DEFERRED_COPY_ENGINE_SLACK
+    assert _with_split(1.0, 2.5, 1.2).best(every, deferred=True) == "split"
+    assert _with_split(1.0, 2.5, 1.2).best(every) == "kernel"  # its host time: not here
+    assert _with_split(1.0, 1.4, 1.2).best(every, deferred=True) == "pitched"  # DMA first
+    assert _with_split(1.0, 2.5, 1 + wide * 1.01).best(every, deferred=True) == "kernel"
+    assert _with_split(1.0, 2.5, 0.9).best(every, deferred=True) == "split"  # the fastest
+    assert _with_split(1.0, 2.5, 1.2).best(("kernel", "pitched"), deferred=True) == "kernel"
+    assert _with_split(1.0, 2.5, INF).best(every, deferred=True) == "kernel"  # not measured
+
+
+def test_the_split_share_is_the_measured_one_around_a_shape():
+    from pagekv.kernels import split
+
+    table = CopyTable("k", "GPU", (
+        _with_split(1.0, 2.5, 1.2, share=0.3, run=4096.0),
+        _with_split(1.0, 2.5, 1.2, share=0.5, run=8192.0),
+        _with_split(1.0, 2.5, 1.2, run=16384.0),  # no share measured
+    ))  # fmt: skip
+    at = lambda run: table.split_share(Shape(True, True, run, 1 << 20))  # noqa: E731
+    assert at(4096.0) == 0.3 and at(8192.0) == 0.5
+    assert at(6000.0) == pytest.approx(0.4)  # between: the mean of both sides
+    assert at(12000.0) == 0.5  # the side without a share is left out
+    assert at(16384.0) == split.FALLBACK_SHARE == at(1000.0)  # none measured; below the grid
+    assert table.split_share(Shape(False, True, 4096.0, 1 << 20)) == split.FALLBACK_SHARE
+    # both halves end together: the pitched copy's share is the kernel's part of the time
+    assert split.balanced_share(2.0, 3.0) == pytest.approx(0.4)
+    assert math.isnan(split.balanced_share(INF, 3.0)) and math.isnan(split.balanced_share(0, 1))
+    assert [split.pitched_count(10, x) for x in (0.0, 0.37, 1.0)] == [0, 4, 10]
+    with pytest.raises(ValueError, match="share"):
+        split.pitched_count(10, 1.01)
+
+
+def test_a_split_share_outside_zero_to_one_is_refused_before_anything_moves():
+    kv = DeviceKV.from_caches(GEO, *(torch.zeros(4, 32, 2, 64, dtype=torch.bfloat16),) * 2)
+    pool = HostPagePool(GEO, 2, pin=False)
+    pool.buffer.fill_(1)
+    for bad in (-0.5, 2.0, math.nan):
+        with pytest.raises(ValueError, match="share"):
+            load(pool.buffer, [0], kv, torch.arange(16), backend="split", dma_share=bad)
+    assert not any(t.any() for g in kv.layers for t in g)
+
+
 def test_layer_pitches_name_the_layouts_a_pitched_copy_suits(monkeypatch):
     geo = KVGeometry(4, 16, 2, 64, "bf16")  # 256-byte rows
     row, slots = geo.item_bytes, 40
@@ -198,6 +251,9 @@ def test_table_cache_round_trip_key_and_bad_files(tmp_path, caplog):
     path = copy_table.table_path(tmp_path, "k")
     copy_table.save_table(path, TABLE)
     assert copy_table.load_table(path, "k") == TABLE
+    shared = CopyTable("k", "GPU", (_with_split(1.0, 2.5, 1.2, share=0.35),))
+    copy_table.save_table(path, shared)
+    assert copy_table.load_table(path, "k").entries[0].split_share == 0.35
     assert copy_table.load_table(path, "other") is None  # another GPU, driver or library
     doc = json.loads(path.read_text())
     doc["version"] = copy_table.TABLE_VERSION + 1
@@ -385,7 +441,9 @@ def test_copy_engine_backend_on_cpu_tensors_is_an_error_and_auto_is_torch(monkey
         save(kv, torch.arange(16), pool.buffer, [0], backend="copy_engine")
     with pytest.raises(ValueError, match="needs CUDA"):
         save(kv, torch.arange(16), pool.buffer, [0], backend="pitched")
-    for setting in ("copy_engine", "kernel", "direct", "pitched"):
+    with pytest.raises(ValueError, match="needs CUDA"):
+        save(kv, torch.arange(16), pool.buffer, [0], backend="split")
+    for setting in ("copy_engine", "kernel", "direct", "pitched", "split"):
         monkeypatch.setenv("PAGEKV_COPY_BACKEND", setting)
         assert load(pool.buffer, [0], kv, torch.arange(16)) == "torch"  # no GPU: the reference
 

@@ -11,10 +11,11 @@ pinned ring (:class:`~.staging.IndexStaging`), which the caller keeps referenced
 launch's event completes. A CUDA slot table (the engine's tensor) always goes to the kernel:
 reading it on the host would sync.
 
-:func:`launch` enqueues a transfer. Copy-engine (batched or pitched) and staged transfers go to
-the connector's :class:`~.copy_issuer.CopyIssuer` where the caller passes one (their host time
-then lands on the issuer's thread, so the table may give them shapes whose enqueue would hold
-the caller: ``deferred``); everything else is enqueued on the current stream by the caller.
+:func:`launch` enqueues a transfer. Copy-engine (batched or pitched), split and staged transfers
+go to the connector's :class:`~.copy_issuer.CopyIssuer` where the caller passes one (their host
+time then lands on the issuer's thread, so the table may give them shapes whose enqueue would
+hold the caller: ``deferred``; the split's kernel part uploads its indices there, on the
+issuer's stream); everything else is enqueued on the current stream by the caller.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from .staging import IndexStaging
 
 __all__ = ["HOST_INDEX_BACKENDS", "Indices", "Launched", "host_ids", "launch", "transfer_indices"]
 
-HOST_INDEX_BACKENDS = ("copy_engine", "pitched", "direct", "staged")
+HOST_INDEX_BACKENDS = ("copy_engine", "pitched", "direct", "split", "staged")
 # backends an issuer thread enqueues (their host time grows with the transfer)
-ISSUED_BACKENDS = ("copy_engine", "pitched", "staged")
+ISSUED_BACKENDS = ("copy_engine", "pitched", "split", "staged")
 
 
 @dataclass(frozen=True)
@@ -88,10 +89,11 @@ def transfer_indices(
 
 @dataclass(frozen=True)
 class Launched:
-    """What :func:`launch` enqueued: the backend (``copy_engine``, ``pitched`` or ``staged``
-    when queued on the issuer), one completion per layer asked for (a ``torch.cuda.Event``
-    recorded on the current stream, or the issuer's :class:`~.copy_issuer.Completion`), and the
-    indices, which the caller keeps referenced until the last completion has completed."""
+    """What :func:`launch` enqueued: the backend (``copy_engine``, ``pitched``, ``split`` or
+    ``staged`` when queued on the issuer), one completion per layer asked for (a
+    ``torch.cuda.Event`` recorded on the current stream, or the issuer's
+    :class:`~.copy_issuer.Completion`), and the indices, which the caller keeps referenced until
+    the last completion has completed."""
 
     backend: str
     events: list[Any]

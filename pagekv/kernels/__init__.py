@@ -2,7 +2,8 @@
 
 One function per operation (:func:`load`, :func:`save`, :func:`copy_slots`, :func:`store_kv`),
 each dispatching to the CUDA kernels, the copy engines (:mod:`.copy_engine`), the direct
-memcpy backend, whole pages staged in device memory (:mod:`.staged`) or the torch reference
+memcpy backend, the kernel and the pitched copy side by side (:mod:`.split`), whole pages
+staged in device memory (:mod:`.staged`) or the torch reference
 (:mod:`.reference`, the oracle for the kernels and the CPU path); :mod:`.copy_table` says which
 one ``auto`` takes. See :mod:`.layout` for the layouts and :mod:`.jit` for how the kernels are
 built and the settings (``PAGEKV_KERNELS``, ``PAGEKV_COPY_BACKEND``, ``PAGEKV_CACHE_DIR``).

@@ -2,7 +2,9 @@
 
 Each grid shape is a real :func:`~pagekv.kernels.load` / :func:`~pagekv.kernels.save` with CPU
 page ids and slots (what ``auto`` is asked to decide), on random bytes, pages in random order
-on shuffled page-sized runs of slots, on a stream of its own.
+on shuffled page-sized runs of slots, on a stream of its own. An all-layer shape also times the
+kernel on the split's blocks, whose seconds and the pitched copy's give the split's balanced
+share (:func:`.split.balanced_share`), at which the split itself is then timed.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from pagekv.geometry import KVGeometry
 
-from . import copy_engine, ops
+from . import copy_engine, ops, split
 from .copy_table import BACKENDS, DIRECT_MAX_COPIES, TOTAL_BYTES, Entry, Shape, grid, median_seconds
 from .layout import DeviceKV
 
@@ -49,31 +51,42 @@ def _shape_seconds(
     layer = None if all_layers else 1
     rows = geo.num_layers * geo.num_kv if all_layers else geo.num_kv
     stream = torch.cuda.current_stream()
-    seconds, enqueue = [], []
+    index = dev.index or 0
+
+    def timed(backend: str, **kw: object) -> tuple[float, float]:
+        if load:
+            fn = functools.partial(ops.load, host, ids, kv, slots, layer=layer, backend=backend,
+                                   validate=False, **kw)  # fmt: skip
+        else:
+            fn = functools.partial(ops.save, kv, slots, host, ids, layer=layer, backend=backend,
+                                   validate=False, **kw)  # fmt: skip
+        return median_seconds(fn, stream.synchronize)
+
+    times: dict[str, tuple[float, float]] = {}
+    share = math.nan
     for backend in BACKENDS:
+        times[backend] = (math.inf, math.inf)
         if (
             (backend == "copy_engine" and not ce_ok)
             or (backend == "direct" and n_pages * rows > DIRECT_MAX_COPIES)
-            or (backend == "pitched" and not all_layers)
+            or (backend in ("pitched", "split") and not all_layers)
         ):
-            seconds.append((backend, math.inf))
-            enqueue.append((backend, math.inf))
             continue
-        if load:
-            fn = functools.partial(ops.load, host, ids, kv, slots, layer=layer, backend=backend,
-                                   validate=False)  # fmt: skip
+        if backend == "split":
+            share = split.balanced_share(timed("kernel", num_blocks=split.BLOCKS)[0],
+                                         times["pitched"][0])  # fmt: skip
+            if math.isnan(share):
+                continue
+            times[backend] = timed("split", dma_share=share)
         else:
-            fn = functools.partial(ops.save, kv, slots, host, ids, layer=layer, backend=backend,
-                                   validate=False)  # fmt: skip
-        t, host_s = median_seconds(fn, stream.synchronize)
-        if (backend == "copy_engine" and not copy_engine.supported(dev.index or 0)) or (
-            backend == "pitched" and not copy_engine.pitched_supported(dev.index or 0)
+            times[backend] = timed(backend)
+        if (backend == "copy_engine" and not copy_engine.supported(index)) or (
+            backend in ("pitched", "split") and not copy_engine.pitched_supported(index)
         ):
-            t = host_s = math.inf  # the call failed: the kernel ran in its place
-        seconds.append((backend, t))
-        enqueue.append((backend, host_s))
+            times[backend] = (math.inf, math.inf)  # the call failed: the kernel ran in its place
     shape = Shape(load, all_layers, float(run), n_pages * per_page)
-    return Entry(shape, tuple(seconds), tuple(enqueue))
+    return Entry(shape, tuple((b, t[0]) for b, t in times.items()),
+                 tuple((b, t[1]) for b, t in times.items()), share)  # fmt: skip
 
 
 def measure_entries(device: int) -> list[Entry]:

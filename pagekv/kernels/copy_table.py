@@ -16,7 +16,12 @@ the connector's own enqueues the copy engine's transfers (``deferred``:
 Among the candidates the faster DMA backend (``DMA_BACKENDS``: the copy engine, the pitched
 copy) wins unless it is more than ``COPY_ENGINE_SLACK`` slower than the fastest (deferred:
 ``DEFERRED_COPY_ENGINE_SLACK``, as those transfers run beside the engine's compute, where the
-kernel slows both): it leaves the SMs to the model.
+kernel slows both): it leaves the SMs to the model. Failing that, a deferred transfer takes the
+split backend (:mod:`.split`: the kernel on 2 blocks beside the pitched copy; only the issuer
+is offered it) where it is within the same slack of the fastest: its cost to a decode beside it
+is steady where the kernel's on 4 blocks is not. Each all-layer entry also keeps the split's
+balanced share (:func:`.split.balanced_share` of the 2-block kernel's and the pitched copy's
+seconds), which the split backend uses for the shapes around it.
 
 A transfer takes a backend only when the measured shapes around it agree
 (:meth:`CopyTable.choose`: the nearest runs on both sides, each at the nearest totals on both
@@ -65,7 +70,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-TABLE_VERSION = 6
+TABLE_VERSION = 7
 # The copy engine is chosen unless it takes more than this fraction longer than the fastest.
 COPY_ENGINE_SLACK = 0.10
 # ... and for a transfer the connector's issuer enqueues (``deferred``: loads and saves that run
@@ -84,7 +89,7 @@ ENQUEUE_SLACK_S = 25e-6
 # the large ones.
 RUN_BYTES = (4096, 8192, 16384, 18432, 32768, 36864, 65536, 73728, 131072, 147456, 262144)
 TOTAL_BYTES = (1 << 20, 16 << 20, 128 << 20)
-BACKENDS = ("kernel", "copy_engine", "pitched", "direct")
+BACKENDS = ("kernel", "copy_engine", "pitched", "direct", "split")
 # the backends that move bytes on the DMA engines, leaving the SMs to the model
 DMA_BACKENDS = ("copy_engine", "pitched")
 DIRECT_MAX_COPIES = 4096  # the direct backend is not timed where it would issue more memcpys
@@ -105,27 +110,28 @@ class Entry:
     shape: Shape
     seconds: tuple[tuple[str, float], ...]  # (backend, median seconds), inf = not measured
     enqueue: tuple[tuple[str, float], ...]  # (backend, median host seconds of the call)
+    split_share: float = math.nan  # the split's pitched share for this shape (nan: none)
 
     def best(self, allowed: Collection[str], deferred: bool = False) -> str | None:
         """The backend for this shape among ``allowed`` (None when none was measured): those
-        whose enqueue time is within ``ENQUEUE_SLACK_S`` of the kernel's (the DMA backends
-        whatever their enqueue time when ``deferred``: a thread other than the caller's enqueues
-        them), then the faster DMA backend unless it is more than ``COPY_ENGINE_SLACK``
-        (deferred: ``DEFERRED_COPY_ENGINE_SLACK``) slower than the fastest."""
+        whose enqueue time is within ``ENQUEUE_SLACK_S`` of the kernel's (the DMA backends and
+        the split whatever their enqueue time when ``deferred``: a thread other than the
+        caller's enqueues them), then the faster DMA backend unless it is more than
+        ``COPY_ENGINE_SLACK`` (deferred: ``DEFERRED_COPY_ENGINE_SLACK``) slower than the
+        fastest, then the split unless it is more than that slower, else the fastest."""
         host = dict(self.enqueue)
         bound = host.get("kernel", math.inf) + ENQUEUE_SLACK_S
-        free = ("kernel", *DMA_BACKENDS) if deferred else ("kernel",)
+        free = ("kernel", *DMA_BACKENDS, "split") if deferred else ("kernel",)
         times = {b: s for b, s in self.seconds if b in allowed and math.isfinite(s)
                  and (b in free or host.get(b, math.inf) <= bound)}  # fmt: skip
         if not times:
             return None
         fastest = min(times, key=times.__getitem__)
-        dma = [b for b in DMA_BACKENDS if b in times]
         slack = DEFERRED_COPY_ENGINE_SLACK if deferred else COPY_ENGINE_SLACK
-        if dma:
-            quick = min(dma, key=times.__getitem__)
-            if times[quick] <= times[fastest] * (1 + slack):
-                return quick
+        dma = [b for b in DMA_BACKENDS if b in times]
+        for pick in ([min(dma, key=times.__getitem__)] if dma else []) + ["split"]:
+            if pick in times and times[pick] <= times[fastest] * (1 + slack):
+                return pick
         return fastest
 
 
@@ -154,27 +160,46 @@ class CopyTable:
             hit = self._memo[key] = self._agreed(shape, allowed, deferred)
         return hit
 
-    def _agreed(self, shape: Shape, allowed: Collection[str], deferred: bool) -> str:
+    def split_share(self, shape: Shape) -> float:
+        """The split's pitched share for an all-layer ``shape``: the mean of the measured
+        shares around it (the same neighbours as :meth:`choose`), else
+        :data:`.split.FALLBACK_SHARE`."""
+        from .split import FALLBACK_SHARE
+
+        shares = [e.split_share for e in self._neighbours(shape) if math.isfinite(e.split_share)]
+        return statistics.fmean(shares) if shares else FALLBACK_SHARE
+
+    def _neighbours(self, shape: Shape) -> list[Entry]:
+        """The entries of ``shape``'s direction and layer span at the nearest measured runs at
+        or below and at or above its run, each at the nearest totals on both sides (log scale;
+        one side where ``shape`` is outside the grid); none when its run is below every
+        measured one."""
         same = [
             e
             for e in self.entries
             if e.shape.load == shape.load and e.shape.all_layers == shape.all_layers
         ]
-        runs = _around([e.shape.run_bytes for e in same], shape.run_bytes)
-        if not runs or min(e.shape.run_bytes for e in same) > shape.run_bytes:
-            return "kernel"
-        picks = set()
-        for run in runs:
+        if not same or min(e.shape.run_bytes for e in same) > shape.run_bytes:
+            return []
+        out = []
+        for run in _around([e.shape.run_bytes for e in same], shape.run_bytes):
             row = [e for e in same if e.shape.run_bytes == run]
             for total in _around([e.shape.total_bytes for e in row], shape.total_bytes):
-                picks |= {e.best(allowed, deferred) or "kernel" for e in row
-                          if e.shape.total_bytes == total}  # fmt: skip
+                out += [e for e in row if e.shape.total_bytes == total]
+        return out
+
+    def _agreed(self, shape: Shape, allowed: Collection[str], deferred: bool) -> str:
+        picks = {e.best(allowed, deferred) or "kernel" for e in self._neighbours(shape)}
         return picks.pop() if len(picks) == 1 else "kernel"
 
     def to_json(self) -> dict:
+        def share(e: Entry) -> float | None:  # JSON has no nan
+            return None if math.isnan(e.split_share) else e.split_share
+
         return {"version": TABLE_VERSION, "key": self.key, "device": self.device,
                 "entries": [{"shape": asdict(e.shape), "seconds": dict(e.seconds),
-                             "enqueue": dict(e.enqueue)} for e in self.entries]}  # fmt: skip
+                             "enqueue": dict(e.enqueue), "split_share": share(e)}
+                            for e in self.entries]}  # fmt: skip
 
     @classmethod
     def from_json(cls, doc: dict) -> CopyTable:
@@ -185,8 +210,13 @@ class CopyTable:
             sh = e["shape"]
             shape = Shape(bool(sh["load"]), bool(sh["all_layers"]), float(sh["run_bytes"]),
                           int(sh["total_bytes"]))  # fmt: skip
-            entries.append(Entry(shape, _pairs(e["seconds"]), _pairs(e["enqueue"])))
+            entries.append(Entry(shape, _pairs(e["seconds"]), _pairs(e["enqueue"]),
+                                 _share(e.get("split_share"))))  # fmt: skip
         return cls(str(doc["key"]), str(doc["device"]), tuple(entries))
+
+
+def _share(value: object) -> float:
+    return math.nan if value is None else float(value)  # type: ignore[arg-type]
 
 
 def _pairs(d: dict) -> tuple[tuple[str, float], ...]:
@@ -301,7 +331,7 @@ def calibrate(device: int | None = None, *, force: bool = False) -> CopyTable:
     else measured now and cached. ``force`` measures again."""
     import torch
 
-    from . import copy_engine
+    from . import copy_engine, split
     from .jit import cache_dir, load_library
 
     index = torch.cuda.current_device() if device is None else device
@@ -315,7 +345,7 @@ def calibrate(device: int | None = None, *, force: bool = False) -> CopyTable:
         driver = copy_engine._support(index)
         library = Path(getattr(lib, "_name", "lib")).name
         form = (f"lanes={copy_engine.LANES},layer_lanes={copy_engine.LAYER_LANES},"
-                f"flags={copy_engine.FLAGS}")  # fmt: skip
+                f"flags={copy_engine.FLAGS},split_blocks={split.BLOCKS}")  # fmt: skip
         key = table_key(name, driver, f"{library}|{form}")
         path = table_path(cache_dir(), key)
         if force and path.exists():

@@ -7,6 +7,9 @@
   layers lie at one distance (:attr:`.layout.DeviceKV.layer_pitches`); one layer, or layers at
   uneven distances, take the kernel;
 * ``"direct"``: one ``cudaMemcpyAsync`` per run of consecutive slots (large pages);
+* ``"split"``: all layers shared between the kernel on 2 thread blocks and the pitched copy side
+  by side (:mod:`.split`; the pitched copy's share from the measured table, or ``dma_share``);
+  where the pitched copy suits the caches; else the kernel;
 * ``"staged"``: all layers as whole-page DMA copies through a device staging buffer and a
   device-side kernel (:mod:`.staged`); needs the copy engine; one layer takes the kernel; only
   when asked for (the setting or ``backend=``);
@@ -17,21 +20,23 @@ With the setting ``auto`` (the default): the kernel when the page ids or slots a
 (the others build their copies on the host) or a CUDA graph is being captured; else the
 backend the measured shapes around this one agree on in the table measured once for this GPU
 (:mod:`.copy_table`): on the caller's thread only backends whose host time per call stays
-within the kernel's (the connector's issuer thread lifts that bar for the DMA backends:
-``deferred``), the faster DMA backend (the copy engine for runs of at least
+within the kernel's (the connector's issuer thread lifts that bar for the DMA backends and
+the split: ``deferred``), the faster DMA backend (the copy engine for runs of at least
 ``COPY_ENGINE_MIN_RUN``, the pitched copy for all layers of caches it suits) unless it is more
 than 10% slower than the fastest (deferred: the copy engine from
 ``DEFERRED_COPY_ENGINE_MIN_RUN``, unless more than 50% slower: those transfers run beside the
-engine's compute), else the fastest; never the staged backend (it
-costs a model running beside it more: see :mod:`.staged`). Launches go on torch's current
+engine's compute; then the split where the pitched copy suits the caches and it is within 50%
+of the fastest: the kernel's share on 2 blocks costs a decode beside it steadily less than the
+kernel on 4), else the fastest; never the staged backend (it costs a model running beside it
+more: see :mod:`.staged`). Launches go on torch's current
 stream and neither allocate nor synchronise, so kernel launches can be captured in a CUDA graph
 (pass device index tensors and ``validate=False`` inside a capture).
 
 ``validate=True`` checks index values (range, repeats) before anything is written, which syncs
 when the indices are CUDA tensors. ``validate=False`` keeps the shape/dtype/device checks; every
 backend then skips (never writes) tokens whose page id or slot is out of range. ``copy_engine``,
-``pitched`` and ``direct`` asked for with CUDA index tensors copy them to the host first (a
-sync).
+``pitched``, ``split`` and ``direct`` asked for with CUDA index tensors copy them to the host
+first (a sync).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from typing import Literal
 
 import torch
 
-from . import copy_engine, copy_table, reference, staged
+from . import copy_engine, copy_table, reference, split, staged
 from .jit import (
     PAGE_IDS64,
     PAGE_LOAD,
@@ -75,9 +80,11 @@ __all__ = [
     "transfer_layers",
 ]
 
-Backend = Literal["auto", "kernel", "copy_engine", "pitched", "direct", "staged", "torch"]
-_BACKENDS = ("auto", "kernel", "copy_engine", "pitched", "direct", "staged", "torch")
-_CUDA_BACKENDS = ("kernel", "copy_engine", "pitched", "direct", "staged")
+Backend = Literal["auto", "kernel", "copy_engine", "pitched", "direct", "split", "staged",
+                  "torch"]  # fmt: skip
+_BACKENDS = ("auto", "kernel", "copy_engine", "pitched", "direct", "split", "staged", "torch")
+_CUDA_BACKENDS = ("kernel", "copy_engine", "pitched", "direct", "split", "staged")
+ALL_LAYER_BACKENDS = ("pitched", "split", "staged")  # one layer takes the kernel
 # Thread blocks for host<->device transfers: enough to reach the bus, leaving the SMs to the
 # model (H100 measurements, docs/benchmarks.md). All-layer loads use 4: with 16 KiB page blocks
 # at random host addresses 8-16 blocks reading over PCIe lost ~15% (address-translation
@@ -206,9 +213,9 @@ def _auto_backend(
 ) -> str:
     """See the module docstring: the setting, else the kernel or the measured table."""
     setting = copy_backend_setting()
-    if setting == "staged" and layer is not None:
-        return "kernel"  # the staged backend moves whole pages: one layer takes the kernel
-    if setting == "pitched" and (layer is not None or not _pitched_ok(kv)):
+    if setting in ALL_LAYER_BACKENDS and layer is not None:
+        return "kernel"  # they move all layers at once
+    if setting in ("pitched", "split") and not _pitched_ok(kv):
         return "kernel"  # a row per layer, at one distance
     if setting != "auto":
         return setting
@@ -217,18 +224,24 @@ def _auto_backend(
     if torch.cuda.is_current_stream_capturing():
         return "kernel"
     device = kv.device.index or 0
-    geo = kv.geometry
     run = copy_engine.run_bytes(kv, s)
     allowed = ["kernel", "direct"]
     floor = DEFERRED_COPY_ENGINE_MIN_RUN if deferred else COPY_ENGINE_MIN_RUN
     if copy_engine.supported(device) and run >= floor:
         allowed.append("copy_engine")
     if layer is None and _pitched_ok(kv):
-        allowed.append("pitched")
+        allowed += ["pitched", "split"] if deferred else ["pitched"]
+    return copy_table.calibrate(device).choose(_shape(load, kv, ids, layer, run), allowed,
+                                               deferred)  # fmt: skip
+
+
+def _shape(
+    load: bool, kv: DeviceKV, ids: torch.Tensor, layer: int | None, run: float
+) -> copy_table.Shape:
+    geo = kv.geometry
     rows = geo.num_layers * geo.num_kv if layer is None else geo.num_kv
     total = ids.numel() * geo.page_size * rows * geo.item_bytes
-    shape = copy_table.Shape(load, layer is None, run, total)
-    return copy_table.calibrate(device).choose(shape, allowed, deferred)
+    return copy_table.Shape(load, layer is None, run, total)
 
 
 def _pitched_ok(kv: DeviceKV) -> bool:
@@ -302,6 +315,7 @@ def _page_transfer(
     backend: str,
     num_blocks: int | None,
     validate: bool,
+    dma_share: float | None = None,
 ) -> str:
     """:func:`load` or :func:`save`: the checks, the torch path and ``auto``'s choice; the CUDA
     backends in :func:`_cuda_page_transfer`. Returns the backend used."""
@@ -313,12 +327,12 @@ def _page_transfer(
     s = check_slots(slots, ids.numel(), geo.page_size, kv.num_slots, check_values=validate)
     if load and validate:
         check_unique_slots(s)
-    if num_blocks is None:
-        num_blocks = (
-            SAVE_BLOCKS if not load else LOAD_BLOCKS if layer is None else LAYER_LOAD_BLOCKS
-        )
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+    if num_blocks is not None and (
+        isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0
+    ):
         raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    if dma_share is not None:
+        split.pitched_count(0, dma_share)  # raises for a share outside [0, 1]
     host_ok = kv.device.type == "cuda" and _reachable(host, kv.device)
     lib = _kernel_lib(backend, host_ok, "CUDA caches and a pinned host")
     if lib is not None and backend == "auto":
@@ -335,7 +349,12 @@ def _page_transfer(
         else:
             reference.save_ref(kv, s, host, ids, layer=layer)
         return "torch"
-    return _cuda_page_transfer(lib, load, host, ids, kv, s, layer, backend, num_blocks)
+    return _cuda_page_transfer(lib, load, host, ids, kv, s, layer, backend, num_blocks,
+                               dma_share)  # fmt: skip
+
+
+def _default_blocks(load: bool, layer: int | None) -> int:
+    return SAVE_BLOCKS if not load else LOAD_BLOCKS if layer is None else LAYER_LOAD_BLOCKS
 
 
 def _cuda_page_transfer(
@@ -347,15 +366,20 @@ def _cuda_page_transfer(
     s: torch.Tensor,
     layer: int | None,
     backend: str,
-    num_blocks: int,
+    num_blocks: int | None,
+    dma_share: float | None,
 ) -> str:
     """The transfer on ``backend`` (checked indices), on the current stream: a DMA backend
     that cannot take it (one layer where it moves all layers, caches it does not suit, a call
     the driver refused: said once per device) leaves it to the kernel."""
     stream = current_stream(kv.device.index)
+    if backend == "split" and layer is None and _pitched_ok(kv):
+        return _split_transfer(lib, load, host, ids, kv, s, num_blocks, dma_share)
+    num_blocks = num_blocks or _default_blocks(load, layer)
     if backend in ("copy_engine", "staged", "pitched"):
         if _dma_transfer(lib, backend, load, host, ids, kv, s, layer, num_blocks, stream):
             return backend
+    if backend != "direct":
         backend = "kernel"
     if backend == "direct":
         geo = kv.geometry
@@ -375,6 +399,36 @@ def _cuda_page_transfer(
                    device_indices(ids, dev), device_indices(s, dev), layer, num_blocks,
                    stream)  # fmt: skip
     return "kernel"
+
+
+def _split_transfer(
+    lib: ctypes.CDLL,
+    load: bool,
+    host: torch.Tensor,
+    ids: torch.Tensor,
+    kv: DeviceKV,
+    s: torch.Tensor,
+    num_blocks: int | None,
+    dma_share: float | None,
+) -> str:
+    """All layers on the split backend (:mod:`.split`): the kernel's part on ``num_blocks``
+    (default ``split.BLOCKS``), the pitched copy's share ``dma_share`` (default: the measured
+    table's for this shape). Returns ``split``, or ``kernel`` where the pitched copy failed."""
+    dev = kv.device
+    ids_h, s_h = _host_indices(ids, s)
+    if dma_share is None:
+        shape = _shape(load, kv, ids_h, None, copy_engine.run_bytes(kv, s_h))
+        dma_share = copy_table.calibrate(dev.index or 0).split_share(shape)
+    host_addr = _reachable_address(host, dev)
+    blocks = num_blocks or split.BLOCKS
+
+    def kernel(first: int, end: int) -> None:  # on the current stream (the side one's too)
+        _kernel_launch(lib, load, host_addr, host.shape[0], kv,
+                       device_indices(ids_h[first:end], dev), device_indices(s_h[first:end], dev),
+                       None, blocks, current_stream(dev.index))  # fmt: skip
+
+    took = split.page_transfer(lib, load, host, kv, ids_h, s_h, dma_share, kernel)
+    return "split" if took else "kernel"
 
 
 def _dma_transfer(
@@ -558,14 +612,19 @@ def load(
     backend: Backend = "auto",
     num_blocks: int | None = None,
     validate: bool = True,
+    dma_share: float | None = None,
 ) -> str:
     """Page-first host pages -> layer-first device slots, all layers or only ``layer``.
 
     ``host``: pool buffer ``[num_pages, *geometry.host_page_shape]`` (pinned, or on the GPU);
     ``page_ids``: ``[n]``; ``slots``: ``[n, page_size]`` (negative = skip). Writes ``kv`` only,
-    asynchronously on the current stream. Returns the backend used.
+    asynchronously on the current stream. Returns the backend used. ``num_blocks``: the
+    kernel's thread blocks (default: 4 for all layers, 8 for one; the split's kernel part 2);
+    ``dma_share``: the share of the pages the split backend gives the pitched copy (in [0, 1];
+    default: the measured table's for this shape).
     """
-    return _page_transfer(True, host, page_ids, kv, slots, layer, backend, num_blocks, validate)
+    return _page_transfer(True, host, page_ids, kv, slots, layer, backend, num_blocks, validate,
+                          dma_share)  # fmt: skip
 
 
 def save(
@@ -578,13 +637,16 @@ def save(
     backend: Backend = "auto",
     num_blocks: int | None = None,
     validate: bool = True,
+    dma_share: float | None = None,
 ) -> str:
     """Layer-first device slots -> page-first host pages (each page id at most once).
 
     Writes ``host`` only, asynchronously on the current stream: synchronise (or record an
-    event) before reading or sending the pages. Returns the backend used.
+    event) before reading or sending the pages. Returns the backend used. ``num_blocks``,
+    ``dma_share``: as :func:`load`'s (saves' kernel default: 8 blocks).
     """
-    return _page_transfer(False, host, page_ids, kv, slots, layer, backend, num_blocks, validate)
+    return _page_transfer(False, host, page_ids, kv, slots, layer, backend, num_blocks, validate,
+                          dma_share)  # fmt: skip
 
 
 def copy_slots(

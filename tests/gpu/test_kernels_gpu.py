@@ -122,9 +122,9 @@ def test_auto_uses_the_measured_table_and_the_setting(monkeypatch):
         assert got == want
     # CUDA index tensors: the kernel (no copy can be built on the host without a sync)
     assert save(kv, contiguous.to(DEV), pool.buffer, torch.arange(8, device=DEV)) == "kernel"
-    for setting in ("kernel", "direct", "copy_engine", "staged", "pitched"):
+    for setting in ("kernel", "direct", "copy_engine", "staged", "pitched", "split"):
         monkeypatch.setenv("PAGEKV_COPY_BACKEND", setting)
-        expect = setting if setting in ("kernel", "direct", "pitched") or ce else "kernel"
+        expect = setting if setting in ("kernel", "direct", "pitched", "split") or ce else "kernel"
         assert save(kv, contiguous, pool.buffer, list(range(8))) == expect
     torch.cuda.synchronize()
 
