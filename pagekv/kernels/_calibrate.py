@@ -4,7 +4,8 @@ Each grid shape is a real :func:`~pagekv.kernels.load` / :func:`~pagekv.kernels.
 page ids and slots (what ``auto`` is asked to decide), on random bytes, pages in random order
 on shuffled page-sized runs of slots, on a stream of its own. An all-layer shape also times the
 kernel on the split's blocks, whose seconds and the pitched copy's give the split's balanced
-share (:func:`.split.balanced_share`), at which the split itself is then timed.
+share (:func:`.split.balanced_share`); the split is timed at ``split.SHARE_TRIALS`` of it and
+the fastest share kept.
 """
 
 from __future__ import annotations
@@ -73,11 +74,14 @@ def _shape_seconds(
         ):
             continue
         if backend == "split":
-            share = split.balanced_share(timed("kernel", num_blocks=split.BLOCKS)[0],
-                                         times["pitched"][0])  # fmt: skip
-            if math.isnan(share):
+            balanced = split.balanced_share(timed("kernel", num_blocks=split.BLOCKS)[0],
+                                            times["pitched"][0])  # fmt: skip
+            if math.isnan(balanced):
                 continue
-            times[backend] = timed("split", dma_share=share)
+            trials = {f * balanced: timed("split", dma_share=f * balanced)
+                      for f in split.SHARE_TRIALS}  # fmt: skip
+            share = min(trials, key=lambda x: trials[x][0])
+            times[backend] = trials[share]
         else:
             times[backend] = timed(backend)
         if (backend == "copy_engine" and not copy_engine.supported(index)) or (

@@ -20,8 +20,8 @@ kernel slows both): it leaves the SMs to the model. Failing that, a deferred tra
 split backend (:mod:`.split`: the kernel on 2 blocks beside the pitched copy; only the issuer
 is offered it) where it is within the same slack of the fastest: its cost to a decode beside it
 is steady where the kernel's on 4 blocks is not. Each all-layer entry also keeps the split's
-balanced share (:func:`.split.balanced_share` of the 2-block kernel's and the pitched copy's
-seconds), which the split backend uses for the shapes around it.
+share (the fastest of those timed around the balance of the 2-block kernel's and the pitched
+copy's seconds: :mod:`.split`), which the split backend uses for the shapes around it.
 
 A transfer takes a backend only when the measured shapes around it agree
 (:meth:`CopyTable.choose`: the nearest runs on both sides, each at the nearest totals on both

@@ -19,9 +19,12 @@ Rules:
   before the call) and joined back (the current stream's later work waits for it); the first
   pages go to the kernel on the current stream. The halves touch disjoint pages (a save) or
   slots (a load), so they may run in any order.
-* ``share``: the fraction of the pages the pitched copy takes, chosen so both halves end
-  together: ``t_kernel / (t_kernel + t_pitched)`` for the seconds each takes alone for the whole
-  transfer (:func:`balanced_share`, from the measured table: :mod:`.copy_table`).
+* ``share``: the fraction of the pages the pitched copy takes, from the measured table
+  (:mod:`.copy_table`): the fastest of ``SHARE_TRIALS`` times the share at which both halves
+  would end together by their rates alone (:func:`balanced_share`). Run together they slow each
+  other unevenly, loads most (H200, 128 MiB of 4 KiB runs: the balanced 0.43 moved 33 GB/s
+  where alone the pitched copy moved 26 and the kernel on 2 blocks 35; saves add up), so the
+  best share lies at or below the balanced one, and may be 0: the kernel on 2 blocks alone.
 * Bounds are the kernels' and the pitched copy's: out-of-range page ids and slots are skipped.
 * A pitched call the driver refuses leaves its pages to the kernel on the side stream (said
   once per device by :mod:`.copy_engine`; from then on ``auto`` does not take this backend).
@@ -43,12 +46,21 @@ import torch
 from . import copy_engine
 from .layout import DeviceKV
 
-__all__ = ["BLOCKS", "FALLBACK_SHARE", "balanced_share", "page_transfer", "pitched_count"]
+__all__ = [
+    "BLOCKS",
+    "FALLBACK_SHARE",
+    "SHARE_TRIALS",
+    "balanced_share",
+    "page_transfer",
+    "pitched_count",
+]
 
 # thread blocks of the kernel's half: steady beside a decode where 4 are not (see above)
 BLOCKS = 2
 # the pitched share where the table has none for a shape (the measured balance for 4 KiB runs)
 FALLBACK_SHARE = 0.4
+# fractions of the balanced share the table times for each shape, keeping the fastest
+SHARE_TRIALS = (0.0, 0.55, 0.7, 0.85, 1.0)
 
 # kernel(first, end): the kernel for pages [first, end) of the transfer, on the current stream
 Kernel = Callable[[int, int], None]
