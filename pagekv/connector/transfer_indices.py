@@ -114,14 +114,15 @@ def launch(
     """Enqueue the transfer of ``page_ids`` (host pages) to (``load_``) or from the device
     ``slots``, after the current stream's enqueued work: once per entry of ``layers`` (None:
     all layers at once; else those layers, one after the other), one completion each. With an
-    ``issuer``, a transfer the table gives the copy engine is queued there and the current
-    stream is not ordered after it: consumers wait on the completions. (Where the device has
-    stopped using the copy engine, such a transfer runs here and takes the kernel.)"""
+    ``issuer``, a transfer the table gives a backend of ``ISSUED_BACKENDS`` is queued there and
+    the current stream is not ordered after it: consumers wait on the completions. (Where the
+    device has no batched copies, or has stopped using them, the issuer is not used: the choice
+    is the caller's thread's, and runs here.)"""
+    deferred = issuer is not None and copy_engine.supported(kv.device.index or 0)
     idx = transfer_indices(load_, kv, page_ids, slots, staging, layer=layers[0],
-                           deferred=issuer is not None)  # fmt: skip
+                           deferred=deferred)  # fmt: skip
     job = functools.partial(transfer_layers, load_, host, idx.ids, kv, idx.slots, list(layers),
                             backend=idx.backend)  # fmt: skip
-    deferred = issuer is not None and copy_engine.supported(kv.device.index or 0)
     if idx.backend in ISSUED_BACKENDS and deferred:
         return Launched(idx.backend, issuer.submit(job, len(layers)), idx)
     backend, events = job()

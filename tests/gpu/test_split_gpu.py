@@ -219,3 +219,28 @@ def test_shares_outside_zero_to_one_are_refused():
                  dma_share=bad)  # fmt: skip
     torch.cuda.synchronize()
     assert all(bits_equal(a, b) for a, b in zip(before, [t for g in kv.layers for t in g]))
+
+
+def test_without_batched_copies_the_issuer_is_not_used_nor_the_split_chosen(monkeypatch):
+    """Where the device has stopped using batched copies the connector's launch neither queues
+    on its issuer nor picks as if it would: the caller's thread's choice (never the split), run
+    on the caller's stream, and the bytes are the reference's."""
+    monkeypatch.delenv("PAGEKV_COPY_BACKEND", raising=False)
+    monkeypatch.setattr(copy_engine, "_failed", {0: "stopped for this test"})
+    geo = KVGeometry(4, 16, 1, 128, "bf16")  # 4 KiB runs: the issuer's split where it is used
+    n = 64
+    caches = device_caches(geo, n * 16, poisoned=True)
+    kv = DeviceKV.from_caches(geo, *caches)
+    pool = HostPagePool(geo, n)
+    pool.buffer.copy_(random_tensor(pool.buffer.shape, geo.dtype))
+    slots = torch.randperm(n)[:, None] * 16 + torch.arange(16)
+    ref = DeviceKV.from_caches(geo, *[c.clone() for c in caches])
+    load_ref(pool.buffer, torch.arange(n), ref, slots)
+    issuer = CopyIssuer(DEV)
+    try:
+        out = launch(True, kv, pool.buffer, list(range(n)), slots, IndexStaging(1 << 16), issuer)
+        assert out.backend != "split" and issuer.counters["jobs"] == 0
+        out.events[0].synchronize()
+        assert _caches_equal(kv, ref)
+    finally:
+        issuer.close()
