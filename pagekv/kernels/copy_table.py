@@ -331,7 +331,7 @@ def calibrate(device: int | None = None, *, force: bool = False) -> CopyTable:
     else measured now and cached. ``force`` measures again."""
     import torch
 
-    from . import copy_engine, split
+    from . import copy_engine, ops, split
     from .jit import cache_dir, load_library
 
     index = torch.cuda.current_device() if device is None else device
@@ -344,8 +344,10 @@ def calibrate(device: int | None = None, *, force: bool = False) -> CopyTable:
         name = torch.cuda.get_device_name(index)
         driver = copy_engine._support(index)
         library = Path(getattr(lib, "_name", "lib")).name
+        blocks = (ops.LOAD_BLOCKS, ops.LAYER_LOAD_BLOCKS, ops.SAVE_BLOCKS, ops.LAYER_SAVE_BLOCKS,
+                  split.BLOCKS)  # fmt: skip
         form = (f"lanes={copy_engine.LANES},layer_lanes={copy_engine.LAYER_LANES},"
-                f"flags={copy_engine.FLAGS},split_blocks={split.BLOCKS}")  # fmt: skip
+                f"flags={copy_engine.FLAGS},blocks={blocks}")  # fmt: skip
         key = table_key(name, driver, f"{library}|{form}")
         path = table_path(cache_dir(), key)
         if force and path.exists():

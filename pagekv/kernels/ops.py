@@ -89,11 +89,16 @@ ALL_LAYER_BACKENDS = ("pitched", "split", "staged")  # one layer takes the kerne
 # model (H100 measurements, docs/benchmarks.md). All-layer loads use 4: with 16 KiB page blocks
 # at random host addresses 8-16 blocks reading over PCIe lost ~15% (address-translation
 # misses, benchmarks/results/bench_kernels_tp8_unroll.json) while 4 held >= 0.90 everywhere.
-# One-layer loads (smaller, latency-bound batches) and saves (posted writes) are best at 8.
+# One-layer loads (smaller, latency-bound batches) are best at 8. All-layer saves use 4: alone
+# as fast as 8 (H200, 4 GiB of TP-8 pages: 52.3-52.4 GB/s both), while beside a graph-captured
+# decode 8 blocks made its steps x1.10-x3.10 slower and 4 x1.02-x1.92 (8- and 16-token pages,
+# benchmarks/results/bench_beside_compute_save_blocks_tp8_*). One-layer saves keep 8 (not
+# measured beside a decode).
 HOST_BLOCKS = 8
 LOAD_BLOCKS = 4
 LAYER_LOAD_BLOCKS = 8
-SAVE_BLOCKS = 8
+SAVE_BLOCKS = 4
+LAYER_SAVE_BLOCKS = 8
 THREADS = 1024
 UNROLL = 4  # chunks in flight per thread (kernels/csrc: kUnroll)
 # page kernels: chunks in flight per thread, 4 or 8 (benchmarks/results: the block/unroll sweep)
@@ -354,7 +359,9 @@ def _page_transfer(
 
 
 def _default_blocks(load: bool, layer: int | None) -> int:
-    return SAVE_BLOCKS if not load else LOAD_BLOCKS if layer is None else LAYER_LOAD_BLOCKS
+    if load:
+        return LOAD_BLOCKS if layer is None else LAYER_LOAD_BLOCKS
+    return SAVE_BLOCKS if layer is None else LAYER_SAVE_BLOCKS
 
 
 def _cuda_page_transfer(
@@ -578,7 +585,7 @@ def _kernel_layers(
     ids_d, s_d = device_indices(ids, dev), device_indices(s, dev)
     host_addr = _reachable_address(host, dev)
     width, unroll, threads = _launch_shape(load, kv, host_addr)
-    blocks_all, blocks_one = (LOAD_BLOCKS, LAYER_LOAD_BLOCKS) if load else (SAVE_BLOCKS,) * 2
+    blocks_all, blocks_one = _default_blocks(load, None), _default_blocks(load, 0)
     args = _plan_args(load, kv, host_addr, host.shape[0], ids_d, s_d, unroll)
     stream_obj = torch.cuda.current_stream(dev)
     stream = stream_obj.cuda_stream
@@ -643,7 +650,7 @@ def save(
 
     Writes ``host`` only, asynchronously on the current stream: synchronise (or record an
     event) before reading or sending the pages. Returns the backend used. ``num_blocks``,
-    ``dma_share``: as :func:`load`'s (saves' kernel default: 8 blocks).
+    ``dma_share``: as :func:`load`'s.
     """
     return _page_transfer(False, host, page_ids, kv, slots, layer, backend, num_blocks, validate,
                           dma_share)  # fmt: skip
