@@ -5,12 +5,14 @@ Where a cache's runs are short (4 KiB: a TP-8 slice of Llama-3-8B at 16 tokens) 
 engines pay per row and the pitched copy moves 0.3-0.5 of the bus, while the kernel on the 4
 thread blocks that reach the bus costs a decode running beside it either ~0.9x or ~1.8x a plain
 copy's extra time, round by round. On ``BLOCKS`` (2) blocks the kernel's cost is steady; with a
-share of the pages moved by the pitched copy at the same time the transfer gets back most of the
-rate (H200, 2026-11-28, TP-8 16-token pages, 4 GiB beside a graph-captured decode: 0.87-0.91x a
-plain copy's extra decode time at 40-43 GB/s, where the pitched copy alone costs 0.26x at 18
-GB/s and the 4-block kernel 0.9-1.8x at 51; docs/benchmarks.md "Beside a graph-captured
-decode"). ``auto`` takes it only for transfers the connector's issuer enqueues (they run beside
-the engine's compute) where it would otherwise take the kernel.
+share of the pages moved by the pitched copy at the same time the transfer gets back part of the
+rate (H200, 2026-11-28, TP-8 16-token pages, 4 GiB beside a graph-captured decode, two runs:
+loads 0.77-0.81x a plain copy's extra decode time, every round <= 0.85, at 40-41 GB/s alone,
+where the pitched copy costs 0.25x at 18 GB/s and the 4-block kernel 1.13-1.16x, rounds up to
+2.18, at 51; saves leave the step at x1.000-x1.025 where the 8-block save kernel made it
+x1.24-x3.00; docs/benchmarks.md "Beside a graph-captured decode"). ``auto`` offers it only to
+transfers the connector's issuer enqueues (they run beside the engine's compute) and takes it
+where no DMA backend is within the issuer's slack and it is.
 
 Rules:
 
