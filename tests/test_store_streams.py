@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pagekv.store import AsyncStoreClient, ClientConfig, Status, StoreClient
+from pagekv.store.client.routing import Link
 from pagekv.store.config import MAX_STREAMS, default_streams
 from pagekv.store.launch import NodeProcess
 from tests.helpers import POISON, as_bytes, poisoned_like, sigstop, store_blocks
@@ -254,6 +255,12 @@ async def test_reset_of_one_link_fails_only_its_requests():
         assert len(keys) // 2 <= ok.count(True) < len(keys)
         for hit, buf, value in zip(ok, into, values):
             assert bytes(buf) == (value if hit else bytes([POISON]) * len(buf))
+        # the failed requests back the node off; it takes requests again once the replacing
+        # link has done its handshake (ZeroMQ's I/O thread: on a loaded host, after this point)
+        deadline = time.monotonic() + 10
+        while client._zmq.link_state(0) is not Link.UP:
+            assert time.monotonic() < deadline, "the replacing link did not connect in 10 s"
+            await asyncio.sleep(0.005)
         assert await client.get_many(keys, into=into) == [True] * len(keys)  # link replaced
         assert [bytes(b) for b in into] == values
     finally:
