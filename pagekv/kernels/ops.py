@@ -383,11 +383,10 @@ def _cuda_page_transfer(
     if backend == "split" and layer is None and _pitched_ok(kv):
         return _split_transfer(lib, load, host, ids, kv, s, num_blocks, dma_share)
     num_blocks = num_blocks or _default_blocks(load, layer)
-    if backend in ("copy_engine", "staged", "pitched"):
-        if _dma_transfer(lib, backend, load, host, ids, kv, s, layer, num_blocks, stream):
-            return backend
-    if backend != "direct":
-        backend = "kernel"
+    if backend in ("copy_engine", "staged", "pitched") and _dma_transfer(
+        lib, backend, load, host, ids, kv, s, layer, num_blocks, stream
+    ):
+        return backend
     if backend == "direct":
         geo = kv.geometry
         l0, nl = (0, geo.num_layers) if layer is None else (layer, 1)
