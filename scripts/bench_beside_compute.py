@@ -11,10 +11,11 @@ copy, the table's share; ``split@B:S``: on B blocks with share S pitched), ``aut
 ``PAGEKV_COPY_BACKEND=auto``, set here: what the measured table picks for CPU indices on the
 caller's thread), ``issuer`` (what the connector enqueues: the table's choice for its issuer
 thread, the load enqueued there), the direct backend -- the step is timed alone, then beside
-a 4 GiB all-layer load on a side stream; only steps that start and end inside the load's
-window (events on the side stream) count. A round's slowdown is the median beside over the
-median alone; the figure is the median over rounds, and the ratio of a backend's extra time to
-the plain copy's, per round, then its median.
+a 4 GiB all-layer load on a side stream (``--saves``: a save; ``--by-layer``: the same bytes as
+one call per layer, as the connector's layer-by-layer loads and saves run beside a forward);
+only steps that start and end inside the load's window (events on the side stream) count. A
+round's slowdown is the median beside over the median alone; the figure is the median over
+rounds, and the ratio of a backend's extra time to the plain copy's, per round, then its median.
 
 Part 2, the reference engine (``pagekv.engine``, Llama-3-8B shape, random weights, decode steps
 replayed from CUDA graphs): decode tokens/s of one request while other requests' prefixes of
@@ -102,8 +103,9 @@ class Loads:
     """4 GiB of KV (``geo``: its pages) in pinned host pages and a device cache, and
     the ways to move it host -> device (``saves``: device -> host) on a side stream."""
 
-    def __init__(self, total: int, geo: KVGeometry, saves: bool = False) -> None:
-        self.geo, self.saves = geo, saves
+    def __init__(self, total: int, geo: KVGeometry, saves: bool = False,
+                 by_layer: bool = False) -> None:  # fmt: skip
+        self.geo, self.saves, self.by_layer = geo, saves, by_layer
         self.n_pages = total // geo.page_bytes
         self.nbytes = self.n_pages * geo.page_bytes
         self.raw_host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
@@ -125,20 +127,14 @@ class Loads:
         self.staging: IndexStaging | None = None
 
     def run(self, how: str, layer: int | None = None, nbytes: int = 0) -> str:
-        """Enqueue one load of every page (or of ``layer``: ``nbytes`` of pages) on the side
-        stream; the plain copy moves the same number of bytes contiguously."""
-        assert layer is None or not self.saves, "saves move all layers here"
+        """Enqueue one load (save) of every page (or of ``layer``: ``nbytes`` of pages) on the
+        side stream; the plain copy moves the same number of bytes contiguously."""
         with torch.cuda.stream(self.stream):
             if how == "plain_copy":
-                if self.saves:
-                    self.raw_host.copy_(self.dev_flat, non_blocking=True)
-                elif layer is None:
-                    self.dev_flat.copy_(self.raw_host, non_blocking=True)
-                else:
-                    n = nbytes // self.geo.num_layers
-                    self.dev_flat[layer * n : (layer + 1) * n].copy_(
-                        self.raw_host[layer * n : (layer + 1) * n], non_blocking=True
-                    )
+                n = nbytes // self.geo.num_layers if layer is not None else self.nbytes
+                part = slice(0, n) if layer is None else slice(layer * n, (layer + 1) * n)
+                dev, host = self.dev_flat[part], self.raw_host[part]
+                (host if self.saves else dev).copy_(dev if self.saves else host, non_blocking=True)
                 return how
             pages = self.n_pages if layer is None else max(1, nbytes // self.geo.page_bytes)
             if how == "issuer":  # as the connector enqueues it: the table's deferred choice
@@ -169,15 +165,23 @@ class Loads:
                 values = {"SCATTER_BLOCKS" if backend == "staged" else "LANES": int(count)}
             with overridden(module, **values):
                 if self.saves:
-                    return save(self.kv, slots, self.host, ids, backend=backend, validate=False,
-                                num_blocks=num_blocks, dma_share=share)  # fmt: skip
+                    return save(self.kv, slots, self.host, ids, layer=layer, backend=backend,
+                                validate=False, num_blocks=num_blocks, dma_share=share)  # fmt: skip
                 return load(self.host, ids, self.kv, slots, layer=layer, backend=backend,
                             validate=False, num_blocks=num_blocks, dma_share=share)  # fmt: skip
+
+    def every_page(self, how: str) -> str:
+        """Every page moved once: one all-layer call, or (``by_layer``) one call per layer, as
+        the connector's layer-by-layer loads and saves run in an engine's forward."""
+        if not self.by_layer:
+            return self.run(how)
+        used = {self.run(how, layer, self.nbytes) for layer in range(self.geo.num_layers)}
+        return "/".join(sorted(used))
 
     def timed(self, how: str) -> tuple[torch.cuda.Event, torch.cuda.Event, str]:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record(self.stream)
-        used = self.run(how)
+        used = self.every_page(how)
         b.record(self.stream)
         return a, b, used
 
@@ -198,7 +202,7 @@ def decode_beside(args: argparse.Namespace, step: DecodeStep, loads: Loads) -> d
     # warm-up, and each load's time alone (sizes the decode run beside it)
     load_ms = {}
     for how in backends:
-        loads.run(how)
+        loads.every_page(how)
         loads.stream.synchronize()
         a, b, _ = loads.timed(how)
         loads.stream.synchronize()
@@ -434,6 +438,8 @@ def main() -> None:
                     help="the kernel on these blocks (B or BxT: of T threads) too")  # fmt: skip
     ap.add_argument("--saves", action="store_true",
                     help="part 1: 4 GiB saves (device -> host) instead of loads")  # fmt: skip
+    ap.add_argument("--by-layer", action="store_true",
+                    help="part 1: the 4 GiB as one call per layer")  # fmt: skip
     ap.add_argument(
         "--split",
         type=lambda s: [x for x in s.split(",") if x],
@@ -454,7 +460,7 @@ def main() -> None:
     print(f"# {env['device']} torch {env['torch']} cuda {env.get('cuda')} commit {env['commit']}")
     geo = KVGeometry(page_size=args.page_size, **GEOMETRIES[args.geometry])
     t = time.perf_counter()
-    loads = Loads(int(args.load_gib * GIB), geo, saves=args.saves)
+    loads = Loads(int(args.load_gib * GIB), geo, saves=args.saves, by_layer=args.by_layer)
     table = calibrate(0)
     print(
         f"setup {time.perf_counter() - t:.1f} s; copy table: {len(table.entries)} shapes",

@@ -187,6 +187,18 @@ def test_the_split_share_is_the_measured_one_around_a_shape():
         split.pitched_count(10, 1.01)
 
 
+def test_a_shapes_split_share_is_worked_out_once(monkeypatch):
+    table = CopyTable("k", "GPU", (_with_split(1.0, 2.5, 1.2, share=0.3, run=4096.0),))
+    scans = []
+    real = CopyTable._neighbours
+    monkeypatch.setattr(
+        CopyTable, "_neighbours", lambda t, shape: scans.append(shape) or real(t, shape)
+    )
+    shape = Shape(True, True, 4096.0, 1 << 20)
+    assert [table.split_share(shape) for _ in range(3)] == [0.3] * 3 and len(scans) == 1
+    assert table.choose(shape, ("kernel",)) == "kernel" and len(scans) == 2  # its own entry
+
+
 def test_a_split_share_outside_zero_to_one_is_refused_before_anything_moves():
     kv = DeviceKV.from_caches(GEO, *(torch.zeros(4, 32, 2, 64, dtype=torch.bfloat16),) * 2)
     pool = HostPagePool(GEO, 2, pin=False)

@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 __all__ = [
     "COPY_ENGINE_SLACK",
@@ -70,6 +71,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 TABLE_VERSION = 7
 # The copy engine is chosen unless it takes more than this fraction longer than the fastest.
 COPY_ENGINE_SLACK = 0.10
@@ -152,22 +154,29 @@ class CopyTable:
         ``shape`` is outside the grid). ``kernel`` when they disagree, when a run is shorter
         than every measured one, when nothing fits. ``deferred``: see :meth:`Entry.best`.
         Remembered per (shape, allowed, deferred): a layer-by-layer load asks once per layer."""
-        key = (shape, tuple(sorted(allowed)), deferred)
-        hit = self._memo.get(key)
-        if hit is None:
-            if len(self._memo) >= MEMO_MAX:
-                self._memo.clear()
-            hit = self._memo[key] = self._agreed(shape, allowed, deferred)
-        return hit
+        return self._remembered((shape, tuple(sorted(allowed)), deferred),
+                                lambda: self._agreed(shape, allowed, deferred))  # fmt: skip
 
     def split_share(self, shape: Shape) -> float:
         """The split's pitched share for an all-layer ``shape``: the mean of the measured
         shares around it (the same neighbours as :meth:`choose`), else
-        :data:`.split.FALLBACK_SHARE`."""
+        :data:`.split.FALLBACK_SHARE`. Remembered per shape, as the choices are."""
         from .split import FALLBACK_SHARE
 
-        shares = [e.split_share for e in self._neighbours(shape) if math.isfinite(e.split_share)]
-        return statistics.fmean(shares) if shares else FALLBACK_SHARE
+        def mean() -> float:
+            shares = [e.split_share for e in self._neighbours(shape)
+                      if math.isfinite(e.split_share)]  # fmt: skip
+            return statistics.fmean(shares) if shares else FALLBACK_SHARE
+
+        return self._remembered(("split_share", shape), mean)
+
+    def _remembered(self, key: tuple, compute: Callable[[], T]) -> T:
+        hit = self._memo.get(key)
+        if hit is None:
+            if len(self._memo) >= MEMO_MAX:
+                self._memo.clear()
+            hit = self._memo[key] = compute()
+        return hit
 
     def _neighbours(self, shape: Shape) -> list[Entry]:
         """The entries of ``shape``'s direction and layer span at the nearest measured runs at
