@@ -89,16 +89,17 @@ ALL_LAYER_BACKENDS = ("pitched", "split", "staged")  # one layer takes the kerne
 # model (H100 measurements, docs/benchmarks.md). All-layer loads use 4: with 16 KiB page blocks
 # at random host addresses 8-16 blocks reading over PCIe lost ~15% (address-translation
 # misses, benchmarks/results/bench_kernels_tp8_unroll.json) while 4 held >= 0.90 everywhere.
-# One-layer loads (smaller, latency-bound batches) are best at 8. All-layer saves use 4: alone
-# as fast as 8 (H200, 4 GiB of TP-8 pages: 52.3-52.4 GB/s both), while beside a graph-captured
-# decode 8 blocks made its steps x1.10-x3.10 slower and 4 x1.02-x1.92 (8- and 16-token pages,
-# benchmarks/results/bench_beside_compute_save_blocks_tp8_*). One-layer saves keep 8 (not
-# measured beside a decode).
+# One-layer loads (smaller, latency-bound batches, which the forward waits for layer by layer)
+# are best at 8. Saves use 4, all layers or one: writing to host memory, 8 blocks make a
+# graph-captured decode beside them x1.10-x3.10 slower (all layers; one layer at a time
+# x2.2-x2.4) and 4 x1.02-x1.92 (one layer: x1.03-x1.05), where alone 4 move as much on all
+# layers (H200, 4 GiB of TP-8 pages: 52.3-52.4 GB/s both) and 0.85-0.98 of it one layer at a
+# time (benchmarks/results/bench_beside_compute_save_blocks_*, ..._by_layer_*).
 HOST_BLOCKS = 8
 LOAD_BLOCKS = 4
 LAYER_LOAD_BLOCKS = 8
 SAVE_BLOCKS = 4
-LAYER_SAVE_BLOCKS = 8
+LAYER_SAVE_BLOCKS = 4
 THREADS = 1024
 UNROLL = 4  # chunks in flight per thread (kernels/csrc: kUnroll)
 # page kernels: chunks in flight per thread, 4 or 8 (benchmarks/results: the block/unroll sweep)
