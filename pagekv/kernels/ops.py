@@ -92,7 +92,7 @@ ALL_LAYER_BACKENDS = ("pitched", "split", "staged")  # one layer takes the kerne
 # One-layer loads (smaller, latency-bound batches, which the forward waits for layer by layer)
 # are best at 8. Saves use 4, all layers or one: writing to host memory, 8 blocks make a
 # graph-captured decode beside them x1.10-x3.10 slower (all layers; one layer at a time
-# x2.2-x2.4) and 4 x1.02-x1.92 (one layer: x1.03-x1.05), where alone 4 move as much on all
+# x2.2-x2.5) and 4 x1.02-x1.92 (one layer: x1.02-x1.05), where alone 4 move as much on all
 # layers (H200, 4 GiB of TP-8 pages: 52.3-52.4 GB/s both) and 0.85-0.98 of it one layer at a
 # time (benchmarks/results/bench_beside_compute_save_blocks_*, ..._by_layer_*).
 HOST_BLOCKS = 8
