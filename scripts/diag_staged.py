@@ -4,10 +4,12 @@ against the pinned contiguous copy, for the shapes whose runs no DMA backend mov
 
 Variants (over :mod:`pagekv.kernels.staged`'s module settings, each named in full): 16 MiB
 chunks over 4 buffers with 64 scatter blocks and no taper, and with the chunks halving down
-to 1 MiB at the transfer's end (a save's start) on 64, 8, 4 and 2 scatter blocks. The kernel
-in the same rounds. Medians over ``--reps`` rounds of (copy time / staged time).
+to 1 MiB at the transfer's end (a save's start) on 64, 8, 4 and 2 scatter blocks, and the
+last on 64 blocks with each chunk's DMA call over 4 streams or with 8 DMA streams in turn. The
+kernel in the same rounds. Medians over ``--reps`` rounds of (copy time / staged time).
 
     python scripts/diag_staged.py [--mib 256,1024] [--reps 5] [--shapes llama3-8b-tp8:16,...]
+                                  [--variants blocks64_taper1,...]
 """
 
 from __future__ import annotations
@@ -43,7 +45,12 @@ VARIANTS = {  # every setting named, so that the names hold whatever staged.py s
         }
         for b in (64, 8, 4, 2)
     },
-}
+    # the shipped ring with each chunk's DMA call over 4 streams, or with 8 DMA streams in turn
+    "blocks64_taper1_lanes4": {"SCATTER_BLOCKS": 64, "TAPER_BYTES": MIB,
+                               "CHUNK_BYTES": 16 * MIB, "BUFFERS": 4, "DMA_LANES": 4},
+    "blocks64_taper1_streams8": {"SCATTER_BLOCKS": 64, "TAPER_BYTES": MIB,
+                                 "CHUNK_BYTES": 16 * MIB, "BUFFERS": 4, "DMA_STREAMS": 8},
+}  # fmt: skip
 
 
 def variant_fn(st: Setup, settings: dict, is_load: bool):
@@ -69,7 +76,10 @@ def main() -> None:
     ap.add_argument("--mib", default="256,1024")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--shapes", type=parse_shapes, default=SHAPES, help="geometry:page,...")
+    ap.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
+                    help="of: " + ", ".join(VARIANTS))  # fmt: skip
     args = parse_args(ap)
+    variants = {v: VARIANTS[v] for v in args.variants}
     sizes = [int(m) * MIB for m in args.mib.split(",")]
     raw = torch.empty(max(sizes) + (64 * MIB), dtype=torch.uint8).pin_memory()
     raw.random_()
@@ -84,17 +94,17 @@ def main() -> None:
             for is_load, ceiling in ((True, "ceiling_h2d"), (False, "ceiling_d2h")):
                 d = "load" if is_load else "save"
                 fns = {ceiling: ceil[ceiling], f"kernel_{d}": kern[f"kernel_{d}"]}
-                for v, settings in VARIANTS.items():
+                for v, settings in variants.items():
                     fns[v] = variant_fn(st, settings, is_load)
                 times = interleaved(fns, args.reps)
                 row[f"kernel_{d}"] = ratio(times, ceiling, f"kernel_{d}")
-                for v in VARIANTS:
+                for v in variants:
                     row[f"{v}_{d}"] = ratio(times, ceiling, v)
             print(row, flush=True)
             rows.append(row)
             del st
             torch.cuda.empty_cache()
-    write_result("diag_staged", {"env_note": environment()["date"], "variants": VARIANTS,
+    write_result("diag_staged", {"env_note": environment()["date"], "variants": variants,
                                  "rows": rows})  # fmt: skip
 
 
