@@ -75,7 +75,8 @@ __all__ = [
 ]
 
 CHUNK_BYTES = 16 << 20  # pages per DMA call and per kernel launch: at least one page
-# streams each chunk's DMA call is split over (the copy-engine entry's lanes): 4 moved no more
+# streams each chunk's DMA call is split over (the copy-engine entry's lanes): 4 moved no more,
+# loads or saves (nor did 8 DMA_STREAMS; scripts/diag_staged.py)
 DMA_LANES = 1
 BUFFERS = 4  # staging buffers of a chunk each, used in turn (at most RING_BYTES together)
 RING_BYTES = 64 << 20
