@@ -693,6 +693,31 @@ def test_an_io_error_turns_the_tier_off_with_one_log_line(tiers, caplog, call, c
     assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
 
 
+def test_the_tier_is_seen_off_only_once_its_line_is_logged(tiers):
+    """Whoever sees ``on`` turn False (a node's stats, a test waiting on it) finds the error
+    line already written: the line is said while the tier still reads as on."""
+    ops = FailingOps()
+    tier = tiers(io=ops)
+    offer(tier, 0, 100_000)
+    assert tier.flush(10)
+    seen: list[bool] = []
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(tier.on)
+
+    handler = Seen(logging.ERROR)
+    logger = logging.getLogger("pagekv.store.disk")
+    logger.addHandler(handler)
+    try:
+        ops.fail["preadv"] = errno.EIO
+        assert read_all(tier, [0])[0] is None
+    finally:
+        logger.removeHandler(handler)
+    tier.expect_off = True
+    assert seen == [True] and not tier.on
+
+
 def test_a_full_disk_reclaims_and_retries_and_never_raises(tiers):
     ops = FailingOps()
     tier = tiers(io=ops, capacity=8 * MIB)

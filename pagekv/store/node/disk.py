@@ -1003,10 +1003,11 @@ class DiskTier:
         with self._lock:
             if self._error is not None:
                 return
-            self._error = reason
-            # said before anyone waiting (flush, save) is woken: they may look for the line
+            # said before the tier reads as off (``on``, ``error``) and before anyone waiting
+            # (flush, save) is woken: whoever sees it off finds the line
             log.error("pagekv disk tier %s off: %s; serving from memory only", self.config.dir,
                       reason, exc_info=exc)  # fmt: skip
+            self._error = reason
             self._drop_queue("write_dropped_off")
             gone = list(self._index.entries) if self.on_removed is not None else []
             self._index.clear()
