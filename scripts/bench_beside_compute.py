@@ -170,13 +170,15 @@ class Loads:
                 return load(self.host, ids, self.kv, slots, layer=layer, backend=backend,
                             validate=False, num_blocks=num_blocks, dma_share=share)  # fmt: skip
 
-    def every_page(self, how: str) -> str:
-        """Every page moved once: one all-layer call, or (``by_layer``) one call per layer, as
-        the connector's layer-by-layer loads and saves run in an engine's forward."""
-        if not self.by_layer:
-            return self.run(how)
-        used = {self.run(how, layer, self.nbytes) for layer in range(self.geo.num_layers)}
+    def layer_by_layer(self, how: str, nbytes: int) -> str:
+        """``nbytes`` of pages moved one call per layer, as the connector's layer-by-layer loads
+        and saves run in an engine's forward; the backends those calls took."""
+        used = {self.run(how, layer, nbytes) for layer in range(self.geo.num_layers)}
         return "/".join(sorted(used))
+
+    def every_page(self, how: str) -> str:
+        """Every page moved once: one all-layer call, or (``by_layer``) one call per layer."""
+        return self.layer_by_layer(how, self.nbytes) if self.by_layer else self.run(how)
 
     def timed(self, how: str) -> tuple[torch.cuda.Event, torch.cuda.Event, str]:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -308,8 +310,7 @@ def engine_beside(args: argparse.Namespace, loads: Loads) -> dict:
             state["last"], state["took"], state["outs"] = out.events[-1], out.backend, outs
             return start, end  # end: recorded once the decode is over (see one())
         for _ in range(repeats):
-            for layer in range(geo.num_layers):
-                loads.run(how, layer, size)
+            loads.layer_by_layer(how, size)
         end.record(loads.stream)
         return start, end
 

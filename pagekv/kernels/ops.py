@@ -649,7 +649,8 @@ def save(
     """Layer-first device slots -> page-first host pages (each page id at most once).
 
     Writes ``host`` only, asynchronously on the current stream: synchronise (or record an
-    event) before reading or sending the pages. Returns the backend used. ``num_blocks``,
+    event) before reading or sending the pages. Returns the backend used. ``num_blocks``: the
+    kernel's thread blocks (default: 4, all layers or one; the split's kernel part 2);
     ``dma_share``: as :func:`load`'s.
     """
     return _page_transfer(False, host, page_ids, kv, slots, layer, backend, num_blocks, validate,
