@@ -1,27 +1,63 @@
 """Timing the transfer backends on this GPU for :mod:`.copy_table` (one grid, ~1 s).
 
 Each grid shape is a real :func:`~pagekv.kernels.load` / :func:`~pagekv.kernels.save` with CPU
-page ids and slots (what ``auto`` is asked to decide), on random bytes, pages in random order
-on shuffled page-sized runs of slots, on a stream of its own. An all-layer shape also times the
-kernel on the split's blocks, whose seconds and the pitched copy's give the split's balanced
-share (:func:`.split.balanced_share`); the split is timed at ``split.SHARE_TRIALS`` of it and
-the fastest share kept.
+page ids and slots (what ``auto`` is asked to decide), on random bytes, pages in random order on
+shuffled page-sized runs of slots, on a stream of its own, timed by :func:`steady_seconds`. An
+all-layer shape also times the kernel on the split's blocks, whose seconds and the pitched
+copy's give the split's balanced share (:func:`.split.balanced_share`); the split is timed at
+``split.SHARE_TRIALS`` of it and the fastest share kept.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 
 from pagekv.geometry import KVGeometry
 
 from . import copy_engine, ops, split
-from .copy_table import BACKENDS, DIRECT_MAX_COPIES, TOTAL_BYTES, Entry, Shape, grid, median_seconds
+from .copy_table import BACKENDS, DIRECT_MAX_COPIES, TOTAL_BYTES, Entry, Shape, grid
 from .layout import DeviceKV
 
-__all__ = ["measure_entries"]
+__all__ = ["measure_entries", "steady_seconds"]
+
+Timing = Callable[[Callable[[], object], torch.cuda.Stream], tuple[float, float]]
+
+
+def steady_seconds(
+    fn: Callable[[], object], stream: torch.cuda.Stream, reps: int = 5, inner: int = 3
+) -> tuple[float, float]:
+    """Median seconds per call of a run of ``fn`` calls once under way, and the median host
+    time of a call issued to an idle device (its enqueue time), after one untimed call.
+
+    A run is ``inner`` calls back to back from an idle device; its seconds per call are the
+    device's, from the end of the first call's work to the end of the last's, over the calls
+    after the first (CUDA events on ``stream``, where every backend's work joins). So a call's
+    host time counts only where it is longer than its copies (the device then waits for the
+    next call): in a run of layers or chunks each call is enqueued while the ones before it
+    copy, and the first call's host time, which nothing overlaps and which a busy host
+    lengthens, is not the run's rate."""
+    fn()
+    stream.synchronize()
+    first = torch.cuda.Event(enable_timing=True)
+    last = torch.cuda.Event(enable_timing=True)
+    times, enqueue = [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        enqueue.append(time.perf_counter() - start)
+        first.record(stream)
+        for _ in range(inner - 1):
+            fn()
+        last.record(stream)
+        last.synchronize()
+        times.append(first.elapsed_time(last) / 1e3 / (inner - 1))
+    return statistics.median(times), statistics.median(enqueue)
 
 
 def _geometry(all_layers: bool, run: int) -> KVGeometry:
@@ -35,7 +71,13 @@ def _geometry(all_layers: bool, run: int) -> KVGeometry:
 
 
 def _shape_seconds(
-    load: bool, all_layers: bool, run: int, total: int, host_raw: torch.Tensor, ce_ok: bool
+    load: bool,
+    all_layers: bool,
+    run: int,
+    total: int,
+    host_raw: torch.Tensor,
+    ce_ok: bool,
+    timing: Timing,
 ) -> Entry:
     dev = torch.cuda.current_stream().device
     geo = _geometry(all_layers, run)
@@ -61,7 +103,7 @@ def _shape_seconds(
         else:
             fn = functools.partial(ops.save, kv, slots, host, ids, layer=layer, backend=backend,
                                    validate=False, **kw)  # fmt: skip
-        return median_seconds(fn, stream.synchronize)
+        return timing(fn, stream)
 
     times: dict[str, tuple[float, float]] = {}
     share = math.nan
@@ -93,11 +135,12 @@ def _shape_seconds(
                  tuple((b, t[1]) for b, t in times.items()), share)  # fmt: skip
 
 
-def measure_entries(device: int) -> list[Entry]:
-    """One :class:`Entry` per grid shape, measured on ``device`` on a stream of its own."""
+def measure_entries(device: int, timing: Timing = steady_seconds) -> list[Entry]:
+    """One :class:`Entry` per grid shape, measured on ``device`` on a stream of its own by
+    ``timing`` (:func:`steady_seconds`; a diagnostic may compare another)."""
     dev = torch.device("cuda", device)
     host_raw = torch.empty(2 * max(TOTAL_BYTES), dtype=torch.uint8, pin_memory=True)
     host_raw.random_()
     ce_ok = copy_engine.supported(device)
     with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.Stream(dev)):
-        return [_shape_seconds(*shape, host_raw, ce_ok) for shape in grid()]
+        return [_shape_seconds(*shape, host_raw, ce_ok, timing) for shape in grid()]

@@ -3,25 +3,25 @@ measured once per device.
 
 For a grid of transfer shapes (direction, all layers or one, bytes per run of consecutive slots,
 bytes in all) the kernel, the copy engine, the pitched copy (all layers) and the direct memcpy
-backend are timed on this GPU:
-seconds per call of three calls back to back (a connector's chunks and layers follow one
-another, so a call's host time overlaps the copies before it) and the host time of one call
-(its *enqueue* time: what the calling thread waits). On the caller's thread (``deferred``
-false) a backend is a candidate for a shape only when its enqueue time is at most the kernel's
-plus ``ENQUEUE_SLACK_S``: the copy engine's host cost grows with its copies (~0.5-1 us each, and
-the call blocks once the driver's queue is full: a 4 GiB load of 32 KiB runs held the host 580
-of its 650 ms on the H200), and an engine's step never waits on a transfer. Where a thread of
-the connector's own enqueues the copy engine's transfers (``deferred``:
-:mod:`pagekv.connector.copy_issuer`) its host time bars nothing, nor the pitched copy's.
-Among the candidates the faster DMA backend (``DMA_BACKENDS``: the copy engine, the pitched
-copy) wins unless it is more than ``COPY_ENGINE_SLACK`` slower than the fastest (deferred:
-``DEFERRED_COPY_ENGINE_SLACK``, as those transfers run beside the engine's compute, where the
-kernel slows both): it leaves the SMs to the model. Failing that, a deferred transfer takes the
-split backend (:mod:`.split`: the kernel on 2 blocks beside the pitched copy; only the issuer
-is offered it) where it is within the same slack of the fastest: its cost to a decode beside it
-is steady where the kernel's on 4 blocks is not. Each all-layer entry also keeps the split's
-share (the fastest of those timed around the balance of the 2-block kernel's and the pitched
-copy's seconds: :mod:`.split`), which the split backend uses for the shapes around it.
+backend are timed on this GPU (:func:`._calibrate.steady_seconds`): seconds per call in a run of
+calls once under way (a connector's chunks and layers follow one another, so a call's host time
+overlaps the copies before it and counts only where it is the longer) and the host time of one
+call issued to an idle device (its *enqueue* time: what the calling thread waits). On the
+caller's thread (``deferred`` false) a backend is a candidate for a shape only when its enqueue
+time is at most the kernel's plus ``ENQUEUE_SLACK_S``: the copy engine's host cost grows with
+its copies (~0.5-1 us each, and the call blocks once the driver's queue is full: a 4 GiB load of
+32 KiB runs held the host 580 of its 650 ms on the H200), and an engine's step never waits on a
+transfer. Where a thread of the connector's own enqueues the copy engine's transfers
+(``deferred``: :mod:`pagekv.connector.copy_issuer`) its host time bars nothing, nor the pitched
+copy's. Among the candidates the faster DMA backend (``DMA_BACKENDS``: the copy engine, the
+pitched copy) wins unless it is more than ``COPY_ENGINE_SLACK`` slower than the fastest
+(deferred: ``DEFERRED_COPY_ENGINE_SLACK``, as those transfers run beside the engine's compute,
+where the kernel slows both): it leaves the SMs to the model. Failing that, a deferred transfer
+takes the split backend (:mod:`.split`: the kernel on 2 blocks beside the pitched copy; only the
+issuer is offered it) where it is within the same slack of the fastest: its cost to a decode
+beside it is steady where the kernel's on 4 blocks is not. Each all-layer entry also keeps the
+split's share (the fastest of those timed around the balance of the 2-block kernel's and the
+pitched copy's seconds: :mod:`.split`), which the split backend uses for the shapes around it.
 
 A transfer takes a backend only when the measured shapes around it agree
 (:meth:`CopyTable.choose`: the nearest runs on both sides, each at the nearest totals on both
@@ -50,7 +50,6 @@ import os
 import statistics
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -72,7 +71,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-TABLE_VERSION = 7
+TABLE_VERSION = 8
 # The copy engine is chosen unless it takes more than this fraction longer than the fastest.
 COPY_ENGINE_SLACK = 0.10
 # ... and for a transfer the connector's issuer enqueues (``deferred``: loads and saves that run
@@ -300,27 +299,6 @@ def measured_or_empty(
         log.warning("pagekv: measuring the transfer backends on %s failed (%s); backend='auto' "
                     "uses the kernel in this process", device, e)  # fmt: skip
         return CopyTable(key, device, ()), False
-
-
-def median_seconds(
-    fn: Callable[[], object], sync: Callable[[], None], reps: int = 5, inner: int = 3
-) -> tuple[float, float]:
-    """Median seconds per call of ``inner`` calls back to back, the device idle at the first
-    (the rate of a run of transfers, each call's host time overlapping the copies before it:
-    a connector streams chunks and layers one after another), and the median host time of the
-    first call itself (its enqueue time), after one untimed call."""
-    fn()
-    sync()
-    times, enqueue = [], []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        enqueue.append(time.perf_counter() - start)
-        for _ in range(inner - 1):
-            fn()
-        sync()
-        times.append((time.perf_counter() - start) / inner)
-    return statistics.median(times), statistics.median(enqueue)
 
 
 def grid() -> Iterable[tuple[bool, bool, int, int]]:

@@ -5,6 +5,8 @@ Run on a GPU machine (scripts/gpu_check.sh); skipped elsewhere.
 
 import logging
 import random
+import statistics
+import time
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from pagekv.kernels import (
     store_kv,
     store_kv_ref,
 )
+from pagekv.kernels._calibrate import steady_seconds
 from tests.helpers import ALL_DTYPES, as_bits, bits_equal, poison_, random_tensor
 
 pytestmark = pytest.mark.cuda
@@ -127,6 +130,54 @@ def test_auto_uses_the_measured_table_and_the_setting(monkeypatch):
         expect = setting if setting in ("kernel", "direct", "pitched", "split") or ce else "kernel"
         assert save(kv, contiguous, pool.buffer, list(range(8))) == expect
     torch.cuda.synchronize()
+
+
+def _spin(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _device_seconds(fn, stream):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    fn()
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+@pytest.mark.parametrize("idle_host_s", [0.0, 0.003])
+def test_the_table_times_a_run_at_its_device_rate_not_its_first_calls_host_time(idle_host_s):
+    """A call issued to an idle device may hold the host long (a busy host, a first call);
+    the table's rate is the run's once under way: here the device's ~1 ms a call."""
+    stream = torch.cuda.Stream()
+    cycles = 1 << 21
+
+    def call():
+        if idle_host_s and stream.query():  # nothing queued: this call starts a run
+            _spin(idle_host_s)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(cycles)
+
+    call()
+    stream.synchronize()
+    device = statistics.median(_device_seconds(call, stream) for _ in range(3))
+    seconds, enqueue = steady_seconds(call, stream)
+    assert 0.8 * device <= seconds <= 1.25 * device, (seconds, device)
+    assert enqueue >= idle_host_s
+
+
+def test_the_table_times_a_host_bound_run_at_its_host_time():
+    stream = torch.cuda.Stream()
+
+    def call():  # 2 ms of host time, ~0.1 ms of device time
+        _spin(0.002)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(1 << 17)
+
+    seconds, enqueue = steady_seconds(call, stream)
+    assert seconds >= 0.9 * 0.002 and enqueue >= 0.002, (seconds, enqueue)
 
 
 def _layout(name, geo, num_slots):
