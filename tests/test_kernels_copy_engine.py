@@ -122,6 +122,20 @@ def test_deferred_transfers_take_the_copy_engine_with_a_wider_slack():
     assert beyond.best(ALL, deferred=True) == "kernel"
 
 
+def test_one_layer_deferred_transfers_take_the_copy_engine_with_a_wider_slack_still():
+    """One layer through the issuer: the copy engine unless more than DEFERRED_LAYER_SLACK
+    slower (the one-layer kernel costs a decode more than the all-layer one does); all layers
+    keep DEFERRED_COPY_ENGINE_SLACK, the caller's thread COPY_ENGINE_SLACK."""
+    layer = copy_table.DEFERRED_LAYER_SLACK
+    assert layer > copy_table.DEFERRED_COPY_ENGINE_SLACK
+    ce = 1.0 + (layer + copy_table.DEFERRED_COPY_ENGINE_SLACK) / 2
+    assert entry(True, False, 1, 1, kernel=1.0, ce=ce).best(ALL, deferred=True) == "copy_engine"
+    assert entry(True, False, 1, 1, kernel=1.0, ce=ce).best(ALL) == "kernel"
+    assert entry(True, True, 1, 1, kernel=1.0, ce=ce).best(ALL, deferred=True) == "kernel"
+    beyond = entry(False, False, 1, 1, kernel=1.0, ce=1.0 + layer * 1.01)
+    assert beyond.best(ALL, deferred=True) == "kernel"
+
+
 def test_the_faster_dma_backend_is_preferred_within_the_slack():
     """The pitched copy and the copy engine both leave the SMs alone: the faster of them is
     taken unless more than the slack slower than the fastest; on the caller's thread only where

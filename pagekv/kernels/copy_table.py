@@ -15,8 +15,9 @@ transfer. Where a thread of the connector's own enqueues the copy engine's trans
 (``deferred``: :mod:`pagekv.connector.copy_issuer`) its host time bars nothing, nor the pitched
 copy's. Among the candidates the faster DMA backend (``DMA_BACKENDS``: the copy engine, the
 pitched copy) wins unless it is more than ``COPY_ENGINE_SLACK`` slower than the fastest
-(deferred: ``DEFERRED_COPY_ENGINE_SLACK``, as those transfers run beside the engine's compute,
-where the kernel slows both): it leaves the SMs to the model. Failing that, a deferred transfer
+(deferred: ``DEFERRED_COPY_ENGINE_SLACK``, one layer ``DEFERRED_LAYER_SLACK``, as those
+transfers run beside the engine's compute, where the kernel slows both): it leaves the SMs to the
+model. Failing that, a deferred transfer
 takes the split backend (:mod:`.split`: the kernel on 2 blocks beside the pitched copy; only the
 issuer is offered it) where it is within the same slack of the fastest: its cost to a decode
 beside it is steady where the kernel's on 4 blocks is not. Each all-layer entry also keeps the
@@ -58,6 +59,7 @@ from typing import TypeVar
 __all__ = [
     "COPY_ENGINE_SLACK",
     "DEFERRED_COPY_ENGINE_SLACK",
+    "DEFERRED_LAYER_SLACK",
     "DMA_BACKENDS",
     "ENQUEUE_SLACK_S",
     "CopyTable",
@@ -80,6 +82,12 @@ COPY_ENGINE_SLACK = 0.10
 # engine loaded 38-43 GB/s at -4.0% decode tokens/s, the kernel 34-35 GB/s at -12.0/-12.5% (a
 # plain copy: -5.0%), although alone the copy engine moves such runs at 0.63-0.96 of the kernel.
 DEFERRED_COPY_ENGINE_SLACK = 0.50
+# ... and for a one-layer transfer the issuer enqueues, unless more than this: the one-layer
+# kernel (8 blocks) costs a decode beside it 2.2-2.3x what a plain copy does, the copy engine
+# 0.73-0.87x (H200, 32 layers of 128 MiB, 32 KiB runs), and at 32-36 KiB runs the copy engine's
+# enqueue (0.6-1 us a copy) sets its rate, 33-55 GB/s from one measurement to the next against
+# the kernel's 50-52 (1.0-1.55x its time): the wider slack keeps such layers on the copy engine.
+DEFERRED_LAYER_SLACK = 0.75
 # A backend whose call holds the host longer than the kernel's plus this is never chosen.
 ENQUEUE_SLACK_S = 25e-6
 # The measured grid: bytes per run (page_size x row bytes when slots are consecutive) and bytes
@@ -118,8 +126,9 @@ class Entry:
         whose enqueue time is within ``ENQUEUE_SLACK_S`` of the kernel's (the DMA backends and
         the split whatever their enqueue time when ``deferred``: a thread other than the
         caller's enqueues them), then the faster DMA backend unless it is more than
-        ``COPY_ENGINE_SLACK`` (deferred: ``DEFERRED_COPY_ENGINE_SLACK``) slower than the
-        fastest, then the split unless it is more than that slower, else the fastest."""
+        ``COPY_ENGINE_SLACK`` (deferred: ``DEFERRED_COPY_ENGINE_SLACK``, for one layer
+        ``DEFERRED_LAYER_SLACK``) slower than the fastest, then the split unless it is more than
+        that slower, else the fastest."""
         host = dict(self.enqueue)
         bound = host.get("kernel", math.inf) + ENQUEUE_SLACK_S
         free = ("kernel", *DMA_BACKENDS, "split") if deferred else ("kernel",)
@@ -128,7 +137,10 @@ class Entry:
         if not times:
             return None
         fastest = min(times, key=times.__getitem__)
-        slack = DEFERRED_COPY_ENGINE_SLACK if deferred else COPY_ENGINE_SLACK
+        if not deferred:
+            slack = COPY_ENGINE_SLACK
+        else:
+            slack = DEFERRED_COPY_ENGINE_SLACK if self.shape.all_layers else DEFERRED_LAYER_SLACK
         dma = [b for b in DMA_BACKENDS if b in times]
         for pick in ([min(dma, key=times.__getitem__)] if dma else []) + ["split"]:
             if pick in times and times[pick] <= times[fastest] * (1 + slack):

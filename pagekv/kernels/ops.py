@@ -113,7 +113,7 @@ DIRECT_MIN_RUN_BYTES = 4 << 20
 # and 0.63-0.74 in others (same shapes, other processes: docs/benchmarks.md), below 28 KiB
 # 0.04-0.2. Transfers the connector's issuer enqueues (``deferred``) run beside the engine's
 # compute, where even at 32 KiB it is faster than the kernel and costs the model a third of
-# what the kernel does (copy_table.DEFERRED_COPY_ENGINE_SLACK): their floor is 32 KiB.
+# what the kernel does (copy_table's deferred slacks): their floor is 32 KiB.
 COPY_ENGINE_MIN_RUN = 64 << 10
 DEFERRED_COPY_ENGINE_MIN_RUN = 32 << 10
 Index = torch.Tensor | Sequence[int]
