@@ -38,6 +38,7 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 from _bench_util import environment, overridden, parse_args, write_result
@@ -138,13 +139,7 @@ class Loads:
                 return how
             pages = self.n_pages if layer is None else max(1, nbytes // self.geo.page_bytes)
             if how == "issuer":  # as the connector enqueues it: the table's deferred choice
-                if self.issuer is None:
-                    self.issuer, self.staging = CopyIssuer(DEV), IndexStaging()
-                out = launch(not self.saves, self.kv, self.host, self.ids_cpu[:pages].tolist(),
-                             self.slots_cpu[:pages], self.staging, self.issuer,
-                             layers=(layer,))  # fmt: skip
-                out.events[-1].wait(self.stream)  # the host waits until it is enqueued
-                return f"issuer:{out.backend}"
+                return self.issued(pages, (layer,))
             # copy_engine@N: over N streams; staged@N: N scatter blocks; kernel@N: N blocks
             backend, _, count = how.partition("@")
             cpu = backend != "kernel"  # auto: CPU indices, as the connector passes them
@@ -170,9 +165,25 @@ class Loads:
                 return load(self.host, ids, self.kv, slots, layer=layer, backend=backend,
                             validate=False, num_blocks=num_blocks, dma_share=share)  # fmt: skip
 
+    def issued(self, pages: int, layers: Sequence[int | None]) -> str:
+        """``pages`` moved through the connector's issuer, one job of ``layers`` (None: all at
+        once), on the side stream; the host waits until the issuer has enqueued them."""
+        if self.issuer is None:
+            self.issuer, self.staging = CopyIssuer(DEV), IndexStaging()
+        with torch.cuda.stream(self.stream):
+            ids, slots = self.ids_cpu[:pages].tolist(), self.slots_cpu[:pages]
+            out = launch(not self.saves, self.kv, self.host, ids, slots, self.staging,
+                         self.issuer, layers=layers)  # fmt: skip
+            out.events[-1].wait(self.stream)
+        return f"issuer:{out.backend}"
+
     def layer_by_layer(self, how: str, nbytes: int) -> str:
         """``nbytes`` of pages moved one call per layer, as the connector's layer-by-layer loads
-        and saves run in an engine's forward; the backends those calls took."""
+        and saves run in an engine's forward (``issuer``: one job of every layer, as
+        ``load_async`` submits them); the backends those calls took."""
+        if how == "issuer":
+            pages = max(1, nbytes // self.geo.page_bytes)
+            return self.issued(pages, range(self.geo.num_layers))
         used = {self.run(how, layer, nbytes) for layer in range(self.geo.num_layers)}
         return "/".join(sorted(used))
 
