@@ -249,17 +249,23 @@ def test_unknown_status_from_the_only_node_is_a_miss_not_an_exception(healthy):
     ValueError and killed the connector's write-back worker)."""
     proxy = TamperingProxy(healthy.address, lambda r: with_head(r, status=[77] * len(
         head_of(r).get("status", [0]))))  # fmt: skip
+    keys = [os.urandom(16) for _ in range(5)]
+    calls = [  # each on a client of its own: after a bad reply the node is backed off and its
+        # connection made again, and a call while that is under way is not sent (not counted)
+        (lambda c: c.put_many(keys, [b"v" * 10] * 5), [Status.UNAVAILABLE] * 5),
+        (lambda c: c.get_many(keys), [None] * 5),
+        (lambda c: c.exists_many(keys).found, [False] * 5),
+        (lambda c: c.delete_many(keys), [False] * 5),
+    ]
     try:
         cfg = ClientConfig((proxy.address,), timeout_s=0.5, bulk=False)  # proxied: ZeroMQ
-        with StoreClient(proxy.address, config=cfg) as client:
-            client.ping()
-            proxy.tampering = True
-            keys = [os.urandom(16) for _ in range(5)]
-            assert client.put_many(keys, [b"v" * 10] * 5) == [Status.UNAVAILABLE] * 5
-            assert client.get_many(keys) == [None] * 5
-            assert client.exists_many(keys).found == [False] * 5
-            assert client.delete_many(keys) == [False] * 5
-            assert client.counters["bad_replies"] >= 4
+        for call, miss in calls:
+            proxy.tampering = False
+            with StoreClient(proxy.address, config=cfg) as client:
+                client.ping()
+                proxy.tampering = True
+                assert call(client) == miss
+                assert client.counters["bad_replies"] >= 1
     finally:
         proxy.close()
 
