@@ -9,7 +9,7 @@ taking layers ``i, i + k, ...`` on a stream of its own; wall time from a barrier
 stream's end, against one pinned contiguous copy of all the bytes, rounds in turn. Also the
 kernel from one thread.
 
-    python scripts/diag_ce_threads.py [--threads 1,2,4] [--shapes llama3-8b:16] [--mib 1024]
+    python scripts/diag_ce_layer_threads.py [--threads 1,2,4] [--shapes llama3-8b:16] [--mib 1024]
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def main() -> None:
                       "host_ms": round(statistics.median(host[n]) * 1e3, 2)}  # fmt: skip
         print(row)
         rows.append(row)
-    write_result("diag_ce_threads", {"env": environment(), "args": vars(args), "rows": rows})
+    write_result("diag_ce_layer_threads", {"env": environment(), "args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":
