@@ -16,13 +16,13 @@ transfer. Where a thread of the connector's own enqueues the copy engine's trans
 copy's. Among the candidates the faster DMA backend (``DMA_BACKENDS``: the copy engine, the
 pitched copy) wins unless it is more than ``COPY_ENGINE_SLACK`` slower than the fastest
 (deferred: ``DEFERRED_COPY_ENGINE_SLACK``, one layer ``DEFERRED_LAYER_SLACK``, as those
-transfers run beside the engine's compute, where the kernel slows both): it leaves the SMs to the
-model. Failing that, a deferred transfer
-takes the split backend (:mod:`.split`: the kernel on 2 blocks beside the pitched copy; only the
-issuer is offered it) where it is within the same slack of the fastest: its cost to a decode
-beside it is steady where the kernel's on 4 blocks is not. Each all-layer entry also keeps the
-split's share (the fastest of those timed around the balance of the 2-block kernel's and the
-pitched copy's seconds: :mod:`.split`), which the split backend uses for the shapes around it.
+transfers run beside the engine's compute, where the kernel slows both): it leaves the SMs to
+the model. Failing that, a deferred transfer takes the split backend (:mod:`.split`: the kernel
+on 2 blocks beside the pitched copy; only the issuer is offered it) where it is within the same
+slack of the fastest: its cost to a decode beside it is steady where the kernel's on 4 blocks is
+not. Each all-layer entry also keeps the split's share (the fastest of those timed around the
+balance of the 2-block kernel's and the pitched copy's seconds: :mod:`.split`), which the split
+backend uses for the shapes around it.
 
 A transfer takes a backend only when the measured shapes around it agree
 (:meth:`CopyTable.choose`: the nearest runs on both sides, each at the nearest totals on both
@@ -83,9 +83,9 @@ COPY_ENGINE_SLACK = 0.10
 # plain copy: -5.0%), although alone the copy engine moves such runs at 0.63-0.96 of the kernel.
 DEFERRED_COPY_ENGINE_SLACK = 0.50
 # ... and for a one-layer transfer the issuer enqueues, unless more than this: the one-layer
-# kernel (8 blocks) costs a decode beside it 2.2-2.3x what a plain copy does, the copy engine
-# 0.73-0.87x (H200, 32 layers of 128 MiB, 32 KiB runs), and at 32-36 KiB runs the copy engine's
-# enqueue (0.6-1 us a copy) sets its rate, 33-55 GB/s from one measurement to the next against
+# kernel (8 blocks) costs a decode beside it 2.2-2.4x what a plain copy does, the copy engine
+# 0.75-0.89x (H200, 32 layers of 128 MiB, 32 KiB runs), and at 32-36 KiB runs the copy engine's
+# enqueue (0.5-1 us a copy) sets its rate, 33-55 GB/s from one measurement to the next against
 # the kernel's 50-52 (1.0-1.55x its time): the wider slack keeps such layers on the copy engine.
 DEFERRED_LAYER_SLACK = 0.75
 # A backend whose call holds the host longer than the kernel's plus this is never chosen.
