@@ -26,6 +26,7 @@ RUNS = (32768.0, 65536.0)
 
 def one_layer_entries() -> dict:
     """The grid measured now (no cache): its one-layer entries of ``RUNS``."""
+    from pagekv.kernels import ops
     from pagekv.kernels._calibrate import measure_entries
 
     t = time.perf_counter()
@@ -36,7 +37,7 @@ def one_layer_entries() -> dict:
             continue
         gbps = {b: round(e.shape.total_bytes / s / 1e9, 1) for b, s in e.seconds if s < 1e9}
         host_ms = {b: round(s * 1e3, 2) for b, s in e.enqueue if s < 1e9}
-        issuer = e.best(["kernel", "direct", "copy_engine"], deferred=True)
+        issuer = e.best(ops.table_candidates(e.shape.run_bytes, False, True, True, True), True)
         rows.append(dict(load=e.shape.load, run=e.shape.run_bytes, mib=e.shape.total_bytes >> 20,
                          gbps=gbps, host_ms=host_ms, issuer=issuer))  # fmt: skip
     return {"seconds": round(time.perf_counter() - t, 1), "one_layer": rows}

@@ -45,13 +45,9 @@ def idle_first_seconds(
 
 
 def allowed(shape: copy_table.Shape, deferred: bool) -> list[str]:
-    """What ``auto`` offers the table for ``shape`` (as ``ops._auto_backend`` does, for a device
-    with the copy engine and caches the pitched copy suits)."""
-    floor = ops.DEFERRED_COPY_ENGINE_MIN_RUN if deferred else ops.COPY_ENGINE_MIN_RUN
-    out = ["kernel", "direct"] + (["copy_engine"] if shape.run_bytes >= floor else [])
-    if shape.all_layers:
-        out += ["pitched", "split"] if deferred else ["pitched"]
-    return out
+    """What ``auto`` offers the table for ``shape`` on a device with the copy engine, for caches
+    the pitched copy suits."""
+    return ops.table_candidates(shape.run_bytes, shape.all_layers, deferred, True, True)
 
 
 def choices(entries: list[copy_table.Entry]) -> dict[str, dict]:

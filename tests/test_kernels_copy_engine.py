@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagekv.connector import HostPagePool, KVGeometry
-from pagekv.kernels import DeviceKV, copy_engine, copy_table, jit, layout, load, save, staged
+from pagekv.kernels import DeviceKV, copy_engine, copy_table, jit, layout, load, ops, save, staged
 from pagekv.kernels.copy_table import CopyTable, Entry, Shape
 from pagekv.kernels.layout import mean_run_bytes
 
@@ -492,3 +492,17 @@ def test_staged_chunks_cover_every_page_once_and_taper_where_no_dma_hides_the_ke
             big = [s for s in tail if s > min_per]
             assert big == sorted(big, reverse=True), sizes  # never growing towards that end
             assert len(bounds) <= n // per + 2 + math.ceil(math.log2(per)), sizes
+
+
+def test_auto_offers_the_table_the_copy_engine_from_its_floor_and_the_split_to_the_issuer():
+    def offered(run, all_layers=True, deferred=False, ce=True, pitched=True):
+        return ops.table_candidates(run, all_layers, deferred, ce, pitched)
+
+    caller, issuer = ops.COPY_ENGINE_MIN_RUN, ops.DEFERRED_COPY_ENGINE_MIN_RUN
+    assert offered(caller) == ["kernel", "direct", "copy_engine", "pitched"]
+    assert offered(caller - 1) == ["kernel", "direct", "pitched"]
+    assert offered(issuer, deferred=True) == ["kernel", "direct", "copy_engine", "pitched", "split"]
+    assert offered(issuer - 1, deferred=True) == ["kernel", "direct", "pitched", "split"]
+    assert offered(caller, ce=False) == ["kernel", "direct", "pitched"]
+    assert offered(caller, all_layers=False, deferred=True) == ["kernel", "direct", "copy_engine"]
+    assert offered(caller, pitched=False, deferred=True) == ["kernel", "direct", "copy_engine"]

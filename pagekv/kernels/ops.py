@@ -77,6 +77,7 @@ __all__ = [
     "copy_slots",
     "load",
     "save",
+    "table_candidates",
     "transfer_layers",
 ]
 
@@ -231,14 +232,26 @@ def _auto_backend(
         return "kernel"
     device = kv.device.index or 0
     run = copy_engine.run_bytes(kv, s)
-    allowed = ["kernel", "direct"]
-    floor = DEFERRED_COPY_ENGINE_MIN_RUN if deferred else COPY_ENGINE_MIN_RUN
-    if copy_engine.supported(device) and run >= floor:
-        allowed.append("copy_engine")
-    if layer is None and _pitched_ok(kv):
-        allowed += ["pitched", "split"] if deferred else ["pitched"]
+    allowed = table_candidates(run, layer is None, deferred, copy_engine.supported(device),
+                               _pitched_ok(kv))  # fmt: skip
     return copy_table.calibrate(device).choose(_shape(load, kv, ids, layer, run), allowed,
                                                deferred)  # fmt: skip
+
+
+def table_candidates(
+    run: float, all_layers: bool, deferred: bool, copy_engine_ok: bool, pitched_ok: bool
+) -> list[str]:
+    """The backends ``auto`` lets the table choose among for a transfer of ``run``-byte runs:
+    the kernel and direct copies; the copy engine where it works here and the runs reach its
+    floor (``COPY_ENGINE_MIN_RUN``, deferred ``DEFERRED_COPY_ENGINE_MIN_RUN``); for all layers
+    of caches at one pitch the pitched copy, and where deferred the split."""
+    allowed = ["kernel", "direct"]
+    floor = DEFERRED_COPY_ENGINE_MIN_RUN if deferred else COPY_ENGINE_MIN_RUN
+    if copy_engine_ok and run >= floor:
+        allowed.append("copy_engine")
+    if all_layers and pitched_ok:
+        allowed += ["pitched", "split"] if deferred else ["pitched"]
+    return allowed
 
 
 def _shape(
