@@ -26,7 +26,9 @@ enqueuing the loads took (an engine's step thread would wait that long). ``conne
 as the connector's ``load_async`` runs them (the table's choice; the copy engine enqueued by
 the connector's issuer thread, :mod:`pagekv.connector.copy_issuer`), so the enqueue time is
 the submitting thread's only; ``connector_ce`` the same with the copy engine for every layer,
-``connector_ce@N`` with each layer's copies over N streams (``--layer-lanes``).
+``connector_ce@N`` with each layer's copies over N streams (``--layer-lanes``). A part-1
+backend ``.../tN`` (``issuer/t1``, ``copy_engine@16/t1``): its copy-engine calls sent from at most
+N host threads (``copy_engine.ENQUEUE_THREADS``).
 
     python scripts/bench_beside_compute.py [--rounds 7] [--engine-sizes 1,4] [--skip-engine]
                                            [--skip-decode]
@@ -188,8 +190,11 @@ class Loads:
         return "/".join(sorted(used))
 
     def every_page(self, how: str) -> str:
-        """Every page moved once: one all-layer call, or (``by_layer``) one call per layer."""
-        return self.layer_by_layer(how, self.nbytes) if self.by_layer else self.run(how)
+        """Every page moved once: one all-layer call, or (``by_layer``) one call per layer.
+        ``how/tN``: the copy engine's calls sent from at most N host threads."""
+        how, _, threads = how.partition("/t")
+        with overridden(copy_engine, **({"ENQUEUE_THREADS": int(threads)} if threads else {})):
+            return self.layer_by_layer(how, self.nbytes) if self.by_layer else self.run(how)
 
     def timed(self, how: str) -> tuple[torch.cuda.Event, torch.cuda.Event, str]:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -210,8 +215,10 @@ def decode_beside(args: argparse.Namespace, step: DecodeStep, loads: Loads) -> d
     kernels += [f"split@{h}" for h in args.split]
     backends = ["plain_copy", "kernel", *kernels, *ce, "pitched", "split", "auto", "issuer",
                 "direct"]  # fmt: skip
-    if args.backends:
-        backends = [b for b in backends if b in args.backends or b == "plain_copy"]
+    if args.backends:  # in the order given; "name/tN" for a known name
+        known = set(backends)
+        backends = ["plain_copy"] + [b for b in args.backends if b.partition("/t")[0] in known
+                                     and b != "plain_copy"]  # fmt: skip
     # warm-up, and each load's time alone (sizes the decode run beside it)
     load_ms = {}
     for how in backends:

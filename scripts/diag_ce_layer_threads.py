@@ -5,11 +5,13 @@ A one-layer copy-engine transfer of 32 KiB runs costs the enqueuing thread ~0.6-
 against ~0.6 us of bus time, so a run of such layers goes at the host's pace (33-55 GB/s from one
 measurement to the next on the H200). Here every layer of the pages is loaded once per round,
 layer by layer (``load(layer=...)``, CPU indices, ``backend``), by ``k`` threads, thread ``i``
-taking layers ``i, i + k, ...`` on a stream of its own; wall time from a barrier to the last
-stream's end, against one pinned contiguous copy of all the bytes, rounds in turn. Also the
-kernel from one thread.
+taking layers ``i, i + k, ...`` on a stream of its own, and each library call sent from up to
+``t`` threads of the library's own (``--enqueue-threads``: ``copy_engine.ENQUEUE_THREADS``);
+wall time from a barrier to the last stream's end, against one pinned contiguous copy of all the
+bytes, rounds in turn. Also the kernel from one thread.
 
-    python scripts/diag_ce_layer_threads.py [--threads 1,2,4] [--shapes llama3-8b:16] [--mib 1024]
+    python scripts/diag_ce_layer_threads.py [--threads 1,2,4] [--enqueue-threads 1,2]
+                                            [--shapes llama3-8b:16] [--mib 1024]
 """
 
 from __future__ import annotations
@@ -20,16 +22,16 @@ import threading
 import time
 
 import torch
-from _bench_util import environment, parse_args, write_result
+from _bench_util import environment, overridden, parse_args, write_result
 from bench_kernels import GEOMETRIES, Setup, parse_shapes
 
 from pagekv.connector import KVGeometry
-from pagekv.kernels import load
+from pagekv.kernels import copy_engine, load
 
 MIB = 1 << 20
 
 
-def layer_loads(st: Setup, backend: str, threads: int):
+def layer_loads(st: Setup, backend: str, threads: int, enqueue_threads: int = 1):
     layers = list(range(st.geo.num_layers))
     streams = [torch.cuda.Stream() for _ in range(threads)]
 
@@ -44,6 +46,10 @@ def layer_loads(st: Setup, backend: str, threads: int):
             host_s[i] = time.perf_counter() - t
 
     def call() -> tuple[float, float]:
+        with overridden(copy_engine, ENQUEUE_THREADS=enqueue_threads):
+            return timed()
+
+    def timed() -> tuple[float, float]:
         torch.cuda.synchronize()
         barrier = threading.Barrier(threads + 1)
         host_s = [0.0] * threads
@@ -67,6 +73,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--shapes", type=parse_shapes, default=[("llama3-8b", 16), ("mla-576", 32)])
     ap.add_argument("--threads", type=lambda x: [int(n) for n in x.split(",")], default=[1, 2, 4])
+    ap.add_argument("--enqueue-threads", type=lambda x: [int(n) for n in x.split(",")],
+                    default=[1, 2])  # fmt: skip
     args = parse_args(ap)
     raw = torch.empty(args.mib * MIB, dtype=torch.uint8).pin_memory()
     raw.random_()
@@ -84,7 +92,8 @@ def main() -> None:
             return time.perf_counter() - t, 0.0
 
         fns = {"copy": copy, "kernel x1": layer_loads(st, "kernel", 1)}
-        fns |= {f"copy_engine x{k}": layer_loads(st, "copy_engine", k) for k in args.threads}
+        fns |= {f"copy_engine x{k} t{e}": layer_loads(st, "copy_engine", k, e)
+                for k in args.threads for e in args.enqueue_threads}  # fmt: skip
         for fn in fns.values():
             fn()
         wall: dict[str, list[float]] = {n: [] for n in fns}

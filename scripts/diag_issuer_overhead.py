@@ -46,9 +46,9 @@ def phases(st: Setup, issuer: CopyIssuer, staging: IndexStaging, reps: int) -> d
     orig_submit = issuer.submit
 
     def submit(job, transfers):
-        def timed_job():
+        def timed_job(*, enqueued):
             marks["job"] = time.perf_counter()
-            out = job()
+            out = job(enqueued=enqueued)
             marks["enqueued"] = time.perf_counter()
             return out
 
@@ -209,9 +209,9 @@ def handoff_split(st: Setup, staging: IndexStaging, reps: int = 15) -> None:
                                 [None], backend=idx.backend)  # fmt: skip
         started: list[float] = []
 
-        def timed(job=job, started=started):
+        def timed(*, enqueued, job=job, started=started):
             started.append(time.perf_counter())
-            return job()
+            return job(enqueued=enqueued)
 
         done = issuer.submit(timed, 1)
         t2 = time.perf_counter()

@@ -36,7 +36,7 @@ def test_sources_compile_and_library_loads(tmp_path):
     assert lib_path.exists() and lib_path.stat().st_size > 10_000
     assert jit.build_library("90", directory=tmp_path) == lib_path  # cached
     lib = jit._open(lib_path)
-    assert lib.pagekv_abi_version() == jit._ABI_VERSION == 8
+    assert lib.pagekv_abi_version() == jit._ABI_VERSION == 9
     # Bad launch parameters are refused before any CUDA call (cudaErrorInvalidValue == 1).
     plan = jit.PagePlan(device=0, layer_ptrs=0, num_slots=1, page_bytes=1 << 14, slot_stride=256,
                         item_bytes=256, page_size=16, num_kv=2, num_layers=4)  # fmt: skip
@@ -67,11 +67,12 @@ def test_sources_compile_and_library_loads(tmp_path):
     assert err == 1  # layers 3..4 of 4
     # copy engine: bad arguments are refused before any CUDA call
     ce = lib.pagekv_ce_page_transfer
-    good = [0, 1, None, None, None, None, 1, 1, 1, 1, 256, 256, 16, 2, 4, 0, 4, 1, 2, 2, 16384,
-            None, None]  # fmt: skip
-    # K/V groups, layers, first layer, page size, lanes and layer lanes (two each), descriptors
-    # per call
-    bad = ((13, 3), (16, 5), (15, -1), (12, 0), (18, 0), (18, 17), (19, 0), (19, 17), (20, 0))
+    good = [0, 1, None, None, None, None, 1, 1, 1, 1, 256, 256, 16, 2, 4, 0, 4, 1, 2, 2, 2, 512,
+            16384, None, None]  # fmt: skip
+    # K/V groups, layers, first layer, page size, lanes and layer lanes (two each), threads
+    # (two), copies a thread, descriptors per call
+    bad = ((13, 3), (16, 5), (15, -1), (12, 0), (18, 0), (18, 17), (19, 0), (19, 17), (20, 0),
+           (20, 5), (21, 0), (22, 0))  # fmt: skip
     for index, value in bad:
         args = list(good)
         args[index] = value

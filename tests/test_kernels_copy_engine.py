@@ -402,15 +402,20 @@ def test_refused_call_is_logged_once_and_the_device_stops_using_it(monkeypatch, 
     assert not copy_engine.supported(0) and "cudaError 1" in copy_engine.disabled_reason(0)
     assert copy_engine.supported(1)  # another device keeps it
     args = lib.calls[0]
-    assert args[15:21] == (0, 4, copy_engine.FLAGS, copy_engine.LANES, copy_engine.LAYER_LANES,
+    assert args[15:23] == (0, 4, copy_engine.FLAGS, copy_engine.LANES, copy_engine.LAYER_LANES,
+                           copy_engine.ENQUEUE_THREADS, copy_engine.ENQUEUE_THREAD_COPIES,
                            copy_engine.MAX_OPS)  # fmt: skip
 
 
-def test_every_call_gives_the_library_both_lane_counts(monkeypatch):
-    """The library picks LANES for an all-layer transfer and LAYER_LANES for fewer layers
-    (checked on the GPU by the streams it reports using); both entries get both settings."""
+def test_every_call_gives_the_library_both_lane_counts_and_its_threads(monkeypatch):
+    """The library picks LANES for an all-layer transfer and LAYER_LANES for fewer layers,
+    and sends a call from up to ENQUEUE_THREADS threads, one per ENQUEUE_THREAD_COPIES copies
+    (checked on the GPU by the streams and threads it reports using); both entries get every
+    setting."""
     monkeypatch.setattr(copy_engine, "LANES", 16)
     monkeypatch.setattr(copy_engine, "LAYER_LANES", 1)
+    monkeypatch.setattr(copy_engine, "ENQUEUE_THREADS", 3)
+    monkeypatch.setattr(copy_engine, "ENQUEUE_THREAD_COPIES", 77)
     both = torch.empty(2, GEO.num_layers, 100, 2, 64, dtype=torch.bfloat16)
     kv = DeviceKV.from_caches(GEO, both[0], both[1])
     pool = HostPagePool(GEO, 4, pin=False)
@@ -419,15 +424,15 @@ def test_every_call_gives_the_library_both_lane_counts(monkeypatch):
     assert copy_engine.page_transfer(lib, True, pool.buffer, kv, ids, slots, 0, GEO.num_layers, 0)
     assert copy_engine.page_transfer(lib, False, pool.buffer, kv, ids, slots, 2, 1, 0)
     every, one = lib.calls
-    assert every[15:20] == (0, GEO.num_layers, copy_engine.FLAGS, 16, 1)
-    assert one[15:20] == (2, 1, copy_engine.FLAGS, 16, 1)
+    assert every[15:22] == (0, GEO.num_layers, copy_engine.FLAGS, 16, 1, 3, 77)
+    assert one[15:22] == (2, 1, copy_engine.FLAGS, 16, 1, 3, 77)
     lib.calls.clear()
     events = [type("Event", (), {"cuda_event": 0})() for _ in range(3)]
     copy_engine.page_transfer_layers(lib, True, pool.buffer, kv, ids, slots, [None, 0, 1],
                                      events, 0)  # fmt: skip
     (args,) = lib.calls
     assert list(args[15][:3]) == [-1, 0, 1] and args[16] == 3
-    assert args[18:21] == (copy_engine.FLAGS, 16, 1)  # lanes, layer lanes
+    assert args[18:23] == (copy_engine.FLAGS, 16, 1, 3, 77)  # lanes, layer lanes, threads
 
 
 def test_a_failed_pitched_copy_is_logged_once_and_leaves_the_batched_copies(monkeypatch, caplog):

@@ -12,9 +12,11 @@ Rules:
   ready events, the engine's writes to the slots). Nothing enqueued on that stream after the
   call is ordered after the copies: consumers order themselves on the job's completions.
 * The issuer's thread runs jobs in submission order on the issuer's own stream: it waits on the
-  job's fork event and runs the job, which enqueues its transfers (a layer-by-layer load is one
-  job: :func:`pagekv.kernels.transfer_layers`, two library calls; what the driver refuses falls
-  back to the kernel, once logged) with one event recorded after each.
+  job's fork event and runs the job, which enqueues its transfers in order (a layer-by-layer
+  load is one job: :func:`pagekv.kernels.transfer_layers`, a library call a layer; what the
+  driver refuses falls back to the kernel, once logged) with one event recorded after each,
+  and hands each transfer's event to its completion as soon as it is recorded: a consumer of
+  layer ``i`` waits for layers up to ``i`` to be enqueued, not for the whole job.
 * A :class:`Completion` stands for one transfer's event, with the part of ``torch.cuda.Event``
   its consumers use: ``wait(stream)`` (what ``stream.wait_event`` calls) blocks the host only
   until the transfer is *enqueued*, then makes the stream wait on the GPU; ``query()`` is False
@@ -23,8 +25,9 @@ Rules:
   its transfers are enqueued; whoever holds the host pages and slots keeps them until the
   completion completes (the rule for an event).
 * A job that raises (no kernel left to fall back to: a broken CUDA context, no memory for its
-  index tensors) fails its completions: ``wait``, ``query`` and ``synchronize`` raise
-  :class:`CopyFailed`, so nothing reads or publishes the bytes it did not copy. ``query``
+  index tensors) fails the completions it had not handed an event: their ``wait``, ``query``
+  and ``synchronize`` raise :class:`CopyFailed`, so nothing reads or publishes the bytes it did
+  not copy. ``query``
   raises only once the issuer's stream has passed what the job did enqueue (False until
   then): from then on nothing touches its pages, and their holders may let them go (the page
   cache does). The thread goes on with the next job.
@@ -44,7 +47,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -118,9 +121,14 @@ def _settle() -> torch.cuda.Event | None:
         return None
 
 
-# Enqueues its transfers on the current stream (the issuer's), a CUDA event recorded after
-# each; returns the backend it used and the events.
-Job = Callable[[], tuple[str, list[torch.cuda.Event]]]
+class Job(Protocol):
+    """Enqueues its transfers in order on the current stream (the issuer's), a CUDA event
+    recorded after each; calls ``enqueued`` with the events recorded so far each time there are
+    more; returns the backend it used and all the events."""
+
+    def __call__(
+        self, *, enqueued: Callable[[list[torch.cuda.Event]], None]
+    ) -> tuple[str, list[torch.cuda.Event]]: ...
 
 
 class CopyIssuer:
@@ -177,22 +185,32 @@ class CopyIssuer:
 
     def _one(self, job: Job, done: list[Completion]) -> None:
         start = time.perf_counter()
+        handed = 0
+
+        def enqueued(events: list[torch.cuda.Event]) -> None:
+            nonlocal handed
+            if len(events) > len(done):
+                raise RuntimeError(f"a job recorded {len(events)} events for {len(done)} transfers")
+            for completion, event in zip(done[handed:], events[handed:]):
+                completion._set(event)
+            handed = max(handed, len(events))
+
         try:
-            backend, events = job()
+            backend, events = job(enqueued=enqueued)
             self.counters["job_seconds"] += time.perf_counter() - start
             if len(events) != len(done):
                 raise RuntimeError(f"a job recorded {len(events)} events for {len(done)} transfers")
-        except Exception as e:  # the completions carry it to every consumer
-            self.counters["failed"] += len(done)
+            enqueued(events)
+        except Exception as e:  # the completions not handed an event carry it to every consumer
+            self.counters["failed"] += len(done) - handed
+            self.counters["transfers"] += handed
             log.error("pagekv: a copy-engine transfer failed: %r", e)
             settled = _settle()
-            for completion in done:
+            for completion in done[handed:]:
                 completion._set(None, e, settled)
             return
         self.counters["transfers"] += len(done)
         self.counters["kernel_fallbacks"] += len(done) * (backend == "kernel")
-        for completion, event in zip(done, events):
-            completion._set(event)
 
 
 class AllOf:

@@ -52,6 +52,8 @@ from .layout import DeviceKV, mean_run_bytes
 
 __all__ = [
     "LANES",
+    "ENQUEUE_THREADS",
+    "ENQUEUE_THREAD_COPIES",
     "LAYER_LANES",
     "disabled_reason",
     "page_transfer",
@@ -76,13 +78,21 @@ LANES = 16
 # layers of 4 MiB, 32-128 KiB runs, device time: 0.60-0.64 of the bus on 16 streams, 0.75-0.77
 # on 8, 0.84-0.88 on 4, 0.91-0.92 on 2, 0.94-1.02 on 1; scripts/diag_ce_layers.py)
 LAYER_LANES = 1
+# Host threads that send one call's copies (each its own streams; a one-layer call then takes a
+# stream a thread), one per ENQUEUE_THREAD_COPIES copies of the call: the driver takes ~0.5-1 us
+# of the sending thread per copy, about a 32 KiB copy's bus time, so one thread sets the rate of
+# short runs (H200, 32 KiB runs, 1 GiB layer by layer: 39.8 GB/s from one thread, 49.9 from two,
+# 49.8 from four; scripts/diag_ce_layer_threads.py), and a helper costs ~20-50 us to start.
+ENQUEUE_THREADS = 2
+ENQUEUE_THREAD_COPIES = 512
 # Descriptors per driver call; a call the driver refuses as invalid is split in halves.
 MAX_OPS = 16384
 
 _failed: dict[int, str] = {}
 _pitched_failed: dict[int, str] = {}
-# [descriptors sent, driver calls split after a refusal, streams used] of the last call
-last_stats: tuple[int, int, int] = (0, 0, 0)
+# [descriptors sent, driver calls split after a refusal, streams used, threads that sent] of the
+# last call
+last_stats: tuple[int, int, int, int] = (0, 0, 0, 0)
 _lock = threading.Lock()
 
 
@@ -139,10 +149,10 @@ def page_transfer(
     kernel launch there would be. ``ids`` ``[n]`` and ``slots`` ``[n, page_size]`` are CPU int64
     contiguous tensors. Returns False, after one log line for the device, when the driver
     refused the call: nothing of it may be relied on and the caller runs the kernel."""
-    stats = (ctypes.c_int64 * 3)()
+    stats = (ctypes.c_int64 * 4)()
     err = lib.pagekv_ce_page_transfer(
         *_transfer_args(load, host, kv, ids, slots), layer_begin, layer_count, FLAGS, LANES,
-        LAYER_LANES, MAX_OPS, stream, stats,
+        LAYER_LANES, ENQUEUE_THREADS, ENQUEUE_THREAD_COPIES, MAX_OPS, stream, stats,
     )  # fmt: skip
     return _report(err, stats, load, kv, ids)
 
@@ -164,10 +174,11 @@ def page_transfer_layers(
     device) when the driver refused a call: the caller runs the rest on the kernel. The events
     must exist (torch creates a CUDA event at its first ``record``)."""
     which, handles = layer_entries(layers, events)
-    stats, done = (ctypes.c_int64 * 3)(), ctypes.c_int(0)
+    stats, done = (ctypes.c_int64 * 4)(), ctypes.c_int(0)
     err = lib.pagekv_ce_page_transfer_layers(
         *_transfer_args(load, host, kv, ids, slots), which, len(layers), handles, FLAGS, LANES,
-        LAYER_LANES, MAX_OPS, stream, stats, ctypes.byref(done),
+        LAYER_LANES, ENQUEUE_THREADS, ENQUEUE_THREAD_COPIES, MAX_OPS, stream, stats,
+        ctypes.byref(done),
     )  # fmt: skip
     _report(err, stats, load, kv, ids)
     return done.value
@@ -191,7 +202,7 @@ def pitched_transfer(
     pitches = kv.layer_pitches
     if pitches is None:
         raise ValueError("the pitched copy needs each K/V's layers at one distance")
-    stats = (ctypes.c_int64 * 3)()
+    stats = (ctypes.c_int64 * 4)()
     args = _transfer_args(load, host, kv, ids, slots)
     err = lib.pagekv_pitched_page_transfer(
         *args[:4], (ctypes.c_int64 * len(pitches))(*pitches), *args[4:], stream, stats,
@@ -228,7 +239,7 @@ def _report(
     the device's first failure of this ``form`` is kept in ``failed`` (None: the batched
     copies', as :func:`fail`) and said once."""
     global last_stats
-    last_stats = (stats[0], stats[1], stats[2])
+    last_stats = (stats[0], stats[1], stats[2], stats[3])
     if err == 0:
         return True
     why = (f"{form} {'load' if load else 'save'} failed with cudaError {err} "

@@ -346,6 +346,7 @@ def calibrate(device: int | None = None, *, force: bool = False) -> CopyTable:
         blocks = (ops.LOAD_BLOCKS, ops.LAYER_LOAD_BLOCKS, ops.SAVE_BLOCKS, ops.LAYER_SAVE_BLOCKS,
                   split.BLOCKS)  # fmt: skip
         form = (f"lanes={copy_engine.LANES},layer_lanes={copy_engine.LAYER_LANES},"
+                f"threads={copy_engine.ENQUEUE_THREADS}/{copy_engine.ENQUEUE_THREAD_COPIES},"
                 f"flags={copy_engine.FLAGS},blocks={blocks}")  # fmt: skip
         key = table_key(name, driver, f"{library}|{form}")
         path = table_path(cache_dir(), key)

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "pagekv_kernels.cu", CSRC / "copy_engine.cu")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
-_ABI_VERSION = 8
+_ABI_VERSION = 9
 
 
 def backend_mode() -> str:
@@ -147,7 +147,7 @@ _SIGNATURES["pagekv_direct_page_transfer"] = (
 _SIGNATURES["pagekv_copy_engine_support"] = ([_I], ctypes.c_int)
 _SIGNATURES["pagekv_slot_runs"] = ([_P, _L, _I, ctypes.POINTER(_L)], ctypes.c_int)
 _SIGNATURES["pagekv_ce_page_transfer"] = (
-    [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 9 + [_L, _P, ctypes.POINTER(_L)],
+    [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 10 + [_L, _L, _P, ctypes.POINTER(_L)],
     ctypes.c_int,
 )
 _SIGNATURES["pagekv_pitched_page_transfer"] = (
@@ -155,7 +155,7 @@ _SIGNATURES["pagekv_pitched_page_transfer"] = (
     ctypes.c_int,
 )
 _SIGNATURES["pagekv_ce_page_transfer_layers"] = (
-    [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 4 + [_P, _I, _P, _I, _I, _I, _L, _P]
+    [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 4 + [_P, _I, _P, _I, _I, _I, _I, _L, _L, _P]
     + [ctypes.POINTER(_L), ctypes.POINTER(_I)],
     ctypes.c_int,
 )  # fmt: skip

@@ -44,7 +44,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -526,6 +526,7 @@ def transfer_layers(
     layers: Sequence[int | None],
     *,
     backend: Backend = "auto",
+    enqueued: Callable[[list[torch.cuda.Event]], None] | None = None,
 ) -> tuple[str, list[torch.cuda.Event]]:
     """:func:`load` (or :func:`save`) once per entry of ``layers`` (a layer, or None for all
     layers), in order on the current stream, with ``validate=False``; a CUDA event recorded
@@ -533,7 +534,10 @@ def transfer_layers(
     kernel issue the entries in two library calls, the first entry and then the rest (the copy
     engine's host time, ~0.5-1 us a copy, spent without the GIL; the kernel's ~5 us a layer),
     so the first entry's copies start before the host creates the others' events; where the
-    driver refuses the copy engine, the entries left run on the kernel. CUDA only."""
+    driver refuses the copy engine, the entries left run on the kernel. ``enqueued`` (if
+    given) is called with the events of the entries enqueued so far each time more are, and
+    the copy engine then issues an entry per library call (~20 us of host time a call), so a
+    consumer of entry ``i`` waits only for entries up to ``i`` to be enqueued. CUDA only."""
     if not layers:
         return "none", []
     geo = kv.geometry
@@ -545,6 +549,11 @@ def transfer_layers(
         backend = _auto_backend(load, kv, ids, s, layers[0])
     events = [torch.cuda.Event() for _ in layers]
     done = 0
+
+    def published(n: int) -> None:  # entries [0, n) are enqueued
+        if enqueued is not None:
+            enqueued(events[:n])
+
     index = kv.device.index or 0
     if backend == "copy_engine" and copy_engine.supported(index):
         lib = _kernel_lib(backend, True, "")
@@ -553,7 +562,9 @@ def transfer_layers(
         stream = torch.cuda.current_stream(kv.device)
         # the first entry's copies run while the host creates the other entries' events (each
         # created by a record here, recorded again by the library after its entry)
-        for first, end in ((0, 1), (1, len(layers))):
+        calls = ([(k, k + 1) for k in range(len(layers))] if enqueued is not None
+                 else [(0, 1), (1, len(layers))])  # fmt: skip
+        for first, end in calls:
             if first >= end:
                 break
             for event in events[first:end]:
@@ -564,15 +575,18 @@ def transfer_layers(
             done += issued
             if issued < end - first:
                 break
+            published(done)
         if done == len(layers):
             return "copy_engine", events
         backend = "kernel"  # said once per device by copy_engine.fail
     if backend == "kernel":
-        _kernel_layers(load, host, kv, ids, s, layers[done:], events[done:])
+        _kernel_layers(load, host, kv, ids, s, layers[done:], events[done:],
+                       lambda n: published(done + n))  # fmt: skip
         return backend, events
     for k in range(done, len(layers)):
         backend = _page_transfer(load, host, ids, kv, s, layers[k], backend, None, False)
         events[k].record()
+        published(k + 1)
     return backend, events
 
 
@@ -584,11 +598,12 @@ def _kernel_layers(
     s: torch.Tensor,
     layers: Sequence[int | None],
     events: list[torch.cuda.Event],
+    enqueued: Callable[[int], None],
 ) -> None:
     """The kernel once per entry of ``layers``, ``events[i]`` recorded after entry ``i``: the
     indices uploaded (when on the CPU) and the launch worked out once, then the entries in two
     library calls (the first, then the rest), a few us of host time per layer instead of a
-    Python call's ~50."""
+    Python call's ~50; ``enqueued(n)`` after each, ``n`` the entries enqueued so far."""
     geo, dev = kv.geometry, kv.device
     check_host(geo, host)
     host_ok = dev.type == "cuda" and _reachable(host, dev)
@@ -619,7 +634,10 @@ def _kernel_layers(
 
     # the first entry runs on the GPU while the host creates the others' events (~3 us each)
     launch(0, 1)
-    launch(1, len(layers))
+    enqueued(1)
+    if len(layers) > 1:
+        launch(1, len(layers))
+        enqueued(len(layers))
 
 
 def load(

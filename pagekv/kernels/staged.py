@@ -180,13 +180,14 @@ def _dma(
     """Whole pages ``ids`` of ``host`` <-> rows ``rows`` of ``buffer`` on the copy engines,
     ordered on ``stream`` alone (no side lanes: the chunks' streams take turns instead): the
     copy-engine entry with one "layer" whose token is a page."""
-    stats = (ctypes.c_int64 * 3)()
+    stats = (ctypes.c_int64 * 4)()
     n_rows = buffer.numel() // page_bytes
     err = lib.pagekv_ce_page_transfer(
         buffer.device.index or 0, int(load), host.data_ptr(),
         (ctypes.c_int64 * 1)(buffer.data_ptr()), ids.data_ptr(), rows.data_ptr(), ids.numel(),
         host.shape[0], n_rows, page_bytes, page_bytes, page_bytes, 1, 1, 1, 0, 1,
-        copy_engine.FLAGS, DMA_LANES, DMA_LANES, copy_engine.MAX_OPS, stream.cuda_stream, stats,
+        copy_engine.FLAGS, DMA_LANES, DMA_LANES, 1, copy_engine.ENQUEUE_THREAD_COPIES,
+        copy_engine.MAX_OPS, stream.cuda_stream, stats,
     )  # fmt: skip
     if err == 0:
         return True

@@ -47,8 +47,9 @@ def setup(n_pages=8, page_size=16):
     return geo, caches, kv, pool, a.view(n_pages, page_size), b.view(n_pages, page_size)
 
 
-def recorded(n=1):
-    """A job of ``n`` empty transfers: ``n`` events recorded on the issuer's stream."""
+def recorded(n=1, *, enqueued=None):
+    """A job of ``n`` empty transfers: ``n`` events recorded on the issuer's stream (handed
+    over when it returns)."""
     events = [torch.cuda.Event() for _ in range(n)]
     for event in events:
         event.record()
@@ -61,7 +62,7 @@ class Gate:
     def __init__(self):
         self.entered, self.opened = threading.Event(), threading.Event()
 
-    def __call__(self):
+    def __call__(self, *, enqueued):
         self.entered.set()
         assert self.opened.wait(30)
         return recorded()
@@ -138,12 +139,12 @@ def test_a_transfer_that_raises_fails_its_completion_not_the_next():
     issuer = CopyIssuer(DEV)
     try:
 
-        def broken():
+        def broken(*, enqueued):
             raise RuntimeError("cudaErrorLaunchFailure (a stand-in)")
 
         first = issuer.submit(broken, 2)
-        second = issuer.submit(lambda: recorded(2), 2)
-        short = issuer.submit(lambda: recorded(1), 2)  # a job that records too few events
+        second = issuer.submit(lambda **_: recorded(2), 2)
+        short = issuer.submit(lambda **_: recorded(1), 2)  # a job that records too few events
         for failed in first:
             with pytest.raises(CopyFailed, match="stand-in"):
                 failed.wait()
@@ -160,6 +161,42 @@ def test_a_transfer_that_raises_fails_its_completion_not_the_next():
         issuer.close()
     with pytest.raises(RuntimeError, match="closed"):
         issuer.submit(recorded, 1)
+
+
+def test_each_transfer_completes_as_soon_as_its_event_is_handed_over():
+    """A consumer of transfer 0 waits only until the job has enqueued it, not for the job's end;
+    a job that raises after handing over transfer 0 fails only the transfers after it."""
+    issuer = CopyIssuer(DEV)
+    gate, raised = threading.Event(), threading.Event()
+
+    def two(*, enqueued, fail=False):
+        events = [torch.cuda.Event() for _ in range(2)]
+        events[0].record()
+        enqueued(events[:1])
+        assert gate.wait(30)
+        if fail:
+            raise RuntimeError("cudaErrorLaunchFailure (a stand-in)")
+        events[1].record()
+        return "copy_engine", events
+
+    try:
+        done = issuer.submit(two, 2)
+        done[0].synchronize()  # handed over while the job is held at the gate
+        assert done[0].query() and not done[1].enqueued
+        gate.set()
+        done[1].synchronize()
+        gate.clear()
+        half = issuer.submit(lambda **kw: raised.set() or two(**kw, fail=True), 2)
+        half[0].synchronize()
+        assert raised.is_set() and not half[1].enqueued
+        gate.set()
+        with pytest.raises(CopyFailed, match="stand-in"):
+            half[1].wait()
+        assert half[0].query()
+        assert issuer.counters["transfers"] == 3 and issuer.counters["failed"] == 1
+    finally:
+        gate.set()
+        issuer.close()
 
 
 def test_close_drains_what_was_queued():
@@ -260,11 +297,15 @@ def test_transfer_layers_matches_the_reference(backend, layers, direction):
 @pytest.mark.parametrize(  # CUDA index tensors take the kernel (reading them would sync)
     ("backend", "where"), [("kernel", "cpu"), ("kernel", "cuda"), ("copy_engine", "cpu")]
 )
-def test_layers_in_one_call_match_the_reference(backend, where, index_dtype, mla, direction):
+@pytest.mark.parametrize("handed", [False, True], ids=["at-end", "handed-over"])
+def test_layers_in_one_call_match_the_reference(backend, where, index_dtype, mla, direction,
+                                                handed):  # fmt: skip
     """The kernel's and the copy engine's one-call layer-by-layer transfer: every entry (a
     layer, all layers, a layer twice) against the reference, with out-of-range pages and slots
     skipped; a reader waiting on event i sees the layers of entries 0..i written; the whole
-    ordered after the stream's earlier work."""
+    ordered after the stream's earlier work. With an ``enqueued`` callback (as the issuer
+    passes), the events are handed over as they are recorded: every entry for the copy
+    engine (a call each), the first and then the rest for the kernel."""
     if backend == "copy_engine":
         require_copy_engine()
     geo = geometry(torch.bfloat16, mla, 1152 if mla else 512, 16, num_layers=5)
@@ -298,9 +339,15 @@ def test_layers_in_one_call_match_the_reference(backend, where, index_dtype, mla
     torch.cuda.synchronize()
     with torch.cuda.stream(stream):
         torch.cuda._sleep(2_000_000)  # earlier work: the entries come after it
+        seen: list[list[torch.cuda.Event]] = []
         used, events = transfer_layers(direction == "load", pool.buffer, idx[0], kv, idx[1],
-                                       layers, backend=backend)  # fmt: skip
+                                       layers, backend=backend,
+                                       enqueued=seen.append if handed else None)  # fmt: skip
     assert used == backend and len(events) == len(layers)
+    if handed:
+        counts = list(range(1, len(layers) + 1)) if backend == "copy_engine" else [1, len(layers)]
+        assert [len(part) for part in seen] == counts
+        assert all(part == events[: len(part)] for part in seen)
     snaps = []
     for event in events:  # on streams of their own, each right after its event
         side = torch.cuda.Stream(DEV)
@@ -335,10 +382,12 @@ def test_transfer_layers_refused_by_the_driver_runs_on_the_kernel(monkeypatch, c
     load_ref(pool.buffer, torch.arange(8), DeviceKV.from_caches(geo, *want), a)
     with caplog.at_level(logging.WARNING, logger="pagekv.kernels.copy_engine"):
         every = list(range(geo.num_layers))
+        seen = []
         used, events = transfer_layers(True, pool.buffer, list(range(8)), kv, a, every,
-                                       backend="copy_engine")  # fmt: skip
+                                       backend="copy_engine", enqueued=seen.append)  # fmt: skip
     events[-1].synchronize()
     assert used == "kernel" and len(calls) == 1 and not copy_engine.supported(0)
+    assert [len(part) for part in seen] == [1, geo.num_layers]  # handed over by the kernel
     assert len([r for r in caplog.records if "copy-engine" in r.getMessage()]) == 1
     assert all(bits_equal(t, w) for t, w in zip(caches, want))
 

@@ -210,16 +210,20 @@ def _layout(name, geo, num_slots):
 @pytest.mark.parametrize("page_size", [1, 16, 128])
 @pytest.mark.parametrize("on_default_stream", [True, False], ids=["default", "side"])
 @pytest.mark.parametrize("lanes", [1, copy_engine.LANES])
+@pytest.mark.parametrize("threads", [1, 2], ids=["one-thread", "two-threads"])
 def test_copy_engine_layouts_bounds_and_stream_order(
-    layout, mla, page_size, on_default_stream, lanes, monkeypatch
+    layout, mla, page_size, on_default_stream, lanes, threads, monkeypatch
 ):
     """Every cache layout against the reference, with out-of-range page ids and slots
     skipped (validate=False), ordered after and before the stream's neighbouring work, on one
     stream or split over the default lanes (7 descriptors per driver call) for all layers and
-    two streams for one layer, as the library reports using."""
+    two streams for one layer, sent from one host thread or two (a helper for every 3 copies:
+    a one-layer call then takes a stream a thread), as the library reports using."""
     require_copy_engine()
     monkeypatch.setattr(copy_engine, "LANES", lanes)
     monkeypatch.setattr(copy_engine, "LAYER_LANES", min(lanes, 2))
+    monkeypatch.setattr(copy_engine, "ENQUEUE_THREADS", threads)
+    monkeypatch.setattr(copy_engine, "ENQUEUE_THREAD_COPIES", 3)
     if lanes > 1:
         monkeypatch.setattr(copy_engine, "MAX_OPS", 7)
     geo = geometry(torch.bfloat16, mla, 1152 if mla else 512, page_size, num_layers=4)
@@ -253,9 +257,11 @@ def test_copy_engine_layouts_bounds_and_stream_order(
                 a.copy_(b)
             got = save(DeviceKV.from_caches(geo, *src), slots, pool.buffer, ids, layer=lay,
                        backend="copy_engine", validate=False)  # fmt: skip
-        streams = copy_engine.LANES if lay is None else copy_engine.LAYER_LANES
-        sent, _, used = copy_engine.last_stats
+        sent, _, used, senders = copy_engine.last_stats
+        workers = max(1, min(threads, sent // 3))
+        streams = copy_engine.LANES if lay is None else max(copy_engine.LAYER_LANES, workers)
         assert used == min(streams, sent), (copy_engine.last_stats, lay)
+        assert senders == min(workers, used), (copy_engine.last_stats, lay)
         stream.synchronize()  # the stream alone: it must have waited for the copies
         assert got == "copy_engine" and bits_equal(pool.buffer, want), ("save", layout, lay)
 
