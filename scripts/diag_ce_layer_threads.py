@@ -10,8 +10,10 @@ taking layers ``i, i + k, ...`` on a stream of its own, and each library call se
 wall time from a barrier to the last stream's end, against one pinned contiguous copy of all the
 bytes, rounds in turn. Also the kernel from one thread.
 
+``--all-layers``: one all-layer call a round instead (``--threads`` 1).
+
     python scripts/diag_ce_layer_threads.py [--threads 1,2,4] [--enqueue-threads 1,2]
-                                            [--shapes llama3-8b:16] [--mib 1024]
+                                            [--shapes llama3-8b:16] [--mib 1024] [--all-layers]
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from pagekv.kernels import copy_engine, load
 MIB = 1 << 20
 
 
-def layer_loads(st: Setup, backend: str, threads: int, enqueue_threads: int = 1):
-    layers = list(range(st.geo.num_layers))
+def layer_loads(st: Setup, backend: str, threads: int, enqueue_threads: int = 1,
+                all_layers: bool = False):  # fmt: skip
+    layers: list[int | None] = [None] if all_layers else list(range(st.geo.num_layers))
     streams = [torch.cuda.Stream() for _ in range(threads)]
 
     def work(i: int, barrier: threading.Barrier, host_s: list[float]) -> None:
@@ -73,6 +76,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--shapes", type=parse_shapes, default=[("llama3-8b", 16), ("mla-576", 32)])
     ap.add_argument("--threads", type=lambda x: [int(n) for n in x.split(",")], default=[1, 2, 4])
+    ap.add_argument("--all-layers", action="store_true")
     ap.add_argument("--enqueue-threads", type=lambda x: [int(n) for n in x.split(",")],
                     default=[1, 2])  # fmt: skip
     args = parse_args(ap)
@@ -91,8 +95,8 @@ def main() -> None:
             torch.cuda.synchronize()
             return time.perf_counter() - t, 0.0
 
-        fns = {"copy": copy, "kernel x1": layer_loads(st, "kernel", 1)}
-        fns |= {f"copy_engine x{k} t{e}": layer_loads(st, "copy_engine", k, e)
+        fns = {"copy": copy, "kernel x1": layer_loads(st, "kernel", 1, 1, args.all_layers)}
+        fns |= {f"copy_engine x{k} t{e}": layer_loads(st, "copy_engine", k, e, args.all_layers)
                 for k in args.threads for e in args.enqueue_threads}  # fmt: skip
         for fn in fns.values():
             fn()
