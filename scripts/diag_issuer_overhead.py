@@ -15,7 +15,13 @@ times one call from an idle device, on the host's clock, in phases:
 and the bench's own figure (3 calls back to back, CUDA-event time) for both paths, at 256 MiB
 and 1 GiB. ``--profile``: only the caller's part and the hand-off, in pieces.
 
-    python scripts/diag_issuer_overhead.py [--reps 7] [--profile]
+``--by-layer``: a layer-by-layer load through the issuer (as ``load_async`` submits it), Llama-3-8B
+16-token pages, ``--mib`` each: when its first and last layers were handed to their consumers
+(``Completion.enqueued_at``, ms after the call) and when the last layer was on the device, with
+each layer handed over as it is enqueued (a library call a layer) and, as the issuer did before,
+every layer at the job's end (two library calls).
+
+    python scripts/diag_issuer_overhead.py [--reps 7] [--profile | --by-layer] [--mib 256,1024]
 """
 
 from __future__ import annotations
@@ -224,6 +230,36 @@ def handoff_split(st: Setup, staging: IndexStaging, reps: int = 15) -> None:
     issuer.close()
 
 
+def by_layer(raw, nbytes: int, issuer: CopyIssuer, staging: IndexStaging, reps: int) -> dict:
+    """ms after the call: layer 0 and the last layer handed over, the last layer done; medians."""
+    geo = KVGeometry(page_size=16, **GEOMETRIES["llama3-8b"])
+    st = Setup(raw, geo, nbytes)
+    page_ids, slots, layers = st.ids_cpu.tolist(), st.slots_cpu, range(geo.num_layers)
+    orig_submit = issuer.submit
+
+    def at_end(job, transfers):  # the job's events handed over only when it returns
+        return orig_submit(lambda *, enqueued: job(enqueued=None), transfers)
+
+    row: dict = {"mib": st.nbytes >> 20, "pages": st.n_pages}
+    for how in ("handed_over", "at_end"):
+        times: list[tuple[float, float, float]] = []
+        issuer.submit = orig_submit if how == "handed_over" else at_end  # type: ignore
+        try:
+            for _ in range(reps + 1):
+                torch.cuda.synchronize()
+                t = time.monotonic()
+                out = launch(True, st.kv, st.host, page_ids, slots, staging, issuer, layers=layers)
+                out.events[-1].synchronize()
+                first, last = out.events[0].enqueued_at, out.events[-1].enqueued_at
+                times.append((first - t, last - t, time.monotonic() - t))
+        finally:
+            issuer.submit = orig_submit  # type: ignore[method-assign]
+        row[how] = {k: round(statistics.median(x[i] for x in times[1:]) * 1e3, 3)
+                    for i, k in enumerate(("first_ms", "last_ms", "done_ms"))}  # fmt: skip
+        row[how]["backend"] = out.backend
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -231,6 +267,8 @@ def main() -> None:
     ap.add_argument("--mib", default="256,1024")
     ap.add_argument("--profile", action="store_true",
                     help="only the caller's part and the hand-off, in pieces")  # fmt: skip
+    ap.add_argument("--by-layer", action="store_true",
+                    help="a layer-by-layer load: when its layers are handed over")  # fmt: skip
     args = parse_args(ap)
     calibrate(0)
     sizes = [int(x) << 20 for x in args.mib.split(",")]
@@ -241,6 +279,13 @@ def main() -> None:
         return
     issuer, staging = CopyIssuer(torch.device("cuda", 0)), IndexStaging()
     result: dict = {"env": environment(), "rows": []}
+    if args.by_layer:
+        for nbytes in sizes:
+            result["rows"].append(by_layer(raw, nbytes, issuer, staging, args.reps))
+            print(result["rows"][-1], flush=True)
+        issuer.close()
+        write_result("diag_issuer_by_layer", result)
+        return
     for nbytes in sizes:
         for name, page in CASES:
             row = case(raw, name, page, nbytes, issuer, staging, args.reps)
