@@ -13,8 +13,9 @@ Rules:
   call is ordered after the copies: consumers order themselves on the job's completions.
 * The issuer's thread runs jobs in submission order on the issuer's own stream: it waits on the
   job's fork event and runs the job, which enqueues its transfers in order (a layer-by-layer
-  load is one job: :func:`pagekv.kernels.transfer_layers`, a library call a layer; what the
-  driver refuses falls back to the kernel, once logged) with one event recorded after each,
+  load is one job: :func:`pagekv.kernels.transfer_layers`, the first layer in a library call
+  of its own, the rest a few thousand copies a call; what the driver refuses falls back to
+  the kernel, once logged) with one event recorded after each,
   and hands each transfer's event to its completion as soon as it is recorded: a consumer of
   layer ``i`` waits for layers up to ``i`` to be enqueued, not for the whole job.
 * A :class:`Completion` stands for one transfer's event, with the part of ``torch.cuda.Event``

@@ -43,6 +43,7 @@ import ctypes
 import functools
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -54,8 +55,10 @@ __all__ = [
     "LANES",
     "ENQUEUE_THREADS",
     "ENQUEUE_THREAD_COPIES",
+    "HANDOVER_COPIES",
     "LAYER_LANES",
     "disabled_reason",
+    "handover_calls",
     "page_transfer",
     "page_transfer_layers",
     "pitched_supported",
@@ -85,6 +88,12 @@ LAYER_LANES = 1
 # 49.8 from four; scripts/diag_ce_layer_threads.py), and a helper costs ~20-50 us to start.
 ENQUEUE_THREADS = 2
 ENQUEUE_THREAD_COPIES = 512
+# Copies a library call sends at least when a layer-by-layer transfer hands each entry over as
+# it is enqueued (:func:`handover_calls`): a call costs its thread ~15-70 us beyond its copies,
+# 2,048 copies ~1-2 ms (H200, 32 layers a call each against two calls: +0.43 ms for 32 MiB,
+# +0.6 for 256 MiB, +2.1 for 1 GiB, +0.2 for 4 GiB of 32 KiB runs; scripts/
+# diag_issuer_overhead.py --by-layer).
+HANDOVER_COPIES = 2048
 # Descriptors per driver call; a call the driver refuses as invalid is split in halves.
 MAX_OPS = 16384
 
@@ -155,6 +164,26 @@ def page_transfer(
         LAYER_LANES, ENQUEUE_THREADS, ENQUEUE_THREAD_COPIES, MAX_OPS, stream, stats,
     )  # fmt: skip
     return _report(err, stats, load, kv, ids)
+
+
+def handover_calls(
+    kv: DeviceKV, ids: torch.Tensor, slots: torch.Tensor, layers: Sequence[int | None]
+) -> list[tuple[int, int]]:
+    """The library calls, as [first, end) ranges of ``layers``, of a layer-by-layer transfer
+    whose entries are handed over as they are enqueued: the first entry alone (its consumer
+    starts at once), then as many entries a call as make :data:`HANDOVER_COPIES` copies (each
+    entry's estimated from the slot table's mean run: a layer's, or all layers' for None)."""
+    geo = kv.geometry
+    tokens = ids.numel() * geo.page_size
+    run = max(run_bytes(kv, slots), float(geo.item_bytes))  # no valid slot: no runs
+    per_layer = max(1.0, tokens * geo.item_bytes * geo.num_kv / run)
+    calls, first, copies = [(0, 1)], 1, 0.0
+    for k in range(1, len(layers)):
+        copies += per_layer * (geo.num_layers if layers[k] is None else 1)
+        if copies >= HANDOVER_COPIES or k == len(layers) - 1:
+            calls.append((first, k + 1))
+            first, copies = k + 1, 0.0
+    return calls if layers else []
 
 
 def page_transfer_layers(

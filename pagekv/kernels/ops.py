@@ -536,8 +536,9 @@ def transfer_layers(
     so the first entry's copies start before the host creates the others' events; where the
     driver refuses the copy engine, the entries left run on the kernel. ``enqueued`` (if
     given) is called with the events of the entries enqueued so far each time more are, and
-    the copy engine then issues an entry per library call (~20 us of host time a call), so a
-    consumer of entry ``i`` waits only for entries up to ``i`` to be enqueued. CUDA only."""
+    the copy engine then issues the first entry alone and the rest a few thousand copies a
+    call (:func:`~.copy_engine.handover_calls`), so a consumer of entry ``i`` waits for little
+    more than the entries up to ``i`` to be enqueued. CUDA only."""
     if not layers:
         return "none", []
     geo = kv.geometry
@@ -562,7 +563,7 @@ def transfer_layers(
         stream = torch.cuda.current_stream(kv.device)
         # the first entry's copies run while the host creates the other entries' events (each
         # created by a record here, recorded again by the library after its entry)
-        calls = ([(k, k + 1) for k in range(len(layers))] if enqueued is not None
+        calls = (copy_engine.handover_calls(kv, ids_h, s_h, layers) if enqueued is not None
                  else [(0, 1), (1, len(layers))])  # fmt: skip
         for first, end in calls:
             if first >= end:

@@ -297,17 +297,20 @@ def test_transfer_layers_matches_the_reference(backend, layers, direction):
 @pytest.mark.parametrize(  # CUDA index tensors take the kernel (reading them would sync)
     ("backend", "where"), [("kernel", "cpu"), ("kernel", "cuda"), ("copy_engine", "cpu")]
 )
-@pytest.mark.parametrize("handed", [False, True], ids=["at-end", "handed-over"])
+@pytest.mark.parametrize("handed", [None, 1, 1 << 40], ids=["at-end", "each", "grouped"])
 def test_layers_in_one_call_match_the_reference(backend, where, index_dtype, mla, direction,
-                                                handed):  # fmt: skip
+                                                handed, monkeypatch):  # fmt: skip
     """The kernel's and the copy engine's one-call layer-by-layer transfer: every entry (a
     layer, all layers, a layer twice) against the reference, with out-of-range pages and slots
     skipped; a reader waiting on event i sees the layers of entries 0..i written; the whole
     ordered after the stream's earlier work. With an ``enqueued`` callback (as the issuer
-    passes), the events are handed over as they are recorded: every entry for the copy
-    engine (a call each), the first and then the rest for the kernel."""
+    passes), the events are handed over as they are recorded: for the copy engine the first
+    entry, then a call's worth (``handed``: HANDOVER_COPIES, 1: every entry; a huge number:
+    the rest at once), for the kernel the first and then the rest."""
     if backend == "copy_engine":
         require_copy_engine()
+    if handed is not None:
+        monkeypatch.setattr(copy_engine, "HANDOVER_COPIES", handed)
     geo = geometry(torch.bfloat16, mla, 1152 if mla else 512, 16, num_layers=5)
     n_pages, num_slots = 12, 12 * 16 + 30
     pool = HostPagePool(geo, n_pages + 2)
@@ -340,12 +343,13 @@ def test_layers_in_one_call_match_the_reference(backend, where, index_dtype, mla
     with torch.cuda.stream(stream):
         torch.cuda._sleep(2_000_000)  # earlier work: the entries come after it
         seen: list[list[torch.cuda.Event]] = []
+        hand = None if handed is None else seen.append
         used, events = transfer_layers(direction == "load", pool.buffer, idx[0], kv, idx[1],
-                                       layers, backend=backend,
-                                       enqueued=seen.append if handed else None)  # fmt: skip
+                                       layers, backend=backend, enqueued=hand)  # fmt: skip
     assert used == backend and len(events) == len(layers)
-    if handed:
-        counts = list(range(1, len(layers) + 1)) if backend == "copy_engine" else [1, len(layers)]
+    if handed is not None:
+        each = backend == "copy_engine" and handed == 1
+        counts = list(range(1, len(layers) + 1)) if each else [1, len(layers)]
         assert [len(part) for part in seen] == counts
         assert all(part == events[: len(part)] for part in seen)
     snaps = []
