@@ -14,12 +14,14 @@ engine") over 16 streams 0.96-0.99 of the pinned contiguous copy for runs >= 64 
 from one run to the next at 32-36 KiB (one layer on one stream: 0.93-0.99 of the copy in device
 time from 4 MiB a layer for 32-36 KiB runs, 0.78-0.97 for 18 KiB), collapsing (0.04-0.2) below
 ~28 KiB, where each copy's fixed cost (~1.4 us of engine time) outweighs its bytes. Its host
-cost grows with the copies: ~0.5 us each, and the call waits for the engines once the driver's
-queue is full, so the calling thread is held for most of a transfer of 32 KiB runs: ``auto``
-(:mod:`.copy_table`) takes it on the caller's thread only where its measured host time stays
-within the kernel's, and elsewhere only where a thread of the connector's own issues it
-(:mod:`pagekv.connector.copy_issuer`), never for runs under ``ops.COPY_ENGINE_MIN_RUN``
-(``ops.DEFERRED_COPY_ENGINE_MIN_RUN`` where the issuer enqueues it). Pitched copies
+cost grows with the copies: ~0.5-1 us each (a call of many copies is sent from
+``ENQUEUE_THREADS`` threads, each its own streams), and the call waits for the engines once
+the driver's queue is full, so the calling thread is held for most of a transfer of 32 KiB
+runs: ``auto`` (:mod:`.copy_table`) takes it on the caller's thread only where its measured
+host time stays within the kernel's, and elsewhere only where a thread of the connector's own
+issues it (:mod:`pagekv.connector.copy_issuer`), never for runs under
+``ops.COPY_ENGINE_MIN_RUN`` (``ops.DEFERRED_COPY_ENGINE_MIN_RUN`` where the issuer enqueues
+it). Pitched copies
 (:func:`pitched_transfer`, the ``pitched`` backend): where each K/V's layers lie at one distance
 (:attr:`~.layout.DeviceKV.layer_pitches`), all layers of a run are one 2-D copy, whose cost is
 per row (~45 ns), so small runs stay on the DMA engines (H200: 0.47 / 0.65-0.69 / 0.78-0.89 /
@@ -84,8 +86,9 @@ LAYER_LANES = 1
 # Host threads that send one call's copies (each its own streams; a one-layer call then takes a
 # stream a thread), one per ENQUEUE_THREAD_COPIES copies of the call: the driver takes ~0.5-1 us
 # of the sending thread per copy, about a 32 KiB copy's bus time, so one thread sets the rate of
-# short runs (H200, 32 KiB runs, 1 GiB layer by layer: 39.8 GB/s from one thread, 49.9 from two,
-# 49.8 from four; scripts/diag_ce_layer_threads.py), and a helper costs ~20-50 us to start.
+# short runs (H200, 32 KiB runs, 4 GiB layer by layer: 34.3-42.9 GB/s from one thread, 49.0-52.2
+# from two; 1 GiB: 32.3-52.8 against 42.1-50.4; scripts/diag_ce_layer_threads.py), and a helper
+# costs ~20-50 us to start.
 ENQUEUE_THREADS = 2
 ENQUEUE_THREAD_COPIES = 512
 # Copies a library call sends at least when a layer-by-layer transfer hands each entry over as

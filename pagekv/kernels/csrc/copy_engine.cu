@@ -141,9 +141,10 @@ void send_lanes(const Scratch& s, int w, int workers, int used, const cudaStream
 
 // Host threads enqueueing one call's copies: the driver takes ~0.5-1 us of the enqueuing
 // thread per copy (about a 32 KiB copy's bus time), so one thread sets the rate of runs under
-// ~64 KiB; two threads, each on streams of its own, lift it (H200, 32 KiB runs, 1 GiB layer by
-// layer from Python threads: 39.8 GB/s from one, 49.9 from two, 49.8 from four). The caller
-// says how many copies make a helper worth its start (~20-50 us).
+// ~64 KiB; two threads, each on streams of its own, lift it (H200, 32 KiB runs, 4 GiB layer
+// by layer: 34.3-42.9 GB/s from one thread, 49.0-52.2 from two; one all-layer call of 256 MiB
+// 0.59-0.69 of a pinned copy against 0.81-0.84). The caller says how many copies make a helper
+// worth its start (~20-50 us).
 //
 // send_all runs send_lanes for every worker, worker 0 on the calling thread, the others on threads of
 // their own that set ``device`` first, all joined before it returns. A helper that cannot be
