@@ -15,9 +15,9 @@ Rules:
   job's fork event and runs the job, which enqueues its transfers in order (a layer-by-layer
   load is one job: :func:`pagekv.kernels.transfer_layers`, the first layer in a library call
   of its own, the rest a few thousand copies a call; what the driver refuses falls back to
-  the kernel, once logged) with one event recorded after each,
-  and hands each transfer's event to its completion as soon as it is recorded: a consumer of
-  layer ``i`` waits for layers up to ``i`` to be enqueued, not for the whole job.
+  the kernel, once logged) with one event recorded after each, and hands each transfer's
+  event to its completion as soon as it is recorded: a consumer of layer ``i`` waits for
+  little more than the layers up to ``i`` to be enqueued, not for the whole job.
 * A :class:`Completion` stands for one transfer's event, with the part of ``torch.cuda.Event``
   its consumers use: ``wait(stream)`` (what ``stream.wait_event`` calls) blocks the host only
   until the transfer is *enqueued*, then makes the stream wait on the GPU; ``query()`` is False
@@ -28,10 +28,9 @@ Rules:
 * A job that raises (no kernel left to fall back to: a broken CUDA context, no memory for its
   index tensors) fails the completions it had not handed an event: their ``wait``, ``query``
   and ``synchronize`` raise :class:`CopyFailed`, so nothing reads or publishes the bytes it did
-  not copy. ``query``
-  raises only once the issuer's stream has passed what the job did enqueue (False until
-  then): from then on nothing touches its pages, and their holders may let them go (the page
-  cache does). The thread goes on with the next job.
+  not copy. ``query`` raises only once the issuer's stream has passed what the job did enqueue
+  (False until then): from then on nothing touches its pages, and their holders may let them
+  go (the page cache does). The thread goes on with the next job.
 * :meth:`close` runs the queued jobs, waits for their copies and stops the thread.
 * The issuer is a Python thread: between library calls it needs the GIL, and beside a thread
   running pure Python it waits for it (scripts/diag_ce_host_rate.py). Its CUDA calls wait

@@ -178,8 +178,9 @@ def _dma(
     stream: torch.cuda.Stream,
 ) -> bool:
     """Whole pages ``ids`` of ``host`` <-> rows ``rows`` of ``buffer`` on the copy engines,
-    ordered on ``stream`` alone (no side lanes: the chunks' streams take turns instead): the
-    copy-engine entry with one "layer" whose token is a page."""
+    ordered on ``stream`` alone, from this thread (no side lanes or helper threads: the chunks'
+    streams take turns instead): the copy-engine entry with one "layer" whose token is a
+    page."""
     stats = (ctypes.c_int64 * 4)()
     n_rows = buffer.numel() // page_bytes
     err = lib.pagekv_ce_page_transfer(

@@ -30,7 +30,6 @@
 
 #include <algorithm>
 #include <mutex>
-#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -146,9 +145,10 @@ void send_lanes(const Scratch& s, int w, int workers, int used, const cudaStream
 // 0.59-0.69 of a pinned copy against 0.81-0.84). The caller says how many copies make a helper
 // worth its start (~20-50 us).
 //
-// send_all runs send_lanes for every worker, worker 0 on the calling thread, the others on threads of
-// their own that set ``device`` first, all joined before it returns. A helper that cannot be
-// started leaves its lanes to the calling thread. Returns the first error of any worker.
+// send_all runs send_lanes for every worker, worker 0 on the calling thread, the others on
+// threads of their own that set ``device`` first, all joined before it returns. A helper that
+// cannot be started leaves its lanes to the calling thread. Returns the first error of any
+// worker.
 cudaError_t send_all(const Scratch& s, int device, int workers, int used,
                      const cudaStream_t* targets, size_t max_ops, unsigned flags,
                      int64_t* splits, size_t* sent, int* threads_used) {
@@ -163,7 +163,7 @@ cudaError_t send_all(const Scratch& s, int device, int workers, int used,
           send_lanes(s, w, workers, used, targets, max_ops, flags, parts[w]);
       });
       started[w] = true;
-    } catch (const std::system_error&) {
+    } catch (...) {  // no thread to be had (std::system_error): the caller sends its lanes
     }
   }
   send_lanes(s, 0, workers, used, targets, max_ops, flags, parts[0]);
