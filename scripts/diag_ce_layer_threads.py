@@ -6,7 +6,8 @@ against ~0.6 us of bus time, so a run of such layers goes at the host's pace (33
 measurement to the next on the H200). Here every layer of the pages is loaded once per round,
 layer by layer (``load(layer=...)``, CPU indices, ``backend``), by ``k`` threads, thread ``i``
 taking layers ``i, i + k, ...`` on a stream of its own, and each library call sent from up to
-``t`` threads of the library's own (``--enqueue-threads``: ``copy_engine.ENQUEUE_THREADS``);
+``t`` threads of the library's own (``--enqueue-threads``: ``copy_engine.ENQUEUE_THREADS``, a
+thread per ``--thread-copies``: ``copy_engine.ENQUEUE_THREAD_COPIES``);
 wall time from a barrier to the last stream's end, against one pinned contiguous copy of all the
 bytes, rounds in turn. Also the kernel from one thread.
 
@@ -14,6 +15,7 @@ bytes, rounds in turn. Also the kernel from one thread.
 
     python scripts/diag_ce_layer_threads.py [--threads 1,2,4] [--enqueue-threads 1,2]
                                             [--shapes llama3-8b:16] [--mib 1024] [--all-layers]
+                                            [--thread-copies 256]
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ MIB = 1 << 20
 
 
 def layer_loads(st: Setup, backend: str, threads: int, enqueue_threads: int = 1,
-                all_layers: bool = False):  # fmt: skip
+                all_layers: bool = False, thread_copies: int = 0):  # fmt: skip
     layers: list[int | None] = [None] if all_layers else list(range(st.geo.num_layers))
     streams = [torch.cuda.Stream() for _ in range(threads)]
 
@@ -49,7 +51,9 @@ def layer_loads(st: Setup, backend: str, threads: int, enqueue_threads: int = 1,
             host_s[i] = time.perf_counter() - t
 
     def call() -> tuple[float, float]:
-        with overridden(copy_engine, ENQUEUE_THREADS=enqueue_threads):
+        copies = thread_copies or copy_engine.ENQUEUE_THREAD_COPIES
+        with overridden(copy_engine, ENQUEUE_THREADS=enqueue_threads,
+                        ENQUEUE_THREAD_COPIES=copies):  # fmt: skip
             return timed()
 
     def timed() -> tuple[float, float]:
@@ -79,6 +83,8 @@ def main() -> None:
     ap.add_argument("--all-layers", action="store_true")
     ap.add_argument("--enqueue-threads", type=lambda x: [int(n) for n in x.split(",")],
                     default=[1, 2])  # fmt: skip
+    ap.add_argument("--thread-copies", type=int, default=0,
+                    help="copies a library thread sends at least (0: the library's setting)")  # fmt: skip
     args = parse_args(ap)
     raw = torch.empty(args.mib * MIB, dtype=torch.uint8).pin_memory()
     raw.random_()
@@ -96,7 +102,8 @@ def main() -> None:
             return time.perf_counter() - t, 0.0
 
         fns = {"copy": copy, "kernel x1": layer_loads(st, "kernel", 1, 1, args.all_layers)}
-        fns |= {f"copy_engine x{k} t{e}": layer_loads(st, "copy_engine", k, e, args.all_layers)
+        fns |= {f"copy_engine x{k} t{e}": layer_loads(st, "copy_engine", k, e, args.all_layers,
+                                                     args.thread_copies)
                 for k in args.threads for e in args.enqueue_threads}  # fmt: skip
         for fn in fns.values():
             fn()

@@ -18,9 +18,10 @@ and 1 GiB. ``--profile``: only the caller's part and the hand-off, in pieces.
 ``--by-layer``: a layer-by-layer load through the issuer (as ``load_async`` submits it), Llama-3-8B
 16-token pages, ``--mib`` each: when its first and last layers were handed to their consumers
 (``Completion.enqueued_at``, ms after the call), when the last layer was on the device and the
-issuer's time inside the copy engine's library calls, with
-each layer handed over as it is enqueued (a library call a layer) and, as the issuer did before,
-every layer at the job's end (two library calls); the two in turn.
+issuer's time inside the copy engine's library calls, three ways in turn: as shipped (the first
+layer alone, then ``copy_engine.HANDOVER_COPIES`` copies a library call, each call's layers
+handed over when it returns), ``each`` (a library call a layer) and ``at_end`` (every layer
+handed over when the job returns, two library calls).
 
     python scripts/diag_issuer_overhead.py [--reps 7] [--profile | --by-layer] [--mib 256,1024]
 """
@@ -35,7 +36,7 @@ import threading
 import time
 
 import torch
-from _bench_util import environment, parse_args, write_result
+from _bench_util import environment, overridden, parse_args, write_result
 from bench_kernels import GEOMETRIES, Setup, ceiling_fns, interleaved, ratio
 
 from pagekv.connector import KVGeometry
@@ -241,7 +242,14 @@ def by_layer(raw, nbytes: int, issuer: CopyIssuer, staging: IndexStaging, reps: 
     def at_end(job, transfers):  # the job's events handed over only when it returns
         return orig_submit(lambda *, enqueued: job(enqueued=None), transfers)
 
-    ways = {"handed_over": orig_submit, "at_end": at_end}
+    def each(job, transfers):  # a library call a layer, each handed over at once
+        def one_a_call(*, enqueued):
+            with overridden(copy_engine, HANDOVER_COPIES=1):
+                return job(enqueued=enqueued)
+
+        return orig_submit(one_a_call, transfers)
+
+    ways = {"handed_over": orig_submit, "each": each, "at_end": at_end}
     times: dict[str, list[tuple[float, ...]]] = {how: [] for how in ways}
     used = {}
     in_library = [0.0]
