@@ -83,8 +83,8 @@ def main() -> None:
     ap.add_argument("--all-layers", action="store_true")
     ap.add_argument("--enqueue-threads", type=lambda x: [int(n) for n in x.split(",")],
                     default=[1, 2])  # fmt: skip
-    ap.add_argument("--thread-copies", type=int, default=0,
-                    help="copies a library thread sends at least (0: the library's setting)")  # fmt: skip
+    # copies a library thread sends at least (0: the library's setting)
+    ap.add_argument("--thread-copies", type=int, default=0)
     args = parse_args(ap)
     raw = torch.empty(args.mib * MIB, dtype=torch.uint8).pin_memory()
     raw.random_()

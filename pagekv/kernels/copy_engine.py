@@ -50,8 +50,9 @@ from typing import Any
 
 import torch
 
+from . import layout
 from .jit import layer_entries
-from .layout import DeviceKV, mean_run_bytes
+from .layout import DeviceKV
 
 __all__ = [
     "LANES",
@@ -66,6 +67,7 @@ __all__ = [
     "pitched_supported",
     "pitched_transfer",
     "run_bytes",
+    "slot_runs",
     "supported",
 ]
 
@@ -108,20 +110,24 @@ last_stats: tuple[int, int, int, int] = (0, 0, 0, 0)
 _lock = threading.Lock()
 
 
-def run_bytes(kv: DeviceKV, slots: torch.Tensor) -> float:
-    """:func:`~.layout.mean_run_bytes` of a CPU slot table ``[n, page_size]``, counted by the
-    library when it is loaded (the torch count costs ~10 small tensor ops per call, which a
-    layer-by-layer load pays for every layer)."""
+def slot_runs(kv: DeviceKV, slots: torch.Tensor) -> tuple[int, int]:
+    """:func:`~.layout.slot_runs` of a CPU slot table (the runs: the copy engine's copies of
+    each layer and K/V), counted by the library when it is loaded (the torch count costs ~10
+    small tensor ops per call, which a layer-by-layer load pays for every layer)."""
     from .jit import load_library
 
-    item = kv.geometry.item_bytes
-    lib = load_library() if kv.slot_stride_bytes == item else None
-    if lib is None or slots.dtype != torch.int64 or not slots.is_contiguous():
-        return mean_run_bytes(kv, slots)
-    out = (ctypes.c_int64 * 2)()
-    if lib.pagekv_slot_runs(slots.data_ptr(), slots.shape[0], slots.shape[1], out) != 0:
-        return mean_run_bytes(kv, slots)
-    return item * out[0] / max(out[1], 1)
+    lib = load_library() if kv.slot_stride_bytes == kv.geometry.item_bytes else None
+    if lib is not None and slots.dtype == torch.int64 and slots.is_contiguous():
+        out = (ctypes.c_int64 * 2)()
+        if lib.pagekv_slot_runs(slots.data_ptr(), slots.shape[0], slots.shape[1], out) == 0:
+            return out[0], out[1]
+    return layout.slot_runs(kv, slots)
+
+
+def run_bytes(kv: DeviceKV, slots: torch.Tensor) -> float:
+    """:func:`~.layout.mean_run_bytes` from :func:`slot_runs`: the mean bytes of a copy."""
+    tokens, runs = slot_runs(kv, slots)
+    return kv.geometry.item_bytes * tokens / max(runs, 1)
 
 
 @functools.cache
@@ -170,22 +176,20 @@ def page_transfer(
 
 
 def handover_calls(
-    kv: DeviceKV, ids: torch.Tensor, slots: torch.Tensor, layers: Sequence[int | None]
+    kv: DeviceKV, slots: torch.Tensor, layers: Sequence[int | None]
 ) -> list[tuple[int, int]]:
     """The library calls, as [first, end) ranges of ``layers``, of a layer-by-layer transfer
     whose entries are handed over as they are enqueued: the first entry alone (its consumer
-    starts at once), then as many entries a call as make :data:`HANDOVER_COPIES` copies (each
-    entry's estimated from the slot table's mean run: a layer's, or all layers' for None)."""
+    starts at once), then as many entries a call as make :data:`HANDOVER_COPIES` copies (an
+    entry's: :func:`slot_runs`' runs x K/V, a layer's or all layers' for None)."""
     geo = kv.geometry
-    tokens = ids.numel() * geo.page_size
-    run = max(run_bytes(kv, slots), float(geo.item_bytes))  # no valid slot: no runs
-    per_layer = max(1.0, tokens * geo.item_bytes * geo.num_kv / run)
-    calls, first, copies = [(0, 1)], 1, 0.0
+    per_layer = max(1, slot_runs(kv, slots)[1] * geo.num_kv)
+    calls, first, copies = [(0, 1)], 1, 0
     for k in range(1, len(layers)):
         copies += per_layer * (geo.num_layers if layers[k] is None else 1)
         if copies >= HANDOVER_COPIES or k == len(layers) - 1:
             calls.append((first, k + 1))
-            first, copies = k + 1, 0.0
+            first, copies = k + 1, 0
     return calls if layers else []
 
 

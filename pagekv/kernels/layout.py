@@ -43,6 +43,7 @@ __all__ = [
     "check_unique_slots",
     "device_indices",
     "mean_run_bytes",
+    "slot_runs",
 ]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -325,14 +326,21 @@ def device_indices(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True).contiguous()
 
 
-def mean_run_bytes(kv: DeviceKV, slots: torch.Tensor) -> float:
-    """Mean bytes of one run of consecutive device slots within a page (a copy's width when a
-    run is copied as one block): slots ``[n, page_size]`` on the CPU, negative = skipped."""
-    item = kv.geometry.item_bytes
-    if kv.slot_stride_bytes != item:
-        return float(item)
+def slot_runs(kv: DeviceKV, slots: torch.Tensor) -> tuple[int, int]:
+    """(valid slots, runs) of slots ``[n, page_size]`` on the CPU (negative = skipped): a run is
+    consecutive valid device slots within a page, copied as one block (one slot a run where
+    the slot stride is not the row)."""
     valid = slots >= 0
     tokens = int(valid.sum())
+    if kv.slot_stride_bytes != kv.geometry.item_bytes:
+        return tokens, tokens
     # a token continues a run when it and the one before it (same page) are valid and adjacent
     follows = int((valid[:, 1:] & valid[:, :-1] & (slots[:, 1:] == slots[:, :-1] + 1)).sum())
-    return item * tokens / max(tokens - follows, 1)
+    return tokens, tokens - follows
+
+
+def mean_run_bytes(kv: DeviceKV, slots: torch.Tensor) -> float:
+    """Mean bytes of one run of :func:`slot_runs` (a copy's width when a run is copied as one
+    block)."""
+    tokens, runs = slot_runs(kv, slots)
+    return kv.geometry.item_bytes * tokens / max(runs, 1)

@@ -563,7 +563,7 @@ def transfer_layers(
         stream = torch.cuda.current_stream(kv.device)
         # the first entry's copies run while the host creates the other entries' events (each
         # created by a record here, recorded again by the library after its entry)
-        calls = (copy_engine.handover_calls(kv, ids_h, s_h, layers) if enqueued is not None
+        calls = (copy_engine.handover_calls(kv, s_h, layers) if enqueued is not None
                  else [(0, 1), (1, len(layers))])  # fmt: skip
         for first, end in calls:
             if first >= end:

@@ -402,6 +402,7 @@ def test_auto_never_gives_the_copy_engine_runs_under_its_floor(monkeypatch):
     monkeypatch.delenv("PAGEKV_COPY_BACKEND", raising=False)  # the default: auto
     table = calibrate(0)
     allowed = ["kernel", "direct", "copy_engine", "pitched"]  # all layers, at one pitch
+    issuer_only = ["split"]  # the kernel on 2 blocks beside the pitched copy: deferred only
     for page_size in (8, 16, 128):  # 16 KiB, 32 KiB and 256 KiB runs
         geo, _, kv, _, _, _ = setup(n_pages=8, page_size=page_size)
         a = torch.randperm(8)[:, None] * page_size + torch.arange(page_size)  # whole-page runs
@@ -412,6 +413,7 @@ def test_auto_never_gives_the_copy_engine_runs_under_its_floor(monkeypatch):
             floor = ops.DEFERRED_COPY_ENGINE_MIN_RUN if deferred else ops.COPY_ENGINE_MIN_RUN
             # under its floor the copy engine is not among the candidates
             candidates = [b for b in allowed if run >= floor or b != "copy_engine"]
+            candidates += issuer_only if deferred else []
             shape = copy_table.Shape(True, True, float(run), total)
             assert got == table.choose(shape, candidates, deferred)
             assert got != "copy_engine" or run >= floor
