@@ -90,14 +90,19 @@ LAYER_LANES = 1
 # of the sending thread per copy, about a 32 KiB copy's bus time, so one thread sets the rate of
 # short runs (H200, 32 KiB runs, 4 GiB layer by layer: 34.3-42.9 GB/s from one thread, 49.0-52.2
 # from two; 1 GiB: 32.3-52.8 against 42.1-50.4; scripts/diag_ce_layer_threads.py), and a helper
-# costs ~20-50 us to start.
+# costs ~20-50 us to start. Three or four threads move no more: the driver then takes ~0.5 us a
+# copy whatever their number (one all-layer call of 256 MiB, 32-36 KiB runs: 0.67-0.88 of the
+# copy from one thread, 0.84-0.87 from two, 0.82-0.87 from three or four).
 ENQUEUE_THREADS = 2
 ENQUEUE_THREAD_COPIES = 512
 # Copies a library call sends at least when a layer-by-layer transfer hands each entry over as
 # it is enqueued (:func:`handover_calls`): a call costs its thread ~15-70 us beyond its copies,
 # 2,048 copies ~1-2 ms (H200, 32 layers a call each against two calls: +0.43 ms for 32 MiB,
 # +0.6 for 256 MiB, +2.1 for 1 GiB, +0.2 for 4 GiB of 32 KiB runs; scripts/
-# diag_issuer_overhead.py --by-layer).
+# diag_issuer_overhead.py --by-layer). Grouped so, layer 0 is handed over as early as with a call
+# a layer, and the load is done 0.0 / 0.3 / 1.1 / 1.2 ms after the whole job's two calls would
+# have been, against 0.4 / 0.1 / 1.6 / 2.7 for a call a layer (H200, 32 MiB / 256 MiB / 1 GiB /
+# 4 GiB).
 HANDOVER_COPIES = 2048
 # Descriptors per driver call; a call the driver refuses as invalid is split in halves.
 MAX_OPS = 16384
