@@ -1,3 +1,4 @@
+import os
 import threading
 
 import pytest
@@ -10,6 +11,12 @@ from .mooncake_fixture import mooncake_cluster
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # other workers' processes share the GPU
+        why = "times the GPU: other pytest workers share it (gpu_check.sh runs it after -n)"
+        alone = pytest.mark.skip(reason=why)
+        for item in items:
+            if "gpu_alone" in item.keywords:
+                item.add_marker(alone)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh there)")

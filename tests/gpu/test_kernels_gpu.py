@@ -4,7 +4,6 @@ Run on a GPU machine (scripts/gpu_check.sh); skipped elsewhere.
 """
 
 import logging
-import os
 import random
 import statistics
 import time
@@ -139,13 +138,6 @@ def _spin(seconds):
         pass
 
 
-def _gpu_alone():
-    """Skip where other pytest workers share the GPU (pytest-xdist): their processes' kernels
-    take turns with this one's, which lengthens a timed run by up to their number."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        pytest.skip("times the GPU: other pytest workers share it (run without -n)")
-
-
 def _device_seconds(fn, stream):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record(stream)
@@ -155,11 +147,11 @@ def _device_seconds(fn, stream):
     return start.elapsed_time(end) / 1e3
 
 
+@pytest.mark.gpu_alone
 @pytest.mark.parametrize("idle_host_s", [0.0, 0.003])
 def test_the_table_times_a_run_at_its_device_rate_not_its_first_calls_host_time(idle_host_s):
     """A call issued to an idle device may hold the host long (a busy host, a first call);
     the table's rate is the run's once under way: here the device's ~1 ms a call."""
-    _gpu_alone()
     stream = torch.cuda.Stream()
     cycles = 1 << 21
 
