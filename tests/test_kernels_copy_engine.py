@@ -522,8 +522,7 @@ def test_handed_over_layers_go_first_alone_then_a_few_thousand_copies_a_call(mon
     whole = torch.arange(16 * 16).view(16, 16)  # a run a page: 16 pages x 2 (K, V) = 32 a layer
     monkeypatch.setattr(copy_engine, "HANDOVER_COPIES", 64)
     layers = list(range(GEO.num_layers)) * 2  # 8 entries
-    assert copy_engine.handover_calls(kv, whole, layers) == [(0, 1), (1, 3), (3, 5),
-                                                                 (5, 7), (7, 8)]  # fmt: skip
+    assert copy_engine.handover_calls(kv, whole, layers) == [(0, 1), (1, 3), (3, 5), (5, 7), (7, 8)]
     # an all-layer entry is 4 layers' copies: a call of its own once it is reached
     mixed = [0, None, 1, 2, 3]
     assert copy_engine.handover_calls(kv, whole, mixed) == [(0, 1), (1, 2), (2, 4), (4, 5)]
