@@ -94,6 +94,46 @@ def test_the_trailer_binds_bytes_length_and_key():
     assert not values.check(frames, "p/aa", tail[:-1])
 
 
+class _Kernel:
+    """Loopback ports as a kernel may give them to bind(0): the lowest not bound now, so a port
+    closed is the next one given."""
+
+    def __init__(self) -> None:
+        self.bound: set[int] = set()
+        kernel = self
+
+        class Socket:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc) -> None:
+                kernel.bound.discard(self.port)
+
+            def bind(self, address) -> None:
+                self.port = min(set(range(5000, 5100)) - kernel.bound)
+                kernel.bound.add(self.port)
+
+            def getsockname(self):
+                return ("127.0.0.1", self.port)
+
+        self.Socket = Socket
+
+
+def test_a_clusters_processes_never_get_one_port_twice(monkeypatch):
+    """The master's RPC, HTTP and metrics ports and each store's are distinct even where the
+    kernel gives a port again once its socket is closed (a master once got one port for RPC and
+    HTTP and could not start)."""
+    from pagekv.store.mooncake import launch
+
+    kernel = _Kernel()
+    monkeypatch.setattr(launch.socket, "socket", kernel.Socket)
+    taken: set[int] = set()
+    master = launch._free_ports(3, taken)
+    stores = [launch._free_ports(1, taken)[0] for _ in range(4)]
+    assert len(set(master + stores)) == 7 and taken == set(master + stores)
+    assert not kernel.bound  # every socket closed: the processes bind them next
+
+
 # ---- against a Mooncake Store ------------------------------------------------------------------
 @pytest.fixture
 def cluster():

@@ -11,6 +11,7 @@ package this interpreter imports.
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.util
 import os
 import re
@@ -39,10 +40,20 @@ def binaries_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int, taken: set[int]) -> list[int]:
+    """``n`` free loopback ports, distinct from each other and from ``taken`` (which they then
+    join). Each socket stays bound until all are chosen: one closed before the next bind may be
+    given again (the kernel once gave a master the same port for its RPC and its HTTP server)."""
+    ports: list[int] = []
+    with contextlib.ExitStack() as held:
+        while len(ports) < n:
+            s = held.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            if port not in taken:
+                ports.append(port)
+                taken.add(port)
+    return ports
 
 
 class _Proc:
@@ -94,7 +105,8 @@ class MooncakeCluster:
         self.bin = binaries_dir()
         self.segment = parse_size(segment)
         self.lease_ms, self.timeout_s = lease_ms, timeout_s
-        self.rpc_port, self.http_port = _free_port(), _free_port()
+        self._ports: set[int] = set()  # every port given to a process of this cluster
+        self.rpc_port, self.http_port, self._metrics_port = _free_ports(3, self._ports)
         self.env = dict(os.environ)
         self.env["GLOG_minloglevel"] = "0"  # the ready lines are INFO lines
         self.master: _Proc | None = None
@@ -122,7 +134,7 @@ class MooncakeCluster:
         cmd = [str(self.bin / "mooncake_master"), "--enable_http_metadata_server=true",
                "--http_metadata_server_host=127.0.0.1",
                f"--http_metadata_server_port={self.http_port}", "--rpc_address=127.0.0.1",
-               f"--rpc_port={self.rpc_port}", f"--metrics_port={_free_port()}",
+               f"--rpc_port={self.rpc_port}", f"--metrics_port={self._metrics_port}",
                f"--default_kv_lease_ttl={self.lease_ms}", "--client_ttl=2",
                "--rpc_thread_num=2"]  # fmt: skip
         self.master = _Proc(cmd, MASTER_READY, self.env)
@@ -142,7 +154,7 @@ class MooncakeCluster:
         cmd = [str(self.bin / "mooncake_client"), f"--global_segment_size={self.segment}",
                f"--master_server_address=127.0.0.1:{self.rpc_port}",
                f"--metadata_server={self.metadata}", "--host=127.0.0.1",
-               f"--port={_free_port()}", "--protocol=tcp"]  # fmt: skip
+               f"--port={_free_ports(1, self._ports)[0]}", "--protocol=tcp"]  # fmt: skip
         proc = _Proc(cmd, STORE_READY, self.env)
         self.stores[i] = proc
         try:
