@@ -16,14 +16,14 @@ and the bench's own figure (3 calls back to back, CUDA-event time) for both path
 and 1 GiB. ``--profile``: only the caller's part and the hand-off, in pieces.
 
 ``--by-layer``: a layer-by-layer load through the issuer (as ``load_async`` submits it), Llama-3-8B
-16-token pages, ``--mib`` each: when its first and last layers were handed to their consumers
-(``Completion.enqueued_at``, ms after the call), when the last layer was on the device and the
-issuer's time inside the copy engine's library calls, three ways in turn: as shipped (the first
-layer alone, then ``copy_engine.HANDOVER_COPIES`` copies a library call, each call's layers
-handed over when it returns), ``each`` (a library call a layer) and ``at_end`` (every layer
-handed over when the job returns, two library calls).
+16-token pages, ``--mib`` each, the caller running pure Python for each of ``--spin-ms`` after the
+call (an engine's scheduler holding the GIL) before it waits for each layer in turn: when its
+waits for layer 0 and the last layer returned and when the load was done, three ways in turn
+(:func:`by_layer`): as shipped (the library counts each layer as it enqueues it), ``calls``
+(each layer handed over as its library call returns, ~2,048 copies a call) and ``at_end``.
 
-    python scripts/diag_issuer_overhead.py [--reps 7] [--profile | --by-layer] [--mib 256,1024]
+    python scripts/diag_issuer_overhead.py [--reps 7] [--profile | --by-layer [--spin-ms 0,20]]
+                                           [--mib 256,1024]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import threading
 import time
 
 import torch
-from _bench_util import environment, overridden, parse_args, write_result
+from _bench_util import environment, parse_args, write_result
 from bench_kernels import GEOMETRIES, Setup, ceiling_fns, interleaved, ratio
 
 from pagekv.connector import KVGeometry
@@ -54,9 +54,9 @@ def phases(st: Setup, issuer: CopyIssuer, staging: IndexStaging, reps: int) -> d
     orig_submit = issuer.submit
 
     def submit(job, transfers):
-        def timed_job(*, enqueued):
+        def timed_job(**handover):
             marks["job"] = time.perf_counter()
-            out = job(enqueued=enqueued)
+            out = job(**handover)
             marks["enqueued"] = time.perf_counter()
             return out
 
@@ -217,9 +217,9 @@ def handoff_split(st: Setup, staging: IndexStaging, reps: int = 15) -> None:
                                 [None], backend=idx.backend)  # fmt: skip
         started: list[float] = []
 
-        def timed(*, enqueued, job=job, started=started):
+        def timed(*, job=job, started=started, **handover):
             started.append(time.perf_counter())
-            return job(enqueued=enqueued)
+            return job(**handover)
 
         done = issuer.submit(timed, 1)
         t2 = time.perf_counter()
@@ -232,55 +232,61 @@ def handoff_split(st: Setup, staging: IndexStaging, reps: int = 15) -> None:
     issuer.close()
 
 
-def by_layer(raw, nbytes: int, issuer: CopyIssuer, staging: IndexStaging, reps: int) -> dict:
-    """ms after the call: layer 0 and the last layer handed over, the last layer done; medians."""
+def by_layer(raw, nbytes: int, issuer: CopyIssuer, staging: IndexStaging, reps: int,
+             spin_ms: float) -> dict:  # fmt: skip
+    """A layer-by-layer load through the issuer, the caller then running pure Python for
+    ``spin_ms`` (an engine's scheduler; 0: none) before it waits for each layer in turn (as the
+    forward does): ms after the call when its wait for layer 0 and for the last layer
+    returned, and when the load was done; medians. Three ways in turn: as shipped (one library
+    call, each layer handed over as the library counts it), ``calls`` (each layer handed over
+    as the library call that enqueued it returns, calls of ~2,048 copies: the hand-over before
+    the library counted) and ``at_end`` (every layer handed over when the job returns)."""
     geo = KVGeometry(page_size=16, **GEOMETRIES["llama3-8b"])
     st = Setup(raw, geo, nbytes)
     page_ids, slots, layers = st.ids_cpu.tolist(), st.slots_cpu, range(geo.num_layers)
     orig_submit = issuer.submit
+    per_call = max(1, 2048 // max(1, copy_engine.slot_runs(st.kv, slots)[1] * geo.num_kv))
 
-    def at_end(job, transfers):  # the job's events handed over only when it returns
-        return orig_submit(lambda *, enqueued: job(enqueued=None), transfers)
+    def at_end(job, transfers):
+        return orig_submit(lambda **_: job(enqueued=None, progress=None), transfers)
 
-    def each(job, transfers):  # a library call a layer, each handed over at once
-        def one_a_call(*, enqueued):
-            with overridden(copy_engine, HANDOVER_COPIES=1):
-                return job(enqueued=enqueued)
+    def calls(job, transfers):
+        load_, host, ids, kv, s, entries = job.args
 
-        return orig_submit(one_a_call, transfers)
+        def run(*, enqueued, progress):
+            events: list[torch.cuda.Event] = []
+            for first in range(0, len(entries), per_call):
+                _, more = transfer_layers(load_, host, ids, kv, s, entries[first:first + per_call],
+                                          **job.keywords)  # fmt: skip
+                events += more
+                enqueued(events)
+            return "copy_engine", events
 
-    ways = {"handed_over": orig_submit, "each": each, "at_end": at_end}
+        return orig_submit(run, transfers)
+
+    ways = {"counted": orig_submit, "calls": calls, "at_end": at_end}
     times: dict[str, list[tuple[float, ...]]] = {how: [] for how in ways}
     used = {}
-    in_library = [0.0]
-    real = copy_engine.page_transfer_layers
-
-    def timed_call(*args, **kwargs):  # the issuer's time inside the library's calls
-        t0 = time.perf_counter()
-        try:
-            return real(*args, **kwargs)
-        finally:
-            in_library[0] += time.perf_counter() - t0
-
-    copy_engine.page_transfer_layers = timed_call
-    try:
-        for rep in range(reps + 1):  # the two ways in turn, the first round a warm-up
-            for how, submit in ways.items():
-                issuer.submit = submit  # type: ignore[method-assign]
-                torch.cuda.synchronize()
-                in_library[0] = 0.0
-                t = time.monotonic()
-                out = launch(True, st.kv, st.host, page_ids, slots, staging, issuer, layers=layers)
-                out.events[-1].synchronize()
-                first, last = out.events[0].enqueued_at, out.events[-1].enqueued_at
-                if rep:
-                    times[how].append((first - t, last - t, time.monotonic() - t, in_library[0]))
-                used[how] = out.backend
-    finally:
-        issuer.submit = orig_submit  # type: ignore[method-assign]
-        copy_engine.page_transfer_layers = real
-    row: dict = {"mib": st.nbytes >> 20, "pages": st.n_pages}
-    names = ("first_ms", "last_ms", "done_ms", "in_library_ms")
+    for rep in range(reps + 1):  # the ways in turn, the first round a warm-up
+        for how, submit in ways.items():
+            issuer.submit = submit  # type: ignore[method-assign]
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = launch(True, st.kv, st.host, page_ids, slots, staging, issuer, layers=layers)
+            while time.perf_counter() - t < spin_ms / 1e3:
+                pass
+            waited = []
+            for completion in out.events:
+                completion.wait()
+                waited.append(time.perf_counter())
+            torch.cuda.current_stream().synchronize()
+            if rep:
+                times[how].append((waited[0] - t, waited[-1] - t, time.perf_counter() - t))
+            used[how] = out.backend
+    issuer.submit = orig_submit  # type: ignore[method-assign]
+    row: dict = {"mib": st.nbytes >> 20, "pages": st.n_pages, "spin_ms": spin_ms,
+                 "layers_a_call": per_call}  # fmt: skip
+    names = ("layer0_ms", "last_ms", "done_ms")
     for how, rows in times.items():
         row[how] = {k: round(statistics.median(x[i] for x in rows) * 1e3, 3)
                     for i, k in enumerate(names)}  # fmt: skip
@@ -297,6 +303,8 @@ def main() -> None:
                     help="only the caller's part and the hand-off, in pieces")  # fmt: skip
     ap.add_argument("--by-layer", action="store_true",
                     help="a layer-by-layer load: when its layers are handed over")  # fmt: skip
+    ap.add_argument("--spin-ms", default="0,20",
+                    help="--by-layer: ms of pure Python on the caller after the call")  # fmt: skip
     args = parse_args(ap)
     calibrate(0)
     sizes = [int(x) << 20 for x in args.mib.split(",")]
@@ -309,8 +317,9 @@ def main() -> None:
     result: dict = {"env": environment(), "rows": []}
     if args.by_layer:
         for nbytes in sizes:
-            result["rows"].append(by_layer(raw, nbytes, issuer, staging, args.reps))
-            print(result["rows"][-1], flush=True)
+            for spin in map(float, args.spin_ms.split(",")):
+                result["rows"].append(by_layer(raw, nbytes, issuer, staging, args.reps, spin))
+                print(result["rows"][-1], flush=True)
         issuer.close()
         write_result("diag_issuer_by_layer", result)
         return

@@ -511,34 +511,3 @@ def test_auto_offers_the_table_the_copy_engine_from_its_floor_and_the_split_to_t
     assert offered(caller, ce=False) == ["kernel", "direct", "pitched"]
     assert offered(caller, all_layers=False, deferred=True) == ["kernel", "direct", "copy_engine"]
     assert offered(caller, pitched=False, deferred=True) == ["kernel", "direct", "copy_engine"]
-
-
-def test_handed_over_layers_go_first_alone_then_a_few_thousand_copies_a_call(monkeypatch):
-    """handover_calls: the first entry in a call of its own, then entries grouped until a call
-    has HANDOVER_COPIES copies (one per run of slots and K/V; an all-layer entry counts every
-    layer's), the last call taking what is left; the ranges cover every entry once, in order."""
-    both = torch.empty(2, GEO.num_layers, 400, 2, 64, dtype=torch.bfloat16)
-    kv = DeviceKV.from_caches(GEO, both[0], both[1])
-    whole = torch.arange(16 * 16).view(16, 16)  # a run a page: 16 pages x 2 (K, V) = 32 a layer
-    monkeypatch.setattr(copy_engine, "HANDOVER_COPIES", 64)
-    layers = list(range(GEO.num_layers)) * 2  # 8 entries
-    assert copy_engine.handover_calls(kv, whole, layers) == [(0, 1), (1, 3), (3, 5), (5, 7), (7, 8)]
-    # an all-layer entry is 4 layers' copies: a call of its own once it is reached
-    mixed = [0, None, 1, 2, 3]
-    assert copy_engine.handover_calls(kv, whole, mixed) == [(0, 1), (1, 2), (2, 4), (4, 5)]
-    single = torch.randperm(400)[: 16 * 16].view(16, 16)  # runs of ~1 slot: ~512 copies a layer
-    assert copy_engine.handover_calls(kv, single, layers) == [(0, 1)] + [
-        (k, k + 1) for k in range(1, 8)
-    ]
-    # copies are counted, not estimated from the mean run: half of every page skipped still
-    # leaves a run a page, so the entries group as whole pages do
-    half = whole.clone()
-    start = int(torch.randint(0, 2, ())) * 8
-    half[:, start : start + 8] = -1
-    assert copy_engine.handover_calls(kv, half, layers) == [(0, 1), (1, 3), (3, 5), (5, 7), (7, 8)]
-    skipped = torch.full((16, 16), -1)  # no slot in range: no division by zero
-    assert copy_engine.handover_calls(kv, skipped, layers)[0] == (0, 1)
-    monkeypatch.setattr(copy_engine, "HANDOVER_COPIES", 2048)
-    assert copy_engine.handover_calls(kv, whole, layers) == [(0, 1), (1, 8)]
-    assert copy_engine.handover_calls(kv, whole, [2]) == [(0, 1)]
-    assert copy_engine.handover_calls(kv, whole, []) == []

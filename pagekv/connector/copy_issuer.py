@@ -13,15 +13,20 @@ Rules:
   call is ordered after the copies: consumers order themselves on the job's completions.
 * The issuer's thread runs jobs in submission order on the issuer's own stream: it waits on the
   job's fork event and runs the job, which enqueues its transfers in order (a layer-by-layer
-  load is one job: :func:`pagekv.kernels.transfer_layers`, the first layer in a library call
-  of its own, the rest a few thousand copies a call; what the driver refuses falls back to
-  the kernel, once logged) with one event recorded after each, and hands each transfer's
-  event to its completion as soon as it is recorded: a consumer of layer ``i`` waits for
-  little more than the layers up to ``i`` to be enqueued, not for the whole job.
+  load is one job: :func:`pagekv.kernels.transfer_layers`, its layers in one library call;
+  what the driver refuses falls back to the kernel, once logged) with one event recorded after
+  each. Each transfer is handed to its completion as soon as its event is recorded: the
+  library counts the layers it has enqueued in the job's
+  :class:`~pagekv.kernels.copy_engine.Progress` as it goes, and a consumer of layer ``i``
+  waits on that count, for the layers up to ``i`` to be enqueued; not for the whole job, nor
+  for the issuer's thread to take the GIL back from a thread running Python. Transfers
+  enqueued by Python (the other backends, the kernel after a refusal) are handed over as
+  their events are recorded there.
 * A :class:`Completion` stands for one transfer's event, with the part of ``torch.cuda.Event``
   its consumers use: ``wait(stream)`` (what ``stream.wait_event`` calls) blocks the host only
-  until the transfer is *enqueued*, then makes the stream wait on the GPU; ``query()`` is False
-  until it is enqueued and done; ``synchronize()`` blocks until it is done.
+  until the transfer is *enqueued* (asleep in the library: no GIL held), then makes the stream
+  wait on the GPU; ``query()`` is False until it is enqueued and done; ``synchronize()`` blocks
+  until it is done.
 * Ownership: a job holds its CPU page ids and slots, the host buffer and the device cache until
   its transfers are enqueued; whoever holds the host pages and slots keeps them until the
   completion completes (the rule for an event).
@@ -32,8 +37,9 @@ Rules:
   (False until then): from then on nothing touches its pages, and their holders may let them
   go (the page cache does). The thread goes on with the next job.
 * :meth:`close` runs the queued jobs, waits for their copies and stops the thread.
-* The issuer is a Python thread: between library calls it needs the GIL, and beside a thread
-  running pure Python it waits for it (scripts/diag_ce_host_rate.py). Its CUDA calls wait
+* The issuer is a Python thread: to start a job and after its library call it needs the GIL,
+  and beside a thread running pure Python it waits for it (scripts/diag_ce_host_rate.py); the
+  layers its library call enqueues are handed over meanwhile. Its CUDA calls wait
   while another thread's enqueued work fills the device's submission queue: an engine that
   enqueues many decode steps at once holds it until they drain; with a serving engine's one
   or two steps in flight (the reference engine: ``decode_graph.STEPS_IN_FLIGHT``) it keeps
@@ -52,6 +58,8 @@ from typing import Any, Protocol
 import torch
 
 from pagekv.errors import CopyFailed
+from pagekv.kernels.copy_engine import Progress
+from pagekv.kernels.jit import load_library
 
 __all__ = ["AllOf", "CopyFailed", "CopyIssuer", "Completion"]
 
@@ -59,16 +67,19 @@ log = logging.getLogger(__name__)
 
 
 class Completion:
-    """One queued transfer's completion (see the module docstring)."""
+    """One queued transfer's completion (see the module docstring): entry ``entry`` of a job
+    whose library call counts its entries in ``progress`` (None: handed over by Python alone)."""
 
-    __slots__ = ("_enqueued", "_error", "_event", "_settled", "enqueued_at")
+    __slots__ = ("_enqueued", "_entry", "_error", "_event", "_progress", "_settled",
+                 "enqueued_at")  # fmt: skip
 
-    def __init__(self) -> None:
+    def __init__(self, progress: Progress | None = None, entry: int = 0) -> None:
         self._enqueued = threading.Event()
+        self._progress, self._entry = progress, entry
         self._event: torch.cuda.Event | None = None
         self._error: BaseException | None = None
         self._settled: torch.cuda.Event | None = None  # a failed job's: its stream passed it
-        self.enqueued_at: float | None = None  # time.monotonic() when it was (diagnostics)
+        self.enqueued_at: float | None = None  # time.monotonic() Python handed it (diagnostics)
 
     def _set(self, event: torch.cuda.Event | None, error: BaseException | None = None,
              settled: torch.cuda.Event | None = None) -> None:  # fmt: skip
@@ -76,15 +87,27 @@ class Completion:
         self.enqueued_at = time.monotonic()
         self._enqueued.set()
 
+    def _counted(self) -> torch.cuda.Event | None:
+        """The event, where the job's library call has counted this entry enqueued (read
+        before ``_enqueued``: the issuer sets that first for what it counts)."""
+        p = self._progress
+        if p is None or not p.counted(self._entry) or self._enqueued.is_set():
+            return None
+        return p.events[self._entry]
+
     def _wait_enqueued(self) -> torch.cuda.Event:
-        self._enqueued.wait()
+        p = self._progress
+        if p is not None and not self._enqueued.is_set() and p.wait(self._entry):
+            if not self._enqueued.is_set():  # counted by the library: its event
+                return p.events[self._entry]
+        self._enqueued.wait()  # handed over by the issuer (it sets completions, then counts)
         if self._event is None:
             raise CopyFailed(f"a copy-engine transfer failed: {self._error!r}") from self._error
         return self._event
 
     @property
     def enqueued(self) -> bool:
-        return self._enqueued.is_set()
+        return self._enqueued.is_set() or self._counted() is not None
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
         """Make ``stream`` (default: the current one) wait for the transfer on the GPU; the
@@ -93,7 +116,8 @@ class Completion:
 
     def query(self) -> bool:
         if not self._enqueued.is_set():
-            return False
+            counted = self._counted()
+            return counted is not None and counted.query()
         if self._event is None and self._settled is not None and not _passed(self._settled):
             return False  # failed: raises once the stream has passed what the job enqueued
         return self._wait_enqueued().query()
@@ -124,10 +148,12 @@ def _settle() -> torch.cuda.Event | None:
 class Job(Protocol):
     """Enqueues its transfers in order on the current stream (the issuer's), a CUDA event
     recorded after each; calls ``enqueued`` with the events recorded so far each time there are
-    more; returns the backend it used and all the events."""
+    more; returns the backend it used and all the events. Given a ``progress`` (None where the
+    library is not loaded), it may record ``progress.events`` and have the library count them
+    (:func:`pagekv.kernels.transfer_layers` does)."""
 
     def __call__(
-        self, *, enqueued: Callable[[list[torch.cuda.Event]], None]
+        self, *, enqueued: Callable[[list[torch.cuda.Event]], None], progress: Progress | None
     ) -> tuple[str, list[torch.cuda.Event]]: ...
 
 
@@ -149,7 +175,10 @@ class CopyIssuer:
         enqueued work; one completion per transfer. Raises ``RuntimeError`` once closed."""
         fork = torch.cuda.Event()
         fork.record(torch.cuda.current_stream(self.device))
-        done = [Completion() for _ in range(transfers)]
+        lib = load_library()
+        events = [torch.cuda.Event() for _ in range(transfers)]
+        progress = None if lib is None else Progress(lib, events)
+        done = [Completion(progress, i) for i in range(transfers)]
         with self._lock:
             if self._closed:
                 raise RuntimeError("the copy issuer is closed")
@@ -159,7 +188,7 @@ class CopyIssuer:
                                                 daemon=True)  # fmt: skip
                 self._thread.start()
             self.counters["jobs"] += 1
-            self._queue.put((fork, job, done))
+            self._queue.put((fork, job, done, progress))
         return done
 
     def close(self) -> None:
@@ -179,11 +208,15 @@ class CopyIssuer:
         stream = self._stream
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             while (item := self._queue.get()) is not None:
-                fork, job, done = item
+                fork, job, done, progress = item
                 stream.wait_event(fork)
-                self._one(job, done)
+                try:
+                    self._one(job, done, progress)
+                finally:
+                    if progress is not None:  # every completion is set: waiters may look
+                        progress.end()
 
-    def _one(self, job: Job, done: list[Completion]) -> None:
+    def _one(self, job: Job, done: list[Completion], progress: Progress | None) -> None:
         start = time.perf_counter()
         handed = 0
 
@@ -194,14 +227,18 @@ class CopyIssuer:
             for completion, event in zip(done[handed:], events[handed:]):
                 completion._set(event)
             handed = max(handed, len(events))
+            if progress is not None:  # after the completions: a waiter it wakes finds them set
+                progress.publish(handed)
 
         try:
-            backend, events = job(enqueued=enqueued)
+            backend, events = job(enqueued=enqueued, progress=progress)
             self.counters["job_seconds"] += time.perf_counter() - start
             if len(events) != len(done):
                 raise RuntimeError(f"a job recorded {len(events)} events for {len(done)} transfers")
             enqueued(events)
         except Exception as e:  # the completions not handed an event carry it to every consumer
+            if progress is not None:  # what the library counted was enqueued
+                enqueued(progress.events[: min(progress.count(), len(done))])
             self.counters["failed"] += len(done) - handed
             self.counters["transfers"] += handed
             log.error("pagekv: a copy-engine transfer failed: %r", e)

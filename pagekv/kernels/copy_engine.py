@@ -45,7 +45,6 @@ import ctypes
 import functools
 import logging
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -58,10 +57,9 @@ __all__ = [
     "LANES",
     "ENQUEUE_THREADS",
     "ENQUEUE_THREAD_COPIES",
-    "HANDOVER_COPIES",
     "LAYER_LANES",
+    "Progress",
     "disabled_reason",
-    "handover_calls",
     "page_transfer",
     "page_transfer_layers",
     "pitched_supported",
@@ -95,15 +93,6 @@ LAYER_LANES = 1
 # copy from one thread, 0.84-0.87 from two, 0.82-0.87 from three or four).
 ENQUEUE_THREADS = 2
 ENQUEUE_THREAD_COPIES = 512
-# Copies a library call sends at least when a layer-by-layer transfer hands each entry over as
-# it is enqueued (:func:`handover_calls`): a call costs its thread ~15-70 us beyond its copies,
-# 2,048 copies ~1-2 ms (H200, 32 layers a call each against two calls: +0.43 ms for 32 MiB,
-# +0.6 for 256 MiB, +2.1 for 1 GiB, +0.2 for 4 GiB of 32 KiB runs; scripts/
-# diag_issuer_overhead.py --by-layer). Grouped so, layer 0 is handed over as early as with a call
-# a layer, and the load is done 0.0 / 0.3 / 1.1 / 1.2 ms after the whole job's two calls would
-# have been, against 0.4 / 0.1 / 1.6 / 2.7 for a call a layer (H200, 32 MiB / 256 MiB / 1 GiB /
-# 4 GiB).
-HANDOVER_COPIES = 2048
 # Descriptors per driver call; a call the driver refuses as invalid is split in halves.
 MAX_OPS = 16384
 
@@ -180,24 +169,6 @@ def page_transfer(
     return _report(err, stats, load, kv, ids)
 
 
-def handover_calls(
-    kv: DeviceKV, slots: torch.Tensor, layers: Sequence[int | None]
-) -> list[tuple[int, int]]:
-    """The library calls, as [first, end) ranges of ``layers``, of a layer-by-layer transfer
-    whose entries are handed over as they are enqueued: the first entry alone (its consumer
-    starts at once), then as many entries a call as make :data:`HANDOVER_COPIES` copies (an
-    entry's: :func:`slot_runs`' runs x K/V, a layer's or all layers' for None)."""
-    geo = kv.geometry
-    per_layer = max(1, slot_runs(kv, slots)[1] * geo.num_kv)
-    calls, first, copies = [(0, 1)], 1, 0
-    for k in range(1, len(layers)):
-        copies += per_layer * (geo.num_layers if layers[k] is None else 1)
-        if copies >= HANDOVER_COPIES or k == len(layers) - 1:
-            calls.append((first, k + 1))
-            first, copies = k + 1, 0
-    return calls if layers else []
-
-
 def page_transfer_layers(
     lib: ctypes.CDLL,
     load: bool,
@@ -208,21 +179,74 @@ def page_transfer_layers(
     layers: list[int | None],
     events: list[torch.cuda.Event],
     stream: int,
+    progress: Progress | None = None,
 ) -> int:
     """:func:`page_transfer` once per entry of ``layers`` (a layer, or None for all), in order,
     ``events[i]`` recorded on ``stream`` after entry ``i``: all in one library call. Returns how
     many entries were issued and recorded; fewer than ``len(layers)`` (after one log line for the
     device) when the driver refused a call: the caller runs the rest on the kernel. The events
-    must exist (torch creates a CUDA event at its first ``record``)."""
+    must exist (torch creates a CUDA event at its first ``record``). ``progress`` (whose count
+    must be 0: these are its first entries) counts each entry as its event is recorded, during
+    the call."""
     which, handles = layer_entries(layers, events)
-    stats, done = (ctypes.c_int64 * 4)(), ctypes.c_int(0)
+    stats, done = (ctypes.c_int64 * 4)(), ctypes.c_int(0) if progress is None else progress.cell
     err = lib.pagekv_ce_page_transfer_layers(
         *_transfer_args(load, host, kv, ids, slots), which, len(layers), handles, FLAGS, LANES,
         LAYER_LANES, ENQUEUE_THREADS, ENQUEUE_THREAD_COPIES, MAX_OPS, stream, stats,
         ctypes.byref(done),
     )  # fmt: skip
     _report(err, stats, load, kv, ids)
-    return done.value
+    return done.value & ~Progress.ENDED
+
+
+class Progress:
+    """How many entries of a layer-by-layer transfer are enqueued, counted where they are: the
+    library stores the count as it records each entry's event, during its call, and wakes the
+    threads waiting on it (:meth:`wait` sleeps in the library: no GIL held, none needed by the
+    thread that counts). So a consumer of entry ``i`` is handed ``events[i]`` as soon as the
+    call has enqueued it, even while the thread that made the call waits for the GIL.
+
+    Rules: the count only grows, entries in order; the library counts the entries of
+    ``events`` it enqueues, :meth:`publish` those enqueued another way (whose owner hands over
+    their events before it publishes them); :meth:`end` marks that no more will come (the job
+    returned or failed) and wakes every waiter. Entry ``i`` of ``events`` may be used once the
+    library has counted it. Owner: whoever submits the transfer (the connector's issuer, one
+    per job); it outlives the library call, which writes :attr:`cell`."""
+
+    ENDED = 1 << 30  # the count's end bit (csrc/copy_engine.cu: pagekv_progress_*)
+
+    def __init__(self, lib: ctypes.CDLL, events: list[torch.cuda.Event]) -> None:
+        self.cell = ctypes.c_int(0)
+        self.events = events
+        self._lib = lib
+
+    def count(self) -> int:
+        """Entries counted so far."""
+        return self._wait(0, 0) & ~self.ENDED
+
+    def counted(self, entry: int) -> bool:
+        """Entry ``entry`` is enqueued (its event recorded)."""
+        return self._wait(entry, 0) & ~self.ENDED > entry
+
+    def wait(self, entry: int) -> bool:
+        """Sleep until entry ``entry`` is counted (True) or the count has ended (False)."""
+        while True:
+            value = self._wait(entry, 100_000)  # wakes now and then: signals reach the caller
+            if value & ~self.ENDED > entry:
+                return True
+            if value & self.ENDED:
+                return False
+
+    def publish(self, entries: int) -> None:
+        """Entries ``[0, entries)`` are enqueued; wakes the waiters."""
+        self._lib.pagekv_progress_publish(ctypes.byref(self.cell), entries)
+
+    def end(self) -> None:
+        self.publish(self.count() | self.ENDED)
+
+    def _wait(self, entry: int, timeout_us: int) -> int:
+        """The count once it passes ``entry`` or ends, or after ``timeout_us`` (0: now)."""
+        return self._lib.pagekv_progress_wait(ctypes.byref(self.cell), entry + 1, timeout_us)
 
 
 def pitched_transfer(

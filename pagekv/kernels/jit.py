@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "pagekv_kernels.cu", CSRC / "copy_engine.cu")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
-_ABI_VERSION = 9
+_ABI_VERSION = 10
 
 
 def backend_mode() -> str:
@@ -154,6 +154,8 @@ _SIGNATURES["pagekv_pitched_page_transfer"] = (
     [_I, _I, _P, _P, _P, _P, _P] + [_L] * 5 + [_I] * 4 + [_P, ctypes.POINTER(_L)],
     ctypes.c_int,
 )
+_SIGNATURES["pagekv_progress_publish"] = ([ctypes.POINTER(_I), _I], None)
+_SIGNATURES["pagekv_progress_wait"] = ([ctypes.POINTER(_I), _I, _L], ctypes.c_int)
 _SIGNATURES["pagekv_ce_page_transfer_layers"] = (
     [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 4 + [_P, _I, _P, _I, _I, _I, _I, _L, _L, _P]
     + [ctypes.POINTER(_L), ctypes.POINTER(_I)],

@@ -527,6 +527,7 @@ def transfer_layers(
     *,
     backend: Backend = "auto",
     enqueued: Callable[[list[torch.cuda.Event]], None] | None = None,
+    progress: copy_engine.Progress | None = None,
 ) -> tuple[str, list[torch.cuda.Event]]:
     """:func:`load` (or :func:`save`) once per entry of ``layers`` (a layer, or None for all
     layers), in order on the current stream, with ``validate=False``; a CUDA event recorded
@@ -535,10 +536,12 @@ def transfer_layers(
     engine's host time, ~0.5-1 us a copy, spent without the GIL; the kernel's ~5 us a layer),
     so the first entry's copies start before the host creates the others' events; where the
     driver refuses the copy engine, the entries left run on the kernel. ``enqueued`` (if
-    given) is called with the events of the entries enqueued so far each time more are, and
-    the copy engine then issues the first entry alone and the rest a few thousand copies a
-    call (:func:`~.copy_engine.handover_calls`), so a consumer of entry ``i`` waits for little
-    more than the entries up to ``i`` to be enqueued. CUDA only."""
+    given) is called with the events of the entries enqueued so far each time more are.
+    ``progress`` (if given) brings the events (one per entry, unrecorded) and, on the copy
+    engine, is counted by the library as each entry is enqueued: then the events are all
+    created first and the entries issued in one library call, so a consumer of entry ``i``
+    (:meth:`~.copy_engine.Progress.wait`) waits for the entries up to ``i`` to be enqueued
+    and never for this thread to take the GIL back between calls. CUDA only."""
     if not layers:
         return "none", []
     geo = kv.geometry
@@ -546,9 +549,11 @@ def transfer_layers(
         check_layer(layer, geo.num_layers)
     ids = check_page_ids(page_ids, host.shape[0], unique=not load, check_values=False)
     s = check_slots(slots, ids.numel(), geo.page_size, kv.num_slots, check_values=False)
+    if progress is not None and len(progress.events) != len(layers):
+        raise ValueError(f"{len(progress.events)} events for {len(layers)} entries")
     if backend == "auto":
         backend = _auto_backend(load, kv, ids, s, layers[0])
-    events = [torch.cuda.Event() for _ in layers]
+    events = progress.events if progress is not None else [torch.cuda.Event() for _ in layers]
     done = 0
 
     def published(n: int) -> None:  # entries [0, n) are enqueued
@@ -561,10 +566,10 @@ def transfer_layers(
         ids_h, s_h = _host_indices(ids, s)
         check_host(geo, host)
         stream = torch.cuda.current_stream(kv.device)
-        # the first entry's copies run while the host creates the other entries' events (each
-        # created by a record here, recorded again by the library after its entry)
-        calls = (copy_engine.handover_calls(kv, s_h, layers) if enqueued is not None
-                 else [(0, 1), (1, len(layers))])  # fmt: skip
+        # each entry's event is created by a record here and recorded again by the library
+        # after its entry; without a progress count the first entry's copies run while the
+        # host creates the others' events
+        calls = [(0, len(layers))] if progress is not None else [(0, 1), (1, len(layers))]
         for first, end in calls:
             if first >= end:
                 break
@@ -572,7 +577,7 @@ def transfer_layers(
                 event.record(stream)
             issued = copy_engine.page_transfer_layers(lib, load, host, kv, ids_h, s_h,
                                                       list(layers[first:end]), events[first:end],
-                                                      stream.cuda_stream)  # fmt: skip
+                                                      stream.cuda_stream, progress)  # fmt: skip
             done += issued
             if issued < end - first:
                 break

@@ -47,7 +47,7 @@ def setup(n_pages=8, page_size=16):
     return geo, caches, kv, pool, a.view(n_pages, page_size), b.view(n_pages, page_size)
 
 
-def recorded(n=1, *, enqueued=None):
+def recorded(n=1, *, enqueued=None, progress=None):
     """A job of ``n`` empty transfers: ``n`` events recorded on the issuer's stream (handed
     over when it returns)."""
     events = [torch.cuda.Event() for _ in range(n)]
@@ -62,7 +62,7 @@ class Gate:
     def __init__(self):
         self.entered, self.opened = threading.Event(), threading.Event()
 
-    def __call__(self, *, enqueued):
+    def __call__(self, *, enqueued, progress):
         self.entered.set()
         assert self.opened.wait(30)
         return recorded()
@@ -139,7 +139,7 @@ def test_a_transfer_that_raises_fails_its_completion_not_the_next():
     issuer = CopyIssuer(DEV)
     try:
 
-        def broken(*, enqueued):
+        def broken(**_):
             raise RuntimeError("cudaErrorLaunchFailure (a stand-in)")
 
         first = issuer.submit(broken, 2)
@@ -169,7 +169,7 @@ def test_each_transfer_completes_as_soon_as_its_event_is_handed_over():
     issuer = CopyIssuer(DEV)
     gate, raised = threading.Event(), threading.Event()
 
-    def two(*, enqueued, fail=False):
+    def two(*, enqueued, progress, fail=False):
         events = [torch.cuda.Event() for _ in range(2)]
         events[0].record()
         enqueued(events[:1])
@@ -196,6 +196,57 @@ def test_each_transfer_completes_as_soon_as_its_event_is_handed_over():
         assert issuer.counters["transfers"] == 3 and issuer.counters["failed"] == 1
     finally:
         gate.set()
+        issuer.close()
+
+
+def test_layers_are_handed_over_during_the_library_call_while_python_holds_the_gil(monkeypatch):
+    """A consumer that runs Python without a pause (an engine's scheduler thread, holding the
+    GIL but for the switch interval) is handed the issuer's layers as the library enqueues them:
+    the second-to-last entry is enqueued while the job has not returned (the issuer's thread
+    cannot take the GIL back from the spinning one before then: the last entry, all layers,
+    takes milliseconds to enqueue), and each layer's bytes are there once its completion is
+    waited on. Before, the layers were handed over only between library calls, each return a
+    wait for the GIL."""
+    require_copy_engine()
+    monkeypatch.setenv("PAGEKV_COPY_BACKEND", "copy_engine")
+    geo = geometry(torch.bfloat16, False, 512, 16, num_layers=6)
+    n_pages = 512  # whole-page runs (8 KiB): 1,024 copies a layer
+    pool = HostPagePool(geo, n_pages)
+    pool.buffer.copy_(random_tensor(pool.buffer.shape, geo.dtype))
+    caches = device_caches(geo, n_pages * 16)
+    kv = DeviceKV.from_caches(geo, *caches)
+    slots = torch.randperm(n_pages)[:, None] * 16 + torch.arange(16)
+    ids = torch.randperm(n_pages)
+    for t in caches:
+        poison_(t)
+    want = [t.clone() for t in caches]
+    load_ref(pool.buffer, ids, DeviceKV.from_caches(geo, *want), slots)
+    layers = [*range(geo.num_layers), None]
+    returned = threading.Event()
+
+    def job(**handover):
+        out = transfer_layers(True, pool.buffer, ids, kv, slots, layers, backend="copy_engine",
+                              **handover)  # fmt: skip
+        returned.set()
+        return out
+
+    issuer = CopyIssuer(DEV)
+    try:
+        done = issuer.submit(job, len(layers))
+        while True:  # pure Python: the GIL is released only when the interpreter forces it
+            had_returned = returned.is_set()
+            if done[-2].enqueued:
+                break
+        assert not had_returned
+        for layer, completion in enumerate(done[:-1]):
+            completion.wait()
+            for t, w in zip(caches, want):
+                assert bits_equal(t[layer], w[layer])
+        done[-1].synchronize()
+        assert all(bits_equal(t, w) for t, w in zip(caches, want))
+        assert issuer.counters["transfers"] == len(layers)
+        assert issuer.counters["kernel_fallbacks"] == 0
+    finally:
         issuer.close()
 
 
@@ -297,20 +348,18 @@ def test_transfer_layers_matches_the_reference(backend, layers, direction):
 @pytest.mark.parametrize(  # CUDA index tensors take the kernel (reading them would sync)
     ("backend", "where"), [("kernel", "cpu"), ("kernel", "cuda"), ("copy_engine", "cpu")]
 )
-@pytest.mark.parametrize("handed", [None, 1, 1 << 40], ids=["at-end", "each", "grouped"])
+@pytest.mark.parametrize("handover", [None, "callback", "progress"])
 def test_layers_in_one_call_match_the_reference(backend, where, index_dtype, mla, direction,
-                                                handed, monkeypatch):  # fmt: skip
-    """The kernel's and the copy engine's one-call layer-by-layer transfer: every entry (a
-    layer, all layers, a layer twice) against the reference, with out-of-range pages and slots
-    skipped; a reader waiting on event i sees the layers of entries 0..i written; the whole
-    ordered after the stream's earlier work. With an ``enqueued`` callback (as the issuer
-    passes), the events are handed over as they are recorded: for the copy engine the first
-    entry, then a call's worth (``handed``: HANDOVER_COPIES, 1: every entry; a huge number:
-    the rest at once), for the kernel the first and then the rest."""
+                                                handover):  # fmt: skip
+    """The kernel's and the copy engine's layer-by-layer transfer: every entry (a layer, all
+    layers, a layer twice) against the reference, with out-of-range pages and slots skipped; a
+    reader waiting on event i sees the layers of entries 0..i written; the whole ordered after
+    the stream's earlier work. With an ``enqueued`` callback (as the issuer passes), the events
+    are handed over as they are recorded: the first entry, then the rest. With a progress count
+    too (as the issuer passes where the library is loaded) the copy engine takes its events,
+    issues every entry in one call and counts each; the kernel does not count."""
     if backend == "copy_engine":
         require_copy_engine()
-    if handed is not None:
-        monkeypatch.setattr(copy_engine, "HANDOVER_COPIES", handed)
     geo = geometry(torch.bfloat16, mla, 1152 if mla else 512, 16, num_layers=5)
     n_pages, num_slots = 12, 12 * 16 + 30
     pool = HostPagePool(geo, n_pages + 2)
@@ -343,15 +392,22 @@ def test_layers_in_one_call_match_the_reference(backend, where, index_dtype, mla
     with torch.cuda.stream(stream):
         torch.cuda._sleep(2_000_000)  # earlier work: the entries come after it
         seen: list[list[torch.cuda.Event]] = []
-        hand = None if handed is None else seen.append
+        hand = None if handover is None else seen.append
+        progress = None
+        if handover == "progress":
+            events = [torch.cuda.Event() for _ in layers]
+            progress = copy_engine.Progress(jit.load_library(), events)
         used, events = transfer_layers(direction == "load", pool.buffer, idx[0], kv, idx[1],
-                                       layers, backend=backend, enqueued=hand)  # fmt: skip
+                                       layers, backend=backend, enqueued=hand,
+                                       progress=progress)  # fmt: skip
     assert used == backend and len(events) == len(layers)
-    if handed is not None:
-        each = backend == "copy_engine" and handed == 1
-        counts = list(range(1, len(layers) + 1)) if each else [1, len(layers)]
-        assert [len(part) for part in seen] == counts
+    if handover is not None:
+        one_call = backend == "copy_engine" and progress is not None
+        assert [len(part) for part in seen] == ([len(layers)] if one_call else [1, len(layers)])
         assert all(part == events[: len(part)] for part in seen)
+    if progress is not None:
+        assert events is progress.events
+        assert progress.count() == (len(layers) if backend == "copy_engine" else 0)
     snaps = []
     for event in events:  # on streams of their own, each right after its event
         side = torch.cuda.Stream(DEV)

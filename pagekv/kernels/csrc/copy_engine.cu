@@ -26,7 +26,13 @@
 // Exported with C linkage; every entry point returns a cudaError_t (0 = success).
 
 #include <cuda_runtime.h>
+#include <linux/futex.h>
 #include <stdint.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <climits>
 
 #include <algorithm>
 #include <mutex>
@@ -140,10 +146,8 @@ void send_lanes(const Scratch& s, int w, int workers, int used, const cudaStream
 
 // Host threads enqueueing one call's copies: the driver takes ~0.5-1 us of the enqueuing
 // thread per copy (about a 32 KiB copy's bus time), so one thread sets the rate of runs under
-// ~64 KiB; two threads, each on streams of its own, lift it (H200, 32 KiB runs, 4 GiB layer
-// by layer: 34.3-42.9 GB/s from one thread, 49.0-52.2 from two; one all-layer call of 256 MiB
-// 0.59-0.69 of a pinned copy against 0.81-0.84). The caller says how many copies make a helper
-// worth its start (~20-50 us).
+// ~64 KiB; two threads, each on streams of its own, lift it. The caller says how many threads
+// and how many copies make a helper worth its start (the figures: copy_engine.ENQUEUE_THREADS).
 //
 // send_all runs send_lanes for every worker, worker 0 on the calling thread, the others on
 // threads of their own that set ``device`` first, all joined before it returns. A helper that
@@ -421,12 +425,39 @@ int pagekv_pitched_page_transfer(int device, int load, char* host, const int64_t
   return static_cast<int>(err);
 }
 
+// A progress count shared between threads (a 32-bit int of the caller's; no GPU): how many
+// entries of a layer-by-layer transfer are enqueued, with bit 30 set once none will be (a
+// failed job). pagekv_progress_publish raises it to ``value`` (never lowers it; release)
+// and wakes its waiters; pagekv_progress_wait returns its value (acquire) once it reaches
+// ``target`` or has the stopped bit, or after ``timeout_us``, the caller's thread asleep
+// meanwhile (a futex: ctypes releases the GIL around the call).
+void pagekv_progress_publish(int* cell, int value) {
+  int seen = __atomic_load_n(cell, __ATOMIC_RELAXED);
+  while (seen < value &&
+         !__atomic_compare_exchange_n(cell, &seen, value, false, __ATOMIC_RELEASE,
+                                      __ATOMIC_RELAXED)) {
+  }
+  syscall(SYS_futex, cell, FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+}
+
+int pagekv_progress_wait(int* cell, int target, int64_t timeout_us) {
+  int seen = __atomic_load_n(cell, __ATOMIC_ACQUIRE);
+  if (seen >= target || timeout_us <= 0) return seen;
+  struct timespec limit = {static_cast<time_t>(timeout_us / 1000000),
+                           static_cast<long>(timeout_us % 1000000) * 1000};
+  syscall(SYS_futex, cell, FUTEX_WAIT_PRIVATE, seen, &limit, nullptr, 0);
+  return __atomic_load_n(cell, __ATOMIC_ACQUIRE);
+}
+
 // The transfer of pagekv_ce_page_transfer once per entry of ``layers`` (a layer, or -1 for all
 // layers at once), in that order, recording ``events[i]`` on ``stream`` after entry i: a
 // layer-by-layer load in one call (one GIL hand-off for the caller, whose thread the driver
 // work keeps for ~0.5-1 us per copy), ``lanes``, ``layer_lanes``, ``threads`` and
-// ``thread_copies`` as there. ``done`` (may be null) receives the entries issued and recorded
-// before an error; ``stats`` as there: the descriptors and splits summed, the most streams and
+// ``thread_copies`` as there. ``done`` (may be null) counts the entries issued and recorded:
+// stored (release) after each entry's event is recorded, and whoever waits on it in
+// pagekv_progress_wait woken, so another thread hands entry i to its consumer while this call
+// goes on with the rest (no GIL taken); it holds the entries issued before an error when the
+// call returns. ``stats`` as there: the descriptors and splits summed, the most streams and
 // threads any entry used.
 int pagekv_ce_page_transfer_layers(int device, int load, char* host, const int64_t* layer_ptrs,
                                    const int64_t* page_ids, const int64_t* slots, int64_t n_pages,
@@ -436,7 +467,6 @@ int pagekv_ce_page_transfer_layers(int device, int load, char* host, const int64
                                    cudaEvent_t* events, int flags, int lanes, int layer_lanes,
                                    int threads, int64_t thread_copies, int64_t max_ops,
                                    cudaStream_t stream, int64_t* stats, int* done) {
-  if (done) *done = 0;
   if (stats) stats[0] = stats[1] = stats[2] = stats[3] = 0;
   if (n_entries < 0 || (n_entries > 0 && (!layers || !events)))
     return static_cast<int>(cudaErrorInvalidValue);
@@ -457,7 +487,7 @@ int pagekv_ce_page_transfer_layers(int device, int load, char* host, const int64
     if (err != 0) return err;
     cudaError_t e = cudaEventRecord(events[i], stream);
     if (e != cudaSuccess) return static_cast<int>(e);
-    if (done) *done = i + 1;
+    if (done) pagekv_progress_publish(done, i + 1);
   }
   return 0;
 }

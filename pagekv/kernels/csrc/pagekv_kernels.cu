@@ -250,7 +250,7 @@ bool bad_launch(int width, int blocks, int threads) {
 
 extern "C" {
 
-int pagekv_abi_version() { return 9; }
+int pagekv_abi_version() { return 10; }
 
 // 1 if kernels may use a registered host pointer as its device address (UVA), else 0.
 int pagekv_can_use_host_pointer(int device) {
