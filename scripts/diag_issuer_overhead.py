@@ -248,12 +248,17 @@ def by_layer(raw, nbytes: int, issuer: CopyIssuer, staging: IndexStaging, reps: 
     per_call = max(1, 2048 // max(1, copy_engine.slot_runs(st.kv, slots)[1] * geo.num_kv))
 
     def at_end(job, transfers):
-        return orig_submit(lambda **_: job(enqueued=None, progress=None), transfers)
+        def run(*, enqueued, progress):
+            torch.cuda.current_stream().wait_event(progress.fork)
+            return job(enqueued=None, progress=None)
+
+        return orig_submit(run, transfers)
 
     def calls(job, transfers):
         load_, host, ids, kv, s, entries = job.args
 
         def run(*, enqueued, progress):
+            torch.cuda.current_stream().wait_event(progress.fork)
             events: list[torch.cuda.Event] = []
             for first in range(0, len(entries), per_call):
                 _, more = transfer_layers(load_, host, ids, kv, s, entries[first:first + per_call],

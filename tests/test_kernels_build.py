@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagekv.connector.copy_issuer import Completion
+from pagekv.errors import CopyFailed
 from pagekv.geometry import KVGeometry
-from pagekv.kernels import DeviceKV, jit
+from pagekv.kernels import DeviceKV, copy_engine, jit
 from pagekv.kernels.layout import mean_run_bytes
 
 NVCC = jit.find_nvcc()
@@ -36,7 +38,7 @@ def test_sources_compile_and_library_loads(tmp_path):
     assert lib_path.exists() and lib_path.stat().st_size > 10_000
     assert jit.build_library("90", directory=tmp_path) == lib_path  # cached
     lib = jit._open(lib_path)
-    assert lib.pagekv_abi_version() == jit._ABI_VERSION == 9
+    assert lib.pagekv_abi_version() == jit._ABI_VERSION == 10
     # Bad launch parameters are refused before any CUDA call (cudaErrorInvalidValue == 1).
     plan = jit.PagePlan(device=0, layer_ptrs=0, num_slots=1, page_bytes=1 << 14, slot_stride=256,
                         item_bytes=256, page_size=16, num_kv=2, num_layers=4)  # fmt: skip
@@ -80,6 +82,7 @@ def test_sources_compile_and_library_loads(tmp_path):
     if not torch.cuda.is_available():
         assert lib.pagekv_copy_engine_support(0) == 0
     check_slot_runs(lib)
+    check_progress(lib, jit._open(lib_path, ctypes.PyDLL))
 
 
 def check_slot_runs(lib):
@@ -102,6 +105,48 @@ def check_slot_runs(lib):
         assert out[0] == tokens
         assert geo.item_bytes * tokens / max(out[1], 1) == mean_run_bytes(kv, s), s
     assert lib.pagekv_slot_runs(None, 1, 16, out) == 1
+
+
+def check_progress(lib, lib_gil):
+    """A layer-by-layer transfer's progress count (no GPU needed): a waiter sleeps in the
+    library, the GIL given up, until the entry it waits for is counted, or the count ends; the
+    count never goes back. A completion on it is handed over by the count or by the issuer
+    (its event set first), and one the issuer failed raises."""
+    progress = copy_engine.Progress(lib, lib_gil, torch.device("cuda", 0), 3, fork=None)
+    assert progress.count() == 0 and not progress.counted(0)
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(progress.wait(1)))
+    waiter.start()
+    progress.publish(1)  # this thread runs Python while the waiter sleeps: it holds no GIL
+    waiter.join(0.2)
+    assert waiter.is_alive() and progress.counted(0) and not progress.counted(1)
+    progress.publish(2)
+    waiter.join(10)
+    assert got == [True] and progress.count() == 2
+    progress.publish(1)
+    assert progress.count() == 2  # never back
+    counted, handed, failed = (Completion(progress, i) for i in range(3))
+    assert counted.enqueued and counted._wait_enqueued() is progress.events[0]
+    event = object()  # what the issuer hands over (the kernel's event after a refusal)
+    handed._set(event)
+    assert handed._wait_enqueued() is event
+    raised: list[BaseException] = []
+
+    def wait_failed():
+        try:
+            failed._wait_enqueued()
+        except CopyFailed as e:
+            raised.append(e)
+
+    waiter = threading.Thread(target=wait_failed)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not failed.enqueued
+    failed._set(None, RuntimeError("a stand-in"))  # as the issuer fails a job: set, then end
+    progress.end()
+    waiter.join(10)
+    assert len(raised) == 1 and "stand-in" in str(raised[0])
+    assert not progress.wait(2) and progress.count() == 2
 
 
 def test_compile_failure_is_reported(tmp_path, monkeypatch):

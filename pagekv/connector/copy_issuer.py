@@ -11,8 +11,8 @@ Rules:
   the job: its copies come after everything enqueued on that stream before the call (waits on
   ready events, the engine's writes to the slots). Nothing enqueued on that stream after the
   call is ordered after the copies: consumers order themselves on the job's completions.
-* The issuer's thread runs jobs in submission order on the issuer's own stream: it waits on the
-  job's fork event and runs the job, which enqueues its transfers in order (a layer-by-layer
+* The issuer's thread runs jobs in submission order on the issuer's own stream: the job waits
+  on its fork event and enqueues its transfers in order (a layer-by-layer
   load is one job: :func:`pagekv.kernels.transfer_layers`, its layers in one library call;
   what the driver refuses falls back to the kernel, once logged) with one event recorded after
   each. Each transfer is handed to its completion as soon as its event is recorded: the
@@ -59,7 +59,7 @@ import torch
 
 from pagekv.errors import CopyFailed
 from pagekv.kernels.copy_engine import Progress
-from pagekv.kernels.jit import load_library
+from pagekv.kernels.jit import library_holding_gil, load_library
 
 __all__ = ["AllOf", "CopyFailed", "CopyIssuer", "Completion"]
 
@@ -149,8 +149,10 @@ class Job(Protocol):
     """Enqueues its transfers in order on the current stream (the issuer's), a CUDA event
     recorded after each; calls ``enqueued`` with the events recorded so far each time there are
     more; returns the backend it used and all the events. Given a ``progress`` (None where the
-    library is not loaded), it may record ``progress.events`` and have the library count them
-    (:func:`pagekv.kernels.transfer_layers` does)."""
+    library is not loaded, and then the issuer has waited on the fork), it orders its transfers
+    after ``progress.fork`` itself and may record ``progress.events`` and have the library count
+    them (:func:`pagekv.kernels.transfer_layers` does both in one library call, so the issuer's
+    thread gives up the GIL before its copies start only where it waits for a job)."""
 
     def __call__(
         self, *, enqueued: Callable[[list[torch.cuda.Event]], None], progress: Progress | None
@@ -175,9 +177,10 @@ class CopyIssuer:
         enqueued work; one completion per transfer. Raises ``RuntimeError`` once closed."""
         fork = torch.cuda.Event()
         fork.record(torch.cuda.current_stream(self.device))
-        lib = load_library()
-        events = [torch.cuda.Event() for _ in range(transfers)]
-        progress = None if lib is None else Progress(lib, events)
+        lib, lib_gil = load_library(), library_holding_gil()
+        progress = None
+        if lib is not None and lib_gil is not None:
+            progress = Progress(lib, lib_gil, self.device, transfers, fork)
         done = [Completion(progress, i) for i in range(transfers)]
         with self._lock:
             if self._closed:
@@ -209,7 +212,8 @@ class CopyIssuer:
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             while (item := self._queue.get()) is not None:
                 fork, job, done, progress = item
-                stream.wait_event(fork)
+                if progress is None:  # else the job orders itself after progress.fork
+                    stream.wait_event(fork)
                 try:
                     self._one(job, done, progress)
                 finally:

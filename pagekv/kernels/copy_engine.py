@@ -45,6 +45,7 @@ import ctypes
 import functools
 import logging
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -58,6 +59,7 @@ __all__ = [
     "ENQUEUE_THREADS",
     "ENQUEUE_THREAD_COPIES",
     "LAYER_LANES",
+    "DeviceEvent",
     "Progress",
     "disabled_reason",
     "page_transfer",
@@ -185,18 +187,84 @@ def page_transfer_layers(
     ``events[i]`` recorded on ``stream`` after entry ``i``: all in one library call. Returns how
     many entries were issued and recorded; fewer than ``len(layers)`` (after one log line for the
     device) when the driver refused a call: the caller runs the rest on the kernel. The events
-    must exist (torch creates a CUDA event at its first ``record``). ``progress`` (whose count
-    must be 0: these are its first entries) counts each entry as its event is recorded, during
-    the call."""
-    which, handles = layer_entries(layers, events)
-    stats, done = (ctypes.c_int64 * 4)(), ctypes.c_int(0) if progress is None else progress.cell
+    must exist (torch creates a CUDA event at its first ``record``). With ``progress`` (none of
+    its entries counted yet) ``events`` are ``progress.events`` (made by the library), ``stream``
+    first waits on ``progress.fork``, and each entry is counted as its event is recorded."""
+    if progress is None:
+        which, handles = layer_entries(layers, events)
+        fork, done = None, ctypes.c_int(0)
+    else:
+        which, _ = layer_entries(layers, [])
+        handles, fork, done = progress.handles, progress.fork.cuda_event, progress.cell
+    stats = (ctypes.c_int64 * 4)()
     err = lib.pagekv_ce_page_transfer_layers(
         *_transfer_args(load, host, kv, ids, slots), which, len(layers), handles, FLAGS, LANES,
-        LAYER_LANES, ENQUEUE_THREADS, ENQUEUE_THREAD_COPIES, MAX_OPS, stream, stats,
+        LAYER_LANES, ENQUEUE_THREADS, ENQUEUE_THREAD_COPIES, MAX_OPS, stream, fork, stats,
         ctypes.byref(done),
     )  # fmt: skip
     _report(err, stats, load, kv, ids)
     return done.value & ~Progress.ENDED
+
+
+class _Events:
+    """CUDA events the library makes (no timing), by handle (null until made), destroyed with
+    this object (CUDA frees one still pending once the device has passed it)."""
+
+    def __init__(self, lib: ctypes.CDLL, lib_gil: ctypes.CDLL, device: int, count: int) -> None:
+        self.lib, self.lib_gil, self.device = lib, lib_gil, device
+        self.handles = (ctypes.c_void_p * count)()
+        weakref.finalize(self, lib.pagekv_events_destroy, self.handles, count)
+
+
+class DeviceEvent:
+    """One of a :class:`Progress`'s events, with the part of ``torch.cuda.Event`` consumers use
+    (``record``, ``wait``, ``query``, ``synchronize``, ``cuda_event``). Like torch's, one never
+    recorded is done and waiting on it orders nothing."""
+
+    __slots__ = ("_entry", "_set")
+
+    def __init__(self, events: _Events, entry: int) -> None:
+        self._set, self._entry = events, entry
+
+    @property
+    def cuda_event(self) -> int:
+        return self._set.handles[self._entry] or 0
+
+    def record(self, stream: torch.cuda.Stream | None = None) -> None:
+        e = self._set
+        if not self.cuda_event:
+            slot = ctypes.byref(e.handles, self._entry * ctypes.sizeof(ctypes.c_void_p))
+            _check(e.lib.pagekv_events_create(e.device, slot, 1), "create")
+        _check(e.lib.pagekv_event_record(self.cuda_event, self._stream(stream)), "record")
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        if self.cuda_event:
+            err = self._set.lib.pagekv_stream_wait_event(self._stream(stream), self.cuda_event)
+            _check(err, "wait")
+
+    def query(self) -> bool:
+        if not self.cuda_event:
+            return True
+        err = self._set.lib_gil.pagekv_event_query(self.cuda_event)
+        if err == _NOT_READY:
+            return False
+        _check(err, "query")
+        return True
+
+    def synchronize(self) -> None:
+        if self.cuda_event:
+            _check(self._set.lib.pagekv_event_synchronize(self.cuda_event), "synchronize")
+
+    def _stream(self, stream: torch.cuda.Stream | None) -> int:
+        return (stream or torch.cuda.current_stream(self._set.device)).cuda_stream
+
+
+_NOT_READY = 600  # cudaErrorNotReady
+
+
+def _check(err: int, what: str) -> None:
+    if err:
+        raise RuntimeError(f"CUDA event {what} failed: cudaError {err}")
 
 
 class Progress:
@@ -204,34 +272,43 @@ class Progress:
     library stores the count as it records each entry's event, during its call, and wakes the
     threads waiting on it (:meth:`wait` sleeps in the library: no GIL held, none needed by the
     thread that counts). So a consumer of entry ``i`` is handed ``events[i]`` as soon as the
-    call has enqueued it, even while the thread that made the call waits for the GIL.
+    call has enqueued it, even while the thread that made the call waits for the GIL. The
+    events are :class:`DeviceEvent` s, made by the library in that call, and the call first
+    orders the transfer after ``fork``: the thread that makes it calls nothing before it that
+    gives up the GIL (each such call costs it up to the switch interval beside a thread running
+    Python).
 
-    Rules: the count only grows, entries in order; the library counts the entries of
-    ``events`` it enqueues, :meth:`publish` those enqueued another way (whose owner hands over
-    their events before it publishes them); :meth:`end` marks that no more will come (the job
-    returned or failed) and wakes every waiter. Entry ``i`` of ``events`` may be used once the
-    library has counted it. Owner: whoever submits the transfer (the connector's issuer, one
-    per job); it outlives the library call, which writes :attr:`cell`."""
+    Rules: the count only grows, entries in order; the library counts the entries it enqueues,
+    :meth:`publish` those enqueued another way (whose owner hands their events over before it
+    publishes them); :meth:`end` marks that no more will come (the job returned or failed) and
+    wakes every waiter. Entry ``i``'s event may be used once it is counted. Owner: whoever
+    submits the transfer (the connector's issuer, one per job); it outlives the library call,
+    which writes :attr:`cell` and :attr:`handles`; the events are destroyed with it (CUDA frees
+    one still pending once the device has passed it)."""
 
     ENDED = 1 << 30  # the count's end bit (csrc/copy_engine.cu: pagekv_progress_*)
 
-    def __init__(self, lib: ctypes.CDLL, events: list[torch.cuda.Event]) -> None:
+    def __init__(self, lib: ctypes.CDLL, lib_gil: ctypes.CDLL, device: torch.device,
+                 entries: int, fork: torch.cuda.Event) -> None:  # fmt: skip
+        self.lib, self.lib_gil, self.fork = lib, lib_gil, fork
         self.cell = ctypes.c_int(0)
-        self.events = events
-        self._lib = lib
+        made = _Events(lib, lib_gil, device.index or 0, entries)
+        self.handles = made.handles
+        self.events = [DeviceEvent(made, i) for i in range(entries)]
 
     def count(self) -> int:
         """Entries counted so far."""
-        return self._wait(0, 0) & ~self.ENDED
+        return self._peek() & ~self.ENDED
 
     def counted(self, entry: int) -> bool:
         """Entry ``entry`` is enqueued (its event recorded)."""
-        return self._wait(entry, 0) & ~self.ENDED > entry
+        return self.count() > entry
 
     def wait(self, entry: int) -> bool:
         """Sleep until entry ``entry`` is counted (True) or the count has ended (False)."""
         while True:
-            value = self._wait(entry, 100_000)  # wakes now and then: signals reach the caller
+            # wakes now and then, so that signals reach the caller
+            value = self.lib.pagekv_progress_wait(ctypes.byref(self.cell), entry + 1, 100_000)
             if value & ~self.ENDED > entry:
                 return True
             if value & self.ENDED:
@@ -239,14 +316,13 @@ class Progress:
 
     def publish(self, entries: int) -> None:
         """Entries ``[0, entries)`` are enqueued; wakes the waiters."""
-        self._lib.pagekv_progress_publish(ctypes.byref(self.cell), entries)
+        self.lib_gil.pagekv_progress_publish(ctypes.byref(self.cell), entries)
 
     def end(self) -> None:
         self.publish(self.count() | self.ENDED)
 
-    def _wait(self, entry: int, timeout_us: int) -> int:
-        """The count once it passes ``entry`` or ends, or after ``timeout_us`` (0: now)."""
-        return self._lib.pagekv_progress_wait(ctypes.byref(self.cell), entry + 1, timeout_us)
+    def _peek(self) -> int:
+        return self.lib_gil.pagekv_progress_wait(ctypes.byref(self.cell), 1 << 30, 0)
 
 
 def pitched_transfer(

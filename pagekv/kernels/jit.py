@@ -157,10 +157,16 @@ _SIGNATURES["pagekv_pitched_page_transfer"] = (
 _SIGNATURES["pagekv_progress_publish"] = ([ctypes.POINTER(_I), _I], None)
 _SIGNATURES["pagekv_progress_wait"] = ([ctypes.POINTER(_I), _I, _L], ctypes.c_int)
 _SIGNATURES["pagekv_ce_page_transfer_layers"] = (
-    [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 4 + [_P, _I, _P, _I, _I, _I, _I, _L, _L, _P]
+    [_I, _I, _P, _P, _P, _P] + [_L] * 5 + [_I] * 4 + [_P, _I, _P, _I, _I, _I, _I, _L, _L, _P, _P]
     + [ctypes.POINTER(_L), ctypes.POINTER(_I)],
     ctypes.c_int,
 )  # fmt: skip
+_SIGNATURES["pagekv_events_create"] = ([_I, _P, _I], ctypes.c_int)
+_SIGNATURES["pagekv_events_destroy"] = ([_P, _I], ctypes.c_int)
+_SIGNATURES["pagekv_event_record"] = ([_P, _P], ctypes.c_int)
+_SIGNATURES["pagekv_stream_wait_event"] = ([_P, _P], ctypes.c_int)
+_SIGNATURES["pagekv_event_query"] = ([_P], ctypes.c_int)
+_SIGNATURES["pagekv_event_synchronize"] = ([_P], ctypes.c_int)
 
 
 def layer_entries(
@@ -202,14 +208,24 @@ class StoreKVPlan(ctypes.Structure):
     ]  # fmt: skip
 
 
-def _open(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
+def _open(path: Path, kind: type[ctypes.CDLL] = ctypes.CDLL) -> ctypes.CDLL:
+    lib = kind(str(path))
     for name, (args, res) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
     if lib.pagekv_abi_version() != _ABI_VERSION:
         raise KernelsUnavailable(f"{path} has ABI {lib.pagekv_abi_version()}, need {_ABI_VERSION}")
     return lib
+
+
+@functools.cache
+def library_holding_gil() -> ctypes.CDLL | None:
+    """The kernel library (:func:`load_library`'s) with calls that keep the GIL: only for calls
+    that never block (a progress count read or wake, an event query). A call that gives the GIL
+    up must take it back, which beside a thread running Python costs up to the interpreter's
+    switch interval (5 ms); these cost less than handing it over."""
+    lib = load_library()
+    return None if lib is None else _open(Path(lib._name), ctypes.PyDLL)
 
 
 @functools.cache

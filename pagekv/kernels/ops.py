@@ -192,8 +192,15 @@ def _kernel_lib(backend: str, cuda_ok: bool, why_not: str) -> ctypes.CDLL | None
 
 def _host_indices(ids: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU int64 contiguous ``ids``/``slots`` for the copy engine (which applies the kernels'
-    bounds rule itself)."""
-    return ids.to("cpu", torch.int64).contiguous(), slots.to("cpu", torch.int64).contiguous()
+    bounds rule itself); as they are when they already are (no torch call: each gives up the
+    GIL)."""
+    return _host_int64(ids), _host_int64(slots)
+
+
+def _host_int64(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.int64 and not t.is_cuda and t.is_contiguous():
+        return t
+    return t.to("cpu", torch.int64).contiguous()
 
 
 def _direct_bounds(
@@ -537,11 +544,12 @@ def transfer_layers(
     so the first entry's copies start before the host creates the others' events; where the
     driver refuses the copy engine, the entries left run on the kernel. ``enqueued`` (if
     given) is called with the events of the entries enqueued so far each time more are.
-    ``progress`` (if given) brings the events (one per entry, unrecorded) and, on the copy
-    engine, is counted by the library as each entry is enqueued: then the events are all
-    created first and the entries issued in one library call, so a consumer of entry ``i``
-    (:meth:`~.copy_engine.Progress.wait`) waits for the entries up to ``i`` to be enqueued
-    and never for this thread to take the GIL back between calls. CUDA only."""
+    ``progress`` (if given) brings the events (its :class:`~.copy_engine.DeviceEvent` s) and
+    the fork event the entries come after (waited on here; the caller has not); on the copy
+    engine the entries then go in one library call that waits on the fork, makes the events
+    and counts each entry as it is enqueued, so a consumer of entry ``i``
+    (:meth:`~.copy_engine.Progress.wait`) waits for the entries up to ``i`` to be enqueued,
+    never for this thread to take the GIL back. CUDA only."""
     if not layers:
         return "none", []
     geo = kv.geometry
@@ -565,26 +573,28 @@ def transfer_layers(
         lib = _kernel_lib(backend, True, "")
         ids_h, s_h = _host_indices(ids, s)
         check_host(geo, host)
-        stream = torch.cuda.current_stream(kv.device)
-        # each entry's event is created by a record here and recorded again by the library
-        # after its entry; without a progress count the first entry's copies run while the
-        # host creates the others' events
-        calls = [(0, len(layers))] if progress is not None else [(0, 1), (1, len(layers))]
-        for first, end in calls:
-            if first >= end:
-                break
-            for event in events[first:end]:
-                event.record(stream)
-            issued = copy_engine.page_transfer_layers(lib, load, host, kv, ids_h, s_h,
-                                                      list(layers[first:end]), events[first:end],
-                                                      stream.cuda_stream, progress)  # fmt: skip
-            done += issued
-            if issued < end - first:
-                break
+        stream = current_stream(index)
+        if progress is not None:  # one call: the library waits on the fork, makes the events
+            done = copy_engine.page_transfer_layers(lib, load, host, kv, ids_h, s_h, list(layers),
+                                                    events, stream, progress)  # fmt: skip
             published(done)
+        else:  # the first entry's copies run while the host creates the others' events (each
+            # made by a record here, recorded again by the library after its entry)
+            for first, end in [(0, 1), (1, len(layers))]:
+                for event in events[first:end]:
+                    event.record()
+                issued = copy_engine.page_transfer_layers(lib, load, host, kv, ids_h, s_h,
+                                                          list(layers[first:end]),
+                                                          events[first:end], stream)  # fmt: skip
+                done += issued
+                if issued < end - first:
+                    break
+                published(done)
         if done == len(layers):
             return "copy_engine", events
         backend = "kernel"  # said once per device by copy_engine.fail
+    if progress is not None:  # waited on by the library call where it ran (again: harmless)
+        torch.cuda.current_stream(kv.device).wait_event(progress.fork)
     if backend == "kernel":
         _kernel_layers(load, host, kv, ids, s, layers[done:], events[done:],
                        lambda n: published(done + n))  # fmt: skip

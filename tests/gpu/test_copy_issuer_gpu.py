@@ -357,7 +357,8 @@ def test_layers_in_one_call_match_the_reference(backend, where, index_dtype, mla
     the stream's earlier work. With an ``enqueued`` callback (as the issuer passes), the events
     are handed over as they are recorded: the first entry, then the rest. With a progress count
     too (as the issuer passes where the library is loaded) the copy engine takes its events,
-    issues every entry in one call and counts each; the kernel does not count."""
+    issues every entry in one call (after waiting on the fork: the stream's earlier work) and
+    counts each, its events made by the library; the kernel does not count."""
     if backend == "copy_engine":
         require_copy_engine()
     geo = geometry(torch.bfloat16, mla, 1152 if mla else 512, 16, num_layers=5)
@@ -394,9 +395,11 @@ def test_layers_in_one_call_match_the_reference(backend, where, index_dtype, mla
         seen: list[list[torch.cuda.Event]] = []
         hand = None if handover is None else seen.append
         progress = None
-        if handover == "progress":
-            events = [torch.cuda.Event() for _ in layers]
-            progress = copy_engine.Progress(jit.load_library(), events)
+        if handover == "progress":  # the entries come after the fork, waited on by the call
+            fork = torch.cuda.Event()
+            fork.record()
+            progress = copy_engine.Progress(jit.load_library(), jit.library_holding_gil(), DEV,
+                                            len(layers), fork)  # fmt: skip
         used, events = transfer_layers(direction == "load", pool.buffer, idx[0], kv, idx[1],
                                        layers, backend=backend, enqueued=hand,
                                        progress=progress)  # fmt: skip

@@ -449,8 +449,47 @@ int pagekv_progress_wait(int* cell, int target, int64_t timeout_us) {
   return __atomic_load_n(cell, __ATOMIC_ACQUIRE);
 }
 
+// Events the library makes (no timing) and names by handle, for transfers whose completions
+// another thread hands over (a Progress's): made, recorded and waited on without Python's
+// event objects, so the thread that enqueues the transfer makes no call that gives up the GIL
+// before its copies start. pagekv_events_create makes the null entries of handles[0..n) on
+// ``device``; pagekv_events_destroy destroys the non-null ones (one still recorded is freed
+// once the device has passed it); the others are the runtime's calls on one event.
+int pagekv_events_create(int device, cudaEvent_t* handles, int n) {
+  cudaError_t err = use_device(device);
+  for (int i = 0; err == cudaSuccess && i < n; ++i)
+    if (!handles[i]) err = cudaEventCreateWithFlags(&handles[i], cudaEventDisableTiming);
+  return static_cast<int>(err);
+}
+
+int pagekv_events_destroy(cudaEvent_t* handles, int n) {
+  cudaError_t err = cudaSuccess;
+  for (int i = 0; i < n; ++i) {
+    if (!handles[i]) continue;
+    cudaError_t e = cudaEventDestroy(handles[i]);
+    if (err == cudaSuccess) err = e;
+    handles[i] = nullptr;
+  }
+  return static_cast<int>(err);
+}
+
+int pagekv_event_record(cudaEvent_t event, cudaStream_t stream) {
+  return static_cast<int>(cudaEventRecord(event, stream));
+}
+
+int pagekv_stream_wait_event(cudaStream_t stream, cudaEvent_t event) {
+  return static_cast<int>(cudaStreamWaitEvent(stream, event, 0));
+}
+
+int pagekv_event_query(cudaEvent_t event) { return static_cast<int>(cudaEventQuery(event)); }
+
+int pagekv_event_synchronize(cudaEvent_t event) {
+  return static_cast<int>(cudaEventSynchronize(event));
+}
+
 // The transfer of pagekv_ce_page_transfer once per entry of ``layers`` (a layer, or -1 for all
-// layers at once), in that order, recording ``events[i]`` on ``stream`` after entry i: a
+// layers at once), in that order, after ``stream`` waits on ``fork`` (if not null), recording
+// ``events[i]`` on ``stream`` after entry i (made first where null, as pagekv_events_create): a
 // layer-by-layer load in one call (one GIL hand-off for the caller, whose thread the driver
 // work keeps for ~0.5-1 us per copy), ``lanes``, ``layer_lanes``, ``threads`` and
 // ``thread_copies`` as there. ``done`` (may be null) counts the entries issued and recorded:
@@ -466,10 +505,16 @@ int pagekv_ce_page_transfer_layers(int device, int load, char* host, const int64
                                    int num_layers, const int* layers, int n_entries,
                                    cudaEvent_t* events, int flags, int lanes, int layer_lanes,
                                    int threads, int64_t thread_copies, int64_t max_ops,
-                                   cudaStream_t stream, int64_t* stats, int* done) {
+                                   cudaStream_t stream, cudaEvent_t fork, int64_t* stats,
+                                   int* done) {
   if (stats) stats[0] = stats[1] = stats[2] = stats[3] = 0;
   if (n_entries < 0 || (n_entries > 0 && (!layers || !events)))
     return static_cast<int>(cudaErrorInvalidValue);
+  if (fork) {
+    cudaError_t e = use_device(device);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, fork, 0);
+    if (e != cudaSuccess) return static_cast<int>(e);
+  }
   for (int i = 0; i < n_entries; ++i) {
     const bool all = layers[i] < 0;
     int64_t part[4] = {0, 0, 0, 0};
@@ -485,7 +530,9 @@ int pagekv_ce_page_transfer_layers(int device, int load, char* host, const int64
       stats[3] = std::max(stats[3], part[3]);
     }
     if (err != 0) return err;
-    cudaError_t e = cudaEventRecord(events[i], stream);
+    cudaError_t e = events[i] ? cudaSuccess
+                              : cudaEventCreateWithFlags(&events[i], cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventRecord(events[i], stream);
     if (e != cudaSuccess) return static_cast<int>(e);
     if (done) pagekv_progress_publish(done, i + 1);
   }
