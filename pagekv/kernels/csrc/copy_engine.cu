@@ -453,12 +453,19 @@ int pagekv_progress_wait(int* cell, int target, int64_t timeout_us) {
 // another thread hands over (a Progress's): made, recorded and waited on without Python's
 // event objects, so the thread that enqueues the transfer makes no call that gives up the GIL
 // before its copies start. pagekv_events_create makes the null entries of handles[0..n) on
-// ``device``; pagekv_events_destroy destroys the non-null ones (one still recorded is freed
-// once the device has passed it); the others are the runtime's calls on one event.
+// ``device`` (the calling thread's current device is left as it was);
+// pagekv_events_destroy destroys the non-null ones (one still recorded is freed once the
+// device has passed it); the others are the runtime's calls on one event.
 int pagekv_events_create(int device, cudaEvent_t* handles, int n) {
-  cudaError_t err = use_device(device);
+  int current = -1;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
   for (int i = 0; err == cudaSuccess && i < n; ++i)
     if (!handles[i]) err = cudaEventCreateWithFlags(&handles[i], cudaEventDisableTiming);
+  if (current >= 0 && current != device) {
+    cudaError_t e = cudaSetDevice(current);
+    if (err == cudaSuccess) err = e;
+  }
   return static_cast<int>(err);
 }
 
