@@ -538,10 +538,11 @@ def transfer_layers(
 ) -> tuple[str, list[torch.cuda.Event]]:
     """:func:`load` (or :func:`save`) once per entry of ``layers`` (a layer, or None for all
     layers), in order on the current stream, with ``validate=False``; a CUDA event recorded
-    after each. Returns the backend of the last entry and the events. The copy engine and the
-    kernel issue the entries in two library calls, the first entry and then the rest (the copy
-    engine's host time, ~0.5-1 us a copy, spent without the GIL; the kernel's ~5 us a layer),
-    so the first entry's copies start before the host creates the others' events; where the
+    after each. Returns the backend of the last entry and the events. The kernel, and the copy
+    engine without ``progress``, issue the entries in two library calls, the first entry and
+    then the rest (the copy engine's host time, ~0.5-1 us a copy, spent without the GIL; the
+    kernel's ~5 us a layer), so the first entry's copies start before the host creates the
+    others' events; where the
     driver refuses the copy engine, the entries left run on the kernel. ``enqueued`` (if
     given) is called with the events of the entries enqueued so far each time more are.
     ``progress`` (if given) brings the events (its :class:`~.copy_engine.DeviceEvent` s) and
@@ -581,6 +582,8 @@ def transfer_layers(
         else:  # the first entry's copies run while the host creates the others' events (each
             # made by a record here, recorded again by the library after its entry)
             for first, end in [(0, 1), (1, len(layers))]:
+                if first >= end:  # one entry: no second call
+                    break
                 for event in events[first:end]:
                     event.record()
                 issued = copy_engine.page_transfer_layers(lib, load, host, kv, ids_h, s_h,
