@@ -16,7 +16,7 @@ from pagekv.connector.copy_issuer import Completion
 from pagekv.errors import CopyFailed
 from pagekv.geometry import KVGeometry
 from pagekv.kernels import DeviceKV, copy_engine, jit
-from pagekv.kernels.layout import mean_run_bytes
+from pagekv.kernels.layout import slot_runs
 
 NVCC = jit.find_nvcc()
 needs_nvcc = pytest.mark.skipif(
@@ -86,8 +86,8 @@ def test_sources_compile_and_library_loads(tmp_path):
 
 
 def check_slot_runs(lib):
-    """The library's run count (no GPU needed) is layout.mean_run_bytes's, on random tables
-    with skipped slots, descending and page-crossing runs."""
+    """The library's run count (no GPU needed) is layout.slot_runs's (the torch count), on
+    random tables with skipped slots, descending and page-crossing runs."""
     geo = KVGeometry(2, 16, 1, 128, "bf16")
     kv = DeviceKV.from_caches(geo, torch.empty(2, 4096, 1, 128, dtype=torch.bfloat16),
                               torch.empty(2, 4096, 1, 128, dtype=torch.bfloat16))  # fmt: skip
@@ -101,9 +101,8 @@ def check_slot_runs(lib):
     out = (ctypes.c_int64 * 2)()
     for s in tables:
         assert lib.pagekv_slot_runs(s.data_ptr(), s.shape[0], 16, out) == 0
-        tokens = int((s >= 0).sum())
-        assert out[0] == tokens
-        assert geo.item_bytes * tokens / max(out[1], 1) == mean_run_bytes(kv, s), s
+        assert (out[0], out[1]) == slot_runs(kv, s), s
+        assert out[0] == int((s >= 0).sum())
     assert lib.pagekv_slot_runs(None, 1, 16, out) == 1
 
 

@@ -13,7 +13,6 @@ import torch
 from pagekv.connector import HostPagePool, KVGeometry
 from pagekv.kernels import DeviceKV, copy_engine, copy_table, jit, layout, load, ops, save, staged
 from pagekv.kernels.copy_table import CopyTable, Entry, Shape
-from pagekv.kernels.layout import mean_run_bytes
 
 INF = math.inf
 
@@ -348,18 +347,20 @@ GEO = KVGeometry(4, 16, 2, 64, "bf16")  # 256-byte rows, 4 KiB per page run
 ROW = GEO.row_elems
 
 
-def test_mean_run_bytes():
+def test_run_bytes():
+    """The mean bytes of a copy-engine copy: one per run of consecutive valid slots of a page
+    (the library's count where it is loaded, else layout.slot_runs)."""
     both = torch.empty(2, GEO.num_layers, 100, 2, 64, dtype=torch.bfloat16)
     kv = DeviceKV.from_caches(GEO, both[0], both[1])
     slots = torch.arange(32).view(2, 16)
-    assert mean_run_bytes(kv, slots) == 16 * GEO.item_bytes
+    assert copy_engine.run_bytes(kv, slots) == 16 * GEO.item_bytes
     slots[0, 8] = -1  # splits page 0's run: 3 runs of 31 tokens
-    assert mean_run_bytes(kv, slots) == 31 * GEO.item_bytes / 3
+    assert copy_engine.run_bytes(kv, slots) == 31 * GEO.item_bytes / 3
     slots[1] = torch.arange(65, 49, -1)  # descending: 16 runs of one token
-    assert mean_run_bytes(kv, slots) == 31 * GEO.item_bytes / 18
+    assert copy_engine.run_bytes(kv, slots) == 31 * GEO.item_bytes / 18
     strided = torch.empty(GEO.num_layers, 100, 2, 2, 64, dtype=torch.bfloat16)
     kv = DeviceKV.from_caches(GEO, strided[:, :, 0], strided[:, :, 1])
-    assert mean_run_bytes(kv, torch.arange(32).view(2, 16)) == GEO.item_bytes  # 1-token runs
+    assert copy_engine.run_bytes(kv, torch.arange(32).view(2, 16)) == GEO.item_bytes  # 1-token runs
 
 
 # ---- fallback when the driver refuses a call -------------------------------------------------

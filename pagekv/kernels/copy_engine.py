@@ -121,7 +121,7 @@ def slot_runs(kv: DeviceKV, slots: torch.Tensor) -> tuple[int, int]:
 
 
 def run_bytes(kv: DeviceKV, slots: torch.Tensor) -> float:
-    """:func:`~.layout.mean_run_bytes` from :func:`slot_runs`: the mean bytes of a copy."""
+    """The mean bytes of one copy: the valid slots' bytes over :func:`slot_runs`' runs."""
     tokens, runs = slot_runs(kv, slots)
     return kv.geometry.item_bytes * tokens / max(runs, 1)
 

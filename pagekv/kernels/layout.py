@@ -42,7 +42,6 @@ __all__ = [
     "check_slots",
     "check_unique_slots",
     "device_indices",
-    "mean_run_bytes",
     "slot_runs",
 ]
 
@@ -337,10 +336,3 @@ def slot_runs(kv: DeviceKV, slots: torch.Tensor) -> tuple[int, int]:
     # a token continues a run when it and the one before it (same page) are valid and adjacent
     follows = int((valid[:, 1:] & valid[:, :-1] & (slots[:, 1:] == slots[:, :-1] + 1)).sum())
     return tokens, tokens - follows
-
-
-def mean_run_bytes(kv: DeviceKV, slots: torch.Tensor) -> float:
-    """Mean bytes of one run of :func:`slot_runs` (a copy's width when a run is copied as one
-    block)."""
-    tokens, runs = slot_runs(kv, slots)
-    return kv.geometry.item_bytes * tokens / max(runs, 1)

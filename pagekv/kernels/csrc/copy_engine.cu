@@ -496,7 +496,7 @@ int pagekv_event_synchronize(cudaEvent_t event) {
 
 // The transfer of pagekv_ce_page_transfer once per entry of ``layers`` (a layer, or -1 for all
 // layers at once), in that order, after ``stream`` waits on ``fork`` (if not null), recording
-// ``events[i]`` on ``stream`` after entry i (made first where null, as pagekv_events_create): a
+// ``events[i]`` on ``stream`` after entry i (made first where null, by pagekv_events_create): a
 // layer-by-layer load in one call (one GIL hand-off for the caller, whose thread the driver
 // work keeps for ~0.5-1 us per copy), ``lanes``, ``layer_lanes``, ``threads`` and
 // ``thread_copies`` as there. ``done`` (may be null) counts the entries issued and recorded:
@@ -537,10 +537,9 @@ int pagekv_ce_page_transfer_layers(int device, int load, char* host, const int64
       stats[3] = std::max(stats[3], part[3]);
     }
     if (err != 0) return err;
-    cudaError_t e = events[i] ? cudaSuccess
-                              : cudaEventCreateWithFlags(&events[i], cudaEventDisableTiming);
-    if (e == cudaSuccess) e = cudaEventRecord(events[i], stream);
-    if (e != cudaSuccess) return static_cast<int>(e);
+    int e = pagekv_events_create(device, &events[i], 1);  // a null entry's event
+    if (e == 0) e = static_cast<int>(cudaEventRecord(events[i], stream));
+    if (e != 0) return e;
     if (done) pagekv_progress_publish(done, i + 1);
   }
   return 0;
