@@ -3,7 +3,9 @@
 #   1. installs any missing Python package from wheels beside the tree (.whl/ or $WHEEL_DIR)
 #      into a private site dir and pagekv into a virtualenv over python3's packages, its
 #      console script included (scripts/gpu_env.sh),
-#   2. builds the CUDA kernels, runs the GPU tests (tests/gpu, marked cuda) and the rest of the
+#   2. builds the CUDA kernels, measures the transfer table with the host idle (once per
+#      library and driver: cached; the tests' workers would share the host with it), runs the
+#      GPU tests (tests/gpu, marked cuda) and the rest of the
 #      suite that can run there (with -n in PYTEST_ADDOPTS, pytest-xdist, then the tests marked
 #      gpu_alone on their own),
 #   3. runs the kernel benchmark.
@@ -23,6 +25,9 @@ mkdir -p "$RESULTS_DIR"
 source scripts/gpu_env.sh  # pagekv and what is missing, from wheels; PY, PATH, PYTHONPATH set
 
 status=0
+$PY -c "from pagekv.kernels import calibrate, kernels_unavailable_reason as why
+print('copy table:', 'kernels unavailable' if why() else f'{len(calibrate(0).entries)} shapes')" \
+  2>&1 | tee -a "$RESULTS_DIR/gpu.txt"
 $PY -m pytest -q -p no:cacheprovider $TESTS --junitxml="$RESULTS_DIR/tests.xml" 2>&1 | tail -n 40 | tee "$RESULTS_DIR/tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # pytest-xdist (-n in PYTEST_ADDOPTS) skips the tests that time the GPU (marked gpu_alone: the

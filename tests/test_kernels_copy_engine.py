@@ -309,6 +309,42 @@ def test_measured_once_then_read_from_the_cache(tmp_path):
     assert copy_table.load_table(path, "k") == TABLE  # one file per key
 
 
+def test_a_table_missing_a_backend_the_device_has_is_not_cached(tmp_path, caplog):
+    """Measured in a process where a backend's calls were refused (so not timed), the table
+    serves that process and is not cached, after one warning: cached, it would keep the backend
+    from every later process. The next process measures again and caches a whole table."""
+    path = copy_table.table_path(tmp_path / "cache", "k")
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return TABLE
+
+    with caplog.at_level(logging.WARNING, logger="pagekv.kernels.copy_table"):
+        got = copy_table.measured_or_empty(path, "k", "GPU", measure,
+                                           lambda: "batched copies (refused)")  # fmt: skip
+    assert got == (TABLE, True) and not path.exists()
+    assert [r.getMessage() for r in caplog.records] == [
+        "pagekv: the copy table measured without batched copies (refused) is not cached; the "
+        "next process measures again"
+    ]
+    assert copy_table.cached_or_measured(path, "k", measure, lambda: None) == (TABLE, True)
+    assert copy_table.cached_or_measured(path, "k", measure) == (TABLE, False)
+    assert len(calls) == 2 and copy_table.load_table(path, "k") == TABLE
+
+
+def test_failed_reason_names_what_was_refused_in_this_process(monkeypatch):
+    monkeypatch.setattr(copy_engine, "_failed", {})
+    monkeypatch.setattr(copy_engine, "_pitched_failed", {})
+    assert copy_engine.failed_reason(0) is None
+    copy_engine.fail(1, "refused")
+    assert copy_engine.failed_reason(0) is None
+    assert copy_engine.failed_reason(1) == "batched copies (refused)"
+    copy_engine._say_once(copy_engine._pitched_failed, 1, "2-D refused")
+    both = "batched copies (refused) and pitched copies (2-D refused)"
+    assert copy_engine.failed_reason(1) == both
+
+
 def test_a_failed_measurement_leaves_auto_on_the_kernel_and_nothing_cached(tmp_path, caplog):
     path = copy_table.table_path(tmp_path / "cache", "k")
 

@@ -139,6 +139,16 @@ def supported(device: int) -> bool:
     return device not in _failed and _support(device) > 0
 
 
+def failed_reason(device: int) -> str | None:
+    """What stopped batched or pitched copies on ``device`` in this process, where a call
+    failed (None where none has: either is in use, or the driver has no batched copies)."""
+    with _lock:
+        why = [f"{kind} ({failed[device]})" for kind, failed
+               in (("batched copies", _failed), ("pitched copies", _pitched_failed))
+               if device in failed]  # fmt: skip
+    return " and ".join(why) or None
+
+
 def disabled_reason(device: int) -> str | None:
     """Why the copy engine is not used on ``device`` (None when it is)."""
     if device in _failed:

@@ -4,8 +4,10 @@ measured once per device.
 For a grid of transfer shapes (direction, all layers or one, bytes per run of consecutive slots,
 bytes in all) the kernel, the copy engine, the pitched copy (all layers) and the direct memcpy
 backend are timed on this GPU (:func:`._calibrate.steady_seconds`): seconds per call in a run of
-calls once under way (a connector's chunks and layers follow one another, so a call's host time
-overlaps the copies before it and counts only where it is the longer) and the host time of one
+calls once under way, the fastest of five runs (a connector's chunks and layers follow one
+another, so a call's host time overlaps the copies before it and counts only where it is the
+longer; other processes busy on the host while it is measured slow such runs, not the device)
+and the median host time of one
 call issued to an idle device (its *enqueue* time: what the calling thread waits). On the
 caller's thread (``deferred`` false) a backend is a candidate for a shape only when its enqueue
 time is at most the kernel's plus ``ENQUEUE_SLACK_S``: the copy engine's host cost grows with
@@ -34,7 +36,9 @@ runs 0.96 of the bus, 36 KiB (MLA, 32 tokens) 0.74 on the H200 in one run, 0.97 
 Cache: ``$PAGEKV_CACHE_DIR/copy_table_<key>.json``, the key naming the GPU, the driver, the
 kernel library (its source hash) and the copy engine's settings, so a new driver, a changed
 kernel or other copy-engine defaults measure again. A file lock makes concurrent processes
-measure once. Measuring takes ~30 s, synchronises the device and uses up to 256 MiB of device
+measure once. A table measured in a process where the copy engine's or the pitched copy's calls
+were refused (so it timed neither) serves that process alone: cached, it would keep them from
+every later one. Measuring takes ~30 s, synchronises the device and uses up to 256 MiB of device
 and of pinned host memory for the while; it happens on the first ``auto`` transfer with CPU
 indices, or when :func:`calibrate` is called (``KVConnector.connect`` does: at start-up, off
 the serving path).
@@ -73,7 +77,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-TABLE_VERSION = 8
+TABLE_VERSION = 9
 # The copy engine is chosen unless it takes more than this fraction longer than the fastest.
 COPY_ENGINE_SLACK = 0.10
 # ... and for a transfer the connector's issuer enqueues (``deferred``: loads and saves that run
@@ -280,11 +284,21 @@ def save_table(path: Path, table: CopyTable) -> None:
     os.replace(tmp, path)
 
 
+def _nothing_missing() -> str | None:
+    return None
+
+
 def cached_or_measured(
-    path: Path, key: str, measure: Callable[[], CopyTable]
+    path: Path,
+    key: str,
+    measure: Callable[[], CopyTable],
+    missing: Callable[[], str | None] = _nothing_missing,
 ) -> tuple[CopyTable, bool]:
     """The table at ``path`` for ``key``, else ``measure()`` saved there (one process measures,
-    concurrent ones wait and read it). Returns (table, measured_now)."""
+    concurrent ones wait and read it). Returns (table, measured_now). Where ``missing()``, asked
+    after measuring, names a backend this process could not time although the device has it (a
+    call refused here: every later process would go without it), the table is this process's
+    alone, after one warning: the next process measures again."""
     table = load_table(path, key)
     if table is not None:
         return table, False
@@ -295,18 +309,27 @@ def cached_or_measured(
         if table is not None:
             return table, False
         table = measure()
-        save_table(path, table)
+        why = missing()
+        if why is None:
+            save_table(path, table)
+        else:
+            log.warning("pagekv: the copy table measured without %s is not cached; the next "
+                        "process measures again", why)  # fmt: skip
         return table, True
 
 
 def measured_or_empty(
-    path: Path, key: str, device: str, measure: Callable[[], CopyTable]
+    path: Path,
+    key: str,
+    device: str,
+    measure: Callable[[], CopyTable],
+    missing: Callable[[], str | None] = _nothing_missing,
 ) -> tuple[CopyTable, bool]:
     """:func:`cached_or_measured`, or, when measuring fails (out of memory, a CUDA error), an
     empty table (``auto`` then takes the kernel) kept in this process only, after one warning:
     a transfer never fails because its backend could not be measured."""
     try:
-        return cached_or_measured(path, key, measure)
+        return cached_or_measured(path, key, measure, missing)
     except RuntimeError as e:  # torch.cuda.OutOfMemoryError included
         log.warning("pagekv: measuring the transfer backends on %s failed (%s); backend='auto' "
                     "uses the kernel in this process", device, e)  # fmt: skip
@@ -327,7 +350,8 @@ _tables_lock = threading.Lock()
 
 def calibrate(device: int | None = None, *, force: bool = False) -> CopyTable:
     """The table for ``device`` (default: the current one): from this process, else the cache,
-    else measured now and cached. ``force`` measures again."""
+    else measured now and cached (unless a DMA backend's calls were refused here:
+    :func:`cached_or_measured`). ``force`` measures again."""
     import torch
 
     from . import copy_engine, ops, split
@@ -359,7 +383,8 @@ def calibrate(device: int | None = None, *, force: bool = False) -> CopyTable:
 
             return CopyTable(key, name, tuple(measure_entries(index)))
 
-        table, fresh = measured_or_empty(path, key, name, measure)
+        table, fresh = measured_or_empty(path, key, name, measure,
+                                         lambda: copy_engine.failed_reason(index))  # fmt: skip
         if fresh:
             log.info("pagekv: copy table for %s written to %s", name, path)
         _tables[index] = table

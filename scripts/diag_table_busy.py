@@ -1,0 +1,80 @@
+"""The copy table's choices measured on a busy host (GPU).
+
+The table (:mod:`pagekv.kernels.copy_table`) is measured once per device and cached, by
+whichever process needs it first: at an engine's start-up, or in a test run, other processes
+may keep the host's CPUs busy while it measures. A backend whose run is host-bound (the copy
+engine's 32-36 KiB runs: ~0.5-1 us of host time a copy) is then timed at the busy host's
+rate, not the device's. This measures the grid three times in one process (no cache): with the
+host idle, then beside ``--busy`` processes spinning in pure Python, timed as the table does
+(:func:`~pagekv.kernels._calibrate.steady_seconds`: the fastest of five runs) and by the
+median of the runs (the statistic it replaced); and prints, for every shape where a busy
+pass's choice differs from the idle one's, the caller's and the issuer's choices.
+
+    python scripts/diag_table_busy.py [--busy 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from _bench_util import environment, parse_args, write_result
+from diag_table_timing import choices
+
+from pagekv.kernels._calibrate import measure_entries, steady_seconds
+
+
+def median_seconds(
+    fn: Callable[[], object], stream: torch.cuda.Stream, reps: int = 5
+) -> tuple[float, float]:
+    """:func:`steady_seconds` with the median of its runs instead of the fastest."""
+    runs = [steady_seconds(fn, stream, reps=1) for _ in range(reps)]
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+
+def spinners(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--busy", type=int, default=os.cpu_count() or 1,
+                    help="processes spinning beside the busy passes")  # fmt: skip
+    args = parse_args(ap)
+    passes = {}
+    for name, timing, busy in (("idle", steady_seconds, 0), ("busy_fastest", steady_seconds,
+                               args.busy), ("busy_median", median_seconds, args.busy)):  # fmt: skip
+        procs = spinners(busy)
+        try:
+            t = time.perf_counter()
+            passes[name] = choices(measure_entries(0, timing))
+            print(f"{name}: measured in {time.perf_counter() - t:.1f} s beside {busy} spinners")
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+    base = passes["idle"]
+    summary = {}
+    for other in ("busy_fastest", "busy_median"):
+        diff = [k for k in base for who in ("caller", "issuer")
+                if base[k][who] != passes[other][k][who]]  # fmt: skip
+        summary[other] = len(set(diff))
+        print(f"idle vs {other}: {len(set(diff))} of {len(base)} shapes choose otherwise")
+        for k in dict.fromkeys(diff):
+            a, b = base[k], passes[other][k]
+            print(
+                f"  {k}: caller {a['caller']} / {b['caller']}, issuer {a['issuer']} / "
+                f"{b['issuer']}; GB/s {a['gbps']} / {b['gbps']}"
+            )
+    write_result("diag_table_busy", {"env": environment(), "busy": args.busy,
+                                     "differ": summary, "passes": passes})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
