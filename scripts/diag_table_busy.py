@@ -8,7 +8,9 @@ rate, not the device's. This measures the grid three times in one process (no ca
 host idle, then beside ``--busy`` processes spinning in pure Python, timed as the table does
 (:func:`~pagekv.kernels._calibrate.steady_seconds`: the fastest of five runs) and by the
 median of the runs (the statistic it replaced); and prints, for every shape where a busy
-pass's choice differs from the idle one's, the caller's and the issuer's choices.
+pass's choice differs from the idle one's, the caller's and the issuer's choices, and whether
+:func:`~pagekv.kernels.calibrate` would have cached each pass's table
+(:func:`~pagekv.kernels._calibrate.busy_reason`).
 
     python scripts/diag_table_busy.py [--busy 16]
 """
@@ -27,7 +29,7 @@ import torch
 from _bench_util import environment, parse_args, write_result
 from diag_table_timing import choices
 
-from pagekv.kernels._calibrate import measure_entries, steady_seconds
+from pagekv.kernels._calibrate import busy_reason, host_seconds, measure_entries, steady_seconds
 
 
 def median_seconds(
@@ -47,14 +49,16 @@ def main() -> None:
     ap.add_argument("--busy", type=int, default=os.cpu_count() or 1,
                     help="processes spinning beside the busy passes")  # fmt: skip
     args = parse_args(ap)
-    passes = {}
+    passes, verdicts = {}, {}
     for name, timing, busy in (("idle", steady_seconds, 0), ("busy_fastest", steady_seconds,
                                args.busy), ("busy_median", median_seconds, args.busy)):  # fmt: skip
         procs = spinners(busy)
         try:
-            t = time.perf_counter()
+            t, before = time.perf_counter(), host_seconds()
             passes[name] = choices(measure_entries(0, timing))
-            print(f"{name}: measured in {time.perf_counter() - t:.1f} s beside {busy} spinners")
+            verdicts[name] = busy_reason(before, host_seconds())
+            print(f"{name}: measured in {time.perf_counter() - t:.1f} s beside {busy} spinners; "
+                  f"cached: {'no, ' + verdicts[name] if verdicts[name] else 'yes'}")  # fmt: skip
         finally:
             for p in procs:
                 p.kill()
@@ -73,7 +77,8 @@ def main() -> None:
                 f"{b['issuer']}; GB/s {a['gbps']} / {b['gbps']}"
             )
     write_result("diag_table_busy", {"env": environment(), "busy": args.busy,
-                                     "differ": summary, "passes": passes})  # fmt: skip
+                                     "differ": summary, "not_cached": verdicts,
+                                     "passes": passes})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -6,12 +6,27 @@ import itertools
 import json
 import logging
 import math
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from pagekv.connector import HostPagePool, KVGeometry
-from pagekv.kernels import DeviceKV, copy_engine, copy_table, jit, layout, load, ops, save, staged
+from pagekv.kernels import (
+    DeviceKV,
+    _calibrate,
+    copy_engine,
+    copy_table,
+    jit,
+    layout,
+    load,
+    ops,
+    save,
+    staged,
+)
 from pagekv.kernels.copy_table import CopyTable, Entry, Shape
 
 INF = math.inf
@@ -297,7 +312,7 @@ def test_measured_once_then_read_from_the_cache(tmp_path):
 
     def measure():
         calls.append(1)
-        return TABLE
+        return TABLE, None
 
     assert copy_table.cached_or_measured(path, "k", measure) == (TABLE, True)
     assert copy_table.cached_or_measured(path, "k", measure) == (TABLE, False)
@@ -305,32 +320,34 @@ def test_measured_once_then_read_from_the_cache(tmp_path):
     key_b = "other"
     table_b = CopyTable(key_b, "GPU", TABLE.entries[:1])
     path_b = copy_table.table_path(tmp_path / "cache", key_b)
-    assert copy_table.cached_or_measured(path_b, key_b, lambda: table_b) == (table_b, True)
+    assert copy_table.cached_or_measured(path_b, key_b, lambda: (table_b, None)) == (table_b, True)
     assert copy_table.load_table(path, "k") == TABLE  # one file per key
 
 
-def test_a_table_missing_a_backend_the_device_has_is_not_cached(tmp_path, caplog):
-    """Measured in a process where a backend's calls were refused (so not timed), the table
-    serves that process and is not cached, after one warning: cached, it would keep the backend
-    from every later process. The next process measures again and caches a whole table."""
+def test_a_table_not_the_devices_is_not_cached(tmp_path, caplog):
+    """Measured where a backend's calls were refused (so not timed) or on a busy host, the
+    table serves the measuring process and is not cached, after one warning: cached, it would
+    hold every later process to it. The next process measures again and caches a good one."""
     path = copy_table.table_path(tmp_path / "cache", "k")
     calls = []
 
-    def measure():
-        calls.append(1)
-        return TABLE
+    def measure(unfit):
+        calls.append(unfit)
+        return TABLE, unfit
 
-    with caplog.at_level(logging.WARNING, logger="pagekv.kernels.copy_table"):
-        got = copy_table.measured_or_empty(path, "k", "GPU", measure,
-                                           lambda: "batched copies (refused)")  # fmt: skip
-    assert got == (TABLE, True) and not path.exists()
-    assert [r.getMessage() for r in caplog.records] == [
-        "pagekv: the copy table measured without batched copies (refused) is not cached; the "
-        "next process measures again"
-    ]
-    assert copy_table.cached_or_measured(path, "k", measure, lambda: None) == (TABLE, True)
-    assert copy_table.cached_or_measured(path, "k", measure) == (TABLE, False)
-    assert len(calls) == 2 and copy_table.load_table(path, "k") == TABLE
+    for unfit in ("without batched copies (refused)", "on a busy host (waited)"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pagekv.kernels.copy_table"):
+            got = copy_table.measured_or_empty(path, "k", "GPU", lambda u=unfit: measure(u))
+        assert got == (TABLE, True) and not path.exists()
+        assert [r.getMessage() for r in caplog.records] == [
+            f"pagekv: the copy table measured {unfit} is not cached; the next process measures "
+            "again"
+        ]
+    assert copy_table.cached_or_measured(path, "k", lambda: measure(None)) == (TABLE, True)
+    again = copy_table.cached_or_measured(path, "k", lambda: measure("never asked"))
+    assert again == (TABLE, False)
+    assert len(calls) == 3 and copy_table.load_table(path, "k") == TABLE
 
 
 def test_failed_reason_names_what_was_refused_in_this_process(monkeypatch):
@@ -345,6 +362,36 @@ def test_failed_reason_names_what_was_refused_in_this_process(monkeypatch):
     assert copy_engine.failed_reason(1) == both
 
 
+def test_busy_reason_from_the_threads_wait_for_a_cpu():
+    assert _calibrate.busy_reason((1.0, 0.0), (3.0, 0.09)) is None  # under 5% of 2 s
+    why = _calibrate.busy_reason((1.0, 0.0), (3.0, 0.2))
+    assert why == (
+        "on a busy host (this process's threads waited 0.2 s for a CPU while running 2.0 s)"
+    )
+    assert _calibrate.busy_reason((1.0, 0.5), (1.0, 0.9)) is None  # nothing ran: nothing timed
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux's schedstat only")
+def test_a_thread_beside_more_spinning_processes_than_cpus_measures_a_busy_host():
+    """host_seconds counts this process's wait for a CPU: beside twice as many processes
+    spinning as it may use, a thread spinning 0.3 s waits about as long as it runs."""
+    cpus = len(os.sched_getaffinity(0))
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(2 * cpus)]  # fmt: skip
+    try:
+        before = _calibrate.host_seconds()
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:
+            pass
+        after = _calibrate.host_seconds()
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert after[0] > before[0]
+    assert _calibrate.busy_reason(before, after) is not None, (before, after)
+
+
 def test_a_failed_measurement_leaves_auto_on_the_kernel_and_nothing_cached(tmp_path, caplog):
     path = copy_table.table_path(tmp_path / "cache", "k")
 
@@ -357,7 +404,7 @@ def test_a_failed_measurement_leaves_auto_on_the_kernel_and_nothing_cached(tmp_p
     assert table.choose(Shape(True, True, 32768, 16 << 20), ALL) == "kernel"
     assert not path.exists()
     assert ["out of memory" in r.getMessage() for r in caplog.records] == [True]
-    assert copy_table.measured_or_empty(path, "k", "GPU", lambda: TABLE) == (TABLE, True)
+    assert copy_table.measured_or_empty(path, "k", "GPU", lambda: (TABLE, None)) == (TABLE, True)
 
 
 def test_table_key_names_device_driver_and_library():

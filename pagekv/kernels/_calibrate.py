@@ -1,17 +1,20 @@
-"""Timing the transfer backends on this GPU for :mod:`.copy_table` (one grid, ~1 s).
+"""Timing the transfer backends on this GPU for :mod:`.copy_table` (one grid, ~30 s).
 
 Each grid shape is a real :func:`~pagekv.kernels.load` / :func:`~pagekv.kernels.save` with CPU
 page ids and slots (what ``auto`` is asked to decide), on random bytes, pages in random order on
 shuffled page-sized runs of slots, on a stream of its own, timed by :func:`steady_seconds`. An
 all-layer shape also times the kernel on the split's blocks, whose seconds and the pitched
 copy's give the split's balanced share (:func:`.split.balanced_share`); the split is timed at
-``split.SHARE_TRIALS`` of it and the fastest share kept.
+``split.SHARE_TRIALS`` of it and the fastest share kept. A grid measured while this process's
+threads waited for CPUs (other processes busy beside it) says so (:func:`measure_grid`), and
+its table is not cached.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -24,9 +27,15 @@ from . import copy_engine, ops, split
 from .copy_table import BACKENDS, DIRECT_MAX_COPIES, TOTAL_BYTES, Entry, Shape, grid
 from .layout import DeviceKV
 
-__all__ = ["measure_entries", "steady_seconds"]
+__all__ = ["BUSY_WAIT_SHARE", "busy_reason", "host_seconds", "measure_entries", "measure_grid",
+           "steady_seconds"]  # fmt: skip
 
 Timing = Callable[[Callable[[], object], torch.cuda.Stream], tuple[float, float]]
+# A measurement during which this process's threads waited for a CPU this share of the time
+# they ran is not the device's: the copy engine's host-bound runs (32-128 KiB) were timed at
+# 22-35 GB/s against 52-55 beside 16 spinning processes on the H200's 16 CPUs, even at the
+# fastest of five runs (scripts/diag_table_busy.py). An idle host: ~1e-4.
+BUSY_WAIT_SHARE = 0.05
 
 
 def steady_seconds(
@@ -148,3 +157,40 @@ def measure_entries(device: int, timing: Timing = steady_seconds) -> list[Entry]
     ce_ok = copy_engine.supported(device)
     with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.Stream(dev)):
         return [_shape_seconds(*shape, host_raw, ce_ok, timing) for shape in grid()]
+
+
+def host_seconds() -> tuple[float, float]:
+    """Seconds this process's threads (those alive now) have run on a CPU, and waited runnable
+    for one, since they started (Linux ``/proc/self/task/*/schedstat``; (0, 0) where the
+    kernel keeps no such count)."""
+    ran = waited = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0, 0.0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as f:
+                fields = f.read().split()
+            ran, waited = ran + int(fields[0]), waited + int(fields[1])
+        except (OSError, ValueError, IndexError):  # a thread that ended, no schedstat
+            continue
+    return ran / 1e9, waited / 1e9
+
+
+def busy_reason(before: tuple[float, float], after: tuple[float, float]) -> str | None:
+    """Why a measurement between two :func:`host_seconds` readings is not the device's: its
+    threads waited for a CPU ``BUSY_WAIT_SHARE`` or more of the time they ran (None: not)."""
+    ran, waited = after[0] - before[0], after[1] - before[1]
+    if ran <= 0 or waited < BUSY_WAIT_SHARE * ran:
+        return None
+    return (f"on a busy host (this process's threads waited {waited:.1f} s for a CPU while "
+            f"running {ran:.1f} s)")  # fmt: skip
+
+
+def measure_grid(device: int) -> tuple[list[Entry], str | None]:
+    """:func:`measure_entries` with :func:`steady_seconds`, and why they are not the device's
+    (:func:`busy_reason`; None where they are)."""
+    before = host_seconds()
+    entries = measure_entries(device)
+    return entries, busy_reason(before, host_seconds())

@@ -284,21 +284,17 @@ def save_table(path: Path, table: CopyTable) -> None:
     os.replace(tmp, path)
 
 
-def _nothing_missing() -> str | None:
-    return None
+# measures a table: the table, and why it must not be cached (None: cache it)
+Measure = Callable[[], tuple[CopyTable, str | None]]
 
 
-def cached_or_measured(
-    path: Path,
-    key: str,
-    measure: Callable[[], CopyTable],
-    missing: Callable[[], str | None] = _nothing_missing,
-) -> tuple[CopyTable, bool]:
-    """The table at ``path`` for ``key``, else ``measure()`` saved there (one process measures,
-    concurrent ones wait and read it). Returns (table, measured_now). Where ``missing()``, asked
-    after measuring, names a backend this process could not time although the device has it (a
-    call refused here: every later process would go without it), the table is this process's
-    alone, after one warning: the next process measures again."""
+def cached_or_measured(path: Path, key: str, measure: Measure) -> tuple[CopyTable, bool]:
+    """The table at ``path`` for ``key``, else ``measure()``'s, saved there (one process
+    measures, concurrent ones wait and read it). Returns (table, measured_now). Where
+    ``measure`` says why its table must not be cached (a backend whose calls were refused in
+    this process, so not timed; a host too busy to time the host-bound backends at the
+    device's rate), the table is this process's alone, after one warning: the next process to
+    calibrate measures again."""
     table = load_table(path, key)
     if table is not None:
         return table, False
@@ -308,28 +304,23 @@ def cached_or_measured(
         table = load_table(path, key)
         if table is not None:
             return table, False
-        table = measure()
-        why = missing()
-        if why is None:
+        table, unfit = measure()
+        if unfit is None:
             save_table(path, table)
         else:
-            log.warning("pagekv: the copy table measured without %s is not cached; the next "
-                        "process measures again", why)  # fmt: skip
+            log.warning("pagekv: the copy table measured %s is not cached; the next process "
+                        "measures again", unfit)  # fmt: skip
         return table, True
 
 
 def measured_or_empty(
-    path: Path,
-    key: str,
-    device: str,
-    measure: Callable[[], CopyTable],
-    missing: Callable[[], str | None] = _nothing_missing,
+    path: Path, key: str, device: str, measure: Measure
 ) -> tuple[CopyTable, bool]:
     """:func:`cached_or_measured`, or, when measuring fails (out of memory, a CUDA error), an
     empty table (``auto`` then takes the kernel) kept in this process only, after one warning:
     a transfer never fails because its backend could not be measured."""
     try:
-        return cached_or_measured(path, key, measure, missing)
+        return cached_or_measured(path, key, measure)
     except RuntimeError as e:  # torch.cuda.OutOfMemoryError included
         log.warning("pagekv: measuring the transfer backends on %s failed (%s); backend='auto' "
                     "uses the kernel in this process", device, e)  # fmt: skip
@@ -377,14 +368,15 @@ def calibrate(device: int | None = None, *, force: bool = False) -> CopyTable:
         if force and path.exists():
             path.unlink()
 
-        def measure() -> CopyTable:
+        def measure() -> tuple[CopyTable, str | None]:
             log.info("pagekv: measuring transfer backends on %s (once; cached in %s)", name, path)
-            from ._calibrate import measure_entries
+            from ._calibrate import measure_grid
 
-            return CopyTable(key, name, tuple(measure_entries(index)))
+            entries, busy = measure_grid(index)
+            failed = copy_engine.failed_reason(index)
+            return CopyTable(key, name, tuple(entries)), f"without {failed}" if failed else busy
 
-        table, fresh = measured_or_empty(path, key, name, measure,
-                                         lambda: copy_engine.failed_reason(index))  # fmt: skip
+        table, fresh = measured_or_empty(path, key, name, measure)
         if fresh:
             log.info("pagekv: copy table for %s written to %s", name, path)
         _tables[index] = table
