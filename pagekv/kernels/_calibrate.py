@@ -32,9 +32,10 @@ __all__ = ["BUSY_WAIT_SHARE", "busy_reason", "host_seconds", "measure_entries", 
 
 Timing = Callable[[Callable[[], object], torch.cuda.Stream], tuple[float, float]]
 # A measurement during which this process's threads waited for a CPU this share of the time
-# they ran is not the device's: the copy engine's host-bound runs (32-128 KiB) were timed at
-# 22-35 GB/s against 52-55 beside 16 spinning processes on the H200's 16 CPUs, even at the
-# fastest of five runs (scripts/diag_table_busy.py). An idle host: ~1e-4.
+# they ran is not the device's (H200, 16 CPUs, scripts/diag_table_busy.py): idle, under 0.05
+# (and every choice as measured); beside 8 processes spinning, 0.59-0.63 and 10-12 of 130
+# shapes chose otherwise (one-layer kernel loads of 72-144 KiB runs timed at 17 GB/s, not
+# 51); beside 16, the copy engine's host-bound runs (32-128 KiB) at 22-35 GB/s, not 52-55.
 BUSY_WAIT_SHARE = 0.05
 
 
@@ -52,9 +53,9 @@ def steady_seconds(
     next call): in a run of layers or chunks each call is enqueued while the ones before it
     copy, and the first call's host time, which nothing overlaps and which a busy host
     lengthens, is not the run's rate. The fastest run, not the median: a run is host-bound
-    where its copies are short (the copy engine's at 32-36 KiB runs: ~0.5-1 us a copy), and a
-    host busy while the table is measured (other processes starting beside this one) slows
-    such runs, not the device; the table is kept for the device's life."""
+    where its copies are short (the copy engine's at 32-36 KiB runs: ~0.5-1 us a copy), and
+    another process's burst on the host lengthens such a run, never shortens it. (A host busy
+    throughout is :func:`measure_grid`'s to report: no run is then the device's.)"""
     fn()
     stream.synchronize()
     first = torch.cuda.Event(enable_timing=True)
