@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -363,12 +364,16 @@ def test_failed_reason_names_what_was_refused_in_this_process(monkeypatch):
 
 
 def test_busy_reason_from_the_threads_wait_for_a_cpu():
-    assert _calibrate.busy_reason((1.0, 0.0), (3.0, 0.09)) is None  # under 5% of 2 s
-    why = _calibrate.busy_reason((1.0, 0.0), (3.0, 0.2))
+    """Summed over the threads alive at the end, each from its reading at the start (zero for
+    one started since); a thread gone by the end counts for nothing."""
+    before = {"1": (1.0, 0.0), "2": (5.0, 5.0)}
+    assert _calibrate.busy_reason(before, {"1": (3.0, 0.09)}) is None  # under 5% of 2 s
+    why = _calibrate.busy_reason(before, {"1": (2.0, 0.1), "3": (1.0, 0.1)})
     assert why == (
         "on a busy host (this process's threads waited 0.2 s for a CPU while running 2.0 s)"
     )
-    assert _calibrate.busy_reason((1.0, 0.5), (1.0, 0.9)) is None  # nothing ran: nothing timed
+    assert _calibrate.busy_reason(before, {"1": (1.0, 0.4)}) is None  # nothing ran: nothing timed
+    assert _calibrate.busy_reason({}, {}) is None  # no schedstat here
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux's schedstat only")
@@ -388,7 +393,7 @@ def test_a_thread_beside_more_spinning_processes_than_cpus_measures_a_busy_host(
         for p in spinners:
             p.kill()
             p.wait()
-    assert after[0] > before[0]
+    assert after[str(threading.get_native_id())][0] > before[str(threading.get_native_id())][0]
     assert _calibrate.busy_reason(before, after) is not None, (before, after)
 
 

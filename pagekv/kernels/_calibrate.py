@@ -27,8 +27,8 @@ from . import copy_engine, ops, split
 from .copy_table import BACKENDS, DIRECT_MAX_COPIES, TOTAL_BYTES, Entry, Shape, grid
 from .layout import DeviceKV
 
-__all__ = ["BUSY_WAIT_SHARE", "busy_reason", "host_seconds", "measure_entries", "measure_grid",
-           "steady_seconds"]  # fmt: skip
+__all__ = ["BUSY_WAIT_SHARE", "HostSeconds", "busy_reason", "host_seconds", "measure_entries",
+           "measure_grid", "steady_seconds"]  # fmt: skip
 
 Timing = Callable[[Callable[[], object], torch.cuda.Stream], tuple[float, float]]
 # A measurement during which this process's threads waited for a CPU this share of the time
@@ -160,29 +160,37 @@ def measure_entries(device: int, timing: Timing = steady_seconds) -> list[Entry]
         return [_shape_seconds(*shape, host_raw, ce_ok, timing) for shape in grid()]
 
 
-def host_seconds() -> tuple[float, float]:
-    """Seconds this process's threads (those alive now) have run on a CPU, and waited runnable
-    for one, since they started (Linux ``/proc/self/task/*/schedstat``; (0, 0) where the
+# per thread of this process: (seconds run on a CPU, seconds waited runnable for one)
+HostSeconds = dict[str, tuple[float, float]]
+
+
+def host_seconds() -> HostSeconds:
+    """Per thread of this process alive now (by id), the seconds it has run on a CPU and waited
+    runnable for one since it started (Linux ``/proc/self/task/*/schedstat``; none where the
     kernel keeps no such count)."""
-    ran = waited = 0
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
-        return 0.0, 0.0
+        return {}
+    out = {}
     for task in tasks:
         try:
             with open(f"/proc/self/task/{task}/schedstat") as f:
                 fields = f.read().split()
-            ran, waited = ran + int(fields[0]), waited + int(fields[1])
+            out[task] = (int(fields[0]) / 1e9, int(fields[1]) / 1e9)
         except (OSError, ValueError, IndexError):  # a thread that ended, no schedstat
             continue
-    return ran / 1e9, waited / 1e9
+    return out
 
 
-def busy_reason(before: tuple[float, float], after: tuple[float, float]) -> str | None:
-    """Why a measurement between two :func:`host_seconds` readings is not the device's: its
-    threads waited for a CPU ``BUSY_WAIT_SHARE`` or more of the time they ran (None: not)."""
-    ran, waited = after[0] - before[0], after[1] - before[1]
+def busy_reason(before: HostSeconds, after: HostSeconds) -> str | None:
+    """Why a measurement between two :func:`host_seconds` readings is not the device's: the
+    threads alive at its end (from zero where they started during it) waited for a CPU
+    ``BUSY_WAIT_SHARE`` or more of the time they ran (None: not)."""
+    ran = waited = 0.0
+    for task, (r, w) in after.items():
+        r0, w0 = before.get(task, (0.0, 0.0))
+        ran, waited = ran + r - r0, waited + w - w0
     if ran <= 0 or waited < BUSY_WAIT_SHARE * ran:
         return None
     return (f"on a busy host (this process's threads waited {waited:.1f} s for a CPU while "
