@@ -37,8 +37,10 @@ Cache: ``$PAGEKV_CACHE_DIR/copy_table_<key>.json``, the key naming the GPU, the 
 kernel library (its source hash) and the copy engine's settings, so a new driver, a changed
 kernel or other copy-engine defaults measure again. A file lock makes concurrent processes
 measure once. A table measured in a process where the copy engine's or the pitched copy's calls
-were refused (so it timed neither) serves that process alone: cached, it would keep them from
-every later one. Measuring takes ~30 s, synchronises the device and uses up to 256 MiB of device
+were refused (so it timed neither), or while this process waited for the host's CPUs (other
+processes busy: the host-bound backends timed at the host's rate;
+:func:`._calibrate.measure_grid`), serves that process alone: cached, it would hold every later
+one to it. Measuring takes ~30 s, synchronises the device and uses up to 256 MiB of device
 and of pinned host memory for the while; it happens on the first ``auto`` transfer with CPU
 indices, or when :func:`calibrate` is called (``KVConnector.connect`` does: at start-up, off
 the serving path).
@@ -341,8 +343,8 @@ _tables_lock = threading.Lock()
 
 def calibrate(device: int | None = None, *, force: bool = False) -> CopyTable:
     """The table for ``device`` (default: the current one): from this process, else the cache,
-    else measured now and cached (unless a DMA backend's calls were refused here:
-    :func:`cached_or_measured`). ``force`` measures again."""
+    else measured now and cached (unless a DMA backend's calls were refused here or the host
+    was busy: :func:`cached_or_measured`). ``force`` measures again."""
     import torch
 
     from . import copy_engine, ops, split
