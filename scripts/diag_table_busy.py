@@ -8,7 +8,9 @@ rate, not the device's. This measures the grid three times in one process (no ca
 host idle, then beside ``--busy`` processes spinning in pure Python, timed as the table does
 (:func:`~pagekv.kernels._calibrate.steady_seconds`: the fastest of five runs) and by the
 median of the runs (the statistic it replaced); and prints, for every shape where a busy
-pass's choice differs from the idle one's, the caller's and the issuer's choices, and whether
+pass's choice differs from the idle one's, the caller's and the issuer's choices (two idle
+passes differ in ~15 of 130 shapes: ``diag_table_timing.py``), how many of its timings are
+under ``SLOWER`` of the idle pass's, and whether
 :func:`~pagekv.kernels.calibrate` would have cached each pass's table
 (:func:`~pagekv.kernels._calibrate.busy_reason`).
 
@@ -30,6 +32,8 @@ from _bench_util import environment, parse_args, write_result
 from diag_table_timing import choices
 
 from pagekv.kernels._calibrate import busy_reason, host_seconds, measure_entries, steady_seconds
+
+SLOWER = 0.8  # a busy pass's timing counted as slowed below this share of the idle one's
 
 
 def median_seconds(
@@ -64,12 +68,17 @@ def main() -> None:
                 p.kill()
                 p.wait()
     base = passes["idle"]
-    summary = {}
+    summary, slower = {}, {}
     for other in ("busy_fastest", "busy_median"):
         diff = [k for k in base for who in ("caller", "issuer")
                 if base[k][who] != passes[other][k][who]]  # fmt: skip
         summary[other] = len(set(diff))
-        print(f"idle vs {other}: {len(set(diff))} of {len(base)} shapes choose otherwise")
+        slow = [(k, b) for k in base for b, gbps in base[k]["gbps"].items()
+                if passes[other][k]["gbps"].get(b, gbps) < SLOWER * gbps]  # fmt: skip
+        slower[other] = len(slow)
+        timed = sum(len(v["gbps"]) for v in base.values())
+        print(f"idle vs {other}: {len(set(diff))} of {len(base)} shapes choose otherwise; "
+              f"{len(slow)} of {timed} timings under {SLOWER} of the idle one's")  # fmt: skip
         for k in dict.fromkeys(diff):
             a, b = base[k], passes[other][k]
             print(
@@ -77,7 +86,8 @@ def main() -> None:
                 f"{b['issuer']}; GB/s {a['gbps']} / {b['gbps']}"
             )
     write_result("diag_table_busy", {"env": environment(), "busy": args.busy,
-                                     "differ": summary, "not_cached": verdicts,
+                                     "differ": summary, "slower": slower,
+                                     "not_cached": verdicts,
                                      "passes": passes})  # fmt: skip
 
 

@@ -32,10 +32,11 @@ __all__ = ["BUSY_WAIT_SHARE", "HostSeconds", "busy_reason", "host_seconds", "mea
 
 Timing = Callable[[Callable[[], object], torch.cuda.Stream], tuple[float, float]]
 # A measurement during which this process's threads waited for a CPU this share of the time
-# they ran is not the device's (H200, 16 CPUs, scripts/diag_table_busy.py): idle, under 0.05
-# (and every choice as measured); beside 8 processes spinning, 0.59-0.63 and 10-12 of 130
-# shapes chose otherwise (one-layer kernel loads of 72-144 KiB runs timed at 17 GB/s, not
-# 51); beside 16, the copy engine's host-bound runs (32-128 KiB) at 22-35 GB/s, not 52-55.
+# they ran is not taken for the device's (H200, 16 CPUs, scripts/diag_table_busy.py): idle,
+# under 0.05; beside 8 processes spinning, 0.61-0.63, the timings not clearly worse than two
+# idle passes differ; beside 16, a fifth of them slowed by 20% or more, the copy engine's
+# host-bound runs (32-128 KiB) timed at 22-35 GB/s, not 52-55. Set low on purpose: a table
+# wrongly cached holds every later process, one wrongly not cached costs the next ~30 s.
 BUSY_WAIT_SHARE = 0.05
 
 
