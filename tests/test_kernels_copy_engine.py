@@ -376,7 +376,8 @@ def test_busy_reason_from_the_threads_wait_for_a_cpu():
     assert _calibrate.busy_reason({}, {}) is None  # no schedstat here
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux's schedstat only")
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"),
+                    reason="needs Linux's schedstat (CONFIG_SCHED_INFO)")  # fmt: skip
 def test_a_thread_beside_more_spinning_processes_than_cpus_measures_a_busy_host():
     """host_seconds counts this process's wait for a CPU: beside twice as many processes
     spinning as it may use, a thread spinning 0.3 s waits about as long as it runs."""
