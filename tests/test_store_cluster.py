@@ -261,6 +261,56 @@ def test_a_node_that_exits_before_ready_says_so_with_its_log():
         node.start()
 
 
+STACKS_CHILD = """
+import os, signal, subprocess, sys, threading
+from pagekv.store.cli.stacks import dump_stacks_on
+
+dumps = []
+dump_stacks_on(signal.SIGUSR1, dumps.append)
+stop = threading.Event()
+
+def nested(depth):
+    return nested(depth - 1) if depth else sum(range(50))
+
+def churn():  # threads starting and ending: what faulthandler's dump crashed on
+    while not stop.is_set():
+        threads = [threading.Thread(target=nested, args=(20,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+for _ in range(4):
+    threading.Thread(target=churn, name="churn", daemon=True).start()
+KILL = ("import os, signal, sys; pid, n = map(int, sys.argv[1:]); "
+        "[os.kill(pid, signal.SIGUSR1) for _ in range(n)]")
+killer = subprocess.run([sys.executable, "-c", KILL, str(os.getpid()), sys.argv[1]])
+stop.set()
+assert killer.returncode == 0
+try:
+    dump_stacks_on(signal.SIGUSR2)
+except RuntimeError as e:
+    print("refused:", e)
+print("dumps", len(dumps))
+print(dumps[-1] if dumps else "")
+"""
+
+
+def test_stack_dumps_under_signals_while_threads_start_and_end_never_crash_the_process():
+    """Thousands of SIGUSR1 while threads start and end (faulthandler.register's dump died of
+    SIGSEGV there: CPython gh-116008): the process lives, dumps, and each dump names every
+    thread with its stack. A second dumper is refused (the process's one wakeup fd)."""
+    out = subprocess.run([sys.executable, "-c", STACKS_CHILD, "20000"], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    dumps = int(re.search(r"^dumps (\d+)$", out.stdout, re.M).group(1))
+    assert dumps >= 1
+    assert "refused: this process already has a wakeup fd" in out.stdout
+    last = out.stdout.split("\n", 2)[2]
+    assert "(MainThread, most recent call first):" in last
+    assert "(churn, most recent call first):" in last and "in churn" in last
+
+
 def test_sigusr1_writes_every_threads_stack_and_the_node_serves_on():
     node = NodeProcess("--capacity", "16MiB").start()
     try:

@@ -11,7 +11,6 @@ be used) is one error line and exit status 1.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import ipaddress
 import logging
 import os
@@ -175,12 +174,13 @@ def run_serve(values: dict[str, Any]) -> int:
     from ..node.metrics import node_metrics, ping_health
     from ..node.server import StoreNode
     from .lifecycle import announce, die_with_parent
+    from .stacks import dump_stacks_on
 
     # first: a thread keeps the malloc arena it first allocated in (node/memory.py's rules)
     tuned = env.TUNE_MALLOC.get() and tune_malloc_for_blocks(arena_max=1)
     if values["parent_pid"] is not None:
         die_with_parent(values["parent_pid"])
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where it is stuck
+    dump_stacks_on(signal.SIGUSR1)  # `kill -USR1`: where it is stuck (stacks.py's rules)
     config = node_config(values)
     for warning in check_node(config, force=values["force"]):
         log.warning("pagekv node: %s", warning)
