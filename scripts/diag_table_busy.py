@@ -12,7 +12,7 @@ pass's choice differs from the idle one's, the caller's and the issuer's choices
 passes differ in ~15 of 130 shapes: ``diag_table_timing.py``), how many of its timings are
 under ``SLOWER`` of the idle pass's, and whether
 :func:`~pagekv.kernels.calibrate` would have cached each pass's table
-(:func:`~pagekv.kernels._calibrate.busy_reason`).
+(:func:`~pagekv.kernels._calibrate.measure_grid`).
 
     python scripts/diag_table_busy.py [--busy 16]
 """
@@ -31,7 +31,7 @@ import torch
 from _bench_util import environment, parse_args, write_result
 from diag_table_timing import choices
 
-from pagekv.kernels._calibrate import busy_reason, host_seconds, measure_entries, steady_seconds
+from pagekv.kernels._calibrate import measure_grid, steady_seconds
 
 SLOWER = 0.8  # a busy pass's timing counted as slowed below this share of the idle one's
 
@@ -58,9 +58,9 @@ def main() -> None:
                                args.busy), ("busy_median", median_seconds, args.busy)):  # fmt: skip
         procs = spinners(busy)
         try:
-            t, before = time.perf_counter(), host_seconds()
-            passes[name] = choices(measure_entries(0, timing))
-            verdicts[name] = busy_reason(before, host_seconds())
+            t = time.perf_counter()
+            entries, verdicts[name] = measure_grid(0, timing)
+            passes[name] = choices(entries)
             print(f"{name}: measured in {time.perf_counter() - t:.1f} s beside {busy} spinners; "
                   f"cached: {'no, ' + verdicts[name] if verdicts[name] else 'yes'}")  # fmt: skip
         finally:

@@ -198,9 +198,9 @@ def busy_reason(before: HostSeconds, after: HostSeconds) -> str | None:
             f"running {ran:.1f} s)")  # fmt: skip
 
 
-def measure_grid(device: int) -> tuple[list[Entry], str | None]:
-    """:func:`measure_entries` with :func:`steady_seconds`, and why they are not the device's
-    (:func:`busy_reason`; None where they are)."""
+def measure_grid(device: int, timing: Timing = steady_seconds) -> tuple[list[Entry], str | None]:
+    """:func:`measure_entries`, and why they are not the device's (:func:`busy_reason`; None
+    where they are)."""
     before = host_seconds()
-    entries = measure_entries(device)
+    entries = measure_entries(device, timing)
     return entries, busy_reason(before, host_seconds())

@@ -212,7 +212,8 @@ def test_a_table_measured_after_a_refused_call_stays_in_its_process(monkeypatch,
     monkeypatch.setattr(jit, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(copy_table, "_tables", {})
     measured = []
-    monkeypatch.setattr(_calibrate, "measure_entries", lambda device: measured.append(device) or [])
+    monkeypatch.setattr(_calibrate, "measure_entries",
+                        lambda device, timing: measured.append(device) or [])  # fmt: skip
     monkeypatch.setattr(copy_engine, "_failed", {0: "refused for this test"})
     with caplog.at_level(logging.WARNING, logger="pagekv.kernels.copy_table"):
         calibrate(0)
