@@ -10,9 +10,12 @@ host idle, then beside ``--busy`` processes spinning in pure Python, timed as th
 median of the runs (the statistic it replaced); and prints, for every shape where a busy
 pass's choice differs from the idle one's, the caller's and the issuer's choices (two idle
 passes differ in ~15 of 130 shapes: ``diag_table_timing.py``), how many of its timings are
-under ``SLOWER`` of the idle pass's, and whether
-:func:`~pagekv.kernels.calibrate` would have cached each pass's table
-(:func:`~pagekv.kernels._calibrate.measure_grid`).
+under ``SLOWER`` of the idle pass's, and how :func:`~pagekv.kernels.calibrate` would have
+cached each pass's table (the device's, or provisional: its threads' wait for a CPU,
+:func:`~pagekv.kernels._calibrate.measure_grid`); and, beside the same spinners right after each
+pass, the verdict of the trial (:func:`~pagekv.kernels._calibrate.trial`) by which a later
+process decides whether to measure a provisional table again: whether it agrees with the
+pass's.
 
     python scripts/diag_table_busy.py [--busy 16]
 """
@@ -31,7 +34,7 @@ import torch
 from _bench_util import environment, parse_args, write_result
 from diag_table_timing import choices
 
-from pagekv.kernels._calibrate import measure_grid, steady_seconds
+from pagekv.kernels._calibrate import measure_grid, steady_seconds, trial
 
 SLOWER = 0.8  # a busy pass's timing counted as slowed below this share of the idle one's
 
@@ -53,16 +56,25 @@ def main() -> None:
     ap.add_argument("--busy", type=int, default=os.cpu_count() or 1,
                     help="processes spinning beside the busy passes")  # fmt: skip
     args = parse_args(ap)
-    passes, verdicts = {}, {}
+    passes, verdicts, trials = {}, {}, {}
     for name, timing, busy in (("idle", steady_seconds, 0), ("busy_fastest", steady_seconds,
                                args.busy), ("busy_median", median_seconds, args.busy)):  # fmt: skip
         procs = spinners(busy)
         try:
             t = time.perf_counter()
-            entries, verdicts[name] = measure_grid(0, timing)
+            entries, load = measure_grid(0, timing)
             passes[name] = choices(entries)
-            print(f"{name}: measured in {time.perf_counter() - t:.1f} s beside {busy} spinners; "
-                  f"cached: {'no, ' + verdicts[name] if verdicts[name] else 'yes'}")  # fmt: skip
+            seconds = time.perf_counter() - t
+            t = time.perf_counter()
+            tried = trial(0)
+            verdicts[name] = {"wait_share": round(load.share, 3), "busy": load.busy}
+            trials[name] = {"wait_share": round(tried.share, 3), "busy": tried.busy,
+                            "seconds": round(time.perf_counter() - t, 2)}  # fmt: skip
+            print(f"{name}: measured in {seconds:.1f} s beside {busy} spinners; threads' wait "
+                  f"{load.share:.3f} of their run: cached as "
+                  f"{'provisional' if load.busy else 'the device table'}; the trial after it "
+                  f"({trials[name]['seconds']} s): wait {tried.share:.3f}, "
+                  f"{'busy' if tried.busy else 'quiet'}")  # fmt: skip
         finally:
             for p in procs:
                 p.kill()
@@ -87,7 +99,7 @@ def main() -> None:
             )
     write_result("diag_table_busy", {"env": environment(), "busy": args.busy,
                                      "differ": summary, "slower": slower,
-                                     "not_cached": verdicts,
+                                     "host_load": verdicts, "trial": trials,
                                      "passes": passes})  # fmt: skip
 
 

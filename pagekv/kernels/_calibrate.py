@@ -7,7 +7,8 @@ all-layer shape also times the kernel on the split's blocks, whose seconds and t
 copy's give the split's balanced share (:func:`.split.balanced_share`); the split is timed at
 ``split.SHARE_TRIALS`` of it and the fastest share kept. A grid measured while this process's
 threads waited for CPUs (other processes busy beside it) says so (:func:`measure_grid`), and
-its table is not cached.
+its table is cached as provisional; :func:`trial` is the short measurement that decides whether
+a later process measures such a table again.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -27,8 +29,8 @@ from . import copy_engine, ops, split
 from .copy_table import BACKENDS, DIRECT_MAX_COPIES, TOTAL_BYTES, Entry, Shape, grid
 from .layout import DeviceKV
 
-__all__ = ["BUSY_WAIT_SHARE", "HostSeconds", "busy_reason", "host_seconds", "measure_entries",
-           "measure_grid", "steady_seconds"]  # fmt: skip
+__all__ = ["BUSY_WAIT_SHARE", "HostLoad", "HostSeconds", "host_load", "host_seconds",
+           "measure_entries", "measure_grid", "steady_seconds", "trial"]  # fmt: skip
 
 Timing = Callable[[Callable[[], object], torch.cuda.Stream], tuple[float, float]]
 # A measurement during which this process's threads waited for a CPU this share of the time
@@ -38,6 +40,11 @@ Timing = Callable[[Callable[[], object], torch.cuda.Stream], tuple[float, float]
 # host-bound runs (32-128 KiB) timed at 22-35 GB/s, not 52-55. Set low on purpose: a table
 # wrongly cached holds every later process, one wrongly not cached costs the next ~30 s.
 BUSY_WAIT_SHARE = 0.05
+# The trial (:func:`trial`): the grid's shapes whose copy-engine runs are host-bound (32 KiB
+# runs, loads and saves, all layers and one), timed over and over for at least this long.
+TRIAL_SHAPES = tuple((load, all_layers, 32768, 16 << 20) for all_layers in (True, False)
+                     for load in (True, False))  # fmt: skip
+TRIAL_SECONDS = 0.5
 
 
 def steady_seconds(
@@ -184,23 +191,62 @@ def host_seconds() -> HostSeconds:
     return out
 
 
-def busy_reason(before: HostSeconds, after: HostSeconds) -> str | None:
-    """Why a measurement between two :func:`host_seconds` readings is not the device's: the
-    threads alive at its end (from zero where they started during it) waited for a CPU
-    ``BUSY_WAIT_SHARE`` or more of the time they ran (None: not)."""
+@dataclass(frozen=True)
+class HostLoad:
+    """How long this process's threads ran on a CPU and waited runnable for one over a
+    measurement (:func:`host_load`)."""
+
+    ran: float
+    waited: float
+
+    @property
+    def share(self) -> float:
+        return self.waited / self.ran if self.ran > 0 else 0.0
+
+    @property
+    def busy(self) -> bool:
+        """The measurement is not the device's: its threads waited ``BUSY_WAIT_SHARE`` or more
+        of the time they ran (nothing ran: nothing was timed, not busy)."""
+        return self.ran > 0 and self.waited >= BUSY_WAIT_SHARE * self.ran
+
+    def reason(self) -> str:
+        return (f"on a busy host (this process's threads waited {self.waited:.1f} s for a CPU "
+                f"while running {self.ran:.1f} s)")  # fmt: skip
+
+
+def host_load(before: HostSeconds, after: HostSeconds) -> HostLoad:
+    """The :class:`HostLoad` between two :func:`host_seconds` readings: summed over the threads
+    alive at the second (from zero for a thread started since the first; a thread gone by the
+    second counts for nothing)."""
     ran = waited = 0.0
     for task, (r, w) in after.items():
         r0, w0 = before.get(task, (0.0, 0.0))
         ran, waited = ran + r - r0, waited + w - w0
-    if ran <= 0 or waited < BUSY_WAIT_SHARE * ran:
-        return None
-    return (f"on a busy host (this process's threads waited {waited:.1f} s for a CPU while "
-            f"running {ran:.1f} s)")  # fmt: skip
+    return HostLoad(ran, waited)
 
 
-def measure_grid(device: int, timing: Timing = steady_seconds) -> tuple[list[Entry], str | None]:
-    """:func:`measure_entries`, and why they are not the device's (:func:`busy_reason`; None
-    where they are)."""
+def measure_grid(device: int, timing: Timing = steady_seconds) -> tuple[list[Entry], HostLoad]:
+    """:func:`measure_entries`, and the host's load over them (:func:`host_load`)."""
     before = host_seconds()
     entries = measure_entries(device, timing)
-    return entries, busy_reason(before, host_seconds())
+    return entries, host_load(before, host_seconds())
+
+
+def trial(device: int, seconds: float = TRIAL_SECONDS) -> HostLoad:
+    """The host's load while ``TRIAL_SHAPES`` are timed as the grid's are, over and over for
+    at least ``seconds`` (~0.5 s against the grid's ~30): whether the host is too busy now for
+    a measurement of the grid to be the device's. The same threads do the same work as in
+    :func:`measure_grid`, so the two verdicts agree where the host stays as busy."""
+    dev = torch.device("cuda", device)
+    host_raw = torch.empty(2 * max(t for *_, t in TRIAL_SHAPES), dtype=torch.uint8,
+                           pin_memory=True)  # fmt: skip
+    host_raw.random_()
+    ce_ok = copy_engine.supported(device)
+    with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.Stream(dev)):
+        before = host_seconds()
+        end = time.perf_counter() + seconds
+        while True:
+            for shape in TRIAL_SHAPES:
+                _shape_seconds(*shape, host_raw, ce_ok, steady_seconds)
+            if time.perf_counter() >= end:
+                return host_load(before, host_seconds())

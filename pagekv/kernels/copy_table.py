@@ -37,13 +37,15 @@ Cache: ``$PAGEKV_CACHE_DIR/copy_table_<key>.json``, the key naming the GPU, the 
 kernel library (its source hash) and the copy engine's settings, so a new driver, a changed
 kernel or other copy-engine defaults measure again. A file lock makes concurrent processes
 measure once. A table measured in a process where the copy engine's or the pitched copy's calls
-were refused (so it timed neither), or while this process waited for the host's CPUs (other
-processes busy: the host-bound backends timed at the host's rate;
-:func:`._calibrate.measure_grid`), serves that process alone: cached, it would hold every later
-one to it. Measuring takes ~30 s, synchronises the device and uses up to 256 MiB of device
-and of pinned host memory for the while; it happens on the first ``auto`` transfer with CPU
-indices, or when :func:`calibrate` is called (``KVConnector.connect`` does: at start-up, off
-the serving path).
+were refused (so it timed neither) serves that process alone. One measured while this process
+waited for the host's CPUs (other processes busy: the host-bound backends timed at the host's
+rate; :func:`._calibrate.measure_grid`) is cached as *provisional* (``host_wait``, the share of
+its run its threads waited): later processes use it rather than wait ~30 s each, and one that
+finds the host quiet in a short trial (:func:`._calibrate.trial`, ~0.5 s) measures again,
+caching the device's table, or, still busy, the less busy of the two. Measuring takes ~30 s,
+synchronises the device and uses up to 256 MiB of device and of pinned host memory for the
+while; it happens on the first ``auto`` transfer with CPU indices, or when :func:`calibrate` is
+called (``KVConnector.connect`` does: at start-up, off the serving path).
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-TABLE_VERSION = 9
+TABLE_VERSION = 10
 # The copy engine is chosen unless it takes more than this fraction longer than the fastest.
 COPY_ENGINE_SLACK = 0.10
 # ... and for a transfer the connector's issuer enqueues (``deferred``: loads and saves that run
@@ -162,6 +164,9 @@ class CopyTable:
     key: str
     device: str
     entries: tuple[Entry, ...]
+    # provisional: measured while this process's threads waited this share of their run for a
+    # CPU (at least _calibrate.BUSY_WAIT_SHARE); None: the device's table
+    host_wait: float | None = None
     _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def choose(self, shape: Shape, allowed: Collection[str], deferred: bool = False) -> str:
@@ -223,6 +228,7 @@ class CopyTable:
             return None if math.isnan(e.split_share) else e.split_share
 
         return {"version": TABLE_VERSION, "key": self.key, "device": self.device,
+                "host_wait": self.host_wait,
                 "entries": [{"shape": asdict(e.shape), "seconds": dict(e.seconds),
                              "enqueue": dict(e.enqueue), "split_share": share(e)}
                             for e in self.entries]}  # fmt: skip
@@ -238,7 +244,9 @@ class CopyTable:
                           int(sh["total_bytes"]))  # fmt: skip
             entries.append(Entry(shape, _pairs(e["seconds"]), _pairs(e["enqueue"]),
                                  _share(e.get("split_share"))))  # fmt: skip
-        return cls(str(doc["key"]), str(doc["device"]), tuple(entries))
+        wait = doc["host_wait"]
+        return cls(str(doc["key"]), str(doc["device"]), tuple(entries),
+                   None if wait is None else float(wait))  # fmt: skip
 
 
 def _share(value: object) -> float:
@@ -286,43 +294,72 @@ def save_table(path: Path, table: CopyTable) -> None:
     os.replace(tmp, path)
 
 
-# measures a table: the table, and why it must not be cached (None: cache it)
+# measures a table: the table (its host_wait set where the host was busy), and why it must not
+# be cached at all (None: cache it)
 Measure = Callable[[], tuple[CopyTable, str | None]]
+# a short measurement: why the host is too busy now to measure the table (None: it is not)
+Trial = Callable[[], str | None]
 
 
-def cached_or_measured(path: Path, key: str, measure: Measure) -> tuple[CopyTable, bool]:
-    """The table at ``path`` for ``key``, else ``measure()``'s, saved there (one process
-    measures, concurrent ones wait and read it). Returns (table, measured_now). Where
-    ``measure`` says why its table must not be cached (a backend whose calls were refused in
-    this process, so not timed; a host too busy to time the host-bound backends at the
-    device's rate), the table is this process's alone, after one warning: the next process to
-    calibrate measures again."""
+def cached_or_measured(
+    path: Path, key: str, measure: Measure, trial: Trial
+) -> tuple[CopyTable, bool]:
+    """The device's table at ``path`` for ``key``, else a measured one (one process measures,
+    concurrent ones wait and read it). Returns (table, measured_now).
+
+    A provisional table (``host_wait``: measured on a busy host) is used as it is where
+    ``trial()`` finds the host busy now; else the table is measured again, and the new one
+    cached if it is the device's or less busy than the cached one (a later process finds the
+    less busy of the two; this one uses it too). So where every start-up is busy, one ~30 s
+    measurement serves them all, and the first quiet one replaces it. Where ``measure`` says
+    why its table must not be cached at all (a backend whose calls were refused in this
+    process, so not timed), the table is this process's alone, after one warning."""
     table = load_table(path, key)
-    if table is not None:
+    if table is not None and table.host_wait is None:
         return table, False
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        table = load_table(path, key)
-        if table is not None:
-            return table, False
+        cached = load_table(path, key)
+        if cached is not None and cached.host_wait is None:
+            return cached, False
+        if cached is not None:
+            busy = trial()
+            if busy is not None:
+                log.info("pagekv: using the provisional copy table %s (measured while this "
+                         "process's threads waited %.2f of their run for a CPU): the host is "
+                         "still busy, %s", path, cached.host_wait, busy)  # fmt: skip
+                return cached, False
         table, unfit = measure()
-        if unfit is None:
-            save_table(path, table)
-        else:
+        if unfit is not None:
             log.warning("pagekv: the copy table measured %s is not cached; the next process "
                         "measures again", unfit)  # fmt: skip
+            return table, True
+        if table.host_wait is None:
+            save_table(path, table)
+            return table, True
+        if cached is not None and cached.host_wait <= table.host_wait:
+            log.warning("pagekv: the copy table measured on a busy host (threads' wait %.2f of "
+                        "their run) is not cached: the cached provisional one was measured on "
+                        "a less busy host (%.2f) and is used", table.host_wait,
+                        cached.host_wait)  # fmt: skip
+            return cached, True
+        save_table(path, table)
+        log.warning("pagekv: the copy table was measured on a busy host (threads' wait %.2f of "
+                    "their run for a CPU) and is cached as provisional: later processes use it "
+                    "and the first to find the host quiet measures again",
+                    table.host_wait)  # fmt: skip
         return table, True
 
 
 def measured_or_empty(
-    path: Path, key: str, device: str, measure: Measure
+    path: Path, key: str, device: str, measure: Measure, trial: Trial
 ) -> tuple[CopyTable, bool]:
     """:func:`cached_or_measured`, or, when measuring fails (out of memory, a CUDA error), an
     empty table (``auto`` then takes the kernel) kept in this process only, after one warning:
     a transfer never fails because its backend could not be measured."""
     try:
-        return cached_or_measured(path, key, measure)
+        return cached_or_measured(path, key, measure, trial)
     except RuntimeError as e:  # torch.cuda.OutOfMemoryError included
         log.warning("pagekv: measuring the transfer backends on %s failed (%s); backend='auto' "
                     "uses the kernel in this process", device, e)  # fmt: skip
@@ -343,11 +380,11 @@ _tables_lock = threading.Lock()
 
 def calibrate(device: int | None = None, *, force: bool = False) -> CopyTable:
     """The table for ``device`` (default: the current one): from this process, else the cache,
-    else measured now and cached (unless a DMA backend's calls were refused here or the host
-    was busy: :func:`cached_or_measured`). ``force`` measures again."""
+    else measured now and cached (provisional where the host was busy; not at all where a DMA
+    backend's calls were refused here: :func:`cached_or_measured`). ``force`` measures again."""
     import torch
 
-    from . import copy_engine, ops, split
+    from . import _calibrate, copy_engine, ops, split
     from .jit import cache_dir, load_library
 
     index = torch.cuda.current_device() if device is None else device
@@ -372,13 +409,16 @@ def calibrate(device: int | None = None, *, force: bool = False) -> CopyTable:
 
         def measure() -> tuple[CopyTable, str | None]:
             log.info("pagekv: measuring transfer backends on %s (once; cached in %s)", name, path)
-            from ._calibrate import measure_grid
-
-            entries, busy = measure_grid(index)
+            entries, load = _calibrate.measure_grid(index)
             failed = copy_engine.failed_reason(index)
-            return CopyTable(key, name, tuple(entries)), f"without {failed}" if failed else busy
+            table = CopyTable(key, name, tuple(entries), load.share if load.busy else None)
+            return table, f"without {failed}" if failed else None
 
-        table, fresh = measured_or_empty(path, key, name, measure)
+        def trial() -> str | None:
+            load = _calibrate.trial(index)
+            return load.reason() if load.busy else None
+
+        table, fresh = measured_or_empty(path, key, name, measure, trial)
         if fresh:
             log.info("pagekv: copy table for %s written to %s", name, path)
         _tables[index] = table

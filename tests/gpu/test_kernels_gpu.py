@@ -225,6 +225,53 @@ def test_a_table_measured_after_a_refused_call_stays_in_its_process(monkeypatch,
     assert measured == [0, 0] and len(list(tmp_path.glob("copy_table_*.json"))) == 1
 
 
+@pytest.mark.gpu_alone
+def test_a_table_measured_on_a_busy_host_serves_busy_start_ups_until_a_quiet_one(
+    monkeypatch, tmp_path
+):
+    """calibrate on the device, over a grid of four shapes: beside twice as many spinning
+    processes as CPUs the table is cached as provisional (its threads' wait recorded); the next
+    process, still beside them, runs the trial, finds the host busy and uses it without
+    measuring; once they stop, the next one's trial finds the host quiet, measures again and
+    caches the device's table."""
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(jit, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(copy_table, "RUN_BYTES", (32768,))
+    monkeypatch.setattr(copy_table, "TOTAL_BYTES", (16 << 20,))
+    measured, trials = [], []
+    measure_grid, trial = _calibrate.measure_grid, _calibrate.trial
+    monkeypatch.setattr(_calibrate, "measure_grid",
+                        lambda device: measured.append(device) or measure_grid(device))  # fmt: skip
+    monkeypatch.setattr(_calibrate, "trial",
+                        lambda device: trials.append(device) or trial(device))  # fmt: skip
+
+    def start_up():  # a new process: nothing remembered in this one
+        monkeypatch.setattr(copy_table, "_tables", {})
+        return calibrate(0)
+
+    cpus = len(os.sched_getaffinity(0))
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(2 * cpus)]  # fmt: skip
+    try:
+        first = start_up()
+        assert first.host_wait is not None and first.host_wait >= _calibrate.BUSY_WAIT_SHARE
+        assert len(first.entries) == 4 and measured == [0] and trials == []
+        (path,) = tmp_path.glob("copy_table_*.json")
+        assert copy_table.load_table(path, first.key) == first
+        assert start_up() == first and measured == [0] and trials == [0]
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    quiet = start_up()
+    assert measured == [0, 0] and trials == [0, 0]
+    assert quiet.host_wait is None and copy_table.load_table(path, first.key) == quiet
+    assert start_up() == quiet and measured == [0, 0] and trials == [0, 0]
+
+
 def _layout(name, geo, num_slots):
     """Device caches (poisoned) for ``geo`` laid out as ``name``; returns the per-kv groups."""
     shape = geo.device_layer_shape
