@@ -70,8 +70,8 @@ def main() -> None:
             verdicts[name] = {"wait_share": round(load.share, 3), "busy": load.busy}
             trials[name] = {"wait_share": round(tried.share, 3), "busy": tried.busy,
                             "seconds": round(time.perf_counter() - t, 2)}  # fmt: skip
-            print(f"{name}: measured in {seconds:.1f} s beside {busy} spinners; threads' wait "
-                  f"{load.share:.3f} of their run: cached as "
+            print(f"{name}: measured in {seconds:.1f} s beside {busy} spinners; the measuring "
+                  f"thread's wait {load.share:.3f} of its run: cached as "
                   f"{'provisional' if load.busy else 'the device table'}; the trial after it "
                   f"({trials[name]['seconds']} s): wait {tried.share:.3f}, "
                   f"{'busy' if tried.busy else 'quiet'}")  # fmt: skip

@@ -456,42 +456,61 @@ def test_failed_reason_names_what_was_refused_in_this_process(monkeypatch):
     assert copy_engine.failed_reason(1) == both
 
 
-def test_host_load_from_the_threads_wait_for_a_cpu():
-    """Summed over the threads alive at the end, each from its reading at the start (zero for
-    one started since); a thread gone by the end counts for nothing."""
-    before = {"1": (1.0, 0.0), "2": (5.0, 5.0)}
-    quiet = _calibrate.host_load(before, {"1": (3.0, 0.09)})
+def test_host_load_from_the_measuring_threads_wait_for_a_cpu():
+    quiet = _calibrate.host_load((1.0, 0.0), (3.0, 0.09))
     assert quiet == _calibrate.HostLoad(2.0, 0.09) and not quiet.busy  # under 5% of 2 s
-    busy = _calibrate.host_load(before, {"1": (2.0, 0.1), "3": (1.0, 0.1)})
+    busy = _calibrate.host_load((1.0, 0.0), (3.0, 0.2))
     assert busy.busy and busy.share == pytest.approx(0.1)
     assert busy.reason() == (
-        "on a busy host (this process's threads waited 0.2 s for a CPU while running 2.0 s)"
+        "on a busy host (the measuring thread waited 0.2 s for a CPU while running 2.0 s)"
     )
-    assert not _calibrate.host_load(before, {"1": (1.0, 0.4)}).busy  # nothing ran: nothing timed
-    assert _calibrate.host_load({}, {}) == _calibrate.HostLoad(0.0, 0.0)  # no schedstat here
-    assert not _calibrate.HostLoad(0.0, 0.0).busy and _calibrate.HostLoad(0.0, 0.0).share == 0
+    assert not _calibrate.host_load((1.0, 0.0), (1.0, 0.4)).busy  # nothing ran: nothing timed
+    assert _calibrate.host_load(None, None) == _calibrate.HostLoad(0.0, 0.0)  # no schedstat
+    assert _calibrate.host_load((1.0, 0.0), None) == _calibrate.HostLoad(0.0, 0.0)
+    assert _calibrate.HostLoad(0.0, 0.0).share == 0
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"),
                     reason="needs Linux's schedstat (CONFIG_SCHED_INFO)")  # fmt: skip
 def test_a_thread_beside_more_spinning_processes_than_cpus_measures_a_busy_host():
-    """host_seconds counts this process's wait for a CPU: beside twice as many processes
-    spinning as it may use, a thread spinning 0.3 s waits about as long as it runs."""
+    """thread_seconds counts the calling thread's wait for a CPU: beside twice as many
+    processes spinning as it may use, a thread spinning 0.3 s waits about as long as it runs."""
     cpus = len(os.sched_getaffinity(0))
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                 for _ in range(2 * cpus)]  # fmt: skip
     try:
-        before = _calibrate.host_seconds()
+        before = _calibrate.thread_seconds()
         end = time.perf_counter() + 0.3
         while time.perf_counter() < end:
             pass
-        after = _calibrate.host_seconds()
+        after = _calibrate.thread_seconds()
     finally:
         for p in spinners:
             p.kill()
             p.wait()
-    assert after[str(threading.get_native_id())][0] > before[str(threading.get_native_id())][0]
+    assert after[0] > before[0]
     assert _calibrate.host_load(before, after).busy, (before, after)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"),
+                    reason="needs Linux's schedstat (CONFIG_SCHED_INFO)")  # fmt: skip
+def test_thread_seconds_are_the_calling_threads_own():
+    """Another thread's run (here 0.3 s of pure Python holding the GIL in turns) is not in the
+    calling thread's count, which sleeps meanwhile."""
+    before = _calibrate.thread_seconds()
+    done = threading.Event()
+
+    def spin():
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:
+            pass
+        done.set()
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    worker.join()
+    after = _calibrate.thread_seconds()
+    assert done.is_set() and after[0] - before[0] < 0.1, (before, after)
 
 
 def test_a_failed_measurement_leaves_auto_on_the_kernel_and_nothing_cached(tmp_path, caplog):

@@ -5,9 +5,9 @@ page ids and slots (what ``auto`` is asked to decide), on random bytes, pages in
 shuffled page-sized runs of slots, on a stream of its own, timed by :func:`steady_seconds`. An
 all-layer shape also times the kernel on the split's blocks, whose seconds and the pitched
 copy's give the split's balanced share (:func:`.split.balanced_share`); the split is timed at
-``split.SHARE_TRIALS`` of it and the fastest share kept. A grid measured while this process's
-threads waited for CPUs (other processes busy beside it) says so (:func:`measure_grid`), and
-its table is cached as provisional; :func:`trial` is the short measurement that decides whether
+``split.SHARE_TRIALS`` of it and the fastest share kept. A grid measured while its thread
+waited for CPUs (other processes busy beside it) says so (:func:`measure_grid`), and its table
+is cached as provisional; :func:`trial` is the short measurement that decides whether
 a later process measures such a table again.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -29,21 +28,24 @@ from . import copy_engine, ops, split
 from .copy_table import BACKENDS, DIRECT_MAX_COPIES, TOTAL_BYTES, Entry, Shape, grid
 from .layout import DeviceKV
 
-__all__ = ["BUSY_WAIT_SHARE", "HostLoad", "HostSeconds", "host_load", "host_seconds",
-           "measure_entries", "measure_grid", "steady_seconds", "trial"]  # fmt: skip
+__all__ = ["BUSY_WAIT_SHARE", "HostLoad", "ThreadSeconds", "host_load", "measure_entries",
+           "measure_grid", "steady_seconds", "thread_seconds", "trial"]  # fmt: skip
 
 Timing = Callable[[Callable[[], object], torch.cuda.Stream], tuple[float, float]]
-# A measurement during which this process's threads waited for a CPU this share of the time
-# they ran is not taken for the device's (H200, 16 CPUs, scripts/diag_table_busy.py): idle,
-# under 0.05; beside 8 processes spinning, 0.61-0.63, the timings not clearly worse than two
-# idle passes differ; beside 16, a fifth of them slowed by 20% or more, the copy engine's
-# host-bound runs (32-128 KiB) timed at 22-35 GB/s, not 52-55. Set low on purpose: a table
-# wrongly cached holds every later process, one wrongly not cached costs the next ~30 s.
+# A measurement during which the measuring thread waited for a CPU this share of the time it
+# ran is not taken for the device's (H200, 16 CPUs, scripts/diag_table_busy.py, 668627a + the
+# thread's own count): idle, under 0.01; beside 8 processes spinning, 0.11 (its waits in the
+# one-layer 128 MiB shapes of 1152-byte rows, whose index work torch spreads over its CPU
+# threads: the kernel timed there at 11-19 GB/s, not 50-52), beside 16, 0.61, the copy engine's
+# host-bound runs (32-128 KiB) timed at 22-35 GB/s, not 52-55. Set low on purpose: a table so
+# measured is only provisional (:mod:`.copy_table`) until a quiet start-up measures again.
 BUSY_WAIT_SHARE = 0.05
-# The trial (:func:`trial`): the grid's shapes whose copy-engine runs are host-bound (32 KiB
-# runs, loads and saves, all layers and one), timed over and over for at least this long.
-TRIAL_SHAPES = tuple((load, all_layers, 32768, 16 << 20) for all_layers in (True, False)
-                     for load in (True, False))  # fmt: skip
+# The trial (:func:`trial`): the grid's shapes whose timing a busy host slows first (one-layer
+# loads and saves of 36 KiB runs of 1152-byte rows, 128 MiB: their index work is spread over
+# torch's CPU threads; beside 8 spinning processes the measuring thread waited 0.38-0.45 of its
+# run there, 0.11 over the whole grid, nothing in the 16 MiB shapes), timed over and over for
+# at least ``TRIAL_SECONDS``.
+TRIAL_SHAPES = ((True, False, 36864, 128 << 20), (False, False, 36864, 128 << 20))
 TRIAL_SECONDS = 0.5
 
 
@@ -168,33 +170,29 @@ def measure_entries(device: int, timing: Timing = steady_seconds) -> list[Entry]
         return [_shape_seconds(*shape, host_raw, ce_ok, timing) for shape in grid()]
 
 
-# per thread of this process: (seconds run on a CPU, seconds waited runnable for one)
-HostSeconds = dict[str, tuple[float, float]]
+# the measuring thread's seconds run on a CPU and waited runnable for one (None: not counted)
+ThreadSeconds = tuple[float, float] | None
 
 
-def host_seconds() -> HostSeconds:
-    """Per thread of this process alive now (by id), the seconds it has run on a CPU and waited
-    runnable for one since it started (Linux ``/proc/self/task/*/schedstat``; none where the
-    kernel keeps no such count)."""
+def thread_seconds() -> ThreadSeconds:
+    """The calling thread's seconds run on a CPU and waited runnable for one since it started
+    (Linux ``/proc/thread-self/schedstat``; None where the kernel keeps no such count)."""
     try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return {}
-    out = {}
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/schedstat") as f:
-                fields = f.read().split()
-            out[task] = (int(fields[0]) / 1e9, int(fields[1]) / 1e9)
-        except (OSError, ValueError, IndexError):  # a thread that ended, no schedstat
-            continue
-    return out
+        with open("/proc/thread-self/schedstat") as f:
+            fields = f.read().split()
+        return int(fields[0]) / 1e9, int(fields[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @dataclass(frozen=True)
 class HostLoad:
-    """How long this process's threads ran on a CPU and waited runnable for one over a
-    measurement (:func:`host_load`)."""
+    """How long the measuring thread ran on a CPU and waited runnable for one over a
+    measurement (:func:`host_load`). Its own count, not the process's: the thread that enqueues
+    the calls sets a host-bound run's rate (what the library's helper threads wait lengthens
+    its join, not its wait), and torch's CPU threads spin between parallel regions, so a sum
+    over the process is mostly theirs (beside 8 spinning processes, 0.66 of the process's run
+    against the measuring thread's 0.11)."""
 
     ran: float
     waited: float
@@ -205,48 +203,45 @@ class HostLoad:
 
     @property
     def busy(self) -> bool:
-        """The measurement is not the device's: its threads waited ``BUSY_WAIT_SHARE`` or more
-        of the time they ran (nothing ran: nothing was timed, not busy)."""
+        """The measurement is not the device's: its thread waited ``BUSY_WAIT_SHARE`` or more
+        of the time it ran (nothing counted: not busy)."""
         return self.ran > 0 and self.waited >= BUSY_WAIT_SHARE * self.ran
 
     def reason(self) -> str:
-        return (f"on a busy host (this process's threads waited {self.waited:.1f} s for a CPU "
+        return (f"on a busy host (the measuring thread waited {self.waited:.1f} s for a CPU "
                 f"while running {self.ran:.1f} s)")  # fmt: skip
 
 
-def host_load(before: HostSeconds, after: HostSeconds) -> HostLoad:
-    """The :class:`HostLoad` between two :func:`host_seconds` readings: summed over the threads
-    alive at the second (from zero for a thread started since the first; a thread gone by the
-    second counts for nothing)."""
-    ran = waited = 0.0
-    for task, (r, w) in after.items():
-        r0, w0 = before.get(task, (0.0, 0.0))
-        ran, waited = ran + r - r0, waited + w - w0
-    return HostLoad(ran, waited)
+def host_load(before: ThreadSeconds, after: ThreadSeconds) -> HostLoad:
+    """The :class:`HostLoad` between two :func:`thread_seconds` readings of one thread (none
+    where either is None)."""
+    if before is None or after is None:
+        return HostLoad(0.0, 0.0)
+    return HostLoad(after[0] - before[0], after[1] - before[1])
 
 
 def measure_grid(device: int, timing: Timing = steady_seconds) -> tuple[list[Entry], HostLoad]:
     """:func:`measure_entries`, and the host's load over them (:func:`host_load`)."""
-    before = host_seconds()
+    before = thread_seconds()
     entries = measure_entries(device, timing)
-    return entries, host_load(before, host_seconds())
+    return entries, host_load(before, thread_seconds())
 
 
 def trial(device: int, seconds: float = TRIAL_SECONDS) -> HostLoad:
     """The host's load while ``TRIAL_SHAPES`` are timed as the grid's are, over and over for
-    at least ``seconds`` (~0.5 s against the grid's ~30): whether the host is too busy now for
-    a measurement of the grid to be the device's. The same threads do the same work as in
-    :func:`measure_grid`, so the two verdicts agree where the host stays as busy."""
+    at least ``seconds`` (~0.6 s idle against the grid's ~30): whether the host is too busy now
+    for a measurement of the grid to be the device's. The shapes a busy host slows first, so
+    the trial finds a host busy at least wherever the grid would."""
     dev = torch.device("cuda", device)
     host_raw = torch.empty(2 * max(t for *_, t in TRIAL_SHAPES), dtype=torch.uint8,
                            pin_memory=True)  # fmt: skip
     host_raw.random_()
     ce_ok = copy_engine.supported(device)
     with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.Stream(dev)):
-        before = host_seconds()
+        before = thread_seconds()
         end = time.perf_counter() + seconds
         while True:
             for shape in TRIAL_SHAPES:
                 _shape_seconds(*shape, host_raw, ce_ok, steady_seconds)
             if time.perf_counter() >= end:
-                return host_load(before, host_seconds())
+                return host_load(before, thread_seconds())

@@ -37,10 +37,10 @@ Cache: ``$PAGEKV_CACHE_DIR/copy_table_<key>.json``, the key naming the GPU, the 
 kernel library (its source hash) and the copy engine's settings, so a new driver, a changed
 kernel or other copy-engine defaults measure again. A file lock makes concurrent processes
 measure once. A table measured in a process where the copy engine's or the pitched copy's calls
-were refused (so it timed neither) serves that process alone. One measured while this process
+were refused (so it timed neither) serves that process alone. One measured while its thread
 waited for the host's CPUs (other processes busy: the host-bound backends timed at the host's
 rate; :func:`._calibrate.measure_grid`) is cached as *provisional* (``host_wait``, the share of
-its run its threads waited): later processes use it rather than wait ~30 s each, and one that
+its run the thread waited): later processes use it rather than wait ~30 s each, and one that
 finds the host quiet in a short trial (:func:`._calibrate.trial`, ~0.5 s) measures again,
 caching the device's table, or, still busy, the less busy of the two. Measuring takes ~30 s,
 synchronises the device and uses up to 256 MiB of device and of pinned host memory for the
@@ -164,8 +164,8 @@ class CopyTable:
     key: str
     device: str
     entries: tuple[Entry, ...]
-    # provisional: measured while this process's threads waited this share of their run for a
-    # CPU (at least _calibrate.BUSY_WAIT_SHARE); None: the device's table
+    # provisional: measured while the measuring thread waited this share of its run for a CPU
+    # (at least _calibrate.BUSY_WAIT_SHARE); None: the device's table
     host_wait: float | None = None
     _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -326,9 +326,9 @@ def cached_or_measured(
         if cached is not None:
             busy = trial()
             if busy is not None:
-                log.info("pagekv: using the provisional copy table %s (measured while this "
-                         "process's threads waited %.2f of their run for a CPU): the host is "
-                         "still busy, %s", path, cached.host_wait, busy)  # fmt: skip
+                log.info("pagekv: using the provisional copy table %s (measured while its "
+                         "thread waited %.2f of its run for a CPU): the host is still busy, %s",
+                         path, cached.host_wait, busy)  # fmt: skip
                 return cached, False
         table, unfit = measure()
         if unfit is not None:
@@ -339,15 +339,15 @@ def cached_or_measured(
             save_table(path, table)
             return table, True
         if cached is not None and cached.host_wait <= table.host_wait:
-            log.warning("pagekv: the copy table measured on a busy host (threads' wait %.2f of "
-                        "their run) is not cached: the cached provisional one was measured on "
-                        "a less busy host (%.2f) and is used", table.host_wait,
+            log.warning("pagekv: the copy table measured on a busy host (its thread's wait "
+                        "%.2f of its run) is not cached: the cached provisional one was "
+                        "measured on a less busy host (%.2f) and is used", table.host_wait,
                         cached.host_wait)  # fmt: skip
             return cached, True
         save_table(path, table)
-        log.warning("pagekv: the copy table was measured on a busy host (threads' wait %.2f of "
-                    "their run for a CPU) and is cached as provisional: later processes use it "
-                    "and the first to find the host quiet measures again",
+        log.warning("pagekv: the copy table was measured on a busy host (its thread's wait "
+                    "%.2f of its run for a CPU) and is cached as provisional: later processes "
+                    "use it and the first to find the host quiet measures again",
                     table.host_wait)  # fmt: skip
         return table, True
 
