@@ -229,9 +229,11 @@ def measure_grid(device: int, timing: Timing = steady_seconds) -> tuple[list[Ent
 
 def trial(device: int, seconds: float = TRIAL_SECONDS) -> HostLoad:
     """The host's load while ``TRIAL_SHAPES`` are timed as the grid's are, over and over for
-    at least ``seconds`` (~0.6 s idle against the grid's ~30): whether the host is too busy now
-    for a measurement of the grid to be the device's. The shapes a busy host slows first, so
-    the trial finds a host busy at least wherever the grid would."""
+    at least ``seconds`` (one pass: 2.1 s on an idle H200 host, 3-4 s on a busy one, against
+    the grid's ~30): whether the host is too busy now for a measurement of the grid to be the
+    device's. The shapes a busy host slows first, so the trial finds a host busy at least
+    wherever the grid would (H200: idle, beside 8 and beside 16 spinning processes, the two
+    agreed in six of six passes; scripts/diag_table_busy.py)."""
     dev = torch.device("cuda", device)
     host_raw = torch.empty(2 * max(t for *_, t in TRIAL_SHAPES), dtype=torch.uint8,
                            pin_memory=True)  # fmt: skip

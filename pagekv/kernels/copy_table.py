@@ -41,7 +41,7 @@ were refused (so it timed neither) serves that process alone. One measured while
 waited for the host's CPUs (other processes busy: the host-bound backends timed at the host's
 rate; :func:`._calibrate.measure_grid`) is cached as *provisional* (``host_wait``, the share of
 its run the thread waited): later processes use it rather than wait ~30 s each, and one that
-finds the host quiet in a short trial (:func:`._calibrate.trial`, ~0.5 s) measures again,
+finds the host quiet in a short trial (:func:`._calibrate.trial`, ~2 s) measures again,
 caching the device's table, or, still busy, the less busy of the two. Measuring takes ~30 s,
 synchronises the device and uses up to 256 MiB of device and of pinned host memory for the
 while; it happens on the first ``auto`` transfer with CPU indices, or when :func:`calibrate` is
