@@ -406,6 +406,19 @@ def test_a_provisional_table_survives_a_refused_measurement(tmp_path):
     assert got == (TABLE, True) and copy_table.load_table(path, "k") == busy_table(0.3)
 
 
+def test_a_trial_that_fails_leaves_the_provisional_table_in_use(tmp_path, caplog):
+    path = copy_table.table_path(tmp_path / "cache", "k")
+    copy_table.save_table(path, busy_table(0.3))
+
+    def trial():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    with caplog.at_level(logging.INFO, logger="pagekv.kernels.copy_table"):
+        got = copy_table.measured_or_empty(path, "k", "GPU", never, trial)
+    assert got == (busy_table(0.3), False)
+    assert "the trial failed (CUDA out of memory)" in caplog.text
+
+
 _CONCURRENT_CHILD = """
 import sys
 from pathlib import Path

@@ -308,12 +308,13 @@ def cached_or_measured(
     concurrent ones wait and read it). Returns (table, measured_now).
 
     A provisional table (``host_wait``: measured on a busy host) is used as it is where
-    ``trial()`` finds the host busy now; else the table is measured again, and the new one
-    cached if it is the device's or less busy than the cached one (a later process finds the
-    less busy of the two; this one uses it too). So where every start-up is busy, one ~30 s
-    measurement serves them all, and the first quiet one replaces it. Where ``measure`` says
-    why its table must not be cached at all (a backend whose calls were refused in this
-    process, so not timed), the table is this process's alone, after one warning."""
+    ``trial()`` finds the host busy now (or raises ``RuntimeError``); else the table is
+    measured again, and the new one cached if it is the device's or less busy than the cached
+    one (a later process finds the less busy of the two; this one uses it too). So where every
+    start-up is busy, one ~30 s measurement serves them all, and the first quiet one replaces
+    it. Where ``measure`` says why its table must not be cached at all (a backend whose calls
+    were refused in this process, so not timed), the table is this process's alone, after one
+    warning."""
     table = load_table(path, key)
     if table is not None and table.host_wait is None:
         return table, False
@@ -324,7 +325,10 @@ def cached_or_measured(
         if cached is not None and cached.host_wait is None:
             return cached, False
         if cached is not None:
-            busy = trial()
+            try:
+                busy = trial()
+            except RuntimeError as e:  # no memory for it, a CUDA error: measuring would fail too
+                busy = f"the trial failed ({e})"
             if busy is not None:
                 log.info("pagekv: using the provisional copy table %s (measured while its "
                          "thread waited %.2f of its run for a CPU): the host is still busy, %s",
