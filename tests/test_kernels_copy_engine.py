@@ -2,6 +2,7 @@
 choice and cache, the descriptors' arguments, and the fallback to the kernel when the driver
 refuses a call (a stand-in library)."""
 
+import fcntl
 import itertools
 import json
 import logging
@@ -439,22 +440,46 @@ assert table == busy, table
 """
 
 
+def _blocked_on(lock_path) -> int:
+    """Processes waiting for a flock on ``lock_path`` (Linux ``/proc/locks``: ``->`` marks a
+    waiter; the fifth field is major:minor:inode)."""
+    inode = os.stat(lock_path).st_ino
+    with open("/proc/locks") as f:
+        rows = [line.split() for line in f]
+    return sum(1 for r in rows if r[1] == "->" and r[2] == "FLOCK"
+               and int(r[6].split(":")[-1]) == inode)  # fmt: skip
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="needs Linux's /proc/locks")
 def test_processes_starting_together_on_a_busy_host_measure_once(tmp_path):
-    """Several processes calibrating at once on a busy host (an engine's tensor-parallel
-    workers at start-up): one measures, each other one runs the short trial, finds the host
-    busy and uses the provisional table, instead of each measuring in turn under the lock."""
+    """Processes calibrating at once on a busy host (an engine's tensor-parallel workers at
+    start-up): one measures, and each other one, having waited for the lock meanwhile, uses
+    its provisional table as it is (no trial, no measurement), instead of each measuring in
+    turn. A process starting after them runs the trial, and with the host still busy uses it
+    too."""
     path = copy_table.table_path(tmp_path / "cache", "k")
     marks = tmp_path / "marks"
     marks.mkdir()
+    path.parent.mkdir()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    procs = [subprocess.Popen([sys.executable, "-c", _CONCURRENT_CHILD, str(path), str(marks),
-                               str(i)], cwd=root) for i in range(4)]  # fmt: skip
+
+    def start(i):
+        return subprocess.Popen([sys.executable, "-c", _CONCURRENT_CHILD, str(path), str(marks),
+                                 str(i)], cwd=root)  # fmt: skip
+
+    lock_path = path.with_suffix(".lock")
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held until all four wait for it
+        procs = [start(i) for i in range(4)]
+        deadline = time.monotonic() + 120
+        while _blocked_on(lock_path) < 4:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.01)
     assert [p.wait(timeout=120) for p in procs] == [0] * 4
     names = sorted(m.name for m in marks.iterdir())
-    measured = [n for n in names if n.startswith("measured-")]
-    trials = [n for n in names if n.startswith("trial-")]
-    assert len(measured) == 1 and len(trials) == 3, names
-    assert measured[0].split("-")[1] not in {t.split("-")[1] for t in trials}
+    assert len(names) == 1 and names[0].startswith("measured-"), names
+    assert start(4).wait(timeout=120) == 0
+    assert sorted(m.name for m in marks.iterdir()) == sorted([names[0], "trial-4"])
 
 
 def test_failed_reason_names_what_was_refused_in_this_process(monkeypatch):

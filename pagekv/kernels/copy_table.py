@@ -307,33 +307,25 @@ def cached_or_measured(
     """The device's table at ``path`` for ``key``, else a measured one (one process measures,
     concurrent ones wait and read it). Returns (table, measured_now).
 
-    A provisional table (``host_wait``: measured on a busy host) is used as it is where
-    ``trial()`` finds the host busy now (or raises ``RuntimeError``); else the table is
-    measured again, and the new one cached if it is the device's or less busy than the cached
-    one (a later process finds the less busy of the two; this one uses it too). So where every
-    start-up is busy, one ~30 s measurement serves them all, and the first quiet one replaces
-    it. Where ``measure`` says why its table must not be cached at all (a backend whose calls
-    were refused in this process, so not timed), the table is this process's alone, after one
-    warning."""
-    table = load_table(path, key)
-    if table is not None and table.host_wait is None:
-        return table, False
+    A provisional table (``host_wait``: measured on a busy host) is used as it is where it was
+    written while this process waited for the lock, or where ``trial()`` finds the host busy
+    now (or raises ``RuntimeError``); else the table is measured again, and the new one cached
+    if it is the device's or less busy than the cached one (a later process finds the less
+    busy of the two; this one uses it too). So where every start-up is busy, one ~30 s
+    measurement serves them all (processes starting together run no trial), and the first
+    quiet one replaces it. Where ``measure`` says why its table must not be cached at all (a
+    backend whose calls were refused in this process, so not timed), the table is this
+    process's alone, after one warning."""
+    seen = load_table(path, key)
+    if seen is not None and seen.host_wait is None:
+        return seen, False
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cached = load_table(path, key)
-        if cached is not None and cached.host_wait is None:
+        if cached is not None and (cached.host_wait is None or _provisional_holds(
+                path, cached, cached != seen, trial)):  # fmt: skip
             return cached, False
-        if cached is not None:
-            try:
-                busy = trial()
-            except RuntimeError as e:  # no memory for it, a CUDA error: measuring would fail too
-                busy = f"the trial failed ({e})"
-            if busy is not None:
-                log.info("pagekv: using the provisional copy table %s (measured while its "
-                         "thread waited %.2f of its run for a CPU): the host is still busy, %s",
-                         path, cached.host_wait, busy)  # fmt: skip
-                return cached, False
         table, unfit = measure()
         if unfit is not None:
             log.warning("pagekv: the copy table measured %s is not cached; the next process "
@@ -354,6 +346,25 @@ def cached_or_measured(
                     "use it and the first to find the host quiet measures again",
                     table.host_wait)  # fmt: skip
         return table, True
+
+
+def _provisional_holds(path: Path, cached: CopyTable, fresh: bool, trial: Trial) -> bool:
+    """Whether a process uses the provisional table ``cached`` as it is: one written while it
+    waited for the lock (``fresh``: measured by a process starting beside it, on a host as busy
+    as a moment ago), or one the trial finds the host still too busy to measure again."""
+    if fresh:
+        log.info("pagekv: using the provisional copy table %s, measured while this process "
+                 "waited for it", path)  # fmt: skip
+        return True
+    try:
+        busy = trial()
+    except RuntimeError as e:  # no memory for it, a CUDA error: measuring would fail too
+        busy = f"the trial failed ({e})"
+    if busy is not None:
+        log.info("pagekv: using the provisional copy table %s (measured while its thread "
+                 "waited %.2f of its run for a CPU): the host is still busy, %s", path,
+                 cached.host_wait, busy)  # fmt: skip
+    return busy is not None
 
 
 def measured_or_empty(
