@@ -316,15 +316,16 @@ def cached_or_measured(
     quiet one replaces it. Where ``measure`` says why its table must not be cached at all (a
     backend whose calls were refused in this process, so not timed), the table is this
     process's alone, after one warning."""
-    seen = load_table(path, key)
-    if seen is not None and seen.host_wait is None:
-        return seen, False
+    seen = _written(path)
+    table = load_table(path, key)
+    if table is not None and table.host_wait is None:
+        return table, False
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cached = load_table(path, key)
         if cached is not None and (cached.host_wait is None or _provisional_holds(
-                path, cached, cached != seen, trial)):  # fmt: skip
+                path, cached, _written(path) != seen, trial)):  # fmt: skip
             return cached, False
         table, unfit = measure()
         if unfit is not None:
@@ -346,6 +347,16 @@ def cached_or_measured(
                     "use it and the first to find the host quiet measures again",
                     table.host_wait)  # fmt: skip
         return table, True
+
+
+def _written(path: Path) -> tuple[int, int] | None:
+    """Which write of ``path`` is there now (:func:`save_table` replaces the file: a new inode
+    each time); None for none."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 def _provisional_holds(path: Path, cached: CopyTable, fresh: bool, trial: Trial) -> bool:
