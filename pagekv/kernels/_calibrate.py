@@ -33,11 +33,11 @@ __all__ = ["BUSY_WAIT_SHARE", "HostLoad", "ThreadSeconds", "host_load", "measure
 
 Timing = Callable[[Callable[[], object], torch.cuda.Stream], tuple[float, float]]
 # A measurement during which the measuring thread waited for a CPU this share of the time it
-# ran is not taken for the device's (H200, 16 CPUs, scripts/diag_table_busy.py, 668627a + the
-# thread's own count): idle, under 0.01; beside 8 processes spinning, 0.11 (its waits in the
-# one-layer 128 MiB shapes of 1152-byte rows, whose index work torch spreads over its CPU
-# threads: the kernel timed there at 11-19 GB/s, not 50-52), beside 16, 0.61, the copy engine's
-# host-bound runs (32-128 KiB) timed at 22-35 GB/s, not 52-55. Set low on purpose: a table so
+# ran is not taken for the device's (H200, 16 CPUs, 6caa477, scripts/diag_table_busy.py): idle,
+# 0.000; beside 8 processes spinning, 0.111 (its waits in the one-layer 128 MiB shapes of
+# 1152-byte rows, whose index work torch spreads over its CPU threads: the kernel timed there at
+# 11-19 GB/s, not 50-52; scripts/diag_table_wait.py), beside 16, 0.568 (the copy engine's
+# one-layer 32 KiB runs timed at 26-31 GB/s, not 45-46). Set low on purpose: a table so
 # measured is only provisional (:mod:`.copy_table`) until a quiet start-up measures again.
 BUSY_WAIT_SHARE = 0.05
 # The trial (:func:`trial`): the grid's shapes whose timing a busy host slows first (one-layer
