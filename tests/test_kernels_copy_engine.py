@@ -456,7 +456,8 @@ def test_processes_starting_together_on_a_busy_host_measure_once(tmp_path):
     start-up): one measures, and each other one, having waited for the lock meanwhile, uses
     its provisional table as it is (no trial, no measurement), instead of each measuring in
     turn. A process starting after them runs the trial, and with the host still busy uses it
-    too."""
+    too. Restarted together on the busy host, one runs the trial and the others take its
+    verdict (no trial each in turn)."""
     path = copy_table.table_path(tmp_path / "cache", "k")
     marks = tmp_path / "marks"
     marks.mkdir()
@@ -467,19 +468,27 @@ def test_processes_starting_together_on_a_busy_host_measure_once(tmp_path):
         return subprocess.Popen([sys.executable, "-c", _CONCURRENT_CHILD, str(path), str(marks),
                                  str(i)], cwd=root)  # fmt: skip
 
-    lock_path = path.with_suffix(".lock")
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # held until all four wait for it
-        procs = [start(i) for i in range(4)]
-        deadline = time.monotonic() + 120
-        while _blocked_on(lock_path) < 4:
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
-            time.sleep(0.01)
-    assert [p.wait(timeout=120) for p in procs] == [0] * 4
-    names = sorted(m.name for m in marks.iterdir())
-    assert len(names) == 1 and names[0].startswith("measured-"), names
+    def together(ids):  # each has looked at the cache and waits for the lock, then all run
+        lock_path = path.with_suffix(".lock")
+        with open(lock_path, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            procs = [start(i) for i in ids]
+            deadline = time.monotonic() + 120
+            while _blocked_on(lock_path) < len(ids):
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+                time.sleep(0.01)
+        assert [p.wait(timeout=120) for p in procs] == [0] * len(ids)
+        return sorted(m.name for m in marks.iterdir())
+
+    first = together(range(4))
+    assert len(first) == 1 and first[0].startswith("measured-"), first
     assert start(4).wait(timeout=120) == 0
-    assert sorted(m.name for m in marks.iterdir()) == sorted([names[0], "trial-4"])
+    assert sorted(m.name for m in marks.iterdir()) == sorted([first[0], "trial-4"])
+    # a restart beside a busy host: the provisional table there before they look
+    for m in marks.iterdir():
+        m.unlink()
+    again = together(range(5, 9))
+    assert len(again) == 1 and again[0].startswith("trial-"), again
 
 
 def test_failed_reason_names_what_was_refused_in_this_process(monkeypatch):

@@ -202,9 +202,9 @@ class KVConnector:
         ``PAGEKV_NATIVE_COPY=on`` and no library). On CUDA with ``PAGEKV_COPY_BACKEND=auto``
         it also reads (or measures, ~30 s once per GPU and driver) the table that picks each
         copy's backend (:func:`pagekv.kernels.calibrate`), which the first load or save would do
-        otherwise; a table measured on a busy host is provisional, and each start-up that finds
-        it cached runs a 2-4 s trial, measuring again if the host is quiet. Call at start-up,
-        not per request."""
+        otherwise; a table measured on a busy host is provisional: a start-up that finds it
+        cached runs a 2-4 s trial (one between the processes starting together) and measures
+        again if the host is quiet. Call at start-up, not per request."""
         native.load()
         cuda = self.kv.device.type == "cuda" and load_library() is not None
         if cuda and copy_backend_setting() == "auto":

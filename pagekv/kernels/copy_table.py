@@ -312,8 +312,8 @@ def cached_or_measured(
     now (or raises ``RuntimeError``); else the table is measured again, and the new one cached
     if it is the device's or less busy than the cached one (a later process finds the less
     busy of the two; this one uses it too). So where every start-up is busy, one ~30 s
-    measurement serves them all (processes starting together run no trial), and the first
-    quiet one replaces it. Where ``measure`` says why its table must not be cached at all (a
+    measurement serves them all (processes starting together run one trial at most), and the
+    first quiet one replaces it. Where ``measure`` says why its table must not be cached at all (a
     backend whose calls were refused in this process, so not timed), the table is this
     process's alone, after one warning."""
     seen = _written(path)
@@ -361,8 +361,10 @@ def _written(path: Path) -> tuple[int, int] | None:
 
 def _provisional_holds(path: Path, cached: CopyTable, fresh: bool, trial: Trial) -> bool:
     """Whether a process uses the provisional table ``cached`` as it is: one written while it
-    waited for the lock (``fresh``: measured by a process starting beside it, on a host as busy
-    as a moment ago), or one the trial finds the host still too busy to measure again."""
+    waited for the lock (``fresh``: measured, or found still busy by a trial, in a process
+    starting beside it: the host is as busy as a moment ago), or one the trial finds the host
+    still too busy to measure again (the table then written anew, so that the processes waiting
+    meanwhile run no trial of their own: one trial per start-up of a tensor-parallel engine)."""
     if fresh:
         log.info("pagekv: using the provisional copy table %s, measured while this process "
                  "waited for it", path)  # fmt: skip
@@ -371,11 +373,13 @@ def _provisional_holds(path: Path, cached: CopyTable, fresh: bool, trial: Trial)
         busy = trial()
     except RuntimeError as e:  # no memory for it, a CUDA error: measuring would fail too
         busy = f"the trial failed ({e})"
-    if busy is not None:
-        log.info("pagekv: using the provisional copy table %s (measured while its thread "
-                 "waited %.2f of its run for a CPU): the host is still busy, %s", path,
-                 cached.host_wait, busy)  # fmt: skip
-    return busy is not None
+    if busy is None:
+        return False
+    log.info("pagekv: using the provisional copy table %s (measured while its thread waited "
+             "%.2f of its run for a CPU): the host is still busy, %s", path, cached.host_wait,
+             busy)  # fmt: skip
+    save_table(path, cached)  # written anew: the processes waiting for the lock take it as fresh
+    return True
 
 
 def measured_or_empty(
