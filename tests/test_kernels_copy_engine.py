@@ -382,10 +382,13 @@ def test_a_table_measured_on_a_busy_host_is_provisional_until_a_quiet_start_up(t
     # busy now too: the provisional table, nothing measured
     got = copy_table.cached_or_measured(path, "k", never, trial("on a busy host (now)"))
     assert got == (busy_table(0.4), False)
-    # quiet by the trial, busier by the measurement: the cached one is kept and used
+    # quiet by the trial, busier by the measurement: the cached one is kept and used, and
+    # written anew (processes that waited for the lock meanwhile take it without a trial)
     caplog.clear()
+    written = copy_table._written(path)
     with caplog.at_level(logging.WARNING, logger="pagekv.kernels.copy_table"):
         got = copy_table.cached_or_measured(path, "k", measure(busy_table(0.6)), trial(None))
+    assert copy_table._written(path) != written
     assert got == (busy_table(0.4), True) and copy_table.load_table(path, "k") == busy_table(0.4)
     assert ["less busy host (0.40)" in r.getMessage() for r in caplog.records] == [True]
     # less busy: replaces it

@@ -309,13 +309,11 @@ def cached_or_measured(
 
     A provisional table (``host_wait``: measured on a busy host) is used as it is where it was
     written while this process waited for the lock, or where ``trial()`` finds the host busy
-    now (or raises ``RuntimeError``); else the table is measured again, and the new one cached
-    if it is the device's or less busy than the cached one (a later process finds the less
-    busy of the two; this one uses it too). So where every start-up is busy, one ~30 s
-    measurement serves them all (processes starting together run one trial at most), and the
-    first quiet one replaces it. Where ``measure`` says why its table must not be cached at all (a
-    backend whose calls were refused in this process, so not timed), the table is this
-    process's alone, after one warning."""
+    now (or raises ``RuntimeError``); else the table is measured again (:func:`_kept`). So
+    where every start-up is busy, one ~30 s measurement serves them all (processes starting
+    together run one trial at most), and the first quiet one replaces it. Where ``measure``
+    says why its table must not be cached at all (a backend whose calls were refused in this
+    process, so not timed), the table is this process's alone, after one warning."""
     seen = _written(path)
     table = load_table(path, key)
     if table is not None and table.host_wait is None:
@@ -332,21 +330,27 @@ def cached_or_measured(
             log.warning("pagekv: the copy table measured %s is not cached; the next process "
                         "measures again", unfit)  # fmt: skip
             return table, True
-        if table.host_wait is None:
-            save_table(path, table)
-            return table, True
-        if cached is not None and cached.host_wait <= table.host_wait:
-            log.warning("pagekv: the copy table measured on a busy host (its thread's wait "
-                        "%.2f of its run) is not cached: the cached provisional one was "
-                        "measured on a less busy host (%.2f) and is used", table.host_wait,
-                        cached.host_wait)  # fmt: skip
-            return cached, True
-        save_table(path, table)
+        return _kept(path, cached, table), True
+
+
+def _kept(path: Path, cached: CopyTable | None, table: CopyTable) -> CopyTable:
+    """What a process that has just measured ``table`` caches at ``path`` (holding its lock)
+    and uses: ``table`` where it is the device's, or provisional and less busy than the
+    provisional ``cached`` (or none cached); else ``cached``, written anew (as after a busy
+    trial: the processes waiting for the lock take it as fresh)."""
+    if table.host_wait is not None and cached is not None and cached.host_wait <= table.host_wait:
+        log.warning("pagekv: the copy table measured on a busy host (its thread's wait %.2f of "
+                    "its run) is not cached: the cached provisional one was measured on a less "
+                    "busy host (%.2f) and is used", table.host_wait, cached.host_wait)  # fmt: skip
+        save_table(path, cached)
+        return cached
+    save_table(path, table)
+    if table.host_wait is not None:
         log.warning("pagekv: the copy table was measured on a busy host (its thread's wait "
                     "%.2f of its run for a CPU) and is cached as provisional: later processes "
                     "use it and the first to find the host quiet measures again",
                     table.host_wait)  # fmt: skip
-        return table, True
+    return table
 
 
 def _written(path: Path) -> tuple[int, int] | None:
@@ -366,8 +370,9 @@ def _provisional_holds(path: Path, cached: CopyTable, fresh: bool, trial: Trial)
     still too busy to measure again (the table then written anew, so that the processes waiting
     meanwhile run no trial of their own: one trial per start-up of a tensor-parallel engine)."""
     if fresh:
-        log.info("pagekv: using the provisional copy table %s, measured while this process "
-                 "waited for it", path)  # fmt: skip
+        log.info("pagekv: using the provisional copy table %s, written while this process "
+                 "waited for it (measured, or found busy by a trial, beside it)",
+                 path)  # fmt: skip
         return True
     try:
         busy = trial()
