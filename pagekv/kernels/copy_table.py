@@ -42,10 +42,11 @@ waited for the host's CPUs (other processes busy: the host-bound backends timed 
 rate; :func:`._calibrate.measure_grid`) is cached as *provisional* (``host_wait``, the share of
 its run the thread waited): later processes use it rather than wait ~30 s each, and one that
 finds the host quiet in a short trial (:func:`._calibrate.trial`, ~2 s) measures again,
-caching the device's table, or, still busy, the less busy of the two. Measuring takes ~30 s,
-synchronises the device and uses up to 256 MiB of device and of pinned host memory for the
-while; it happens on the first ``auto`` transfer with CPU indices, or when :func:`calibrate` is
-called (``KVConnector.connect`` does: at start-up, off the serving path).
+caching the device's table, or, still busy, the less busy of the two; processes starting
+together (an engine's tensor-parallel workers) share one measurement or one trial. Measuring
+takes ~30 s, synchronises the device and uses up to 256 MiB of device and of pinned host
+memory for the while; it happens on the first ``auto`` transfer with CPU indices, or when
+:func:`calibrate` is called (``KVConnector.connect`` does: at start-up, off the serving path).
 """
 
 from __future__ import annotations
