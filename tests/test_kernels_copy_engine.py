@@ -331,8 +331,8 @@ def test_measured_once_then_read_from_the_cache(tmp_path):
     assert copy_table.load_table(path, "k") == TABLE  # one file per key
 
 
-def busy_table(wait, key="k"):
-    return CopyTable(key, "GPU", TABLE.entries[:2], host_wait=wait)
+def busy_table(wait):
+    return CopyTable("k", "GPU", TABLE.entries[:2], host_wait=wait)
 
 
 def test_a_table_measured_after_a_refused_call_is_not_cached(tmp_path, caplog):

@@ -4,8 +4,11 @@ Run on a GPU machine (scripts/gpu_check.sh); skipped elsewhere.
 """
 
 import logging
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 import pytest
@@ -234,10 +237,6 @@ def test_a_table_measured_on_a_busy_host_serves_busy_start_ups_until_a_quiet_one
     process, still beside them, runs the trial, finds the host busy and uses it without
     measuring; once they stop, the next one's trial finds the host quiet, measures again and
     caches the device's table."""
-    import os
-    import subprocess
-    import sys
-
     monkeypatch.setattr(jit, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(copy_table, "RUN_BYTES", (32768,))
     monkeypatch.setattr(copy_table, "TOTAL_BYTES", (16 << 20,))
