@@ -9,6 +9,8 @@
 // (median of 5 after one); ratios are copy time / variant time, load and save.
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/diag_sm_host_copies scripts/diag_sm_host_copies.cu
 //   /tmp/diag_sm_host_copies
+// With -DDIAG_SM_LIB -shared -Xcompiler -fPIC: the two variants' launches as a library, no main
+// (scripts/diag_sm_beside_decode.py: what each costs a decode beside it).
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <cstdlib>
@@ -83,6 +85,27 @@ __global__ void lsu_runs(const char* src, char* dst, const int64_t* soff, const 
   }
 }
 
+#ifdef DIAG_SM_LIB
+// Built as a library (-DDIAG_SM_LIB -shared) for scripts/diag_sm_beside_decode.py: one launch of
+// either variant over runs [0, nruns) of the offset tables, on ``s``; returns cudaGetLastError.
+extern "C" int diag_lsu(const char* src, char* dst, const int64_t* soff, const int64_t* doff,
+                        int64_t nruns, int R, int G, int T, cudaStream_t s) {
+  lsu_runs<<<G, T, 0, s>>>(src, dst, soff, doff, nruns, R);
+  return (int)cudaGetLastError();
+}
+extern "C" int diag_tma(const char* src, char* dst, const int64_t* soff, const int64_t* doff,
+                        int64_t nruns, int R, int B, int K, int G, int W, cudaStream_t s) {
+  static bool sized = false;
+  if (!sized) {
+    cudaError_t e = cudaFuncSetAttribute(tma_runs, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         200 * 1024);
+    if (e != cudaSuccess) return (int)e;
+    sized = true;
+  }
+  tma_runs<<<G, 32 * W, (size_t)W * K * B, s>>>(src, dst, soff, doff, nruns, R, B, K);
+  return (int)cudaGetLastError();
+}
+#else
 static float med(std::vector<float> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
 
 int main(int argc, char** argv) {
@@ -144,3 +167,4 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+#endif  // DIAG_SM_LIB
