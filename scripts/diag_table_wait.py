@@ -18,11 +18,10 @@ import subprocess
 import sys
 import time
 
-import torch
 from _bench_util import environment, parse_args, write_result
 
-from pagekv.kernels import _calibrate, copy_engine, copy_table
-from pagekv.kernels._calibrate import _shape_seconds, steady_seconds, thread_seconds
+from pagekv.kernels import _calibrate, copy_table
+from pagekv.kernels._calibrate import ShapeTimer, steady_seconds, thread_seconds
 
 
 def process_seconds() -> tuple[float, float]:
@@ -38,12 +37,12 @@ def process_seconds() -> tuple[float, float]:
     return ran, waited
 
 
-def timed(shapes: list, host_raw: torch.Tensor) -> list[list]:
+def timed(shapes: list, time_shape: ShapeTimer) -> list[list]:
     """Per shape: the shape, wall seconds, the process's and the thread's (ran, waited)."""
     rows = []
     for shape in shapes:
         p0, t0, start = process_seconds(), thread_seconds(), time.perf_counter()
-        _shape_seconds(*shape, host_raw, copy_engine.supported(0), steady_seconds)
+        time_shape(shape, steady_seconds)
         p1, t1 = process_seconds(), thread_seconds()
         rows.append([list(shape), round(time.perf_counter() - start, 3),
                      round(p1[0] - p0[0], 3), round(p1[1] - p0[1], 4),
@@ -60,16 +59,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--busy", default="8,16", help="spinning processes, one pass each")
     args = parse_args(ap)
-    host_raw = torch.empty(2 * max(copy_table.TOTAL_BYTES), dtype=torch.uint8, pin_memory=True)
-    host_raw.random_()
     out = {}
     for busy in [int(b) for b in args.busy.split(",")]:
         procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                  for _ in range(busy)]  # fmt: skip
         try:
-            with torch.cuda.stream(torch.cuda.Stream()):
-                trial = timed(list(_calibrate.TRIAL_SHAPES) * 3, host_raw)
-                grid = timed(list(copy_table.grid()), host_raw)
+            with _calibrate._timing_shapes(0, max(copy_table.TOTAL_BYTES)) as time_shape:
+                trial = timed(list(_calibrate.TRIAL_SHAPES) * 3, time_shape)
+                grid = timed(list(copy_table.grid()), time_shape)
         finally:
             for p in procs:
                 p.kill()

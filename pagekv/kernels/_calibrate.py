@@ -13,11 +13,12 @@ a later process measures such a table again.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +29,9 @@ from . import copy_engine, ops, split
 from .copy_table import BACKENDS, DIRECT_MAX_COPIES, TOTAL_BYTES, Entry, Shape, grid
 from .layout import DeviceKV
 
-__all__ = ["BUSY_WAIT_SHARE", "HostLoad", "ThreadSeconds", "host_load", "measure_entries",
-           "measure_grid", "steady_seconds", "thread_seconds", "trial"]  # fmt: skip
+__all__ = ["BUSY_WAIT_SHARE", "HostLoad", "ShapeTimer", "ThreadSeconds", "host_load",
+           "measure_entries", "measure_grid", "steady_seconds", "thread_seconds",
+           "trial"]  # fmt: skip
 
 Timing = Callable[[Callable[[], object], torch.cuda.Stream], tuple[float, float]]
 # A measurement during which the measuring thread waited for a CPU this share of the time it
@@ -159,15 +161,28 @@ def _shape_seconds(
                  tuple((b, t[1]) for b, t in times.items()), share)  # fmt: skip
 
 
-def measure_entries(device: int, timing: Timing = steady_seconds) -> list[Entry]:
-    """One :class:`Entry` per grid shape, measured on ``device`` on a stream of its own by
-    ``timing`` (:func:`steady_seconds`; a diagnostic may compare another)."""
+ShapeTimer = Callable[[tuple[bool, bool, int, int], Timing], Entry]
+
+
+@contextlib.contextmanager
+def _timing_shapes(device: int, total_bytes: int) -> Iterator[ShapeTimer]:
+    """What timing a grid shape needs, set up once: pinned random host bytes for shapes of up to
+    ``total_bytes``, whether the copy engine works on ``device``, and ``device`` current with a
+    stream of its own; yields the function that times one shape (load, all layers, run bytes,
+    total bytes) by a :data:`Timing`."""
     dev = torch.device("cuda", device)
-    host_raw = torch.empty(2 * max(TOTAL_BYTES), dtype=torch.uint8, pin_memory=True)
+    host_raw = torch.empty(2 * total_bytes, dtype=torch.uint8, pin_memory=True)
     host_raw.random_()
     ce_ok = copy_engine.supported(device)
     with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.Stream(dev)):
-        return [_shape_seconds(*shape, host_raw, ce_ok, timing) for shape in grid()]
+        yield lambda shape, timing: _shape_seconds(*shape, host_raw, ce_ok, timing)
+
+
+def measure_entries(device: int, timing: Timing = steady_seconds) -> list[Entry]:
+    """One :class:`Entry` per grid shape, measured on ``device`` on a stream of its own by
+    ``timing`` (:func:`steady_seconds`; a diagnostic may compare another)."""
+    with _timing_shapes(device, max(TOTAL_BYTES)) as time_shape:
+        return [time_shape(shape, timing) for shape in grid()]
 
 
 # the measuring thread's seconds run on a CPU and waited runnable for one (None: not counted)
@@ -234,16 +249,11 @@ def trial(device: int, seconds: float = TRIAL_SECONDS) -> HostLoad:
     device's. The shapes a busy host slows first, so the trial finds a host busy at least
     wherever the grid would (H200: idle, beside 8 and beside 16 spinning processes, the two
     agreed in six of six passes; scripts/diag_table_busy.py)."""
-    dev = torch.device("cuda", device)
-    host_raw = torch.empty(2 * max(t for *_, t in TRIAL_SHAPES), dtype=torch.uint8,
-                           pin_memory=True)  # fmt: skip
-    host_raw.random_()
-    ce_ok = copy_engine.supported(device)
-    with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.Stream(dev)):
+    with _timing_shapes(device, max(t for *_, t in TRIAL_SHAPES)) as time_shape:
         before = thread_seconds()
         end = time.perf_counter() + seconds
         while True:
             for shape in TRIAL_SHAPES:
-                _shape_seconds(*shape, host_raw, ce_ok, steady_seconds)
+                time_shape(shape, steady_seconds)
             if time.perf_counter() >= end:
                 return host_load(before, thread_seconds())
