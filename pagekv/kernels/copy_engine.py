@@ -92,7 +92,12 @@ LAYER_LANES = 1
 # from two; 1 GiB: 32.3-52.8 against 42.1-50.4; scripts/diag_ce_layer_threads.py), and a helper
 # costs ~20-50 us to start. Three or four threads move no more: the driver then takes ~0.5 us a
 # copy whatever their number (one all-layer call of 256 MiB, 32-36 KiB runs: 0.67-0.88 of the
-# copy from one thread, 0.84-0.87 from two, 0.82-0.87 from three or four).
+# copy from one thread, 0.84-0.87 from two, 0.82-0.87 from three or four). A layer-by-layer
+# call (:func:`page_transfer_layers`) of one-layer entries spreads them over the threads instead
+# (whole layers in turn, each thread a stream), one more for every ENQUEUE_THREAD_COPIES copies
+# of the whole call: a layer of under 2 x ENQUEUE_THREAD_COPIES copies would be one thread's
+# (Llama-3-8B 16-token pages through the issuer, 32 layers of 4 MiB: 0.53 of the copy from one
+# thread, 0.79 spread; docs/benchmarks.md).
 ENQUEUE_THREADS = 2
 ENQUEUE_THREAD_COPIES = 512
 # Descriptors per driver call; a call the driver refuses as invalid is split in halves.
@@ -194,7 +199,10 @@ def page_transfer_layers(
     progress: Progress | None = None,
 ) -> int:
     """:func:`page_transfer` once per entry of ``layers`` (a layer, or None for all), in order,
-    ``events[i]`` recorded on ``stream`` after entry ``i``: all in one library call. Returns how
+    ``events[i]`` recorded after entry ``i`` (and completing only once entries ``0..i`` have):
+    all in one library call, which spreads entries of one layer each over
+    ``ENQUEUE_THREADS`` threads, each its own stream forked from ``stream`` and joined back to
+    it, where the call's copies are worth a helper. Returns how
     many entries were issued and recorded; fewer than ``len(layers)`` (after one log line for the
     device) when the driver refused a call: the caller runs the rest on the kernel. The events
     must exist (torch creates a CUDA event at its first ``record``). With ``progress`` (none of

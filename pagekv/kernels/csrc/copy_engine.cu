@@ -35,6 +35,8 @@
 #include <climits>
 
 #include <algorithm>
+#include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -209,12 +211,16 @@ struct Lanes {
 };
 std::mutex lanes_mutex;
 Lanes lanes_of[kMaxDevices];
+// The streams of a layer-by-layer call's entry workers (pagekv_ce_page_transfer_layers), apart
+// from the lanes: a worker's entries call pagekv_ce_page_transfer, which may take the lanes.
+std::mutex entry_mutex;
+Lanes entry_lanes_of[kMaxDevices];
 
 bool is_legacy(cudaStream_t s) { return s == nullptr || s == cudaStreamLegacy; }
 
-cudaError_t lanes_for(int device, int count, Lanes*& out) {
+cudaError_t lanes_for(Lanes* table, int device, int count, Lanes*& out) {
   if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
-  Lanes& l = lanes_of[device];
+  Lanes& l = table[device];
   cudaError_t err = cudaSuccess;
   if (!l.fork) err = cudaEventCreateWithFlags(&l.fork, cudaEventDisableTiming);
   for (int i = 0; i < count && err == cudaSuccess; ++i) {
@@ -334,7 +340,7 @@ int pagekv_ce_page_transfer(int device, int load, char* host, const int64_t* lay
   for (int i = 0; i < used; ++i) targets[i] = stream;
   if (legacy || used > 1) {
     lock.lock();  // the side streams and events are shared by the device's callers
-    err = lanes_for(device, used, l);
+    err = lanes_for(lanes_of, device, used, l);
     if (err == cudaSuccess) err = cudaEventRecord(l->fork, stream);
     for (int i = 0; i < used && err == cudaSuccess; ++i) {
       if (i == 0 && !legacy) continue;
@@ -494,17 +500,141 @@ int pagekv_event_synchronize(cudaEvent_t event) {
   return static_cast<int>(cudaEventSynchronize(event));
 }
 
+}  // extern "C"
+
+namespace {
+
+// The one-layer entries of pagekv_ce_page_transfer_layers spread over host threads: the
+// driver takes ~0.5-1 us of the sending thread per copy, so one thread sending a layer-by-layer
+// load of short runs sets its rate (a layer of under 2 x thread_copies copies is one thread's),
+// where two, each with entries of its own, keep up with the bus. Worker w (the calling thread,
+// w = 0, or a helper) sends entries w, w + workers, ... on a stream of its own (worker 0 on the
+// call's stream, the others on side streams that first wait for the stream's earlier work and
+// that the stream waits for at the end), each entry on one thread and one stream. The events keep
+// the sequential call's meaning: events[i] is recorded after entry i's copies and after
+// events[i - 1] (its stream waits on that one), so it completes only once entries 0..i have; the
+// workers record them in entry order (each waits on the host for the one before), and ``done``
+// counts them in that order. A worker stops at its first error, the others before their next
+// record; the first error is kept.
+struct EntryOrder {
+  std::mutex m;
+  std::condition_variable cv;
+  int workers = 0;   // set once every helper that could start has (0: not yet)
+  int recorded = 0;  // entries [0, recorded) have their event recorded
+  bool failed = false;
+  int err = 0;
+  int64_t sent = 0, splits = 0;
+};
+
+// One entry (a layer) on ``target`` from the calling thread; ``part`` as
+// pagekv_ce_page_transfer's stats.
+using SendEntry = std::function<int(int layer, cudaStream_t target, int64_t* part)>;
+
+void send_entries(int device, int w, int n_entries, const int* layers, cudaEvent_t* events,
+                  cudaStream_t target, int* done, EntryOrder& order, const SendEntry& entry) {
+  int workers = 0;
+  {
+    std::unique_lock<std::mutex> lock(order.m);
+    order.cv.wait(lock, [&] { return order.workers > 0; });
+    workers = order.workers;
+  }
+  for (int i = w; i < n_entries; i += workers) {
+    int64_t part[4] = {0, 0, 0, 0};
+    int e = entry(layers[i], target, part);
+    std::unique_lock<std::mutex> lock(order.m);
+    order.cv.wait(lock, [&] { return order.failed || order.recorded == i; });
+    if (order.failed) return;
+    order.sent += part[0];
+    order.splits += part[1];
+    if (e == 0) e = pagekv_events_create(device, &events[i], 1);
+    if (e == 0 && i > 0)  // entry i - 1 was another worker's, on another stream
+      e = static_cast<int>(cudaStreamWaitEvent(target, events[i - 1], 0));
+    if (e == 0) e = static_cast<int>(cudaEventRecord(events[i], target));
+    if (e != 0) {
+      order.failed = true;
+      order.err = e;
+    } else {
+      order.recorded = i + 1;
+      if (done) pagekv_progress_publish(done, i + 1);
+    }
+    order.cv.notify_all();
+    if (e != 0) return;
+  }
+}
+
+int spread_entries(int device, int workers, int n_entries, const int* layers,
+                   cudaEvent_t* events, cudaStream_t stream, int64_t* stats, int* done,
+                   const SendEntry& entry) {
+  std::lock_guard<std::mutex> streams_held(entry_mutex);  // the device's worker streams
+  Lanes* l = nullptr;
+  cudaError_t err = lanes_for(entry_lanes_of, device, workers, l);
+  if (err == cudaSuccess) err = cudaEventRecord(l->fork, stream);
+  for (int w = 1; w < workers && err == cudaSuccess; ++w)
+    err = cudaStreamWaitEvent(l->side[w], l->fork, 0);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  EntryOrder order;
+  std::thread helpers[kMaxThreads];
+  int started = 1;  // workers running: the calling thread and the helpers up to the first that
+  for (; started < workers; ++started) {  // could not start
+    try {
+      const int w = started;
+      helpers[w] = std::thread([&, w] {
+        cudaError_t e = use_device(device);
+        if (e == cudaSuccess) {
+          send_entries(device, w, n_entries, layers, events, l->side[w], done, order, entry);
+          return;
+        }
+        std::lock_guard<std::mutex> g(order.m);
+        order.failed = true;
+        order.err = static_cast<int>(e);
+        order.cv.notify_all();
+      });
+    } catch (...) {  // no thread to be had (std::system_error): fewer workers
+      break;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> g(order.m);
+    order.workers = started;
+  }
+  order.cv.notify_all();
+  send_entries(device, 0, n_entries, layers, events, stream, done, order, entry);
+  for (int w = 1; w < started; ++w) helpers[w].join();
+  // whatever a worker enqueued stays ordered before the stream's later work
+  for (int w = 1; w < started; ++w) {
+    cudaError_t e2 = cudaEventRecord(l->join[w], l->side[w]);
+    if (e2 == cudaSuccess) e2 = cudaStreamWaitEvent(stream, l->join[w], 0);
+    if (order.err == 0) order.err = static_cast<int>(e2);
+  }
+  if (order.err != 0) cudaGetLastError();  // the next kernel launch must not see it
+  if (stats) {
+    stats[0] = order.sent;
+    stats[1] = order.splits;
+    stats[2] = started;  // a stream a worker
+    stats[3] = started;
+  }
+  return order.err;
+}
+
+}  // namespace
+
+extern "C" {
+
 // The transfer of pagekv_ce_page_transfer once per entry of ``layers`` (a layer, or -1 for all
 // layers at once), in that order, after ``stream`` waits on ``fork`` (if not null), recording
-// ``events[i]`` on ``stream`` after entry i (made first where null, by pagekv_events_create): a
+// ``events[i]`` after entry i (on ``stream``; see below for spread entries; made first where
+// null, by pagekv_events_create): a
 // layer-by-layer load in one call (one GIL hand-off for the caller, whose thread the driver
 // work keeps for ~0.5-1 us per copy), ``lanes``, ``layer_lanes``, ``threads`` and
 // ``thread_copies`` as there. ``done`` (may be null) counts the entries issued and recorded:
 // stored (release) after each entry's event is recorded, and whoever waits on it in
 // pagekv_progress_wait woken, so another thread hands entry i to its consumer while this call
 // goes on with the rest (no GIL taken); it holds the entries issued before an error when the
-// call returns. ``stats`` as there: the descriptors and splits summed, the most streams and
-// threads any entry used.
+// call returns. Where every entry is one layer and the call's copies make a helper worth it (one
+// more thread per ``thread_copies``, at most ``threads``), the entries are spread over threads
+// (spread_entries: events[i] still completes only once entries 0..i have). ``stats`` as there:
+// the descriptors and splits summed, the most streams and threads any entry used (spread: the
+// workers' streams and threads).
 int pagekv_ce_page_transfer_layers(int device, int load, char* host, const int64_t* layer_ptrs,
                                    const int64_t* page_ids, const int64_t* slots, int64_t n_pages,
                                    int64_t num_host_pages, int64_t num_slots, int64_t page_bytes,
@@ -521,6 +651,31 @@ int pagekv_ce_page_transfer_layers(int device, int load, char* host, const int64
     cudaError_t e = use_device(device);
     if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, fork, 0);
     if (e != cudaSuccess) return static_cast<int>(e);
+  }
+  // one-layer entries whose copies are worth a helper go out from ``threads`` threads at once
+  bool one_layer_each = n_entries > 1 && threads > 1;
+  for (int i = 0; i < n_entries && one_layer_each; ++i) one_layer_each = layers[i] >= 0;
+  int64_t runs = 0;
+  if (one_layer_each)
+    for_each_run(page_ids, slots, n_pages, page_size, num_host_pages, num_slots,
+                 slot_stride == item_bytes, [&](int64_t, int, int64_t, int) {
+                   ++runs;
+                   return true;
+                 });
+  const int64_t copies = runs * num_kv * n_entries;
+  const int workers =
+      one_layer_each ? static_cast<int>(std::clamp<int64_t>(
+                           copies / std::max<int64_t>(thread_copies, 1), 1,
+                           std::min(threads, std::min(n_entries, kMaxThreads))))
+                     : 1;
+  if (workers > 1) {
+    const SendEntry entry = [&](int layer, cudaStream_t target, int64_t* part) {
+      return pagekv_ce_page_transfer(device, load, host, layer_ptrs, page_ids, slots, n_pages,
+                                     num_host_pages, num_slots, page_bytes, slot_stride,
+                                     item_bytes, page_size, num_kv, num_layers, layer, 1, flags,
+                                     lanes, layer_lanes, 1, thread_copies, max_ops, target, part);
+    };
+    return spread_entries(device, workers, n_entries, layers, events, stream, stats, done, entry);
   }
   for (int i = 0; i < n_entries; ++i) {
     const bool all = layers[i] < 0;
