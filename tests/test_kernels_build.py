@@ -148,6 +148,30 @@ def check_progress(lib, lib_gil):
     assert not progress.wait(2) and progress.count() == 2
 
 
+@needs_nvcc
+def test_layer_by_layer_copies_spread_over_threads_keep_the_events_order(tmp_path):
+    """The copy-engine library's layer-by-layer call with its one-layer entries spread over two
+    host threads, built with the host compiler against a recording CUDA runtime
+    (tests/native/copy_engine_spread.cpp): each entry on its worker's stream, events recorded in
+    entry order after a wait on the one before, the side stream forked and joined back, the
+    progress count; a layer's copies refused at any entry: the error returned within a
+    deadline, only the entries before it counted, the side stream still joined."""
+    if NVCC is None:
+        pytest.fail("CI must have nvcc: the check cannot be skipped there")
+    include = Path(NVCC).resolve().parent.parent / "include"
+    harness = Path(__file__).parent / "native" / "copy_engine_spread.cpp"
+    exe = tmp_path / "spread"
+    cxx = os.environ.get("CXX", "g++")
+    build = subprocess.run(
+        [cxx, "-std=c++17", "-O1", "-pthread", "-x", "c++", f"-I{include}",
+         str(jit.CSRC / "copy_engine.cu"), "-x", "none", str(harness), "-o", str(exe)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr[-3000:]
+    ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0 and "all checks passed" in ran.stdout, ran.stdout + ran.stderr
+
+
 def test_compile_failure_is_reported(tmp_path, monkeypatch):
     bad = tmp_path / "bad.cu"
     bad.write_text("this is not C++\n")
