@@ -200,9 +200,9 @@ def page_transfer_layers(
 ) -> int:
     """:func:`page_transfer` once per entry of ``layers`` (a layer, or None for all), in order,
     ``events[i]`` recorded after entry ``i`` (and completing only once entries ``0..i`` have):
-    all in one library call, which spreads entries of one layer each over
-    ``ENQUEUE_THREADS`` threads, each its own stream forked from ``stream`` and joined back to
-    it, where the call's copies are worth a helper. Returns how
+    all in one library call, which spreads entries of one layer each over ``ENQUEUE_THREADS``
+    threads where the call's copies are worth a helper (the first thread's on ``stream``, each
+    other's on a side stream forked from it and joined back to it). Returns how
     many entries were issued and recorded; fewer than ``len(layers)`` (after one log line for the
     device) when the driver refused a call: the caller runs the rest on the kernel. The events
     must exist (torch creates a CUDA event at its first ``record``). With ``progress`` (none of
