@@ -94,6 +94,36 @@ def test_the_trailer_binds_bytes_length_and_key():
     assert not values.check(frames, "p/aa", tail[:-1])
 
 
+def test_a_call_not_started_when_its_pool_shuts_down_never_runs(monkeypatch):
+    """The executor's shutdown cancels the calls it drains from its queue, but a call its
+    thread took from the queue meanwhile would still run: after close, against a paused
+    store, a get queued behind a stalled one hit (test_close_with_calls_in_flight..., about 1
+    run in 7). Here that race's outcome, an executor whose shutdown drains nothing: the queued
+    call ends with NotRun and never runs; the one running finishes."""
+    import concurrent.futures
+    import threading
+
+    from pagekv.store.mooncake.handle import NotRun
+    from pagekv.store.mooncake.handle import Pool as CallPool
+
+    drain = concurrent.futures.ThreadPoolExecutor.shutdown
+    monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "shutdown",
+                        lambda self, wait=True, *, cancel_futures=False: None)  # fmt: skip
+    pool = CallPool("pagekv-test-calls", 1)
+    gate, started, ran = threading.Event(), threading.Event(), []
+    running = pool.submit(lambda: started.set() or gate.wait(10))  # the only thread busy
+    queued = pool.submit(ran.append, 1)
+    assert started.wait(10)
+    pool.shutdown()
+    gate.set()
+    assert running.result(timeout=10) is True
+    with pytest.raises(NotRun):
+        queued.result(timeout=10)
+    assert ran == [] and pool.pending == 0
+    monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "shutdown", drain)
+    pool.shutdown()  # the real one: its thread ends
+
+
 class _Kernel:
     """Loopback ports as a kernel may give them to bind(0): the lowest not bound now, so a port
     closed is the next one given."""

@@ -35,7 +35,15 @@ from ..client.routing import ExistsResult
 from ..wire.protocol import Status
 from . import values
 from .config import MooncakeConfig
-from .handle import MASTER_ERRORS, MAX_CALL_KEYS, Busy, MooncakeHandle, release, shared_handle
+from .handle import (
+    MASTER_ERRORS,
+    MAX_CALL_KEYS,
+    Busy,
+    MooncakeHandle,
+    NotRun,
+    release,
+    shared_handle,
+)
 
 __all__ = ["MooncakeBackend"]
 
@@ -52,10 +60,10 @@ OBJECT_ALREADY_EXISTS = -705
 
 
 async def _result(job: concurrent.futures.Future[T], bound: float | None = None) -> T:
-    """The result of a job on the handle's threads. ``StoreError`` when the pool cancelled it
-    unrun (the client closed), ``asyncio.TimeoutError`` past ``bound`` (the job runs on, its
-    answer dropped); cancelling the caller raises ``CancelledError`` as usual, never the
-    job's own cancellation."""
+    """The result of a job on the handle's threads. ``StoreError`` when the pool never ran it
+    (cancelled, or :class:`~.handle.NotRun`: the client closed), ``asyncio.TimeoutError`` past
+    ``bound`` (the job runs on, its answer dropped); cancelling the caller raises
+    ``CancelledError`` as usual, never the job's own cancellation."""
     waiting = asyncio.wrap_future(job)
     done, _ = await asyncio.wait([waiting], timeout=bound)
     if not done:
@@ -203,8 +211,13 @@ class MooncakeBackend(StoreBackend):
         except BaseException:
             handle.trailers.give(slots)
             raise
-        # a job that runs gives its slots back itself; one cancelled before it ran never will
-        future.add_done_callback(lambda f: f.cancelled() and handle.trailers.give(slots))
+        # a job that runs gives its slots back itself; one that never ran (cancelled, or
+        # NotRun: the client closed first) never will
+        future.add_done_callback(
+            lambda f: (
+                (f.cancelled() or isinstance(f.exception(), NotRun)) and handle.trailers.give(slots)
+            )
+        )
         return future
 
     def _parts(self, sizes: list[int]) -> list[list[int]]:

@@ -53,7 +53,7 @@ from pagekv.errors import ConfigError, StoreError
 from .config import MooncakeConfig
 from .values import TRAILER_BYTES
 
-__all__ = ["MooncakeHandle", "Pool", "mooncake_timeouts", "shared_handle"]
+__all__ = ["MooncakeHandle", "NotRun", "Pool", "mooncake_timeouts", "shared_handle"]
 
 log = logging.getLogger("pagekv.store.mooncake")
 T = TypeVar("T")
@@ -70,13 +70,19 @@ class Busy(StoreError):
     """A pool's queue is full (calls stuck on a stalled store): the call is a miss."""
 
 
+class NotRun(StoreError):
+    """The pool shut down (the client closed) before the call started: it never ran."""
+
+
 class Pool:
-    """A thread pool that refuses work instead of queueing without bound."""
+    """A thread pool that refuses work instead of queueing without bound. Once shut down, no
+    call that has not started runs: each ends cancelled or with :class:`NotRun`."""
 
     def __init__(self, name: str, workers: int) -> None:
         self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name)
         self._limit = workers * QUEUE_PER_WORKER
         self._lock = threading.Lock()
+        self._closed = False
         self.pending = 0
 
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
@@ -85,7 +91,7 @@ class Pool:
                 raise Busy(f"{self.pending} Mooncake calls queued")
             self.pending += 1
         try:
-            future = self._executor.submit(fn, *args)
+            future = self._executor.submit(self._start, fn, args)
         except RuntimeError as e:  # shut down (the client closed): a miss like a full queue
             self._done(None)
             raise Busy(f"the Mooncake client is closed: {e}") from None
@@ -99,9 +105,20 @@ class Pool:
         with self._lock:
             self.pending -= 1
 
+    def _start(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        """``fn`` on a pool thread, unless the pool has shut down meanwhile: the executor's
+        shutdown cancels the calls it takes from its queue, but a call a thread took from the
+        queue as it drained it would still run (Python 3.11-3.13)."""
+        with self._lock:
+            if self._closed:
+                raise NotRun("the Mooncake client closed before the call ran")
+        return fn(*args)
+
     def shutdown(self) -> None:
-        """Stop taking work; calls queued and not started are cancelled (their callers'
-        keys are misses)."""
+        """Stop taking work; calls not started are never run: cancelled, or (taken by a thread
+        meanwhile) ended with :class:`NotRun` (their callers' keys are misses)."""
+        with self._lock:
+            self._closed = True
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
