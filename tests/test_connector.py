@@ -149,7 +149,9 @@ def test_a_long_prefetch_sends_its_first_batch_before_preparing_the_next(
         pytest.skip(f"no lane without the native receive: {native.unavailable_reason()}")
 
     src, dst = caches(), caches(poisoned=True)
-    a, b = connector(node, src), connector(node, dst)
+    # b's first lookup only makes the node known: bounded by 5 s, not the engine's 50 ms (a
+    # loaded 2-core CI machine once took longer and the test failed on the lookup)
+    a, b = connector(node, src), connector(node, dst, lookup_timeout_s=5.0)
     request.addfinalizer(a.close)
     request.addfinalizer(b.close)
     page = GEO.page_bytes
