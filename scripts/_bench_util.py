@@ -16,6 +16,7 @@ import math
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -42,6 +43,19 @@ def overridden(module: Any, **values: Any) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def spinning(n: int) -> Iterator[None]:
+    """``n`` processes spinning in pure Python for the block (a busy host), killed and reaped
+    after it."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def parse_args(ap: argparse.ArgumentParser) -> argparse.Namespace:

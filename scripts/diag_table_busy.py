@@ -25,13 +25,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 
 import torch
-from _bench_util import environment, parse_args, write_result
+from _bench_util import environment, parse_args, spinning, write_result
 from diag_table_timing import choices
 
 from pagekv.kernels._calibrate import measure_grid, steady_seconds, trial
@@ -47,10 +45,6 @@ def median_seconds(
     return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
-def spinners(n: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--busy", type=int, default=os.cpu_count() or 1,
@@ -59,8 +53,7 @@ def main() -> None:
     passes, verdicts, trials = {}, {}, {}
     for name, timing, busy in (("idle", steady_seconds, 0), ("busy_fastest", steady_seconds,
                                args.busy), ("busy_median", median_seconds, args.busy)):  # fmt: skip
-        procs = spinners(busy)
-        try:
+        with spinning(busy):
             t = time.perf_counter()
             entries, load = measure_grid(0, timing)
             passes[name] = choices(entries)
@@ -75,10 +68,6 @@ def main() -> None:
                   f"{'provisional' if load.busy else 'the device table'}; the trial after it "
                   f"({trials[name]['seconds']} s): wait {tried.share:.3f}, "
                   f"{'busy' if tried.busy else 'quiet'}")  # fmt: skip
-        finally:
-            for p in procs:
-                p.kill()
-                p.wait()
     base = passes["idle"]
     summary, slower = {}, {}
     for other in ("busy_fastest", "busy_median"):

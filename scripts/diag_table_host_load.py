@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from _bench_util import environment, parse_args, write_result
+from _bench_util import environment, parse_args, spinning, write_result
 
 RUNS = (32768.0, 65536.0)
 
@@ -58,13 +58,8 @@ def main() -> None:
         print(json.dumps(one_layer_entries()))
         return
     quiet = measured_in_child()
-    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
-    try:
+    with spinning(args.busy):
         busy = measured_in_child()
-    finally:
-        for p in spin:
-            p.kill()
-            p.wait()
     for name, res in (("quiet", quiet), (f"busy x{args.busy}", busy)):
         print(f"{name}: measured in {res['seconds']} s")
         for r in res["one_layer"]:

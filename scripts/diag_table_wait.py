@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import time
 
-from _bench_util import environment, parse_args, write_result
+from _bench_util import environment, parse_args, spinning, write_result
 
 from pagekv.kernels import _calibrate, copy_table
 from pagekv.kernels._calibrate import ShapeTimer, steady_seconds, thread_seconds
@@ -61,16 +59,12 @@ def main() -> None:
     args = parse_args(ap)
     out = {}
     for busy in [int(b) for b in args.busy.split(",")]:
-        procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                 for _ in range(busy)]  # fmt: skip
-        try:
-            with _calibrate._timing_shapes(0, max(copy_table.TOTAL_BYTES)) as time_shape:
-                trial = timed(list(_calibrate.TRIAL_SHAPES) * 3, time_shape)
-                grid = timed(list(copy_table.grid()), time_shape)
-        finally:
-            for p in procs:
-                p.kill()
-                p.wait()
+        with (
+            spinning(busy),
+            _calibrate._timing_shapes(0, max(copy_table.TOTAL_BYTES)) as time_shape,
+        ):
+            trial = timed(list(_calibrate.TRIAL_SHAPES) * 3, time_shape)
+            grid = timed(list(copy_table.grid()), time_shape)
         out[busy] = {"trial": trial, "grid": grid,
                      "share": {"trial_thread": share(trial, 4), "grid_thread": share(grid, 4),
                                "grid_process": share(grid, 2)}}  # fmt: skip
